@@ -1,0 +1,124 @@
+"""The root ``dllm-align`` app and the manners every command shares.
+
+Every command is registered through :func:`command`, which turns known errors
+into one ``Error: ...`` line on stderr (exit 2 for bad input, 1 for run-time
+failures), Ctrl-C into exit 130, and shows a traceback only when
+``DLLM_ALIGN_DEBUG=1``. Command modules import only typer at module level;
+torch and transformers are imported inside the command bodies.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from dllm_align import __version__
+
+app = typer.Typer(
+    name="dllm-align",
+    help="Align masked diffusion LMs (LLaDA, ...) with unpaired thumbs-up / thumbs-down feedback (ELBO-KTO).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _debug() -> bool:
+    return os.environ.get("DLLM_ALIGN_DEBUG", "") not in ("", "0", "false", "False")
+
+
+def _error_line(msg: str, hint: str | None = None) -> None:
+    # Plain writes (no rich markup) so that file names with brackets print as they are.
+    sys.stderr.write(f"Error: {msg}\n")
+    if hint:
+        sys.stderr.write(f"Hint: {hint}\n")
+    sys.stderr.flush()
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Wrap a command body with the project's error manners."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from dllm_align.errors import DllmAlignError
+
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except DllmAlignError as e:
+            if _debug():
+                raise
+            _error_line(e.message, e.hint)
+            raise typer.Exit(e.exit_code)
+        except KeyboardInterrupt:
+            sys.stderr.write("\nInterrupted.\n")
+            raise typer.Exit(130)
+        except FileNotFoundError as e:
+            if _debug():
+                raise
+            name = e.filename or str(e)
+            _error_line(f"file not found: {name}")
+            raise typer.Exit(2)
+        except Exception as e:  # a bug, or a fault we did not foresee
+            if _debug():
+                raise
+            _error_line(
+                f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__,
+                "set DLLM_ALIGN_DEBUG=1 for the full traceback",
+            )
+            raise typer.Exit(1)
+
+    return wrapper
+
+
+def command(name: str | None = None, *, group: typer.Typer | None = None, **kwargs) -> Callable:
+    """Register ``fn`` as a command of ``group`` (default: the root app) with the error manners."""
+
+    def deco(fn: Callable) -> Callable:
+        (group or app).command(name, **kwargs)(handle_errors(fn))
+        return fn
+
+    return deco
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dllm-align {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """dllm-align: ELBO-KTO for masked diffusion language models.
+
+    Every command that takes a RECIPE accepts a bundled recipe name (see
+    `dllm-align recipes list`) or a path to a YAML file.
+    """
+
+
+# Command modules register themselves on import. They must stay light (no torch at import).
+from dllm_align.cli import recipes as _recipes  # noqa: E402,F401
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        app()
+    except KeyboardInterrupt:  # Ctrl-C outside a command body (e.g. while parsing)
+        sys.stderr.write("\nInterrupted.\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""``dllm-align recipes``: list, show and check the bundled recipes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from dllm_align.cli.app import app, command
+
+group = typer.Typer(help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
+app.add_typer(group, name="recipes")
+
+RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override a key, e.g. --set train.beta=0.2 (repeatable)."),
+]
+
+
+@command("list", group=group)
+def list_recipes() -> None:
+    """List the bundled recipes with their descriptions.
+
+    Example: dllm-align recipes list
+    """
+    from dllm_align.recipe import bundled_dir, bundled_names, read_yaml
+    from dllm_align.console import result
+
+    for name in bundled_names():
+        raw = read_yaml(bundled_dir() / f"{name}.yaml")
+        desc = str(raw.get("description", "")).strip().splitlines()
+        result(f"{name:<28} {desc[0] if desc else ''}")
+
+
+@command("show", group=group)
+def show(recipe: RecipeArg) -> None:
+    """Print a recipe's YAML as shipped, ready to copy and edit.
+
+    Example: dllm-align recipes show demo > my_recipe.yaml
+    """
+    from dllm_align.recipe import locate
+    from dllm_align.console import result
+
+    result(locate(recipe).read_text(encoding="utf-8"))
+
+
+@command("check", group=group)
+def check(recipe: RecipeArg, set_: SetOpt = None) -> None:
+    """Validate a recipe (with overrides) and print it fully resolved, defaults included.
+
+    Example: dllm-align recipes check kto_mix_14k --set train.beta=0.2
+    """
+    from dllm_align.recipe import load_recipe, to_yaml
+    from dllm_align.console import result
+
+    result(to_yaml(load_recipe(recipe, set_)))

@@ -1,0 +1,550 @@
+"""Model loading and the mask-predictor interface.
+
+Three kinds of model load the same way (:func:`load_model`):
+
+* ``builtin:tiny`` - a tiny bidirectional transformer (Llama architecture with
+  ``is_causal = False``) and a byte-level tokenizer, both built from code with
+  no network. Used by tests, the demo and CI.
+* LLaDA checkpoints (``model_type: llada``, LLaDA's weight names) - mapped onto
+  a native bidirectional Llama model; no ``trust_remote_code`` needed, and the
+  result supports gradient checkpointing, SDPA / flash attention and KV caches
+  (SPEC.md section 10).
+* Anything transformers can load (``AutoModelForCausalLM``, or ``AutoModel``
+  with ``trust_remote_code`` when the user turns it on).
+
+Local folders and hub ids go through the same path; an unreachable hub is a
+one-line error.
+
+The estimator and the sampler talk to a :class:`MaskPredictor`: it runs the
+body of the network once and applies the output head only where logits are
+needed (the masked positions), which is what keeps the ELBO step's memory small
+when the vocabulary is 126,464 wide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dllm_align.errors import UserError
+
+BUILTIN_TINY = "builtin:tiny"
+
+# Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
+BOS = "<|startoftext|>"
+EOS = "<|endoftext|>"
+EOT = "<|eot_id|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+MASK = "<|mdm_mask|>"
+SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT, MASK]
+
+# LLaDA's chat format: role headers, content, end-of-turn; the generation
+# prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    intermediate_size: int = 128
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:
+        pass
+
+
+# --------------------------------------------------------------------------- tiny model
+def build_tiny_tokenizer():
+    """A byte-level tokenizer (256 byte symbols + LLaDA-style specials) with a chat template.
+
+    Every string round-trips exactly, so any real text (the kto-mix rows) can be
+    fed to the tiny model; one token is one UTF-8 byte.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    t = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        mask_token=MASK,
+        additional_special_tokens=[START_HEADER, END_HEADER, EOT],
+    )
+    t.chat_template = CHAT_TEMPLATE
+    t.model_max_length = 1 << 20
+    return t
+
+
+def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
+    """A randomly initialised tiny bidirectional Llama; deterministic for a given spec."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _quiet_transformers()
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        is_causal=False,
+    )
+    cfg.mask_token_id = tokenizer.mask_token_id
+    cfg.dllm_align_family = "tiny"
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.eval()
+
+
+def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, spec)
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+# --------------------------------------------------------------------------- LLaDA mapping
+LLADA_RENAMES = [
+    # (LLaDA suffix, Llama suffix) for the weights inside each block
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ff_norm.weight", "post_attention_layernorm.weight"),
+    ("q_proj.weight", "self_attn.q_proj.weight"),
+    ("k_proj.weight", "self_attn.k_proj.weight"),
+    ("v_proj.weight", "self_attn.v_proj.weight"),
+    ("q_proj.bias", "self_attn.q_proj.bias"),
+    ("k_proj.bias", "self_attn.k_proj.bias"),
+    ("v_proj.bias", "self_attn.v_proj.bias"),
+    ("attn_out.weight", "self_attn.o_proj.weight"),
+    ("ff_proj.weight", "mlp.gate_proj.weight"),
+    ("up_proj.weight", "mlp.up_proj.weight"),
+    ("ff_out.weight", "mlp.down_proj.weight"),
+]
+
+
+def llada_config_to_llama(cfg: dict):
+    """Translate a LLaDA ``config.json`` into a bidirectional ``LlamaConfig``.
+
+    Raises UserError naming the field for LLaDA options the mapping does not
+    reproduce (so a silent numerical difference is impossible).
+    """
+    from transformers import LlamaConfig
+
+    unsupported = []
+    checks = {
+        "block_type": ("llama",),
+        "layer_norm_type": ("rms",),
+        "activation_type": ("silu", "swiglu"),
+    }
+    for key, ok in checks.items():
+        if key in cfg and cfg[key] not in ok:
+            unsupported.append(f"{key}={cfg[key]!r}")
+    for key in ("input_emb_norm", "scale_logits", "alibi", "include_bias"):
+        if cfg.get(key):
+            unsupported.append(f"{key}=true")
+    if cfg.get("rope") is False:
+        unsupported.append("rope=false")
+    if cfg.get("clip_qkv") is not None:
+        unsupported.append(f"clip_qkv={cfg['clip_qkv']}")
+    if unsupported:
+        raise UserError(
+            f"LLaDA config options not supported by the native loader: {', '.join(unsupported)}",
+            hint="set model.trust_remote_code: true to run the checkpoint's own code instead",
+        )
+    d = cfg["d_model"]
+    n_heads = cfg["n_heads"]
+    mlp = cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
+    vocab = cfg.get("embedding_size") or cfg["vocab_size"]
+    theta = float(cfg.get("rope_theta", 10000.0))
+    llama = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=mlp,
+        num_hidden_layers=cfg["n_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=cfg.get("n_kv_heads") or n_heads,
+        max_position_embeddings=cfg.get("max_sequence_length", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=bool(cfg.get("weight_tying", False)),
+        attention_bias=bool(cfg.get("include_qkv_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+        is_causal=False,
+    )
+    llama.mask_token_id = cfg.get("mask_token_id", 126336)
+    llama.dllm_align_family = "llada"
+    return llama
+
+
+def llada_key_to_llama(key: str) -> Optional[str]:
+    """Map one LLaDA weight name onto the Llama name (None: not a weight we keep)."""
+    k = key
+    for prefix in ("model.transformer.", "transformer."):
+        if k.startswith(prefix):
+            k = k[len(prefix):]
+            break
+    else:
+        return None
+    if k == "wte.weight":
+        return "model.embed_tokens.weight"
+    if k == "ln_f.weight":
+        return "model.norm.weight"
+    if k == "ff_out.weight":
+        return "lm_head.weight"
+    if k.startswith("blocks."):
+        _, idx, rest = k.split(".", 2)
+        for src, dst in LLADA_RENAMES:
+            if rest == src:
+                return f"model.layers.{idx}.{dst}"
+    return None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise UserError(
+        f"{folder}: no safetensors weights found",
+        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+    )
+
+
+def load_llada_native(folder: Path, dtype: torch.dtype):
+    """Load a LLaDA checkpoint folder into a bidirectional LlamaForCausalLM (no remote code)."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    cfg = json.loads((folder / "config.json").read_text())
+    llama_cfg = llada_config_to_llama(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_cfg)
+    state: dict[str, torch.Tensor] = {}
+    unknown = []
+    for f in _safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                nk = llada_key_to_llama(k)
+                if nk is None:
+                    unknown.append(k)
+                    continue
+                state[nk] = sf.get_tensor(k).to(dtype)
+    if unknown:
+        raise UserError(f"{folder}: weights the LLaDA mapping does not know: {', '.join(unknown[:3])}" + (" ..." if len(unknown) > 3 else ""))
+    if llama_cfg.tie_word_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise UserError(f"{folder}: LLaDA checkpoint is missing weights: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+    model.load_state_dict(state, assign=True, strict=True)
+    # Rotary buffers were created on the meta device: rebuild them on the CPU.
+    rot = model.model.rotary_emb
+    inv_freq, scaling = rot.rope_init_fn(rot.config, torch.device("cpu"))
+    rot.register_buffer("inv_freq", inv_freq, persistent=False)
+    rot.original_inv_freq = inv_freq
+    rot.attention_scaling = scaling
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- resolving and loading
+def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
+    """Download (or find in the local cache) a hub repo's config, tokenizer and safetensors."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        raise UserError(
+            f"model '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+            hint="pass a local folder (model.name_or_path: /path/to/model) or unset HF_HUB_OFFLINE",
+        )
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=10))
+    except Exception as e:  # network down, no such repo, gated repo
+        reason = type(e).__name__
+        raise UserError(
+            f"could not fetch model '{repo_id}' from the Hugging Face Hub ({reason})",
+            hint="check the name and your network, or pass a local folder",
+        ) from None
+
+
+def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> Path | str:
+    if name_or_path.startswith("builtin:"):
+        if name_or_path != BUILTIN_TINY:
+            raise UserError(f"unknown built-in model '{name_or_path}'", hint=f"the built-in model is '{BUILTIN_TINY}'")
+        return name_or_path
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{p}: not a model folder (no config.json)")
+        return p
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_like_path:
+        raise UserError(f"model folder not found: {name_or_path}")
+    return _hub_snapshot(name_or_path, revision)
+
+
+def pick_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    if path == BUILTIN_TINY:
+        return build_tiny_tokenizer()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UserError(f"{path}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    revision: Optional[str] = None,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    mask_token_id: Optional[int] = None,
+    attn_implementation: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+) -> "MaskPredictor":
+    """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
+    from dllm_align.console import warn
+
+    _quiet_transformers()
+    path = resolve_model_path(name_or_path, revision)
+    torch_dtype = pick_dtype(dtype, device)
+    if path == BUILTIN_TINY:
+        tok = build_tiny_tokenizer()
+        model = build_tiny_model(tok).to(torch_dtype)
+    else:
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path / 'config.json'}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        if trust_remote_code:
+            warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
+        if cfg.get("model_type") == "llada" and not trust_remote_code:
+            model = load_llada_native(path, torch_dtype)
+        else:
+            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+            kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            if attn_implementation:
+                kw["attn_implementation"] = attn_implementation
+            try:
+                conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            except ValueError as e:
+                raise UserError(
+                    f"{path}: transformers does not know this model type ({str(e).splitlines()[0][:160]})",
+                    hint="if the model ships its own code, set model.trust_remote_code: true",
+                ) from None
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+            except ValueError:
+                if not trust_remote_code:
+                    raise
+                model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+        tok = load_tokenizer(tokenizer or path, trust_remote_code)
+    model.to(device)
+    model.eval()
+    return MaskPredictor(model, tok, mask_token_id=mask_token_id)
+
+
+def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":
+    """Load the model described by a recipe's ``model`` section."""
+    mp = load_model(
+        name_or_path or section.name_or_path,
+        revision=section.revision,
+        dtype=section.dtype,
+        device=device,
+        trust_remote_code=section.trust_remote_code,
+        mask_token_id=section.mask_token_id,
+        attn_implementation=section.attn_implementation,
+        tokenizer=section.tokenizer,
+    )
+    if section.gradient_checkpointing:
+        mp.enable_gradient_checkpointing()
+    return mp
+
+
+# --------------------------------------------------------------------------- the interface
+class MaskPredictor:
+    """A masked diffusion LM seen as a mask predictor p_theta(x_0 | x_t).
+
+    ``hidden`` runs the network body; ``head`` maps hidden states to logits.
+    Splitting them lets callers apply the (huge) output head only at the
+    positions they score. Models whose head cannot be separated fall back to
+    full logits transparently.
+    """
+
+    def __init__(self, model, tokenizer, mask_token_id: Optional[int] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = getattr(model, "config", None)
+        mid = mask_token_id
+        if mid is None:
+            mid = getattr(cfg, "mask_token_id", None)
+        if mid is None and tokenizer is not None:
+            mid = getattr(tokenizer, "mask_token_id", None)
+        if mid is None:
+            raise UserError(
+                "could not find the mask token id in the model config or tokenizer",
+                hint="set model.mask_token_id in the recipe (LLaDA: 126336)",
+            )
+        self.mask_token_id = int(mid)
+        self.stop_token_ids = self._stop_ids()
+        self._body, self._head = self._split()
+
+    # -- structure
+    def _split(self):
+        base = getattr(self.model, "base_model_prefix", None)
+        body = getattr(self.model, base, None) if base else None
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if body is None or head is None or body is self.model:
+            return None, None
+        return body, head
+
+    @property
+    def separable(self) -> bool:
+        return self._body is not None
+
+    def _stop_ids(self) -> list[int]:
+        ids = []
+        tok = self.tokenizer
+        for t in (EOT, EOS, "<|im_end|>", "<|end_of_text|>"):
+            try:
+                i = tok.convert_tokens_to_ids(t)
+            except Exception:
+                i = None
+            if isinstance(i, int) and i != getattr(tok, "unk_token_id", None) and i >= 0:
+                ids.append(i)
+        if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+            ids.append(tok.eos_token_id)
+        return ids
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def enable_gradient_checkpointing(self) -> None:
+        if hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model.config, "use_cache"):
+                self.model.config.use_cache = False
+
+    # -- compute
+    @staticmethod
+    def position_ids(attention_mask: Optional[torch.Tensor], shape, device) -> torch.Tensor:
+        """Positions that skip padding, so a padded row sees exactly what it sees alone."""
+        if attention_mask is None:
+            return torch.arange(shape[1], device=device).unsqueeze(0).expand(shape[0], -1)
+        pos = attention_mask.long().cumsum(-1) - 1
+        return pos.clamp_min(0)
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states [B, T, H] (after the last norm)."""
+        if not self.separable:
+            raise RuntimeError("hidden() needs a model whose output head is separable")
+        pos = self.position_ids(attention_mask, input_ids.shape, input_ids.device)
+        out = self._body(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self._head(h)
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Full logits [B, T, V] (generation, tests)."""
+        if self.separable:
+            return self.head(self.hidden(input_ids, attention_mask))
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    def target_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """log p(targets) at positions (rows, cols), in fp32, computing logits only there.
+
+        ``rows``, ``cols`` and ``targets`` are 1-D of equal length N; returns [N].
+        """
+        if self.separable:
+            h = self.hidden(input_ids, attention_mask)
+            logits = self.head(h[rows, cols])  # [N, V]: only the scored positions
+        else:
+            logits = self.logits(input_ids, attention_mask)[rows, cols]
+        logits = logits.float()
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,434 @@
+"""Typed recipes: YAML bundles validated into pydantic models.
+
+A recipe has one section per stage of the pipeline (model, data, reference,
+train, generate, judge, ablate, evaluate). Loading reports *every* problem at
+once, each with its dotted path: unknown keys (with a "did you mean"), wrong
+types, out-of-range values and contradictory fields. ``--set a.b=value``
+overrides go through the same validation.
+
+Key names follow the paper's vocabulary (beta, n_mc, lambda_desirable, ...).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dllm_align.errors import UserError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- model
+class ModelSection(Section):
+    name_or_path: str = Field(
+        "builtin:tiny",
+        description="Hub id, local folder, or 'builtin:tiny' (the built-in tiny model, no network needed).",
+    )
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer path or hub id if not the model's own.")
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own code. Off by default; LLaDA does not need it."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype: auto = bfloat16 on GPU, float32 on CPU."
+    )
+    mask_token_id: Optional[int] = Field(None, ge=0, description="Override the mask token id read from the model.")
+    gradient_checkpointing: bool = False
+    attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2"]] = None
+
+
+# --------------------------------------------------------------------------- data
+class DataSection(Section):
+    train: Optional[str] = Field(None, description="Training data: local file/folder or hub dataset id.")
+    train_split: str = "train"
+    test: Optional[str] = Field(None, description="Evaluation prompts: local file/folder or hub dataset id.")
+    test_split: str = "test"
+    format: Literal["auto", "unpaired", "paired"] = "auto"
+    max_length: int = Field(4096, ge=8, description="Cap on prompt + completion tokens.")
+    max_prompt_length: Optional[int] = Field(None, ge=1, description="Cap on prompt tokens (left-truncated).")
+    truncation: Literal["completion", "prompt_left"] = Field(
+        "completion", description="What gives way when a row is too long: the completion's tail or the prompt's head."
+    )
+    padding: Literal["paper", "none"] = Field(
+        "none",
+        description="'paper': right-pad with EOS to max_length (visible, never scored); 'none': no tail, attention-masked batches.",
+    )
+    group_by_length: bool = Field(True, description="Bucket rows of similar length into batches (less padding).")
+    desirable_ratio: float = Field(1.0, gt=0, le=1)
+    undesirable_ratio: float = Field(1.0, gt=0, le=1)
+    weights_file: Optional[str] = Field(None, description="Sidecar from `convert --balance-weights`.")
+    seed: int = 0
+    limit: Optional[int] = Field(None, ge=1, description="Use only the first N rows (smoke tests).")
+
+
+# --------------------------------------------------------------------------- reference
+class ReferenceSection(Section):
+    mode: Literal["cached", "online"] = Field(
+        "cached", description="'cached': read precomputed reference ELBOs; 'online': keep the reference model resident."
+    )
+    model: Optional[str] = Field(None, description="Reference model; default: model.name_or_path.")
+    cache: Optional[str] = Field(None, description="Cache folder; default: <output_dir>/ref_cache.")
+    n_mc: int = Field(8, ge=1, le=1024, description="Monte Carlo draws K per example (paper: 8 / 4).")
+    seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
+    estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
+    stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
+    batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
+    draws_per_forward: Optional[int] = Field(
+        None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."
+    )
+
+
+# --------------------------------------------------------------------------- train
+class LoraSection(Section):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merge_on_export: bool = True
+
+
+class TrainSection(Section):
+    objective: Literal["elbo_kto", "sft", "vrpo"] = "elbo_kto"
+    beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
+    baseline: Literal["global_mean", "none"] = Field(
+        "global_mean", description="Reference point: stop-gradient mean margin over the optimiser-step batch, or 0."
+    )
+    lambda_desirable: float = Field(1.0, gt=0)
+    lambda_undesirable: float = Field(1.0, gt=0)
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimiser steps.")
+    batch_size: int = Field(1, ge=1, description="Examples per device per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
+    n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    seed: int = 0
+    save_every: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: end only).")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(1, ge=1)
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    lora: LoraSection = Field(default_factory=LoraSection)
+
+
+# --------------------------------------------------------------------------- generate
+class GenerateSection(Section):
+    gen_length: int = Field(512, ge=1)
+    block_length: int = Field(32, ge=1)
+    steps: int = Field(512, ge=1)
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    temperature: float = Field(0.0, ge=0)
+    cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
+    batch_size: int = Field(8, ge=1)
+    seed: int = 0
+    cache: Literal["none", "prefix", "dual"] = Field("none", description="Fast mode: reuse keys/values within a block.")
+    threshold: Optional[float] = Field(
+        None, gt=0, le=1, description="Fast mode: commit every candidate above this confidence (at least one per step)."
+    )
+    split: Literal["train", "test"] = "test"
+    limit: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "GenerateSection":
+        problems = []
+        if self.gen_length % self.block_length:
+            problems.append(
+                f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})"
+            )
+        else:
+            blocks = self.gen_length // self.block_length
+            if self.steps % blocks:
+                problems.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({blocks})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+# --------------------------------------------------------------------------- judge
+class JudgeSection(Section):
+    judges: list[str] = Field(default_factory=lambda: ["gpt-4o-mini"], description="One or two judges; 'rule:NAME' for rule judges.")
+    base_url: str = "https://api.openai.com/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    template: Optional[str] = None
+    concurrency: int = Field(8, ge=1, le=256)
+    timeout: float = Field(60.0, gt=0)
+    max_retries: int = Field(6, ge=0)
+    max_parse_retries: int = Field(2, ge=0)
+    bootstrap: int = Field(5000, ge=100)
+    seed: int = 0
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(1024, ge=1)
+
+
+# --------------------------------------------------------------------------- ablate
+class AblateSection(Section):
+    betas: list[float] = Field(default_factory=lambda: [0.1, 0.2])
+    lrs: list[float] = Field(default_factory=lambda: [1e-6, 5e-6])
+    baselines: list[Literal["global_mean", "none"]] = Field(default_factory=lambda: ["none", "global_mean"])
+    ratios: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
+    subsample: Literal["desirable", "undesirable", "both"] = "both"
+    judge: Optional[str] = None
+
+
+# --------------------------------------------------------------------------- evaluate
+class EvalTask(Section):
+    gen_length: Optional[int] = Field(None, ge=1)
+    block_length: Optional[int] = Field(None, ge=1)
+    steps: Optional[int] = Field(None, ge=1)
+    num_fewshot: Optional[int] = Field(None, ge=0)
+    limit: Optional[int] = Field(None, ge=1)
+
+
+class EvaluateSection(Section):
+    tasks: dict[str, EvalTask] = Field(default_factory=dict)
+    mc_num: int = Field(32, ge=1, description="Monte Carlo draws for loglikelihood requests.")
+    batch_size: int = Field(8, ge=1)
+    compare: Optional[str] = Field(None, description="A second checkpoint to put side by side.")
+
+
+# --------------------------------------------------------------------------- recipe
+class Recipe(Section):
+    name: str = "unnamed"
+    description: str = ""
+    output_dir: str = Field("runs/unnamed", description="Where a run writes (overridden by --output-dir).")
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    reference: ReferenceSection = Field(default_factory=ReferenceSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    generate: GenerateSection = Field(default_factory=GenerateSection)
+    judge: JudgeSection = Field(default_factory=JudgeSection)
+    ablate: AblateSection = Field(default_factory=AblateSection)
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> "Recipe":
+        problems = []
+        if self.train.n_mc is not None and self.train.n_mc > self.reference.n_mc:
+            problems.append(
+                f"train.n_mc ({self.train.n_mc}) exceeds reference.n_mc ({self.reference.n_mc}): the cache holds only that many draws"
+            )
+        if self.train.objective == "vrpo" and self.data.format == "unpaired":
+            problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def train_n_mc(self) -> int:
+        return self.train.n_mc or self.reference.n_mc
+
+
+# --------------------------------------------------------------------------- loading
+def bundled_dir() -> Path:
+    """Folder of the recipes shipped with the package (falls back to the source tree)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("dllm_align.recipes")))
+        if p.is_dir() and any(p.glob("*.yaml")):
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in bundled_dir().glob("*.yaml"))
+
+
+def locate(name_or_path: str) -> Path:
+    """A bundled recipe name or a path to a YAML file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path or p.exists():
+        if not p.is_file():
+            raise UserError(f"recipe file not found: {name_or_path}", hint="`dllm-align recipes list` shows the bundled recipes")
+        return p
+    cand = bundled_dir() / f"{name_or_path}.yaml"
+    if cand.is_file():
+        return cand
+    names = bundled_names()
+    close = difflib.get_close_matches(name_or_path, names, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"bundled recipes: {', '.join(names)}"
+    raise UserError(f"no bundled recipe named '{name_or_path}' and no such file", hint=hint)
+
+
+def _fields_at(model_cls: type[BaseModel], path: tuple) -> list[str]:
+    """Field names of the section addressed by ``path`` (for did-you-mean)."""
+    cls: Any = model_cls
+    for part in path:
+        if isinstance(part, int):
+            continue
+        f = getattr(cls, "model_fields", {}).get(part)
+        if f is None:
+            return []
+        ann = f.annotation
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cls is None:
+            return []
+    return list(getattr(cls, "model_fields", {}).keys())
+
+
+def format_errors(err: ValidationError, source: str) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join(str(x) for x in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            known = _fields_at(Recipe, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            msg = f"unknown key '{dotted}'"
+            if close:
+                parent = ".".join(str(x) for x in loc[:-1])
+                msg += f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)"
+        elif e["type"] in ("value_error", "assertion_error"):
+            msg = f"{dotted}: {str(e['msg']).removeprefix('Value error, ')}" if loc else str(e["msg"]).removeprefix("Value error, ")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:60]})"
+            msg = f"{dotted}: {e['msg']}{got_s}"
+        lines.append(f"{source}: {msg}")
+    return lines
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
+    """Apply ``a.b=value`` overrides in place; returns problems (bad syntax)."""
+    problems = []
+    for ov in overrides or []:
+        if "=" not in ov:
+            problems.append(f"--set {ov!r}: expected section.key=value")
+            continue
+        key, _, val = ov.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            problems.append(f"--set {ov!r}: empty key")
+            continue
+        node = raw
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[p] = nxt
+            node = nxt
+        node[parts[-1]] = _parse_value(val)
+    return problems
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}{where}: invalid YAML: {problem}")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def load_recipe(
+    name_or_path: str | None,
+    overrides: list[str] | None = None,
+    output_dir: str | None = None,
+) -> Recipe:
+    """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2)."""
+    if name_or_path is None:
+        raw, source = {}, "(defaults)"
+    else:
+        path = locate(name_or_path)
+        raw, source = read_yaml(path), str(path)
+    problems = apply_overrides(raw, overrides or [])
+    if output_dir is not None:
+        raw["output_dir"] = output_dir
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        problems += format_errors(e, source)
+        recipe = None
+    if problems:
+        n = len(problems)
+        head = f"{n} problem{'s' if n > 1 else ''} in recipe {source}:\n  " if n > 1 else ""
+        raise UserError(head + "\n  ".join(problems) if n > 1 else problems[0])
+    return recipe
+
+
+def to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+# --------------------------------------------------------------------------- provenance
+def git_revision() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=here, capture_output=True, text=True, timeout=5,
+            ).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for pkg in ("dllm-align", "torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "peft", "lm-eval"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def write_run_info(recipe: Recipe, out_dir: str | Path, command: str) -> Path:
+    """Write the fully resolved recipe plus versions and git revision into the run folder."""
+    from dllm_align.io import atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "recipe.resolved.yaml", to_yaml(recipe))
+    info = {
+        "command": command,
+        "argv": sys.argv,
+        "versions": library_versions(),
+        "git_revision": git_revision(),
+    }
+    atomic_write_text(out / f"run_info.{command}.json", json.dumps(info, indent=2))
+    return out
