@@ -290,12 +290,10 @@ def load_llada_native(folder: Path, dtype: torch.dtype):
     if missing:
         raise UserError(f"{folder}: LLaDA checkpoint is missing weights: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
     model.load_state_dict(state, assign=True, strict=True)
-    # Rotary buffers were created on the meta device: rebuild them on the CPU.
-    rot = model.model.rotary_emb
-    inv_freq, scaling = rot.rope_init_fn(rot.config, torch.device("cpu"))
-    rot.register_buffer("inv_freq", inv_freq, persistent=False)
-    rot.original_inv_freq = inv_freq
-    rot.attention_scaling = scaling
+    # Rotary buffers are not weights: they were created on the meta device, so rebuild the module.
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=llama_cfg)
     return model.eval()
 
 
@@ -497,7 +495,9 @@ class MaskPredictor:
         return self.model.config.vocab_size
 
     def enable_gradient_checkpointing(self) -> None:
-        if hasattr(self.model, "gradient_checkpointing_enable"):
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
+        elif hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(self.model.config, "use_cache"):
                 self.model.config.use_cache = False

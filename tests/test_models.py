@@ -1,0 +1,246 @@
+"""Model layer: the built-in tiny model, native LLaDA loading, hub errors, the MaskPredictor."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dllm_align.errors import UserError
+from dllm_align.models import build_tiny_tokenizer, load_model
+
+# --------------------------------------------------------------------------- tiny model
+def test_tiny_roundtrip_and_speed(tiny, tiny_dir):
+    tok = tiny.tokenizer
+    text = "Sort 3 1 2 — héllo ✓"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == text  # byte-level: any text round-trips
+    assert tiny.mask_token_id == tok.mask_token_id
+    assert tok.convert_ids_to_tokens(tiny.stop_token_ids[0]) == "<|eot_id|>"
+    again = load_model(str(tiny_dir))
+    x = torch.tensor([ids])
+    torch.testing.assert_close(again.logits(x), tiny.logits(x))
+    # plain transformers loads the saved folder too
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    torch.testing.assert_close(plain(x).logits, tiny.logits(x))
+    # a training step on CPU takes milliseconds
+    model = again.model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    t = time.perf_counter()
+    for _ in range(5):
+        loss = model(torch.randint(0, 256, (2, 64))).logits.logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert (time.perf_counter() - t) / 5 < 0.5
+
+
+def test_tiny_is_bidirectional(tiny):
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % 256
+    assert (tiny.logits(x)[0, 0] - tiny.logits(y)[0, 0]).abs().max() > 1e-4  # the last token changes position 0
+
+
+def test_left_padded_row_equals_row_alone(tiny):
+    tok = tiny.tokenizer
+    a = tok("short", add_special_tokens=False).input_ids
+    b = tok("a much longer row", add_special_tokens=False).input_ids
+    pad = len(b) - len(a)
+    ids = torch.tensor([[tok.pad_token_id] * pad + a, b])
+    am = torch.tensor([[0] * pad + [1] * len(a), [1] * len(b)])
+    batched = tiny.logits(ids, am)
+    alone = tiny.logits(torch.tensor([a]))
+    torch.testing.assert_close(batched[0, pad:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- LLaDA checkpoints
+def _llada_config(vocab, d=32, heads=4, layers=2, mlp=48, theta=500000.0):
+    return {
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+        "activation_type": "silu",
+        "block_type": "llama",
+        "d_model": d,
+        "n_heads": heads,
+        "n_kv_heads": heads,
+        "n_layers": layers,
+        "mlp_hidden_size": mlp,
+        "mlp_ratio": 4,
+        "embedding_size": vocab,
+        "vocab_size": vocab,
+        "rope": True,
+        "rope_theta": theta,
+        "rms_norm_eps": 1e-5,
+        "layer_norm_type": "rms",
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "input_emb_norm": False,
+        "scale_logits": False,
+        "weight_tying": False,
+        "max_sequence_length": 256,
+        "mask_token_id": vocab - 1,
+        "eos_token_id": 257,
+        "pad_token_id": 257,
+        "auto_map": {"AutoModel": "modeling_llada.LLaDAModelLM"},
+    }
+
+
+def _llada_state(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d, mlp, V = cfg["d_model"], cfg["mlp_hidden_size"], cfg["embedding_size"]
+
+    def w(*shape, scale=0.05):
+        return torch.randn(*shape, generator=g) * scale
+
+    sd = {"model.transformer.wte.weight": w(V, d, scale=0.5), "model.transformer.ln_f.weight": 1 + w(d, scale=0.1),
+          "model.transformer.ff_out.weight": w(V, d, scale=0.2)}
+    for i in range(cfg["n_layers"]):
+        p = f"model.transformer.blocks.{i}."
+        sd[p + "attn_norm.weight"] = 1 + w(d, scale=0.1)
+        sd[p + "ff_norm.weight"] = 1 + w(d, scale=0.1)
+        for n in ("q_proj", "k_proj", "v_proj", "attn_out"):
+            sd[p + n + ".weight"] = w(d, d, scale=0.2)
+        sd[p + "ff_proj.weight"] = w(mlp, d, scale=0.2)
+        sd[p + "up_proj.weight"] = w(mlp, d, scale=0.2)
+        sd[p + "ff_out.weight"] = w(d, mlp, scale=0.2)
+    return sd
+
+
+def _reference_llada_logits(sd, cfg, ids):
+    """LLaDA's forward written from the published architecture, independently of transformers.
+
+    Block: x += attn_out(attn(rope(q), rope(k), v)) on attn_norm(x) (no causal mask);
+    x += ff_out(silu(ff_proj(h)) * up_proj(h)) on h = ff_norm(x); logits = ff_out(ln_f(x)).
+    RMSNorm: x / sqrt(mean(x^2) + eps) * w. RoPE: rotate-half with inv_freq = theta^(-2i/hd).
+    """
+    d, H, eps = cfg["d_model"], cfg["n_heads"], cfg["rms_norm_eps"]
+    hd = d // H
+    T = ids.shape[1]
+
+    def rms(x, wt):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wt
+
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float()
+
+    def rope(t):  # t: [B, H, T, hd]
+        t1, t2 = t[..., : hd // 2], t[..., hd // 2:]
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    x = sd["model.transformer.wte.weight"][ids]
+    B = ids.shape[0]
+    for i in range(cfg["n_layers"]):
+        p = f"model.transformer.blocks.{i}."
+        h = rms(x, sd[p + "attn_norm.weight"])
+        q, k, v = (h @ sd[p + n + ".weight"].T for n in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in (q, k, v))
+        q, k = rope(q), rope(k)
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd), -1) @ v
+        x = x + att.transpose(1, 2).reshape(B, T, d) @ sd[p + "attn_out.weight"].T
+        h = rms(x, sd[p + "ff_norm.weight"])
+        gate = torch.nn.functional.silu(h @ sd[p + "ff_proj.weight"].T)
+        x = x + (gate * (h @ sd[p + "up_proj.weight"].T)) @ sd[p + "ff_out.weight"].T
+    return rms(x, sd["model.transformer.ln_f.weight"]) @ sd["model.transformer.ff_out.weight"].T
+
+
+def _write_llada(folder, sharded=False, **kw):
+    tok = build_tiny_tokenizer()
+    cfg = _llada_config(len(tok), **kw)
+    sd = _llada_state(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tok.save_pretrained(folder)
+    if sharded:
+        keys = sorted(sd)
+        half = len(keys) // 2
+        parts = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+        for name, ks in parts.items():
+            save_file({k: sd[k] for k in ks}, str(folder / name))
+        index = {"metadata": {}, "weight_map": {k: n for n, ks in parts.items() for k in ks}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        save_file(sd, str(folder / "model.safetensors"))
+    return cfg, sd
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_llada_native_matches_reference_implementation(tmp_path, sharded):
+    cfg, sd = _write_llada(tmp_path / "llada", sharded=sharded)
+    mp = load_model(str(tmp_path / "llada"))  # no trust_remote_code
+    assert mp.mask_token_id == cfg["mask_token_id"]
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
+    ref = _reference_llada_logits(sd, cfg, ids)
+    torch.testing.assert_close(mp.logits(ids), ref, atol=2e-5, rtol=1e-4)
+    assert mp.model.config.is_causal is False
+    # saved in the Llama layout, it reloads through plain transformers with the same logits
+    mp.model.save_pretrained(tmp_path / "export")
+    mp.tokenizer.save_pretrained(tmp_path / "export")
+    again = load_model(str(tmp_path / "export"))
+    torch.testing.assert_close(again.logits(ids), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_llada_unsupported_option_is_named(tmp_path):
+    _write_llada(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["scale_logits"] = True
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="scale_logits=true"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_no_pickle_checkpoints(tmp_path):
+    _write_llada(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(UserError, match="no safetensors weights"):
+        load_model(str(tmp_path / "m"))
+
+
+# --------------------------------------------------------------------------- resolving
+def test_offline_hub_is_one_line_and_fast():
+    t = time.perf_counter()
+    with pytest.raises(UserError) as ei:
+        load_model("GSAI-ML/LLaDA-8B-Instruct")
+    assert time.perf_counter() - t < 10
+    assert "GSAI-ML/LLaDA-8B-Instruct" in ei.value.message and "\n" not in ei.value.message
+    assert "local" in ei.value.hint
+
+
+def test_missing_folder_and_not_a_model(tmp_path):
+    with pytest.raises(UserError, match="model folder not found"):
+        load_model("./does/not/exist")
+    with pytest.raises(UserError, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(UserError, match="unknown built-in model"):
+        load_model("builtin:huge")
+
+
+def test_gradient_checkpointing_gives_same_grads(tiny_dir):
+    a = load_model(str(tiny_dir))
+    b = load_model(str(tiny_dir))
+    b.enable_gradient_checkpointing()
+    a.model.train()
+    b.model.train()
+    x = torch.randint(0, 256, (2, 16))
+    ga = torch.autograd.grad(a.logits(x).logsumexp(-1).sum(), list(a.model.parameters()))
+    gb = torch.autograd.grad(b.logits(x).logsumexp(-1).sum(), list(b.model.parameters()))
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 on GPU needs CUDA; this machine has none")
+def test_bf16_on_gpu_fp32_accumulation(tiny_dir):
+    mp = load_model(str(tiny_dir), dtype="auto", device="cuda")
+    assert next(mp.model.parameters()).dtype == torch.bfloat16
+    ids = torch.randint(0, 256, (1, 8), device="cuda")
+    lp = mp.target_logprobs(ids, None, torch.tensor([0], device="cuda"), torch.tensor([3], device="cuda"), ids[0, 3:4])
+    assert lp.dtype == torch.float32

@@ -1,0 +1,108 @@
+"""Recipe loading: every problem at once, with dotted paths, did-you-mean and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dllm_align.cli.app import app
+from dllm_align.errors import UserError
+from dllm_align.recipe import bundled_names, load_recipe, write_run_info
+
+runner = CliRunner()
+
+BAD = """\
+name: bad
+model:
+  name_or_pth: builtin:tiny
+train:
+  beta: "high"
+  lr: -1
+  n_mc: 16
+reference:
+  n_mc: 8
+generate:
+  gen_length: 100
+  block_length: 32
+bogus_section: {}
+"""
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(BAD)
+    with pytest.raises(UserError) as ei:
+        load_recipe(str(p))
+    msg = ei.value.message
+    assert "unknown key 'model.name_or_pth' (did you mean 'model.name_or_path'?)" in msg
+    assert "train.beta: Input should be a valid number" in msg
+    assert "train.lr: Input should be greater than 0" in msg
+    assert "generate: gen_length (100) must be a multiple of block_length (32)" in msg
+    assert "unknown key 'bogus_section'" in msg
+    assert msg.startswith("5 problems in recipe")
+
+
+def test_contradiction_across_sections(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  n_mc: 16\nreference:\n  n_mc: 8\n")
+    with pytest.raises(UserError, match=r"train.n_mc \(16\) exceeds reference.n_mc \(8\)"):
+        load_recipe(str(p))
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    p = tmp_path / "ok.yaml"
+    p.write_text("train:\n  beta: 0.1\n")
+    r = load_recipe(str(p), ["train.beta=0.2", "generate.steps=64", "generate.gen_length=64", "generate.block_length=32"])
+    assert r.train.beta == 0.2 and r.generate.steps == 64
+    with pytest.raises(UserError, match=r"unknown key 'train.betta' \(did you mean 'train.beta'\?\)"):
+        load_recipe(str(p), ["train.betta=0.2"])
+    with pytest.raises(UserError, match="expected section.key=value"):
+        load_recipe(str(p), ["train.beta"])
+
+
+def test_cli_check_exit_2_one_block_no_traceback(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(BAD)
+    r = runner.invoke(app, ["recipes", "check", str(p)])
+    assert r.exit_code == 2
+    assert r.stderr.startswith("Error: 5 problems in recipe")
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("train:\n  beta: [0.1\n  lr: 1\n")
+    r = runner.invoke(app, ["recipes", "check", str(p)])
+    assert r.exit_code == 2
+    assert str(p) in r.stderr and "invalid YAML" in r.stderr
+
+
+def test_missing_recipe_file(tmp_path):
+    r = runner.invoke(app, ["recipes", "check", str(tmp_path / "nope.yaml")])
+    assert r.exit_code == 2
+    assert "recipe file not found" in r.stderr
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    p = tmp_path / "evil.yaml"
+    p.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(UserError, match="invalid YAML"):
+        load_recipe(str(p))
+
+
+def test_run_info_written(tmp_path):
+    r = load_recipe(None, ["train.beta=0.3"], output_dir=str(tmp_path / "run"))
+    out = write_run_info(r, r.output_dir, "train")
+    resolved = (out / "recipe.resolved.yaml").read_text()
+    assert "beta: 0.3" in resolved
+    info = json.loads((out / "run_info.train.json").read_text())
+    assert "torch" in info["versions"] and "git_revision" in info
+
+
+@pytest.mark.parametrize("name", bundled_names())
+def test_every_bundled_recipe_loads(name):
+    r = load_recipe(name)
+    assert r.name == name
