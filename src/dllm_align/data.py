@@ -226,36 +226,40 @@ def _read_jsonl_bytes(data: bytes, name: str) -> list[Record]:
     return records
 
 
+_ROW_KEYS = {"prompt", "completion", "label", "chosen", "rejected", "messages"}
+
+
 def _read_json(path: Path) -> list[Record]:
     data = _open_bytes(path)
-    stripped = data.lstrip()
-    if stripped[:1] == b"{":
-        # Many ".json" files (including the hub's) are really JSON lines.
-        first_line = stripped.split(b"\n", 1)[0]
-        try:
-            json.loads(first_line)
-            return _read_jsonl_bytes(data, str(path))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            pass
+    looks_like_lines = data.lstrip()[:1] == b"{"
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        if looks_like_lines:  # JSON lines: report the bad bytes per line
+            return _read_jsonl_bytes(data, str(path))
         line = data[: e.start].count(b"\n") + 1
         raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
+        if looks_like_lines and e.msg == "Extra data":
+            # Many ".json" files (the hub's included) are really JSON lines.
+            return _read_jsonl_bytes(data, str(path))
         raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
     if isinstance(obj, dict):
         lists = {k: v for k, v in obj.items() if isinstance(v, list)}
-        if lists and len(lists) == len(obj) and len({len(v) for v in lists.values()}) == 1 and not all(
-            isinstance(x, dict) for v in lists.values() for x in v[:1]
-        ):
-            # Column-oriented: {"prompt": [...], "completion": [...], ...}
+        columnar = (
+            lists
+            and len(lists) == len(obj)
+            and len({len(v) for v in lists.values()}) == 1
+            and not all(isinstance(x, dict) for v in lists.values() for x in v[:1])
+        )
+        if columnar:  # {"prompt": [...], "completion": [...], ...}
             cols = list(lists)
             obj = [dict(zip(cols, vals)) for vals in zip(*lists.values())]
-        elif len(lists) == 1:
-            # {"data": [...]} or {"train": [...]}
+        elif _ROW_KEYS & set(obj):  # a single row
+            obj = [obj]
+        elif len(lists) == 1:  # {"data": [...]} or {"train": [...]}
             obj = next(iter(lists.values()))
         else:
             raise UserError(
@@ -775,6 +779,11 @@ def _prompt_hash(messages: Messages) -> str:
     return content_hash({"prompt": messages})
 
 
+def _where_key(where: str) -> tuple:
+    m = re.match(r"^(.*?)(?::| row )(\d+)$", where)
+    return (m.group(1), int(m.group(2))) if m else (where, -1)
+
+
 def report_problems(problems: Sequence[Problem], what: str, skip_invalid: bool, consequence: str = "") -> None:
     """Stop with every problem listed (UserError, exit 2), or warn and list them when skipping.
 
@@ -782,6 +791,7 @@ def report_problems(problems: Sequence[Problem], what: str, skip_invalid: bool, 
     """
     if not problems:
         return
+    problems = sorted(problems, key=lambda p: _where_key(p.where))
     n = len(problems)
     listed = [str(p) for p in problems[:MAX_LISTED]]
     if n > MAX_LISTED:
@@ -1278,3 +1288,161 @@ def write_rows(rows: Sequence[Row], output: str | Path) -> Path:
     else:
         raise UserError(f"{out}: output must end in .jsonl or .parquet")
     return out
+
+
+# --------------------------------------------------------------------------- convert
+@dataclass
+class ConvertSummary:
+    rows_in: int
+    n_desirable: int
+    n_undesirable: int
+    output: Path
+    weights: Optional[tuple[float, float]] = None
+    weights_file: Optional[Path] = None
+
+
+def convert(
+    source: str | Path,
+    output: str | Path,
+    *,
+    split: Optional[str] = None,
+    format: Format = "auto",
+    label: Optional[bool] = None,
+    skip_invalid: bool = False,
+    desirable_ratio: float = 1.0,
+    undesirable_ratio: float = 1.0,
+    seed: int = 0,
+    balance: bool = False,
+    limit: Optional[int] = None,
+) -> ConvertSummary:
+    """``dllm-align convert``: any layout -> validated unpaired rows, optionally subsampled and weighted.
+
+    Nothing is written unless every step succeeds; the data file and the weights
+    sidecar (:func:`weights_path_for`) are each written atomically.
+    """
+    out = Path(output)
+    if out.suffix not in (".jsonl", ".parquet"):
+        raise UserError(f"{out}: output must end in .jsonl or .parquet")
+    src = Path(str(source)).expanduser()
+    if src.exists() and src.resolve() == out.resolve():
+        raise UserError(f"{out}: the output would overwrite the input", hint="choose another --output")
+    for name, r in (("--desirable-ratio", desirable_ratio), ("--undesirable-ratio", undesirable_ratio)):
+        if not (0 < r <= 1):
+            raise UserError(f"{name} must be in (0, 1], got {r}")
+    rows = load_unpaired(source, split=split, format=format, label=label, skip_invalid=skip_invalid)
+    n_in = len(rows)
+    if limit is not None:
+        rows = rows[:limit]
+    n_d0, n_u0 = class_counts(rows)
+    if desirable_ratio < 1 or undesirable_ratio < 1:
+        rows = subsample(rows, desirable_ratio, undesirable_ratio, seed)
+    n_d, n_u = class_counts(rows)
+    if (n_d, n_u) != (n_d0, n_u0):
+        console.info(
+            f"subsampled with seed {seed}: desirable {n_d0:,} -> {n_d:,} (ratio {desirable_ratio:g}), "
+            f"undesirable {n_u0:,} -> {n_u:,} (ratio {undesirable_ratio:g})"
+        )
+    weights = balance_weights(rows) if balance else None
+    write_rows(rows, out)
+    console.info(f"wrote {out}: {len(rows):,} rows ({n_d:,} desirable, {n_u:,} undesirable)")
+    wfile = None
+    if weights is not None:
+        from dllm_align.io import atomic_write_json
+
+        wfile = weights_path_for(out)
+        atomic_write_json(
+            wfile,
+            {
+                "lambda_desirable": weights[0],
+                "lambda_undesirable": weights[1],
+                "n_desirable": n_d,
+                "n_undesirable": n_u,
+                "rule": "lambda_desirable * n_desirable = lambda_undesirable * n_undesirable; the larger class has weight 1",
+                "data": out.name,
+                "desirable_ratio": desirable_ratio,
+                "undesirable_ratio": undesirable_ratio,
+                "seed": seed,
+            },
+        )
+        console.info(
+            f"wrote {wfile}: lambda_desirable {weights[0]:.6g}, lambda_undesirable {weights[1]:.6g} "
+            f"(set data.weights_file: {wfile})"
+        )
+    elif n_d and n_u:
+        check_weight_ratio(n_d, n_u, 1.0, 1.0)
+    return ConvertSummary(n_in, n_d, n_u, out, weights, wfile)
+
+
+# --------------------------------------------------------------------------- stats
+def _percentiles(values: Sequence[int]) -> dict[str, float]:
+    import numpy as np
+
+    if not values:
+        return {}
+    a = np.asarray(values)
+    out = {"min": int(a.min())}
+    for q in (50, 90, 95, 99):
+        out[f"p{q}"] = int(np.percentile(a, q, method="nearest"))
+    out["max"] = int(a.max())
+    out["mean"] = round(float(a.mean()), 1)
+    return out
+
+
+def dataset_stats(
+    rows: Sequence[Row],
+    tokenizer,
+    data_section,
+    batch_size: int,
+    global_batch_size: Optional[int] = None,
+    seed: int = 0,
+) -> dict:
+    """Counts, token-length percentiles and the tokens each padding choice feeds (``data stats``).
+
+    Lengths are reported before truncation (what the data holds) and the padding
+    costs after it (what training would see with ``data_section``).
+    """
+    from types import SimpleNamespace
+
+    from dllm_align.batching import padding_costs
+    from dllm_align.tokenize import fit, tokenize_with_report
+
+    raw, _ = tokenize_with_report(
+        rows, tokenizer, SimpleNamespace(max_length=1 << 62, max_prompt_length=None, truncation="completion")
+    )
+    bos = tokenizer.bos_token_id
+    fitted = []
+    dropped = prompt_cut = completion_cut = 0
+    for e in raw:
+        f = fit(e.prompt_ids, [e.completion_ids], data_section.max_length, data_section.max_prompt_length, data_section.truncation, bos)
+        if f is None:
+            dropped += 1
+            continue
+        prompt_cut += f[2]
+        completion_cut += f[3][0]
+        fitted.append(len(f[0]) + len(f[1][0]))
+    n_d, n_u = class_counts(rows)
+    costs = padding_costs(fitted, data_section.max_length, batch_size, global_batch_size, seed) if fitted else {}
+    return {
+        "rows": len(rows),
+        "desirable": n_d,
+        "undesirable": n_u,
+        "pairs": len({r.pair_id for r in rows if r.pair_id is not None}),
+        "distinct_prompts": len({json.dumps(r.prompt, sort_keys=True) for r in rows}),
+        "tokens": {
+            "prompt": _percentiles([len(e.prompt_ids) for e in raw]),
+            "completion": _percentiles([len(e.completion_ids) for e in raw]),
+            "total": _percentiles([e.length for e in raw]),
+        },
+        "max_length": data_section.max_length,
+        "max_prompt_length": data_section.max_prompt_length,
+        "truncation": data_section.truncation,
+        "over_max_length": sum(e.length > data_section.max_length for e in raw),
+        "prompt_cut": prompt_cut,
+        "completion_cut": completion_cut,
+        "dropped": dropped,
+        "rows_kept": len(fitted),
+        "batch_size": batch_size,
+        "global_batch_size": global_batch_size or batch_size,
+        "seed": seed,
+        "tokens_fed": costs,
+    }
