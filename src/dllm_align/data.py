@@ -641,7 +641,17 @@ def detect_layout(columns: Iterable[str]) -> Optional[str]:
 _REQUIRED = {"paired": ("chosen", "rejected"), "unpaired": ("completion",)}
 
 
-def _layout(table: Table, fmt: str, quiet: bool) -> str:
+def _note_layout(tables: list[Table], layouts: list[str], quiet: bool) -> None:
+    """Say which layout was read (after validation, so an error stays the first line of output)."""
+    if quiet:
+        return
+    for t, lay in zip(tables, layouts):
+        cols = _columns(t)
+        shown = ", ".join(c for c in ("prompt", "completion", "label", "chosen", "rejected", "messages", "id", "prompt_id") if c in cols)
+        console.info(f"{t.name}: {lay} layout ({shown}), {len(t.records):,} rows")
+
+
+def _layout(table: Table, fmt: str) -> str:
     cols = _columns(table)
     if not cols:
         if not table.records:
@@ -654,9 +664,6 @@ def _layout(table: Table, fmt: str, quiet: bool) -> str:
                 f"{table.name}: cannot tell the layout from the columns ({', '.join(sorted(cols)[:10])})",
                 hint="expected prompt/completion/label (unpaired) or prompt/chosen/rejected (paired)",
             )
-        if not quiet:
-            shown = ", ".join(c for c in ("prompt", "completion", "label", "chosen", "rejected", "messages", "id", "prompt_id") if c in cols)
-            console.info(f"{table.name}: {found} layout ({shown}), {len(table.records):,} rows")
         return found
     missing = [c for c in _REQUIRED.get(fmt, ()) if c not in cols]
     if missing:
@@ -841,8 +848,10 @@ def load_unpaired(
     problems: list[Problem] = []
     counters: dict = {}
     rows: list[Row] = []
+    layouts = []
     for t in tables:
-        lay = _layout(t, format, quiet)
+        lay = _layout(t, format)
+        layouts.append(lay)
         if lay == "paired":
             pairs = _assign_ids(_parse_paired(t, problems), problems, _pair_hash, counters)
             rows.extend(unpair(pairs))
@@ -853,6 +862,7 @@ def load_unpaired(
                 f"{t.name}: holds prompts only (no completion or chosen/rejected columns); training needs completions"
             )
     report_problems(problems, _source_name(tables, source), skip_invalid)
+    _note_layout(tables, layouts, quiet)
     _finish_counters(counters, label)
     if len(tables) > 1:
         _check_unique([(r.id, r) for r in rows], str(source))
@@ -965,8 +975,10 @@ def load_paired(
     problems: list[Problem] = []
     counters: dict = {}
     pairs: list[PairRow] = []
+    layouts = []
     for t in tables:
-        lay = _layout(t, format, quiet)
+        lay = _layout(t, format)
+        layouts.append(lay)
         if lay == "paired":
             pairs.extend(_assign_ids(_parse_paired(t, problems), problems, _pair_hash, counters))
         elif lay == "unpaired":
@@ -975,6 +987,7 @@ def load_paired(
         else:
             raise UserError(f"{t.name}: holds prompts only; pairs need chosen and rejected completions")
     report_problems(problems, _source_name(tables, source), skip_invalid)
+    _note_layout(tables, layouts, quiet)
     _finish_counters(counters, None)
     if len(tables) > 1:
         _check_unique([(p.id, p) for p in pairs], str(source))
@@ -1034,10 +1047,13 @@ def load_prompts(
         return _limit([PromptRow(p.id, p.prompt) for p in pairs], limit)
     problems: list[Problem] = []
     out: list[PromptRow] = []
+    layouts = []
     for t in tables:
-        lay = "prompts" if t.name.endswith((".txt", ".txt.gz")) else _layout(t, "auto", quiet or t.name.endswith(".txt"))
+        lay = "prompts" if t.name.endswith((".txt", ".txt.gz")) else _layout(t, "auto")
+        layouts.append(lay)
         out.extend(_prompts_of_table(t, lay, problems))
     report_problems(problems, _source_name(tables, source), skip_invalid)
+    _note_layout(tables, layouts, quiet)
     # Distinct ids: identical prompts collapse, a reused id for another prompt is a problem.
     seen: dict[str, PromptRow] = {}
     unique = []

@@ -106,6 +106,7 @@ def end_of_turn_id(tokenizer) -> int:
     for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
         if getattr(tok, "special", False):
             special.add(i)
+    tail_checked = False  # the template ends a reply with no special token: EOS it is
     if getattr(tokenizer, "chat_template", None):
         user = [{"role": "user", "content": "hi"}]
         try:
@@ -120,7 +121,8 @@ def end_of_turn_id(tokenizer) -> int:
             for i in _encode(tokenizer, [tail], plain=False)[0]:
                 if i in special:
                     return int(i)
-    for name in ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>"):
+            tail_checked = True
+    for name in () if tail_checked else ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>"):
         i = tokenizer.convert_tokens_to_ids(name)
         if isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None) and i in special:
             return i
