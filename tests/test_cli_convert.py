@@ -208,3 +208,14 @@ def test_data_check(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "q", "completion": "", "label": True}])
     r = runner.invoke(app, ["data", "check", str(bad)])
     assert r.exit_code == 2 and "empty completion" in r.stderr
+
+
+def test_convert_hub_dataset_offline_is_one_line(tmp_path):
+    out = tmp_path / "ufb.jsonl"
+    r = runner.invoke(app, ["convert", "HuggingFaceH4/ultrafeedback_binarized", "--split", "train_prefs", "-o", str(out)])
+    assert r.exit_code == 2
+    assert r.stderr.splitlines()[0] == (
+        "Error: dataset 'HuggingFaceH4/ultrafeedback_binarized' is not in the local cache "
+        "and HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set"
+    )
+    assert "Traceback" not in r.stderr and not out.exists()

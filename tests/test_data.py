@@ -259,6 +259,21 @@ def test_hash_ids_are_order_free_and_duplicates_suffixed(tmp_path, capsys):
     assert "1 rows are exact copies" in capsys.readouterr().err
 
 
+def test_repeated_prompt_id_is_soft(tmp_path, capsys):
+    rows = ultrafeedback_rows(2)
+    second = json.loads(json.dumps(rows[0]))
+    second["rejected"][1]["content"] = "another bad answer"
+    f = write_jsonl(tmp_path / "u.jsonl", rows + [second])
+    assert [p.id for p in load_paired(f)] == ["pid0", "pid1", "pid0-2"]
+    assert "1 pairs repeat an earlier pair's prompt_id" in capsys.readouterr().err
+    assert [p.id for p in load_prompts(f)] == ["pid0", "pid1"]
+    # an explicit id column is a row id: repeats are errors
+    for r in rows + [second]:
+        r["id"] = "same"
+    with pytest.raises(UserError, match="duplicate id 'same'"):
+        load_paired(write_jsonl(tmp_path / "v.jsonl", rows + [second]))
+
+
 # --------------------------------------------------------------------------- file kinds
 def test_parquet_csv_json_gz_and_saved_dataset(tmp_path):
     import datasets
@@ -312,6 +327,12 @@ def test_folder_with_split_files(tmp_path):
     write_jsonl(d / "data" / "test-00000-of-00001.jsonl", kto_rows(1, 0))
     assert len(load_unpaired(d, split="train")) == 3
     assert len(load_unpaired(d, split="test")) == 1
+    # shards of one split are read together; ids are unique across them
+    write_jsonl(d / "data" / "train-00001-of-00002.jsonl", kto_rows(1, 1))
+    rows = load_unpaired(d, split="train")
+    assert len(rows) == 5 and len({r.id for r in rows}) == 5
+    with pytest.raises(UserError, match="several data files"):
+        load_unpaired(d / "data")
 
 
 def test_hub_offline_is_one_line_and_fast():

@@ -731,20 +731,22 @@ def _parse_paired(table: Table, problems: list[Problem]) -> list[tuple]:
             prompt = before_c or before_r or prompt
             _check_prompt_turn(prompt)
             rid = _explicit_id(d.get("id"))
-            if rid is None:
-                rid = _explicit_id(d.get("prompt_id"))
-            out.append((rec.where, PairRow(rid or "", prompt, chosen, rejected), rid))
+            # A prompt_id names the prompt, not the pair: several pairs may share it,
+            # so it is a soft id (suffixed on repeats) rather than a row id.
+            soft = None if rid is not None else _explicit_id(d.get("prompt_id"))
+            out.append((rec.where, PairRow(rid or soft or "", prompt, chosen, rejected), rid))
         except _Bad as e:
             problems.append(Problem(rec.where, str(e)))
     return out
 
 
 def _assign_ids(parsed: list[tuple], problems: list[Problem], hash_of, counters: dict) -> list:
-    """Give each row its explicit id or a content hash; report duplicate explicit ids.
+    """Give each row its explicit id, else its soft id (a pair's ``prompt_id``), else a content hash.
 
-    Rows without an id get a hash of their content. Identical rows get the same
-    hash; the second and later copies get ``-2``, ``-3`` suffixes (counted and
-    reported by the caller), so ids stay unique and order-free.
+    A repeated explicit id is a problem. Rows without one that collide (exact
+    copies of a row, pairs sharing a prompt_id) keep the first id and get ``-2``,
+    ``-3`` suffixes in file order; the caller warns with the count. Hash ids
+    depend on content only, so they are the same whatever the row order.
     """
     seen: dict[str, str] = {}
     out = []
@@ -756,13 +758,14 @@ def _assign_ids(parsed: list[tuple], problems: list[Problem], hash_of, counters:
             seen[rid] = where
             out.append(row)
             continue
-        h = hash_of(row)
-        new, k = h, 1
+        base = row.id or hash_of(row)
+        new, k = base, 1
         while new in seen:
             k += 1
-            new = f"{h}-{k}"
+            new = f"{base}-{k}"
         if k > 1:
-            counters["dup_content"] = counters.get("dup_content", 0) + 1
+            key = "dup_prompt_id" if row.id else "dup_content"
+            counters[key] = counters.get(key, 0) + 1
         seen[new] = where
         out.append(_with_id(row, new))
     return out
@@ -821,6 +824,8 @@ def _source_name(tables: list[Table], source) -> str:
 def _finish_counters(counters: dict, label: Optional[bool]) -> None:
     if counters.get("own_label"):
         console.warn(f"{counters['own_label']:,} rows have their own label column; --label {str(label).lower()} applies only to rows without one")
+    if counters.get("dup_prompt_id"):
+        console.warn(f"{counters['dup_prompt_id']:,} pairs repeat an earlier pair's prompt_id (kept, ids suffixed -2, -3, ...)")
     if counters.get("dup_content"):
         console.warn(f"{counters['dup_content']:,} rows are exact copies of earlier rows (kept, ids suffixed -2, -3, ...)")
 
@@ -847,35 +852,38 @@ def load_unpaired(
         return _unpaired_from_pair_files(tables, skip_invalid, quiet)
     problems: list[Problem] = []
     counters: dict = {}
-    rows: list[Row] = []
+    parsed_pairs: list[tuple] = []
+    parsed_rows: list[tuple] = []
     layouts = []
     for t in tables:
         lay = _layout(t, format)
         layouts.append(lay)
         if lay == "paired":
-            pairs = _assign_ids(_parse_paired(t, problems), problems, _pair_hash, counters)
-            rows.extend(unpair(pairs))
+            parsed_pairs += _parse_paired(t, problems)
         elif lay == "unpaired":
-            rows.extend(_assign_ids(_parse_unpaired(t, label, problems, counters), problems, _row_hash, counters))
+            parsed_rows += _parse_unpaired(t, label, problems, counters)
         else:
             raise UserError(
                 f"{t.name}: holds prompts only (no completion or chosen/rejected columns); training needs completions"
             )
+    # Ids are assigned over all files of a source at once (shards may hold copies of each other's rows).
+    rows = unpair(_assign_ids(parsed_pairs, problems, _pair_hash, counters))
+    rows += _assign_ids(parsed_rows, problems, _row_hash, counters)
     report_problems(problems, _source_name(tables, source), skip_invalid)
     _note_layout(tables, layouts, quiet)
     _finish_counters(counters, label)
-    if len(tables) > 1:
-        _check_unique([(r.id, r) for r in rows], str(source))
+    if parsed_pairs and parsed_rows:
+        _check_unique([r.id for r in rows], str(source))
     if not rows:
         raise UserError(f"{source}: no valid rows")
     return rows
 
 
-def _check_unique(items: list[tuple[str, Any]], what: str) -> None:
+def _check_unique(ids: list[str], what: str) -> None:
     seen = set()
-    for i, _ in items:
+    for i in ids:
         if i in seen:
-            raise UserError(f"{what}: id '{i}' occurs in more than one file of the source")
+            raise UserError(f"{what}: id '{i}' occurs twice, once from paired and once from unpaired rows")
         seen.add(i)
 
 
@@ -974,23 +982,26 @@ def load_paired(
         return _pairs_from_pair_files(tables, skip_invalid, quiet)
     problems: list[Problem] = []
     counters: dict = {}
-    pairs: list[PairRow] = []
+    parsed_pairs: list[tuple] = []
+    parsed_rows: list[tuple] = []
     layouts = []
     for t in tables:
         lay = _layout(t, format)
         layouts.append(lay)
         if lay == "paired":
-            pairs.extend(_assign_ids(_parse_paired(t, problems), problems, _pair_hash, counters))
+            parsed_pairs += _parse_paired(t, problems)
         elif lay == "unpaired":
-            parsed = _parse_unpaired(t, None, problems, counters)
-            pairs.extend(_repair(parsed, t.name, problems))
+            parsed_rows += _parse_unpaired(t, None, problems, counters)
         else:
             raise UserError(f"{t.name}: holds prompts only; pairs need chosen and rejected completions")
+    pairs = _assign_ids(parsed_pairs, problems, _pair_hash, counters)
+    if parsed_rows:
+        pairs += _repair(parsed_rows, _source_name(tables, source), problems)
     report_problems(problems, _source_name(tables, source), skip_invalid)
     _note_layout(tables, layouts, quiet)
     _finish_counters(counters, None)
-    if len(tables) > 1:
-        _check_unique([(p.id, p) for p in pairs], str(source))
+    if parsed_pairs and parsed_rows:
+        _check_unique([p.id for p in pairs], str(source))
     if not pairs:
         raise UserError(f"{source}: no valid pairs")
     return pairs
@@ -1079,8 +1090,8 @@ def _limit(rows: list, limit: Optional[int]) -> list:
 def _prompts_of_table(t: Table, lay: str, problems: list[Problem]) -> list[PromptRow]:
     counters: dict = {}
     if lay == "paired":
-        pairs = _assign_ids(_parse_paired(t, problems), problems, _pair_hash, counters)
-        return [PromptRow(p.id, p.prompt) for p in pairs]
+        # Pairs sharing a prompt give it once (load_prompts drops same-id, same-prompt repeats).
+        return [PromptRow(rid or p.id or _prompt_hash(p.prompt), p.prompt) for _, p, rid in _parse_paired(t, problems)]
     if lay == "unpaired":
         parsed = _parse_unpaired(t, False, problems, counters)
         pids = {}
