@@ -32,13 +32,15 @@ def test_tiny_roundtrip_and_speed(tiny, tiny_dir):
     # a training step on CPU takes milliseconds
     model = again.model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    t = time.perf_counter()
+    times = []
     for _ in range(5):
+        t = time.perf_counter()
         loss = model(torch.randint(0, 256, (2, 64))).logits.logsumexp(-1).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-    assert (time.perf_counter() - t) / 5 < 0.5
+        times.append(time.perf_counter() - t)
+    assert min(times) < 0.25  # typically ~10 ms; min() is robust to a busy machine
 
 
 def test_tiny_is_bidirectional(tiny):
