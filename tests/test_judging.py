@@ -576,3 +576,39 @@ def test_retry_after_parsing():
 def test_help_has_an_example():
     r = runner.invoke(app, ["judge", "--help"])
     assert r.exit_code == 0 and "Example: dllm-align judge" in r.stdout
+
+
+def test_summarize_outcomes_excludes_unfinished_prompts_per_judge_and_for_the_pair():
+    res = judging.summarize_outcomes({"j1": [1, None, -1, 0], "j2": [1, 1, None, 0]}, bootstrap=200)
+    j1, j2 = res["judges"]["j1"], res["judges"]["j2"]
+    assert (j1["n"], j1["failed_prompts"], j1["awr"]) == (3, 1, 0.5)           # win, loss, tie
+    assert (j2["n"], j2["failed_prompts"], j2["awr"]) == (3, 1, (2 + 0.5) / 3)  # win, win, tie
+    mv = res["majority_vote"]  # prompts 0 and 3 only: win/win -> win, tie/tie -> tie
+    assert (mv["n"], mv["wins"], mv["ties"], mv["awr"]) == (2, 1, 1, 0.75)
+    assert res["cohen_kappa"] == {"value": 1.0, "ci90": [1.0, 1.0], "n": 2}
+
+
+def test_ctrl_c_exits_130_at_once_and_keeps_the_cache(tmp_path, files):
+    a, b = files
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OPENAI_API_KEY=KEY)
+    env.pop("DLLM_ALIGN_DEBUG", None)
+    with JudgeServer(KEY) as srv:
+        srv.hold_after = 3  # then every request hangs (the timeout is 60 s)
+        proc = subprocess.Popen([sys.executable, "-m", "dllm_align", "judge", str(a), str(b), "-o", str(tmp_path / "out"),
+                                 "--judge", "m", "--base-url", srv.url, "--timeout", "60", "--concurrency", "4"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert srv.held.wait(60)
+            time.sleep(0.3)
+            t = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=20)
+            elapsed = time.monotonic() - t
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        n_held = len(srv.requests_for(action="held"))
+    assert proc.returncode == 130 and "Interrupted" in err
+    assert elapsed < 5  # requests in flight are cut, not waited for
+    assert n_held <= 4  # no new request after Ctrl-C
+    assert len((tmp_path / "out" / "cache.jsonl").read_text().splitlines()) == 3

@@ -653,6 +653,19 @@ class ChatClient:
             conn.close()
             self._local.conn = None
 
+    def abort(self) -> None:
+        """Stop every worker now: no new requests, and requests in flight are cut
+        (shutting a socket down wakes a thread blocked reading it; close alone does not)."""
+        self.stop.set()
+        with self._conns_lock:
+            for c in self._conns:
+                sock = c.sock
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
     def close(self) -> None:
         with self._conns_lock:
             for c in self._conns:
@@ -673,7 +686,7 @@ class ChatClient:
                 self._drop_connection()
                 # A kept-alive connection the server has since closed fails like this:
                 # try once more at once on a new connection before counting a retry.
-                if not reused or fresh_try:
+                if not reused or fresh_try or self.stop.is_set():
                     raise
             except BaseException:
                 self._drop_connection()
@@ -845,8 +858,6 @@ def judge_pairs(
     Returns the results; ``failed`` > 0 means some judgements are missing (their
     prompts are excluded for that judge, see the module docstring).
     """
-    import numpy as np
-
     from dllm_align import stats
     from dllm_align.console import info, warn
     from dllm_align.io import atomic_write_json, atomic_write_text
@@ -946,27 +957,13 @@ def judge_pairs(
             outcome_rows.append(row)
 
         failed = sum(1 for k in tasks if k not in cache)  # distinct API judgements still missing
-        results: dict[str, Any] = {"n": len(pairs), "a": labels[0], "b": labels[1], "judges": {}}
-        for j in judges:
-            os_ = [o for o in per_judge[j] if o is not None]
-            summ = stats.summarize(np.array(os_, dtype=np.int8), n_resamples=B, seed=seed)
-            summ["failed_prompts"] = len(pairs) - len(os_)
-            results["judges"][j] = summ
+        results: dict[str, Any] = {"n": len(pairs), "a": labels[0], "b": labels[1]}
+        results.update(summarize_outcomes(per_judge, bootstrap=B, seed=seed))
         if len(judges) == 2:
             j1, j2 = judges
-            both = [(a, b) for a, b in zip(per_judge[j1], per_judge[j2]) if a is not None and b is not None]
-            o1 = np.array([a for a, _ in both], dtype=np.int8)
-            o2 = np.array([b for _, b in both], dtype=np.int8)
-            mv = stats.majority_vote(o1, o2)
-            results["majority_vote"] = stats.summarize(mv, n_resamples=B, seed=seed)
             for i, row in enumerate(outcome_rows):
                 a, b = per_judge[j1][i], per_judge[j2][i]
                 row["majority_vote"] = stats.OUTCOME_NAMES[int(stats.majority_vote([a], [b])[0])] if a is not None and b is not None else None
-            if len(both):
-                lo, hi = stats.kappa_ci(o1, o2, n_resamples=B, seed=seed)
-                results["cohen_kappa"] = {"value": stats.cohen_kappa(o1, o2), "ci90": [lo, hi], "n": len(both)}
-            else:
-                results["cohen_kappa"] = {"value": None, "ci90": None, "n": 0}
         results["failed_judgements"] = failed
         usage: dict[str, dict] = {}
         for k in used_keys & set(cache):
@@ -993,6 +990,39 @@ def judge_pairs(
         atomic_write_text(out / "outcomes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in outcome_rows))
         atomic_write_text(out / "results.md", results_markdown(results))
     return JudgeRunResult(results, outcome_rows, failed, out)
+
+
+def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, bootstrap: int = 5000, seed: int = 0) -> dict:
+    """Statistics of per-prompt outcomes (+1 / 0 / -1, ``None`` for a prompt the judge
+    could not finish), one list per judge, all lists in the same prompt order.
+
+    Returns ``{"judges": {name: {n, wins, losses, ties, awr, ci90, failed_prompts}}}``
+    and, with two judges, ``"majority_vote"`` and ``"cohen_kappa": {value, ci90, n}``
+    over the prompts both judges finished. Every interval uses the same resamples
+    (same ``seed``) when the prompt counts agree.
+    """
+    import numpy as np
+
+    from dllm_align import stats
+
+    out: dict[str, Any] = {"judges": {}}
+    for j, outs in per_judge.items():
+        done = [o for o in outs if o is not None]
+        summ = stats.summarize(np.array(done, dtype=np.int8), n_resamples=bootstrap, seed=seed)
+        summ["failed_prompts"] = len(outs) - len(done)
+        out["judges"][j] = summ
+    if len(per_judge) == 2:
+        l1, l2 = per_judge.values()
+        both = [(a, b) for a, b in zip(l1, l2) if a is not None and b is not None]
+        o1 = np.array([a for a, _ in both], dtype=np.int8)
+        o2 = np.array([b for _, b in both], dtype=np.int8)
+        out["majority_vote"] = stats.summarize(stats.majority_vote(o1, o2), n_resamples=bootstrap, seed=seed)
+        if both:
+            lo, hi = stats.kappa_ci(o1, o2, n_resamples=bootstrap, seed=seed)
+            out["cohen_kappa"] = {"value": stats.cohen_kappa(o1, o2), "ci90": [lo, hi], "n": len(both)}
+        else:
+            out["cohen_kappa"] = {"value": None, "ci90": None, "n": 0}
+    return out
 
 
 def _run_tasks(tasks, client: ChatClient, s: dict, cache_path: Path, slots, verdicts, errors, cache, stop: threading.Event, already: int):
@@ -1066,7 +1096,7 @@ def _run_tasks(tasks, client: ChatClient, s: dict, cache_path: Path, slots, verd
                         last_log = now
                         info(f"judged {already + done_now}/{total} ({done_now / (now - t0):.2f} judgements/s), failed {n_failed}, retried {retried}")
     except BaseException:
-        stop.set()  # Ctrl-C or a bug: workers stop at their next retry or request
+        client.abort()  # Ctrl-C or a bug: do not wait for requests in flight
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

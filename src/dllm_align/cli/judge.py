@@ -29,8 +29,8 @@ _FLAG_OF = {
 
 @command("judge")
 def judge(
-    a: Annotated[Path, typer.Argument(help="Generations of model A (the tuned model): JSONL or JSON rows with id, prompt, completion.")],
-    b: Annotated[Path, typer.Argument(help="Generations of model B (the base model), same ids and prompts.")],
+    a: Annotated[Path, typer.Argument(metavar="A.jsonl", help="Generations of model A (the tuned model): JSONL or JSON rows with id, prompt, completion.")],
+    b: Annotated[Path, typer.Argument(metavar="B.jsonl", help="Generations of model B (the base model), same ids and prompts.")],
     output: Annotated[
         Optional[Path],
         typer.Option("--output", "-o", help="Output folder (results, outcomes, cache). Default: <A's folder>/judge_<B's folder>_<B's name>."),
@@ -59,8 +59,10 @@ def judge(
     strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.")] = False,
 ) -> None:
-    """Judge A against B, every prompt in both orders: adjusted win rate with a 90%
-    bootstrap interval per judge, and with two judges the majority vote and Cohen's kappa.
+    """Pairwise LLM or rule judging of A vs B: adjusted win rate, 90% CI, majority vote, kappa.
+
+    Every prompt is judged with A's answer first and with B's first; A wins only if
+    both orders prefer it. Two judges add the majority vote and Cohen's kappa.
 
     Finished judgements are cached in the output folder: rerunning the same command
     resumes without repeating a request, and retries the ones that failed. Exit code 1
