@@ -175,18 +175,40 @@ class GenerateSection(Section):
 
 # --------------------------------------------------------------------------- judge
 class JudgeSection(Section):
-    judges: list[str] = Field(default_factory=lambda: ["gpt-4o-mini"], description="One or two judges; 'rule:NAME' for rule judges.")
-    base_url: str = "https://api.openai.com/v1"
-    api_key_env: str = "OPENAI_API_KEY"
-    template: Optional[str] = None
-    concurrency: int = Field(8, ge=1, le=256)
-    timeout: float = Field(60.0, gt=0)
-    max_retries: int = Field(6, ge=0)
-    max_parse_retries: int = Field(2, ge=0)
-    bootstrap: int = Field(5000, ge=100)
-    seed: int = 0
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(1024, ge=1)
+    """Pairwise judging (SPEC.md section 8; `dllm-align judge`)."""
+
+    judges: list[str] = Field(
+        default_factory=lambda: ["gpt-4o-mini"],
+        min_length=1,
+        max_length=2,
+        description="One or two judges: model names served at base_url, or 'rule:NAME' for rule judges "
+        "(two judges add the majority vote and Cohen's kappa).",
+    )
+    base_url: str = Field("https://api.openai.com/v1", description="OpenAI-compatible endpoint (vLLM, SGLang, ...); the only host contacted.")
+    api_key_env: str = Field(
+        "OPENAI_API_KEY", description="Name of the environment variable holding the API key ('' for a server without authentication)."
+    )
+    template: Optional[str] = Field(
+        None, description="Judging prompt file with {prompt}, {answer_a}, {answer_b} placeholders (default: the built-in template)."
+    )
+    concurrency: int = Field(8, ge=1, le=256, description="Requests in flight at once.")
+    timeout: float = Field(60.0, gt=0, description="Seconds to wait on a connection or a response before retrying.")
+    max_retries: int = Field(6, ge=0, description="Retries of one request on 429, 5xx, timeouts and dropped connections.")
+    retry_base_delay: float = Field(
+        1.0, ge=0, description="First backoff delay in seconds; doubles on each retry, with jitter (a Retry-After from the server wins)."
+    )
+    retry_max_delay: float = Field(60.0, ge=0, description="Cap on one backoff delay in seconds.")
+    max_parse_retries: int = Field(2, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict.")
+    bootstrap: int = Field(5000, ge=100, description="Bootstrap resamples of prompts for the 90% intervals (paper: 5,000).")
+    seed: int = Field(0, description="Seed of the bootstrap resamples.")
+    temperature: float = Field(0.0, ge=0, description="Judge sampling temperature.")
+    max_tokens: int = Field(1024, ge=1, description="Cap on the judge's reply length.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "JudgeSection":
+        if len(set(self.judges)) != len(self.judges):
+            raise ValueError(f"judges: the same judge is listed twice ({self.judges[0]})")
+        return self
 
 
 # --------------------------------------------------------------------------- ablate

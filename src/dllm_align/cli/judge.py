@@ -1,0 +1,123 @@
+"""``dllm-align judge``: pairwise judging of two generation files (SPEC.md section 8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dllm_align.cli.app import command
+
+# Command-line flags that map onto recipe keys of the judge section.
+_FLAG_OF = {
+    "judges": "--judge",
+    "base_url": "--base-url",
+    "api_key_env": "--api-key-env",
+    "template": "--template",
+    "concurrency": "--concurrency",
+    "timeout": "--timeout",
+    "max_retries": "--max-retries",
+    "retry_base_delay": "--retry-delay",
+    "max_parse_retries": "--max-parse-retries",
+    "bootstrap": "--bootstrap",
+    "seed": "--seed",
+    "temperature": "--temperature",
+    "max_tokens": "--max-tokens",
+}
+
+
+@command("judge")
+def judge(
+    a: Annotated[Path, typer.Argument(metavar="A.jsonl", help="Generations of model A (the tuned model): JSONL or JSON rows with id, prompt, completion.")],
+    b: Annotated[Path, typer.Argument(metavar="B.jsonl", help="Generations of model B (the base model), same ids and prompts.")],
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", help="Output folder (results, outcomes, cache). Default: <A's folder>/judge_<B's folder>_<B's name>."),
+    ] = None,
+    judges: Annotated[
+        Optional[list[str]],
+        typer.Option("--judge", "-j", help="Judge model at --base-url, or rule:NAME. Give it twice for two judges (majority vote, kappa)."),
+    ] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe whose `judge` section gives the defaults.")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint; the only host contacted.")] = None,
+    api_key_env: Annotated[
+        Optional[str], typer.Option(help="Environment variable holding the API key ('' for a server without authentication).")
+    ] = None,
+    template: Annotated[
+        Optional[Path], typer.Option(help="Judging prompt file with {prompt}, {answer_a}, {answer_b} placeholders.")
+    ] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="Requests in flight at once.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds before a request counts as timed out and is retried.")] = None,
+    max_retries: Annotated[Optional[int], typer.Option(help="Retries of one request (429, 5xx, timeouts, dropped connections).")] = None,
+    retry_delay: Annotated[Optional[float], typer.Option(help="First backoff delay in seconds (doubles each retry, with jitter).")] = None,
+    max_parse_retries: Annotated[Optional[int], typer.Option(help="Further requests when a reply has no [[A]]/[[B]]/[[C]] verdict.")] = None,
+    bootstrap: Annotated[Optional[int], typer.Option(help="Bootstrap resamples for the 90% intervals (paper: 5000).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Bootstrap seed.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Judge sampling temperature.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Cap on the judge's reply length.")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.")] = False,
+) -> None:
+    """Pairwise LLM or rule judging of A vs B: adjusted win rate, 90% CI, majority vote, kappa.
+
+    Every prompt is judged with A's answer first and with B's first; A wins only if
+    both orders prefer it. Two judges add the majority vote and Cohen's kappa.
+
+    Finished judgements are cached in the output folder: rerunning the same command
+    resumes without repeating a request, and retries the ones that failed. Exit code 1
+    when some judgements still failed (results are written without them).
+
+    Example: dllm-align judge runs/kto/gen.jsonl runs/base/gen.jsonl --judge gpt-4o-mini --judge gpt-4.1-mini -o runs/kto/judge
+    """
+    import json
+
+    from pydantic import ValidationError
+
+    from dllm_align.console import info, result
+    from dllm_align.errors import RunFailure, UserError
+    from dllm_align.judging import judge_files, print_table
+    from dllm_align.recipe import JudgeSection, load_recipe, write_run_info
+
+    rec = load_recipe(recipe)
+    given = {
+        "judges": judges or None,
+        "base_url": base_url,
+        "api_key_env": api_key_env,
+        "template": str(template) if template is not None else None,
+        "concurrency": concurrency,
+        "timeout": timeout,
+        "max_retries": max_retries,
+        "retry_base_delay": retry_delay,
+        "max_parse_retries": max_parse_retries,
+        "bootstrap": bootstrap,
+        "seed": seed,
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+    }
+    merged = {**rec.judge.model_dump(), **{k: v for k, v in given.items() if v is not None}}
+    try:
+        settings = JudgeSection.model_validate(merged)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = str(err["loc"][0]) if err["loc"] else ""
+            where = _FLAG_OF.get(key, f"judge.{key}") if key in given and given[key] is not None else f"judge.{key}" if key else "judge"
+            problems.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
+        raise UserError("; ".join(problems))
+    rec.judge = settings
+
+    if output is None:
+        output = a.parent / f"judge_{b.parent.name or 'b'}_{b.stem}"
+    run = judge_files(a, b, output, settings, strict=strict)
+    write_run_info(rec, output, "judge")
+    if json_out:
+        result(json.dumps(run.results, indent=2, ensure_ascii=False))
+    else:
+        print_table(run.results)
+    info(f"Wrote {output / 'results.json'}, results.md and outcomes.jsonl")
+    if run.failed:
+        raise RunFailure(
+            f"{run.failed} judgement(s) failed; their prompts are left out of the affected judge's numbers (see n)",
+            hint="run the same command again to retry only those",
+        )
