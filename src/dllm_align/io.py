@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(str(path), os.O_RDONLY)
@@ -37,6 +43,8 @@ def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
     os.close(fd)
+    # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 minus umask).
+    os.chmod(tmp, 0o666 & ~_umask())
     tmp_path = Path(tmp)
     try:
         yield tmp_path

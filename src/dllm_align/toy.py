@@ -120,3 +120,13 @@ def unpaired_rows(prompts: list[str], split: str, seed: int = 0, both: bool = Tr
                 }
             )
     return rows
+
+
+def _register() -> None:
+    """Make ``--judge rule:sort`` available (judging imports this module for unknown rules)."""
+    from dllm_align.judging import register_rule
+
+    register_rule("sort", rule_verdict)
+
+
+_register()
