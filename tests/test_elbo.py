@@ -217,3 +217,21 @@ def test_shared_masks_zero_margin_and_lower_variance(tiny):
             indep.append(float(pol - ref_other))
     v_shared, v_indep = np.var(shared), np.var(indep)
     assert v_shared < 0.5 * v_indep, (v_shared, v_indep)
+
+
+def test_chunked_head_equals_plain_head_values_and_grads():
+    from dllm_align.models import chunked_target_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(300, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 300, (37,), generator=g)
+    gout = torch.randn(37, generator=g, dtype=torch.float64)
+    plain = torch.log_softmax(h @ w.t(), -1).gather(-1, t[:, None]).squeeze(-1)
+    gh, gw = torch.autograd.grad((plain * gout).sum(), [h, w])
+    for chunk in (1, 8, 64):
+        fast = chunked_target_logprobs(h, w, t, chunk)
+        fh, fw = torch.autograd.grad((fast.double() * gout).sum(), [h, w])
+        torch.testing.assert_close(fast.double(), plain, atol=1e-5, rtol=0)
+        torch.testing.assert_close(fh, gh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fw, gw, atol=1e-5, rtol=1e-5)

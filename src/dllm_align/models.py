@@ -542,9 +542,78 @@ class MaskPredictor:
         ``rows``, ``cols`` and ``targets`` are 1-D of equal length N; returns [N].
         """
         if self.separable:
-            h = self.hidden(input_ids, attention_mask)
-            logits = self.head(h[rows, cols])  # [N, V]: only the scored positions
+            h = self.hidden(input_ids, attention_mask)[rows, cols]  # [N, H]: only the scored positions
+            w = self._plain_head_weight()
+            if w is not None and self.head_chunk:
+                return chunked_target_logprobs(h, w, targets, self.head_chunk)
+            logits = self.head(h)
         else:
             logits = self.logits(input_ids, attention_mask)[rows, cols]
         logits = logits.float()
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    # Rows of the output head computed at once by the chunked scorer: a [chunk, V] fp32 block
+    # (128 x 126,464 x 4 B = 65 MB for LLaDA). 0 turns chunking off.
+    head_chunk: int = 128
+
+    def _plain_head_weight(self) -> Optional[torch.Tensor]:
+        """The head's weight if the head is a plain bias-free Linear on an unsharded tensor."""
+        head = self._head
+        w = getattr(head, "weight", None)
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None or w is None:
+            return None
+        if type(w.data) is not torch.Tensor or w.dim() != 2:  # DTensor / FSDP flat params: use the module
+            return None
+        if head._forward_hooks or head._forward_pre_hooks:  # e.g. PEFT or FSDP hooks: respect them
+            return None
+        return w
+
+
+# --------------------------------------------------------------------------- chunked head
+class _ChunkedTargetLogprob(torch.autograd.Function):
+    """log softmax(h W^T)[target] without materialising [N, V] logits for the whole batch.
+
+    Forward and backward walk over row chunks; the backward recomputes each
+    chunk's logits (the fused linear + cross-entropy trick), so peak memory is
+    one [chunk, V] block instead of N x V (N = masked positions, up to K * L).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        N = h.shape[0]
+        out = torch.empty(N, dtype=torch.float32, device=h.device)
+        lse = torch.empty(N, dtype=torch.float32, device=h.device)
+        for s in range(0, N, chunk):
+            logits = (h[s:s + chunk] @ weight.t()).float()
+            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+            out[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        chunk = ctx.chunk
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s:s + chunk]
+            g = grad_out[s:s + chunk].float()
+            p = torch.exp((hc @ weight.t()).float() - lse[s:s + chunk, None])
+            # d out_i / d logits_i = onehot(target_i) - softmax_i
+            d = p.mul_(-g[:, None])
+            d.scatter_add_(1, targets[s:s + chunk, None], g[:, None])
+            if need_h:
+                grad_h[s:s + chunk] = (d.to(weight.dtype) @ weight).to(h.dtype)
+            if need_w:
+                grad_w.addmm_(d.t(), hc.float())
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+
+
+def chunked_target_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """fp32 log p(targets) for hidden states ``h`` [N, H] and head ``weight`` [V, H]."""
+    if h.shape[0] == 0:
+        return h.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()
+    return _ChunkedTargetLogprob.apply(h, weight, targets, chunk)
