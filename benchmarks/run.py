@@ -1,0 +1,120 @@
+"""Run every benchmark in one process and print a markdown table of ratios.
+
+    python benchmarks/run.py [--quick] [--json OUT] [--device cpu|cuda] [--only NAME ...]
+
+Each benchmark compares dllm-align with a faithful implementation of the
+straightforward method written in the benchmark itself (see each module's
+docstring). Memory and time targets are asserted here, not in the unit tests:
+the exit code is 1 when a target is missed (``--no-assert`` to only report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+# (module, key, what the straightforward method is, target text, check)
+BENCHMARKS = [
+    ("memory", "loss_memory_ratio", "full [K, L, V] logits, then gather", "<= 0.15", lambda r: r <= 0.15),
+    ("padding", "padding_ratio", "pad every row to 4,096 (paper)", "<= 1.15 x real tokens", lambda r: r <= 1.15),
+    ("throughput", "train_speedup", "K separate forwards, full logits, pad to longest", ">= 3x", lambda r: r >= 3.0),
+    ("throughput", "precompute_speedup", "same, no grad", ">= 3x", lambda r: r >= 3.0),
+    ("generation", "generate_exact_speedup", "one full forward per step (SPEC 7)", ">= 1.0x, identical tokens", lambda r: r >= 1.0),
+    ("generation", "generate_fast_speedup", "exact mode", ">= 3x at batch 1", lambda r: r >= 3.0),
+    ("variance", "variance_ratio_shared", "independent masks for policy and reference", "reported", None),
+    ("variance", "variance_ratio_stratified", "independent masks for policy and reference", "reported", None),
+]
+
+
+def machine() -> dict:
+    import torch
+
+    info = {
+        "date": _dt.date.today().isoformat(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller settings (a smoke run)")
+    ap.add_argument("--json", metavar="OUT", help="write the ratios, settings and machine as JSON")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--only", nargs="*", help="run only these modules (memory padding throughput generation variance)")
+    ap.add_argument("--no-assert", action="store_true", help="report only; exit 0 even if a target is missed")
+    args = ap.parse_args(argv)
+
+    modules = []
+    for mod, *_ in BENCHMARKS:
+        if mod not in modules and (not args.only or mod in args.only):
+            modules.append(mod)
+    results: dict = {}
+    timings = {}
+    for mod in modules:
+        sys.stderr.write(f"[bench] {mod} ...\n")
+        sys.stderr.flush()
+        t = time.perf_counter()
+        try:
+            results.update(importlib.import_module(mod).run(device=args.device, quick=args.quick))
+        except Exception as e:  # report and go on: one broken benchmark must not hide the others
+            results[f"{mod}_error"] = f"{type(e).__name__}: {e}"
+            sys.stderr.write(f"[bench] {mod} failed: {type(e).__name__}: {e}\n")
+        timings[mod] = round(time.perf_counter() - t, 1)
+
+    m = machine()
+    lines = [
+        f"# dllm-align benchmarks ({m['date']}, {m['platform']}, {m['cores']} cores, torch {m['torch']}"
+        + (f", {m['gpu']}" if "gpu" in m else "") + f", device {args.device}{', quick' if args.quick else ''})",
+        "",
+        "| benchmark | straightforward method | ratio (ours / straightforward) | target | met |",
+        "|---|---|---|---|---|",
+    ]
+    missed = []
+    for mod, key, base, target, check in BENCHMARKS:
+        if mod not in modules:
+            continue
+        val = results.get(key)
+        if val is None:
+            ok = "not run" if f"{mod}_error" not in results else "error"
+            lines.append(f"| {key} | {base} | - | {target} | {ok} |")
+            if check is not None:
+                missed.append(key)
+            continue
+        met = "reported" if check is None else ("yes" if check(val) else "NO")
+        if met == "NO":
+            missed.append(key)
+        lines.append(f"| {key} | {base} | {val:.3f} | {target} | {met} |")
+    lines.append("")
+    lines.append("Seconds per benchmark: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
+    print("\n".join(lines))
+    if args.json:
+        payload = {"machine": m, "device": args.device, "quick": args.quick, "results": results,
+                   "seconds": timings, "missed": missed}
+        Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    if missed and not args.no_assert:
+        sys.stderr.write(f"[bench] targets missed: {', '.join(missed)}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
