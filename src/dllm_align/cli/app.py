@@ -111,6 +111,7 @@ def root(
 from dllm_align.cli import recipes as _recipes  # noqa: E402,F401
 from dllm_align.cli import convert as _convert  # noqa: E402,F401
 from dllm_align.cli import data as _data  # noqa: E402,F401
+from dllm_align.cli import generate as _generate  # noqa: E402,F401
 
 
 def main() -> None:
