@@ -66,8 +66,14 @@ def _tiny(device):
     return MaskPredictor(build_tiny_model(tok, spec).to(device), tok), spec
 
 
-def run(device: str = "cpu", quick: bool = False, repeats: int = 1) -> dict:
-    """Measure the samplers at batch 1; returns a JSON-able dict of figures and settings."""
+def run(device: str = "cpu", quick: bool = False, repeats: int = 1, threads: int | None = None) -> dict:
+    """Measure the samplers at batch 1; returns a JSON-able dict of figures and settings.
+
+    ``threads``: torch CPU threads (None: leave as is). On a shared or busy CPU,
+    1 thread gives steadier figures for a model this small.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
     from dllm_align.generation import FAST_CACHE, FAST_THRESHOLD, SamplerSettings, SamplerStats, encode_prompt, generate_batch
 
     mp, spec = _tiny(device)
@@ -140,9 +146,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="short generation (64 tokens)")
     ap.add_argument("--repeats", type=int, default=1, help="time each sampler this many times, keep the best")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true", help="print the raw JSON")
     args = ap.parse_args()
-    out = run(args.device, args.quick, args.repeats)
+    out = run(args.device, args.quick, args.repeats, args.threads)
     if args.json:
         print(json.dumps(out, indent=2))
         return

@@ -141,7 +141,7 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
     def part_files() -> list[Path]:
         return sorted(out.parent.glob(out.name[: -len(".jsonl")] + ".part*.jsonl")) if out.parent.exists() else []
 
-    rows = load_prompts(source, split=split_name, limit=g.limit)
+    rows = load_prompts(source, split=split_name, limit=g.limit, quiet=rank != 0)
     settings_record = {
         "model": rec.model.name_or_path,
         "revision": rec.model.revision,
@@ -188,10 +188,9 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
 
     order = {r.id: i for i, r in enumerate(rows)}
     todo = [r for r in rows if r.id not in done]
-    console.info(
-        f"generate: {len(rows):,} prompts from {source}" + (f", {len(rows) - len(todo):,} already in {out}" if done else "")
-        + (f"; {world} processes" if world > 1 else "")
-    )
+    if rank == 0:
+        already = f", {len(rows) - len(todo):,} already in {out}" if done else ""
+        console.info(f"generate: {len(rows):,} prompts from {source}{already}" + (f"; {world} processes" if world > 1 else ""))
 
     if todo:
         mp = load_from_section(rec.model, device=dev)
