@@ -51,7 +51,8 @@ positions left of the block, and for the other steps of the block runs only the
 block and the (masked) suffix against them; ``cache='dual'`` also keeps the
 suffix's keys/values and runs only the block. The kept keys/values are stale
 (they saw the block still masked), which is the approximation; they are
-refreshed at every block boundary. ``threshold`` replaces the step schedule:
+refreshed at every block boundary. A cached step offers as candidates only
+the masked positions it recomputes (those of the block). ``threshold`` replaces the step schedule:
 each step commits every candidate whose confidence exceeds it (at least the
 best one per row), until the block is full; the mask token is then never a
 candidate (otherwise a block could never finish) and ``steps`` is not used.
