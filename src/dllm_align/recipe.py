@@ -142,20 +142,26 @@ class TrainSection(Section):
 
 # --------------------------------------------------------------------------- generate
 class GenerateSection(Section):
-    gen_length: int = Field(512, ge=1)
-    block_length: int = Field(32, ge=1)
-    steps: int = Field(512, ge=1)
-    remasking: Literal["low_confidence", "random"] = "low_confidence"
-    temperature: float = Field(0.0, ge=0)
-    cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
-    batch_size: int = Field(8, ge=1)
-    seed: int = 0
-    cache: Literal["none", "prefix", "dual"] = Field("none", description="Fast mode: reuse keys/values within a block.")
-    threshold: Optional[float] = Field(
-        None, gt=0, le=1, description="Fast mode: commit every candidate above this confidence (at least one per step)."
+    """The LLaDA sampler (SPEC.md section 7); `dllm-align generate`, module dllm_align.generation."""
+
+    gen_length: int = Field(512, ge=1, description="Tokens generated per prompt (paper: 512).")
+    block_length: int = Field(32, ge=1, description="Semi-autoregressive block length; divides gen_length (paper: 32).")
+    steps: int = Field(512, ge=1, description="Denoising steps in all; a multiple of the number of blocks (paper: 512).")
+    remasking: Literal["low_confidence", "random"] = Field(
+        "low_confidence", description="Which candidates a step commits: the most probable ones, or random ones."
     )
-    split: Literal["train", "test"] = "test"
-    limit: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise.")
+    cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
+    batch_size: int = Field(8, ge=1, description="Prompts per forward pass (length-grouped, left-padded).")
+    seed: int = Field(0, description="Seed for temperature / random remasking; each prompt hashes it with its id.")
+    cache: Literal["none", "prefix", "dual"] = Field(
+        "none", description="Fast mode: reuse keys/values within a block (prefix: left of it; dual: both sides). 'none' is exact."
+    )
+    threshold: Optional[float] = Field(
+        None, gt=0, le=1, description="Fast mode: commit every candidate above this confidence (at least one per step); replaces the step schedule."
+    )
+    split: Literal["train", "test"] = Field("test", description="Which prompts `generate` reads: data.test or data.train.")
+    limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts.")
 
     @model_validator(mode="after")
     def _shapes(self) -> "GenerateSection":
