@@ -55,7 +55,12 @@ class DataSection(Section):
     train_split: str = "train"
     test: Optional[str] = Field(None, description="Evaluation prompts: local file/folder or hub dataset id.")
     test_split: str = "test"
-    format: Literal["auto", "unpaired", "paired"] = "auto"
+    format: Literal["auto", "unpaired", "paired"] = Field(
+        "auto", description="Layout of the rows: detected from the columns, or forced (see `dllm-align convert`)."
+    )
+    label: Optional[bool] = Field(
+        None, description="Class of rows that have no 'label' column (a file of only desirable or only undesirable rows)."
+    )
     max_length: int = Field(4096, ge=8, description="Cap on prompt + completion tokens.")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="Cap on prompt tokens (left-truncated).")
     truncation: Literal["completion", "prompt_left"] = Field(
