@@ -136,6 +136,12 @@ class TrainSection(Section):
         1, ge=1, description="Examples (pairs for vrpo) per process per micro-batch. Global batch = batch_size x grad_accum x processes."
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
+    global_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Units per optimiser step across all processes (paper: 8). When set, grad_accum is derived from it "
+        "at launch (global / (batch_size x processes)), so one recipe gives the same update on 1 or 8 GPUs.",
+    )
     rows_per_forward: Optional[int] = Field(
         None, ge=1, description="Cap on noisy rows (examples x draws) per forward call of the policy (default: the whole micro-batch)."
     )
@@ -250,6 +256,12 @@ class Recipe(Section):
         if self.train.n_mc is not None and self.train.n_mc > self.reference.n_mc:
             problems.append(
                 f"train.n_mc ({self.train.n_mc}) exceeds reference.n_mc ({self.reference.n_mc}): the cache holds only that many draws"
+            )
+        if self.train.global_batch_size is not None and self.train.grad_accum != 1:
+            problems.append("train.global_batch_size and train.grad_accum are both set; set one (grad_accum is derived from the other)")
+        if self.train.global_batch_size is not None and self.train.global_batch_size % self.train.batch_size:
+            problems.append(
+                f"train.global_batch_size ({self.train.global_batch_size}) is not a multiple of train.batch_size ({self.train.batch_size})"
             )
         if self.reference.stratified and self.train.n_mc is not None and self.train.n_mc != self.reference.n_mc:
             problems.append(

@@ -328,6 +328,20 @@ def make_accelerator(recipe):
     )
 
 
+def grad_accum_for(t, world: int) -> int:
+    """Micro-batches per step: train.grad_accum, or derived from train.global_batch_size and the process count."""
+    if t.global_batch_size is None:
+        return t.grad_accum
+    per = t.batch_size * world
+    if t.global_batch_size % per:
+        raise UserError(
+            f"train.global_batch_size {t.global_batch_size} is not a multiple of train.batch_size {t.batch_size} "
+            f"x {world} process(es)",
+            hint="change the process count or train.batch_size so that they divide the global batch",
+        )
+    return t.global_batch_size // per
+
+
 def _is_fsdp(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
@@ -411,12 +425,13 @@ class _Run:
         self.units = make_units(examples, self.t.objective, self.t.sft_rows)
         self.rows_per_unit = 2 if self.t.objective == "vrpo" else 1
         self.collate = make_collate(recipe, self.tokenizer)
-        self.G = self.t.batch_size * self.t.grad_accum * self.world
+        self.accum = grad_accum_for(self.t, self.world)
+        self.G = self.t.batch_size * self.accum * self.world
         if len(self.units) < self.G:
             what = "pairs" if self.t.objective == "vrpo" else "rows"
             raise UserError(
                 f"the training set has {len(self.units)} {what}, fewer than one global batch "
-                f"(train.batch_size {self.t.batch_size} x train.grad_accum {self.t.grad_accum} x {self.world} process(es) = {self.G})"
+                f"(train.batch_size {self.t.batch_size} x grad_accum {self.accum} x {self.world} process(es) = {self.G})"
             )
         self.lengths = [sum(ex.length for ex in u) for u in self.units]
         self.steps_per_epoch = len(self.units) // self.G
@@ -472,7 +487,7 @@ class _Run:
             n_params = sum(p.numel() for p in self.params)
             info(
                 f"train: objective {self.t.objective}, {len(self.units):,} {'pairs' if self.rows_per_unit == 2 else 'rows'}, "
-                f"global batch {self.G} ({self.world} process(es) x {self.t.grad_accum} micro-batch(es) x {self.t.batch_size}), "
+                f"global batch {self.G} ({self.world} process(es) x {self.accum} micro-batch(es) x {self.t.batch_size}), "
                 f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
                 f"mixed precision {accelerator.mixed_precision}"
             )
@@ -552,7 +567,7 @@ class _Run:
         epoch, j = divmod(step, self.steps_per_epoch)
         batch = self.plan(epoch)[j]
         mine = shard(batch, self.rank, self.world, self.t.batch_size)
-        assert len(mine) == self.t.grad_accum, (len(mine), self.t.grad_accum)
+        assert len(mine) == self.accum, (len(mine), self.accum)
         return [[self.units[i] for i in m] for m in mine]
 
     # ---------------------------------------------------------------- ELBO values

@@ -111,6 +111,8 @@ def root(
 from dllm_align.cli import recipes as _recipes  # noqa: E402,F401
 from dllm_align.cli import convert as _convert  # noqa: E402,F401
 from dllm_align.cli import data as _data  # noqa: E402,F401
+from dllm_align.cli import precompute_ref as _precompute_ref  # noqa: E402,F401
+from dllm_align.cli import train as _train  # noqa: E402,F401
 
 
 def main() -> None:
