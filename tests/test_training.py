@@ -16,7 +16,7 @@ from dllm_align.training import MarginWatch, lr_at, merged_state_dict, train
 from fixtures.sort_toy import write_pairs
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # Two cores shared with other jobs: one intra-op thread is many times faster than two contending ones.
     n = torch.get_num_threads()

@@ -922,11 +922,13 @@ def train(
         acc.init_trackers(recipe.name, config=_flat(recipe.model_dump(mode="json")))
 
     last_ckpt = resume_from
-    if run.step >= run.total and (out / FINAL / "training_summary.json").exists():
-        if acc.is_main_process:
-            info(f"train: {out} already finished ({run.step} steps)")
-        summary = json.loads((out / FINAL / "training_summary.json").read_text())
-        return TrainResult(out, out / FINAL, run.step, summary.get("seconds", 0.0), summary.get("examples", 0), summary.get("last_metrics") or {})
+    summary_path = out / FINAL / "training_summary.json"
+    if resume and summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("steps", 0) >= run.total:
+            if acc.is_main_process:
+                info(f"train: {out} already finished ({summary['steps']} steps); nothing to do")
+            return TrainResult(out, out / FINAL, 0, 0.0, 0, summary.get("last_metrics") or {})
 
     appender = JsonlAppender(metrics_path) if acc.is_main_process else None
     start_step = run.step
