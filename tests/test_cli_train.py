@@ -242,3 +242,15 @@ def test_demo_recipe_end_to_end(tmp_path, monkeypatch):
     gap = [r["reward_desirable"] - r["reward_undesirable"] for r in rows]
     assert sum(gap[-8:]) / 8 > sum(gap[:8]) / 8
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-24", "step-32"]  # keep_checkpoints 2; the last step saves too
+
+
+def test_trackers_are_used_when_installed_else_named(toy, tmp_path):
+    from accelerate.utils import is_tensorboard_available
+
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.max_steps=1",
+                              "--set", "train.trackers=[tensorboard]"])
+    assert res.exit_code == 0, res.output
+    if is_tensorboard_available():
+        assert any(tmp_path.rglob("events.out.tfevents.*"))
+    else:
+        assert "tensorboard is not installed" in res.stderr

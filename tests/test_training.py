@@ -296,3 +296,48 @@ def test_global_batch_size_derives_accumulation(toy):
     assert st["global_batch_size"] == 4
     with pytest.raises(UserError, match="global_batch_size"):
         recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=3", "train.global_batch_size=4")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_continues_exactly(toy, lora):
+    """2 steps, then --resume to 4 (constant lr), equals 4 straight steps bitwise (optimiser state restored)."""
+    extra = ["train.lora.enabled=true", "train.lora.r=4", "train.lr=1e-2"] if lora else []
+    straight = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=4", *extra, out=f"res-straight-{lora}")
+    train(straight, examples=toy["examples"])
+    first = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=2", "train.save_every=2", *extra, out=f"res-split-{lora}")
+    train(first, examples=toy["examples"])
+    more = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=4", "train.save_every=2", *extra, out=f"res-split-{lora}")
+    train(more, examples=toy["examples"], resume=True)
+    a, b = final_params(straight.output_dir), final_params(more.output_dir)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["step"] for r in metrics(more.output_dir)] == [1, 2, 3, 4]
+
+
+def test_gradient_checkpointing_gives_the_same_steps(toy):
+    plain = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=2", out="gc-off")
+    ckpt = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=2", "model.gradient_checkpointing=true", out="gc-on")
+    train(plain, examples=toy["examples"])
+    train(ckpt, examples=toy["examples"])
+    for x, y in zip(metrics(plain.output_dir), metrics(ckpt.output_dir)):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+
+
+def test_class_weights_from_the_sidecar(toy, tmp_path):
+    from dllm_align.training import class_weights
+
+    side = tmp_path / "w.weights.json"
+    side.write_text(json.dumps({"lambda_desirable": 1.0, "lambda_undesirable": 0.25}))
+    rec = recipe_for(toy["root"], toy["data"], toy["cache"], f"data.weights_file={side}")
+    assert class_weights(rec) == (1.0, 0.25)
+    assert class_weights(recipe_for(toy["root"], toy["data"], toy["cache"], "train.lambda_undesirable=0.3")) == (1.0, 0.3)
+    # the loss uses them: at step 1 policy = reference, so every row has 1 - sigmoid(0) = 1/2 and loss = mean(lambda) / 2
+    from dllm_align.batching import plan_batches
+
+    rec = recipe_for(toy["root"], toy["data"], toy["cache"], f"data.weights_file={side}", "train.batch_size=8", "train.max_steps=1", out="weights")
+    train(rec, examples=toy["examples"])
+    first = plan_batches([ex.length for ex in toy["examples"]], 8, 0, 0, True, drop_last=True)[0]
+    n_d = sum(1 for i in first if toy["examples"][i].label)
+    assert 0 < n_d < 8
+    assert metrics(rec.output_dir)[0]["loss"] == pytest.approx((n_d * 1.0 + (8 - n_d) * 0.25) / 8 / 2, abs=1e-6)

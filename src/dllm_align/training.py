@@ -632,7 +632,7 @@ class _Run:
             batches.append(self._to_dev(self.collate(rows)))
         norm = self.G / self.world  # DDP averages over processes: this makes the sum over all units / G
         acc = {"loss_sum": 0.0, "n": 0, "n_d": 0, "n_u": 0, "r_d": 0.0, "r_u": 0.0, "saturated": 0, "accuracy": 0.0, "baseline": float("nan")}
-        acc["tokens"] = sum(int(b["attention_mask"].sum()) if self.recipe.data.padding == "none" else sum(ex.length for u in m for ex in u) for b, m in zip(batches, micro))
+        acc["tokens"] = sum(ex.length for units in micro for u in units for ex in u)  # real tokens, padding excluded
         obj = self.t.objective
         A = len(batches)
 
