@@ -341,3 +341,23 @@ def test_class_weights_from_the_sidecar(toy, tmp_path):
     n_d = sum(1 for i in first if toy["examples"][i].label)
     assert 0 < n_d < 8
     assert metrics(rec.output_dir)[0]["loss"] == pytest.approx((n_d * 1.0 + (8 - n_d) * 0.25) / 8 / 2, abs=1e-6)
+
+
+def test_lora_unmerged_export_is_a_peft_adapter(toy):
+    from peft import PeftModel
+
+    from dllm_align.models import build_tiny_model, load_model
+
+    rec = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=2", "train.lora.enabled=true",
+                     "train.lora.r=4", "train.lr=1e-2", "train.lora.merge_on_export=false", out="lora-peft")
+    train(rec, examples=toy["examples"])
+    final = Path(rec.output_dir) / "final"
+    assert (final / "adapter_model.safetensors").exists() and not (final / "model.safetensors").exists()
+    peft_model = PeftModel.from_pretrained(build_tiny_model(), str(final))
+    # the same function as the merged export of the same run
+    merged = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=2", "train.lora.enabled=true",
+                        "train.lora.r=4", "train.lr=1e-2", out="lora-merged")
+    train(merged, examples=toy["examples"])
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(x).logits, load_model(str(Path(merged.output_dir) / "final")).logits(x), atol=1e-5, rtol=1e-5)

@@ -111,7 +111,11 @@ class LoraSection(Section):
         "that must see the same function as the gradient pass.",
     )
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    merge_on_export: bool = True
+    merge_on_export: bool = Field(
+        True,
+        description="final/ holds the merged model (plain transformers loads it); false: a PEFT adapter folder "
+        "(adapter_model.safetensors + adapter_config.json) for PeftModel.from_pretrained on the base model.",
+    )
 
 
 class TrainSection(Section):

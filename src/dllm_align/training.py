@@ -235,6 +235,24 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
     tokenizer.save_pretrained(str(folder))
 
 
+def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
+    """A PEFT adapter folder (``PeftModel.from_pretrained(base, folder)`` loads it)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous() for k, v in adapter.items()
+    }
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model,
+    )
+    cfg.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
 # --------------------------------------------------------------------------- margin watch
 @dataclass
 class MarginWatch:
@@ -716,8 +734,13 @@ class _Run:
         sd = self.acc.get_state_dict(self.module)  # full weights on the main process (FSDP gathers)
         return {k: v for k, v in sd.items()} if sd is not None else {}
 
-    def export(self, folder: Path, sd: dict) -> None:
-        weights, adapter = merged_state_dict(sd, self.t.lora if self.t.lora.enabled else None)
+    def export(self, folder: Path, sd: dict, final: bool = False) -> dict:
+        """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""
+        lora = self.t.lora
+        weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
+        if final and lora.enabled and not lora.merge_on_export:
+            save_peft_adapter(folder, adapter, lora, self.recipe.model.name_or_path, self.tokenizer)
+            return adapter
         save_model_folder(folder, weights, self.acc.unwrap_model(self.module).model.config, self.tokenizer)
         return adapter
 
@@ -895,15 +918,23 @@ def train(
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
     # Every process must agree on where to resume; the main process decides.
-    resume_from = prepare_output(recipe, resume, overwrite) if acc.is_main_process else None
-    if acc.is_main_process and not resume and overwrite:
-        _clear_previous(out)
+    # The main process inspects the run folder; every process must then agree (or fail together).
+    decision: list = [None]
+    if acc.is_main_process:
+        try:
+            found = prepare_output(recipe, resume, overwrite)
+            if not resume and overwrite:
+                _clear_previous(out)
+            decision = [("ok", str(found) if found else None)]
+        except UserError as e:
+            decision = [("error", e.message, e.hint)]
     if acc.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        box = [str(resume_from) if resume_from else None]
-        broadcast_object_list(box, from_process=0)
-        resume_from = Path(box[0]) if box[0] else None
+        broadcast_object_list(decision, from_process=0)
+    if decision[0][0] == "error":
+        raise UserError(decision[0][1], hint=decision[0][2])
+    resume_from = Path(decision[0][1]) if decision[0][1] else None
     if acc.is_main_process:
         write_run_info(recipe, out, "train")
     torch.manual_seed(recipe.train.seed)
@@ -1005,7 +1036,7 @@ def train(
         seconds = time.perf_counter() - t_run
         n_steps = run.step - start_step
         if acc.is_main_process:
-            run.export(tmp, sd)
+            run.export(tmp, sd, final=True)
             summary = {
                 "objective": t.objective,
                 "steps": run.step,
