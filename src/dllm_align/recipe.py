@@ -98,6 +98,9 @@ class ReferenceSection(Section):
     draws_per_forward: Optional[int] = Field(
         None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."
     )
+    shard_size: int = Field(
+        512, ge=1, description="Examples per cache shard: the unit of work per process and of resuming an interrupted precompute."
+    )
 
 
 # --------------------------------------------------------------------------- train
@@ -105,9 +108,19 @@ class LoraSection(Section):
     enabled: bool = False
     r: int = Field(16, ge=1)
     alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.05, ge=0, lt=1)
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="LoRA dropout. 0 by default: with gradient accumulation the baseline comes from a no-grad pass "
+        "that must see the same function as the gradient pass.",
+    )
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    merge_on_export: bool = True
+    merge_on_export: bool = Field(
+        True,
+        description="final/ holds the merged model (plain transformers loads it); false: a PEFT adapter folder "
+        "(adapter_model.safetensors + adapter_config.json) for PeftModel.from_pretrained on the base model.",
+    )
 
 
 class TrainSection(Section):
@@ -125,11 +138,28 @@ class TrainSection(Section):
     adam_eps: float = Field(1e-8, gt=0)
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
     epochs: float = Field(1.0, gt=0)
     max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimiser steps.")
-    batch_size: int = Field(1, ge=1, description="Examples per device per micro-batch.")
+    batch_size: int = Field(
+        1, ge=1, description="Examples (pairs for vrpo) per process per micro-batch. Global batch = batch_size x grad_accum x processes."
+    )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
+    global_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Units per optimiser step across all processes (paper: 8). When set, grad_accum is derived from it "
+        "at launch (global / (batch_size x processes)), so one recipe gives the same update on 1 or 8 GPUs.",
+    )
+    rows_per_forward: Optional[int] = Field(
+        None, ge=1, description="Cap on noisy rows (examples x draws) per forward call of the policy (default: the whole micro-batch)."
+    )
+    sft_rows: Literal["all", "desirable"] = Field(
+        "all", description="objective sft: train on every row, or on desirable rows only."
+    )
+    margin_watch_window: int = Field(
+        25, ge=1, description="Steps per window of the falling-desirable-margin warning (SPEC.md section 4 caution)."
+    )
     n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     seed: int = 0
@@ -263,6 +293,17 @@ class Recipe(Section):
         if self.train.n_mc is not None and self.train.n_mc > self.reference.n_mc:
             problems.append(
                 f"train.n_mc ({self.train.n_mc}) exceeds reference.n_mc ({self.reference.n_mc}): the cache holds only that many draws"
+            )
+        if self.train.global_batch_size is not None and self.train.grad_accum != 1:
+            problems.append("train.global_batch_size and train.grad_accum are both set; set one (grad_accum is derived from the other)")
+        if self.train.global_batch_size is not None and self.train.global_batch_size % self.train.batch_size:
+            problems.append(
+                f"train.global_batch_size ({self.train.global_batch_size}) is not a multiple of train.batch_size ({self.train.batch_size})"
+            )
+        if self.reference.stratified and self.train.n_mc is not None and self.train.n_mc != self.reference.n_mc:
+            problems.append(
+                f"train.n_mc ({self.train.n_mc}) must equal reference.n_mc ({self.reference.n_mc}) when reference.stratified "
+                "is on: a prefix of stratified draws covers only the low strata"
             )
         if self.train.objective == "vrpo" and self.data.format == "unpaired":
             problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")

@@ -113,6 +113,8 @@ from dllm_align.cli import convert as _convert  # noqa: E402,F401
 from dllm_align.cli import data as _data  # noqa: E402,F401
 from dllm_align.cli import judge as _judge  # noqa: E402,F401
 from dllm_align.cli import generate as _generate  # noqa: E402,F401
+from dllm_align.cli import precompute_ref as _precompute_ref  # noqa: E402,F401
+from dllm_align.cli import train as _train  # noqa: E402,F401
 
 
 def main() -> None:

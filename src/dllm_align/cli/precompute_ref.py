@@ -1,0 +1,55 @@
+"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example (SPEC.md section 5)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from dllm_align.cli.app import command
+
+RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
+OutputOpt = Annotated[
+    Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir); the cache goes to DIR/ref_cache.")
+]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set reference.n_mc=4 (repeatable).")]
+
+
+@command("precompute-ref")
+def precompute_ref(recipe: RecipeArg, output_dir: OutputOpt = None, set_: SetOpt = None) -> None:
+    """Compute every training example's K reference ELBO draws once and cache them.
+
+    The cache (safetensors shards + a fingerprinted manifest) is what `train`
+    reads by default; an interrupted run keeps its finished shards. Runs on
+    several GPUs with `accelerate launch` (each process takes its share).
+
+    Example: dllm-align precompute-ref kto_mix_14k --output-dir runs/kto
+
+    Example: accelerate launch --num_processes 8 -m dllm_align precompute-ref kto_mix_14k -o runs/kto
+    """
+    import torch
+    from accelerate import Accelerator
+
+    from dllm_align import reference as ref
+    from dllm_align.console import info, result
+    from dllm_align.models import load_from_section
+    from dllm_align.recipe import load_recipe, write_run_info
+    from dllm_align.training import load_training_examples, make_collate
+
+    r = load_recipe(recipe, set_, output_dir)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    ref_mp = load_from_section(r.model, acc.device, name_or_path=ref.reference_name(r))
+    examples = load_training_examples(r, ref_mp.tokenizer, quiet=not acc.is_main_process)
+    if acc.is_main_process:
+        write_run_info(r, r.output_dir, "precompute-ref")
+    rep = ref.precompute(r, examples, make_collate(r, ref_mp.tokenizer), acc, ref_mp)
+    if acc.is_main_process:
+        local = rep.n_examples * rep.computed_shards / max(rep.n_shards, 1)
+        if rep.computed_shards:
+            info(
+                f"precompute-ref: {rep.computed_shards} shard(s) computed on this process in {rep.seconds:.1f} s "
+                f"({local / max(rep.seconds, 1e-9):.1f} examples/s per process), {rep.reused_shards} reused"
+            )
+        else:
+            info("precompute-ref: every shard was already done; manifest rewritten")
+        result(str(rep.cache))

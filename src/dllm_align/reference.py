@@ -1,0 +1,587 @@
+"""Reference ELBO precompute and its cache (SPEC.md section 5).
+
+B_hat_ref depends only on the frozen reference model and the masks, and the
+masks are a pure function of (seed, example id, draw, L) (``elbo.draw_masks``),
+so every draw's value can be computed once and reused by every training run,
+on any number of processes: training then holds one model instead of two.
+
+Cache layout (``<output_dir>/ref_cache`` unless ``reference.cache`` says otherwise)::
+
+    manifest.json            written last, by the main process: the fingerprint,
+                             K, the shard list with a sha256 per shard file
+    shard-00000.safetensors  tensor ``elbo`` [n, K] float32 (draw k of example i);
+                             metadata: the example ids and per-example token
+                             digests (JSON), the fingerprint digest, and a
+                             sha256 of the contents (detects a tampered shard)
+
+Shards hold ``reference.shard_size`` consecutive examples; process r computes
+shards r, r + world, ... and writes each one atomically, so an interrupted
+precompute keeps its finished shards and skips them when run again.
+
+The fingerprint names everything that changes the numbers: the reference
+weights (a content digest), its config, the tokenizer, the mask token, the
+dtype, max_length / padding / truncation, n_mc, the mask seed, the estimator
+and stratification. The dataset is checked per example (id and token digest),
+so a cache made on the full set also serves a subsampled run (the class-ratio
+ablations), while a changed row is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dllm_align.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_FMT = "shard-{:05d}.safetensors"
+
+# Fingerprint fields that must match exactly between a cache and a run. The
+# model id and revision are recorded too, but the weights digest is what is
+# compared: a moved folder or a re-download of the same revision is the same
+# reference, and a different checkpoint behind the same name is not.
+STRICT_FIELDS = (
+    "format_version",
+    "reference_weights",
+    "tokenizer",
+    "mask_token_id",
+    "reference_dtype",
+    "max_length",
+    "padding",
+    "truncation",
+    "n_mc",
+    "seed",
+    "estimator",
+    "stratified",
+)
+RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples")
+
+_HEX64 = set("0123456789abcdef")
+
+
+# --------------------------------------------------------------------------- digests
+def _sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(bufsize)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def example_digest(ex) -> str:
+    """A 64-bit digest of the tokens of one example (what its reference value depends on)."""
+    h = hashlib.sha256()
+    h.update(np.asarray(ex.prompt_ids, dtype=np.int64).tobytes())
+    h.update(b"|")
+    h.update(np.asarray(ex.completion_ids, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def dataset_digest(examples: Sequence) -> str:
+    """Order-free digest of the tokenised examples: sha256 over sorted (id, token digest)."""
+    h = hashlib.sha256()
+    for i, d in sorted((ex.id, example_digest(ex)) for ex in examples):
+        h.update(i.encode("utf-8"))
+        h.update(b"\x00")
+        h.update(d.encode("ascii"))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def tokenizer_digest(tok) -> str:
+    """Digest of the tokenizer: its full serialisation (fast tokenizers), special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode("utf-8"))
+    else:
+        h.update(json.dumps(sorted(tok.get_vocab().items())).encode("utf-8"))
+    specials = {k: str(v) for k, v in sorted(getattr(tok, "special_tokens_map", {}).items())}
+    h.update(json.dumps(specials, sort_keys=True).encode("utf-8"))
+    h.update(str(getattr(tok, "chat_template", None) or "").encode("utf-8"))
+    return h.hexdigest()
+
+
+def state_dict_digest(model: torch.nn.Module) -> str:
+    """Digest of a model's tensors (used for in-memory models such as ``builtin:tiny``)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode("utf-8"))
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _hub_blob_digest(path: Path) -> Optional[str]:
+    """In a Hugging Face cache a snapshot file links to ``blobs/<sha256>``: the name is the digest."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.path.realpath(path))
+    name = target.name
+    if target.parent.name == "blobs" and len(name) == 64 and set(name) <= _HEX64:
+        return name
+    return None
+
+
+def folder_weights_digest(folder: Path, known: Optional[dict] = None) -> tuple[str, list[dict]]:
+    """Content digest of a model folder: its config and every safetensors file.
+
+    ``known`` maps file names to entries recorded earlier ({size, mtime_ns, sha256});
+    an entry whose size and mtime still match is trusted without rereading the
+    file (as git and make do), so checking an 8B reference at train start is
+    instant. Returns (digest, per-file entries).
+    """
+    known = known or {}
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    entries = []
+    for p in files:
+        st = p.stat()
+        prev = known.get(p.name)
+        blob = _hub_blob_digest(p)
+        if blob is not None:
+            digest = blob
+        elif prev and prev.get("size") == st.st_size and prev.get("mtime_ns") == st.st_mtime_ns:
+            digest = prev["sha256"]
+        else:
+            digest = _sha256_file(p)
+        entries.append({"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest})
+    h = hashlib.sha256()
+    for e in entries:
+        h.update(f"{e['name']}\x00{e['sha256']}\n".encode("utf-8"))
+    return h.hexdigest(), entries
+
+
+# --------------------------------------------------------------------------- fingerprint
+@dataclass
+class Fingerprint:
+    """Everything that changes the cached numbers (SPEC.md section 5)."""
+
+    fields: dict
+    weight_files: list  # per-file digests, kept so later checks need not reread the weights
+
+    def strict(self) -> dict:
+        return {k: self.fields[k] for k in STRICT_FIELDS}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.strict(), sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def reference_name(recipe) -> str:
+    return recipe.reference.model or recipe.model.name_or_path
+
+
+def fingerprint(
+    recipe,
+    *,
+    tokenizer,
+    mask_token_id: int,
+    device,
+    examples: Sequence,
+    known_files: Optional[list] = None,
+) -> Fingerprint:
+    """The fingerprint of the reference values this recipe needs for ``examples``.
+
+    Computable without loading the reference (training from a cache holds only
+    the policy): the weights digest comes from the files (or, for the built-in
+    model, from building it), the tokenizer is the one the examples were
+    tokenised with, and the dtype is the one the reference is loaded in.
+    """
+    from dllm_align.models import BUILTIN_TINY, build_tiny_model, pick_dtype, resolve_model_path
+
+    name = reference_name(recipe)
+    revision = recipe.model.revision
+    if name == BUILTIN_TINY:
+        weights, files = "state:" + state_dict_digest(build_tiny_model()), []
+    else:
+        path = resolve_model_path(name, revision)
+        known = {e["name"]: e for e in (known_files or [])}
+        weights, files = folder_weights_digest(Path(path), known)
+    d = recipe.data
+    r = recipe.reference
+    fields = {
+        "format_version": FORMAT_VERSION,
+        "reference_model": name,
+        "reference_revision": revision,
+        "reference_weights": weights,
+        "tokenizer": tokenizer_digest(tokenizer),
+        "mask_token_id": int(mask_token_id),
+        "reference_dtype": str(pick_dtype(recipe.model.dtype, device)).removeprefix("torch."),
+        "max_length": d.max_length,
+        "padding": d.padding,
+        "truncation": d.truncation,
+        "n_mc": r.n_mc,
+        "seed": r.seed,
+        "estimator": r.estimator,
+        "stratified": r.stratified,
+        "dataset": dataset_digest(examples),
+        "n_examples": len(examples),
+    }
+    return Fingerprint(fields, files)
+
+
+_FIELD_HINTS = {
+    "n_mc": "reference.n_mc",
+    "seed": "reference.seed",
+    "estimator": "reference.estimator",
+    "stratified": "reference.stratified",
+    "max_length": "data.max_length",
+    "padding": "data.padding",
+    "truncation": "data.truncation",
+    "reference_weights": "the reference model's weights (reference.model / model.name_or_path)",
+    "reference_dtype": "model.dtype",
+    "tokenizer": "the tokenizer (model.tokenizer)",
+    "mask_token_id": "model.mask_token_id",
+    "format_version": "the cache format (made by another dllm-align version)",
+}
+
+
+def _short(v) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 24 else s[:20] + '..."'
+
+
+def compare(cached: dict, wanted: dict, where: Path) -> None:
+    """Raise UserError naming the first fingerprint field that differs."""
+    for k in STRICT_FIELDS:
+        if cached.get(k) != wanted[k]:
+            raise UserError(
+                f"reference cache {where} does not match this run: field '{k}' is {_short(cached.get(k))} "
+                f"in the cache but {_short(wanted[k])} here ({_FIELD_HINTS.get(k, k)})",
+                hint="run `dllm-align precompute-ref` with this recipe, or point reference.cache at a matching cache",
+            )
+
+
+# --------------------------------------------------------------------------- computing
+def draw_config(recipe, n_mc: Optional[int] = None):
+    from dllm_align.elbo import DrawConfig
+
+    return DrawConfig.from_reference(recipe.reference, n_mc)
+
+
+@torch.no_grad()
+def reference_values(
+    ref_mp,
+    examples: Sequence,
+    collate: Callable[[list], dict],
+    cfg,
+    batch_size: int,
+    rows_per_forward: Optional[int] = None,
+    draws: Optional[Sequence[int]] = None,
+    on_batch: Optional[Callable[[int], None]] = None,
+) -> np.ndarray:
+    """Per-draw reference ELBO values [n, K] (float32) for ``examples``, in their order.
+
+    Examples are batched longest first (less padding); each value depends only on
+    its own example's tokens and masks.
+    """
+    from dllm_align.elbo import elbo_draws
+
+    K = cfg.n_mc if draws is None else len(draws)
+    out = np.zeros((len(examples), K), dtype=np.float32)
+    order = sorted(range(len(examples)), key=lambda i: -(len(examples[i].prompt_ids) + len(examples[i].completion_ids)))
+    dev = ref_mp.device
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = collate([examples[i] for i in idx])
+        vals = elbo_draws(
+            ref_mp,
+            batch["input_ids"].to(dev),
+            batch["attention_mask"].to(dev) if batch.get("attention_mask") is not None else None,
+            batch["completion_mask"].to(dev),
+            batch["ids"],
+            cfg,
+            max_rows_per_forward=rows_per_forward,
+            draws=draws,
+        )
+        out[idx] = vals.float().cpu().numpy()
+        if on_batch is not None:
+            on_batch(len(idx))
+    return out
+
+
+def _contents_sha(elbo: np.ndarray, ids: list[str], digests: list[str]) -> str:
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(elbo, dtype="<f4").tobytes())
+    h.update(json.dumps([ids, digests]).encode("utf-8"))
+    return h.hexdigest()
+
+
+def write_shard(path: Path, elbo: np.ndarray, ids: list[str], digests: list[str], fp_digest: str) -> None:
+    """One shard, written atomically, with a checksum of its contents in the metadata."""
+    from safetensors.torch import save
+
+    from dllm_align.io import atomic_write_bytes
+
+    meta = {
+        "format": "pt",
+        "dllm_align_format_version": str(FORMAT_VERSION),
+        "fingerprint": fp_digest,
+        "ids": json.dumps(ids),
+        "digests": json.dumps(digests),
+        "contents_sha256": _contents_sha(elbo, ids, digests),
+    }
+    data = save({"elbo": torch.from_numpy(np.ascontiguousarray(elbo, dtype=np.float32))}, metadata=meta)
+    atomic_write_bytes(path, data)
+
+
+class ShardError(Exception):
+    pass
+
+
+def read_shard(path: Path) -> tuple[np.ndarray, list[str], list[str], str]:
+    """Read and verify one shard; ShardError when it is truncated, malformed or tampered with."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            elbo = f.get_tensor("elbo").numpy()
+    except Exception as e:  # a truncated file fails to parse
+        raise ShardError(f"{path.name}: unreadable ({type(e).__name__})") from None
+    try:
+        ids = json.loads(meta["ids"])
+        digests = json.loads(meta["digests"])
+        fp = meta["fingerprint"]
+        want = meta["contents_sha256"]
+    except (KeyError, json.JSONDecodeError):
+        raise ShardError(f"{path.name}: metadata missing or malformed") from None
+    if elbo.ndim != 2 or elbo.shape[0] != len(ids) or len(ids) != len(digests):
+        raise ShardError(f"{path.name}: shape {tuple(elbo.shape)} does not match {len(ids)} ids")
+    if _contents_sha(elbo, ids, digests) != want:
+        raise ShardError(f"{path.name}: checksum mismatch (the file was modified or damaged)")
+    return elbo, ids, digests, fp
+
+
+def cache_dir(recipe) -> Path:
+    return Path(recipe.reference.cache) if recipe.reference.cache else Path(recipe.output_dir) / "ref_cache"
+
+
+@dataclass
+class PrecomputeReport:
+    cache: Path
+    n_examples: int
+    n_shards: int
+    computed_shards: int
+    reused_shards: int
+    seconds: float
+
+    @property
+    def examples_per_second(self) -> float:
+        n = self.n_examples * self.computed_shards / max(self.n_shards, 1)
+        return n / self.seconds if self.seconds > 0 else float("nan")
+
+
+def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None) -> PrecomputeReport:
+    """Compute and cache every example's K reference draws (``dllm-align precompute-ref``).
+
+    Sharded across processes (shard s goes to rank s mod world); finished shards
+    whose contents, ids, token digests and fingerprint check out are kept, so a
+    rerun after an interruption only computes what is missing.
+    """
+    from dllm_align.console import info, progress, warn
+    from dllm_align.io import atomic_write_json
+    from dllm_align.models import load_from_section
+
+    rank = accelerator.process_index if accelerator else 0
+    world = accelerator.num_processes if accelerator else 1
+    is_main = rank == 0
+    device = accelerator.device if accelerator else torch.device("cpu")
+    if not examples:
+        raise UserError("precompute-ref: the training set is empty")
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise UserError(f"example id '{dup}' appears more than once; ids must be unique (they seed the masks)")
+
+    out = cache_dir(recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    if ref_mp is None:
+        ref_mp = load_from_section(recipe.model, device, name_or_path=reference_name(recipe))
+    ref_mp.model.eval()
+    old = _read_manifest(out)
+    fp = fingerprint(
+        recipe,
+        tokenizer=ref_mp.tokenizer,
+        mask_token_id=ref_mp.mask_token_id,
+        device=device,
+        examples=examples,
+        known_files=(old or {}).get("weight_files"),
+    )
+    fpd = fp.digest()
+    cfg = draw_config(recipe)
+    size = recipe.reference.shard_size
+    n_shards = math.ceil(len(examples) / size)
+    mine = list(range(rank, n_shards, world))
+    digests = [example_digest(ex) for ex in examples]
+
+    todo, reused = [], 0
+    for s in mine:
+        p = out / SHARD_FMT.format(s)
+        lo, hi = s * size, min((s + 1) * size, len(examples))
+        if p.exists():
+            try:
+                _, sids, sdig, sfp = read_shard(p)
+                if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
+                    reused += 1
+                    continue
+            except ShardError as e:
+                warn(f"reference cache: {e}; computing it again")
+        todo.append(s)
+    if is_main and old is not None:
+        (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
+
+    n_todo = sum(min((s + 1) * size, len(examples)) - s * size for s in todo)
+    t0 = time.perf_counter()
+    rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
+    if is_main:
+        info(
+            f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of {size}; "
+            f"{world} process(es); this process: {len(todo)} to compute, {reused} already done"
+        )
+    with progress("reference ELBO", total=n_todo if is_main else None, unit="ex") as bar:
+        for s in todo:
+            lo, hi = s * size, min((s + 1) * size, len(examples))
+            vals = reference_values(
+                ref_mp, examples[lo:hi], collate, cfg, recipe.reference.batch_size, rows,
+                on_batch=(lambda n: bar.advance(n)) if is_main else None,
+            )
+            if not np.isfinite(vals).all():
+                from dllm_align.errors import RunFailure
+
+                bad = ids[lo + int(np.nonzero(~np.isfinite(vals).all(1))[0][0])]
+                raise RunFailure(f"reference ELBO is not finite for example '{bad}'")
+            write_shard(out / SHARD_FMT.format(s), vals, ids[lo:hi], digests[lo:hi], fpd)
+    seconds = time.perf_counter() - t0
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    if is_main:
+        shards = []
+        for s in range(n_shards):
+            p = out / SHARD_FMT.format(s)
+            try:
+                _, sids, sdig, sfp = read_shard(p)
+            except (ShardError, FileNotFoundError) as e:
+                from dllm_align.errors import RunFailure
+
+                raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
+            lo, hi = s * size, min((s + 1) * size, len(examples))
+            if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
+                from dllm_align.errors import RunFailure
+
+                raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
+            shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fp.fields,
+            "fingerprint_digest": fpd,
+            "weight_files": fp.weight_files,
+            "K": cfg.n_mc,
+            "shard_size": size,
+            "shards": shards,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        atomic_write_json(out / MANIFEST, manifest)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return PrecomputeReport(out, len(examples), n_shards, len(todo), reused, seconds)
+
+
+def _read_manifest(folder: Path) -> Optional[dict]:
+    p = folder / MANIFEST
+    if not p.exists():
+        return None
+    try:
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{p}: not valid JSON", hint="delete the cache folder and run precompute-ref again")
+    if not isinstance(m, dict) or "fingerprint" not in m or "shards" not in m:
+        raise UserError(f"{p}: not a dllm-align reference cache manifest")
+    return m
+
+
+# --------------------------------------------------------------------------- reading
+class ReferenceCache:
+    """Cached per-draw reference values, verified against the run's fingerprint."""
+
+    def __init__(self, folder: Path, values: dict[str, np.ndarray], digests: dict[str, str], manifest: dict):
+        self.folder = folder
+        self._values = values
+        self._digests = digests
+        self.manifest = manifest
+        self.K = int(manifest["K"])
+
+    @classmethod
+    def open(cls, folder: Path) -> "ReferenceCache":
+        """Read every shard, checking each file's sha256 against the manifest and its own checksum."""
+        folder = Path(folder)
+        m = _read_manifest(folder)
+        if m is None:
+            some = folder.exists() and any(folder.glob("shard-*.safetensors"))
+            if some:
+                raise UserError(
+                    f"reference cache {folder} is incomplete (no manifest.json: precompute was interrupted)",
+                    hint="run `dllm-align precompute-ref` again: finished shards are kept",
+                )
+            raise UserError(
+                f"no reference cache at {folder}",
+                hint="run `dllm-align precompute-ref RECIPE` first, or set reference.mode: online",
+            )
+        values: dict[str, np.ndarray] = {}
+        digests: dict[str, str] = {}
+        for entry in m["shards"]:
+            p = folder / entry["file"]
+            if not p.exists():
+                raise UserError(f"reference cache {folder}: shard {entry['file']} is missing", hint="run precompute-ref again")
+            if _sha256_file(p) != entry["sha256"]:
+                raise UserError(
+                    f"reference cache {folder}: shard {entry['file']} does not match its checksum (damaged or modified)",
+                    hint="run precompute-ref again: it recomputes damaged shards",
+                )
+            try:
+                elbo, ids, dig, _ = read_shard(p)
+            except ShardError as e:
+                raise UserError(f"reference cache {folder}: {e}", hint="run precompute-ref again") from None
+            for i, row, d in zip(ids, elbo, dig):
+                values[i] = row
+                digests[i] = d
+        return cls(folder, values, digests, m)
+
+    def check(self, fp: Fingerprint, examples: Iterable, n_mc: int) -> None:
+        """Refuse the cache unless it matches the run: strict fields, then every example's tokens."""
+        compare(self.manifest["fingerprint"], fp.fields, self.folder)
+        if n_mc > self.K:
+            raise UserError(f"train.n_mc is {n_mc} but the reference cache {self.folder} holds {self.K} draws per example")
+        for ex in examples:
+            have = self._digests.get(ex.id)
+            if have is None:
+                raise UserError(
+                    f"reference cache {self.folder} was made for another dataset: field 'dataset' differs "
+                    f"(example '{ex.id}' is not in the cache)",
+                    hint="run `dllm-align precompute-ref` on this recipe's data",
+                )
+            if have != example_digest(ex):
+                raise UserError(
+                    f"reference cache {self.folder} was made for another dataset: field 'dataset' differs "
+                    f"(example '{ex.id}' has other tokens)",
+                    hint="run `dllm-align precompute-ref` on this recipe's data",
+                )
+
+    def lookup(self, ids: Sequence[str], n_mc: int) -> torch.Tensor:
+        """Reference values [B, n_mc] for ``ids`` (the first n_mc draws)."""
+        return torch.from_numpy(np.stack([self._values[i][:n_mc] for i in ids])).float()
+
+    def weight_files(self) -> list:
+        return self.manifest.get("weight_files") or []

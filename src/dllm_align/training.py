@@ -1,0 +1,1070 @@
+"""The one training loop: ELBO-KTO, masked-diffusion SFT and paired VRPO (SPEC.md sections 4 and 6).
+
+The three objectives differ only in the loss and in the unit of the batch
+(an example, or a (chosen, rejected) pair for VRPO); everything else - data
+order, the Monte Carlo ELBO with masks shared with the reference, gradient
+accumulation, checkpoints, logging - is this one loop, run under
+``accelerate`` (1 CPU process, DDP on 8 GPUs, or FSDP).
+
+The optimiser step's batch and the baseline (SPEC.md section 4)
+    A step consumes one *global batch* of ``G = batch_size x grad_accum x
+    processes`` units, planned from (seed, epoch) alone
+    (:func:`dllm_align.batching.plan_batches`), so the plan does not depend on
+    how the work is split. ELBO-KTO's baseline b is the mean margin over the
+    whole global batch. With one micro-batch per process the margins are
+    all-gathered between the forward and the backward. With gradient
+    accumulation every margin of the step is needed before the first backward,
+    so a no-grad pass over this process's micro-batches (same masks: they are a
+    pure function of the example id) computes them first; then the gradient
+    pass uses that b. Each process's loss is divided by G / processes, because
+    DDP (and FSDP) average gradients over processes: the result is the
+    gradient of (1/G) sum_i lambda_i (1 - sigmoid(beta s_i (r_i - b))) for any
+    split of the G units over processes and micro-batches.
+
+Learning-rate schedule
+    Linear warm-up over ``ceil(warmup_ratio x total)`` steps, reaching the peak
+    at the last warm-up step (the first step does not waste itself on lr 0),
+    then cosine decay towards 0 (or linear / constant).
+
+Checkpoints
+    ``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout
+    (safetensors, config, tokenizer; LoRA merged, plus the adapter itself), the
+    optimiser state (plain tensors, read back with ``weights_only=True``), the
+    RNG state (safetensors) and ``trainer_state.json`` (step, data position,
+    metrics history needed to continue). It is written to a temporary folder
+    and renamed into place, so a folder named ``step-N`` is always complete.
+    ``--resume`` continues from the newest one; the data order, the masks and
+    the learning rate are functions of the step, so the resumed run follows
+    the uninterrupted one exactly.
+
+Test hook
+    ``DLLM_ALIGN_FAULT=kill_after_step:N`` or ``kill_in_checkpoint:N`` makes the
+    main process SIGKILL itself after optimiser step N, or halfway through
+    writing checkpoint N (used by the resume tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dllm_align.errors import RunFailure, UserError
+
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+METRICS = "metrics.jsonl"
+STATE = "trainer_state.json"
+STATE_VERSION = 1
+
+
+# --------------------------------------------------------------------------- data
+def load_training_examples(recipe, tokenizer, *, quiet: bool = False) -> list:
+    """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation)."""
+    from dllm_align.data import rows_from_section
+    from dllm_align.tokenize import tokenize_rows
+
+    rows = rows_from_section(recipe.data, "train", quiet=quiet)
+    return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet)
+
+
+def make_collate(recipe, tokenizer) -> Callable[[list], dict]:
+    from dllm_align.batching import collate
+    from dllm_align.tokenize import pad_token_id
+
+    return functools.partial(
+        collate, padding=recipe.data.padding, max_length=recipe.data.max_length, pad_id=pad_token_id(tokenizer)
+    )
+
+
+def make_units(examples: Sequence, objective: str, sft_rows: str = "all") -> list[tuple]:
+    """The units of the global batch: single examples, or (chosen, rejected) pairs for VRPO."""
+    if objective == "elbo_kto":
+        missing = [ex.id for ex in examples if ex.label is None]
+        if missing:
+            raise UserError(f"objective elbo_kto needs a label on every row; row '{missing[0]}' has none")
+        return [(ex,) for ex in examples]
+    if objective == "sft":
+        keep = [ex for ex in examples if sft_rows == "all" or ex.label]
+        if not keep:
+            raise UserError("objective sft with train.sft_rows 'desirable': there are no desirable rows")
+        return [(ex,) for ex in keep]
+    if objective != "vrpo":
+        raise ValueError(objective)
+    by_pair: dict[str, list] = {}
+    for ex in examples:
+        if ex.pair_id is None:
+            raise UserError(
+                f"objective vrpo needs paired data; row '{ex.id}' has no pair id",
+                hint="use a paired source (prompt, chosen, rejected) with data.format: paired",
+            )
+        by_pair.setdefault(ex.pair_id, []).append(ex)
+    units, broken = [], []
+    for pid, rows in by_pair.items():
+        chosen = [r for r in rows if r.label]
+        rejected = [r for r in rows if r.label is False]
+        if len(chosen) == 1 and len(rejected) == 1 and len(rows) == 2:
+            units.append((chosen[0], rejected[0]))
+        else:
+            broken.append(pid)
+    if broken:
+        from dllm_align.console import warn
+
+        warn(f"vrpo: {len(broken)} pair id(s) without exactly one chosen and one rejected row are skipped (e.g. '{broken[0]}')")
+    if not units:
+        raise UserError("objective vrpo: no complete (chosen, rejected) pairs in the training data")
+    return units
+
+
+def units_digest(units: Sequence[tuple]) -> str:
+    h = hashlib.sha256()
+    for u in units:
+        h.update("\x1f".join(ex.id for ex in u).encode("utf-8"))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- schedule
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float, kind: str) -> float:
+    """Learning rate of optimiser step ``step`` (0-based) out of ``total`` (module docstring)."""
+    warm = math.ceil(warmup_ratio * total) if warmup_ratio > 0 else 0
+    if step < warm:
+        return peak * (step + 1) / warm
+    if kind == "constant":
+        return peak
+    progress = (step - warm) / max(1, total - warm)
+    if kind == "linear":
+        return peak * max(0.0, 1.0 - progress)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------- the policy as a module
+class PolicyScorer(torch.nn.Module):
+    """The policy wrapped so that DDP / FSDP see every forward: log p at the scored positions only.
+
+    The ELBO code calls :meth:`MaskPredictor.target_logprobs`, which runs the
+    network body and the output head separately; going through this module's
+    ``forward`` keeps the distributed wrappers (and accelerate's autocast) in
+    the loop.
+    """
+
+    def __init__(self, mp):
+        super().__init__()
+        self.model = mp.model
+        self.__dict__["_mp"] = mp  # not a submodule: it only holds references
+
+    def forward(self, input_ids, attention_mask, rows, cols, targets):
+        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets)
+
+
+class _ViaModule:
+    """Duck-typed MaskPredictor for ``elbo_draws`` that routes through a (wrapped) PolicyScorer."""
+
+    def __init__(self, module, mask_token_id: int):
+        self.module = module
+        self.mask_token_id = mask_token_id
+
+    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets):
+        return self.module(input_ids, attention_mask, rows, cols, targets)
+
+
+# --------------------------------------------------------------------------- export
+def _lora_scale(lora) -> float:
+    return lora.alpha / lora.r
+
+
+def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
+    """Split a PolicyScorer state dict into (plain model weights, LoRA adapter weights).
+
+    With LoRA, ``W = W_base + (alpha / r) * B @ A`` is folded in, so the result
+    loads with plain transformers; the adapter tensors are returned separately
+    (they are what a resumed run needs).
+    """
+    out: dict[str, torch.Tensor] = {}
+    adapter: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        k = k.removeprefix("model.")  # PolicyScorer.model -> the transformers model's own names
+        if ".lora_A." in k or ".lora_B." in k:
+            adapter[k] = v
+            continue
+        out[k.replace(".base_layer.", ".")] = v
+    if adapter:
+        scale = _lora_scale(lora)
+        for ka in [k for k in adapter if ".lora_A." in k]:
+            stem, rest = ka.split(".lora_A.", 1)  # stem: ...q_proj ; rest: default.weight
+            a = adapter[ka]
+            b = adapter[f"{stem}.lora_B.{rest}"]
+            w = out[f"{stem}.weight"]
+            out[f"{stem}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out, adapter
+
+
+def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB") -> None:
+    """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = dict(state_dict)
+    if getattr(config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # tied: the loader re-ties it
+    split = split_torch_state_dict_into_shards(sd, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: sd[n].detach().cpu().contiguous() for n in names}, str(folder / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg = copy.deepcopy(config)
+    dtypes = {t.dtype for t in sd.values()}
+    if len(dtypes) == 1:
+        cfg.dtype = next(iter(dtypes))
+    cfg.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
+    """A PEFT adapter folder (``PeftModel.from_pretrained(base, folder)`` loads it)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous() for k, v in adapter.items()
+    }
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model,
+    )
+    cfg.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+# --------------------------------------------------------------------------- margin watch
+@dataclass
+class MarginWatch:
+    """Warn when the desirable class's mean margin keeps falling (SPEC.md section 4 caution).
+
+    The per-step desirable margins are averaged over windows of ``window``
+    steps; three consecutive falling windows ending below zero trigger one
+    warning (again only after a new fall of three windows).
+    """
+
+    window: int
+    current: list = field(default_factory=list)
+    means: list = field(default_factory=list)
+    warned_at: int = -1
+
+    def add(self, step: int, desirable_margin: Optional[float]) -> Optional[str]:
+        if desirable_margin is None or not math.isfinite(desirable_margin):
+            return None
+        self.current.append(desirable_margin)
+        if len(self.current) < self.window:
+            return None
+        self.means.append(float(np.mean(self.current)))
+        self.current = []
+        m = self.means
+        if len(m) >= 4 and m[-1] < m[-2] < m[-3] < m[-4] and m[-1] < 0 and len(m) - self.warned_at >= 3:
+            self.warned_at = len(m)
+            return (
+                f"step {step}: the desirable rows' mean margin has fallen for 3 windows of {self.window} steps "
+                f"({m[-4]:+.3g} -> {m[-1]:+.3g}); both classes may be pushed down (likelihood displacement). "
+                "Consider a lower train.lr or a smaller train.lambda_undesirable."
+            )
+        return None
+
+    def state(self) -> dict:
+        return {"window": self.window, "current": self.current, "means": self.means, "warned_at": self.warned_at}
+
+    @classmethod
+    def from_state(cls, d: dict, window: int) -> "MarginWatch":
+        if d.get("window") != window:
+            return cls(window)
+        return cls(window, list(d["current"]), list(d["means"]), int(d["warned_at"]))
+
+
+# --------------------------------------------------------------------------- run setup
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path
+    steps: int
+    seconds: float
+    examples: int
+    last_metrics: dict
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _fault(kind: str, step: int) -> None:
+    spec = os.environ.get("DLLM_ALIGN_FAULT", "")
+    if spec and spec == f"{kind}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def make_accelerator(recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import is_tensorboard_available, is_wandb_available
+
+    from dllm_align.console import warn
+
+    cuda = torch.cuda.is_available()
+    mp = recipe.train.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    trackers = []
+    for t in recipe.train.trackers:
+        ok = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}[t]()
+        if ok:
+            trackers.append(t)
+        else:
+            warn(f"train.trackers: {t} is not installed; not logging to it (pip install {t})")
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=mp,
+        log_with=trackers or None,
+        project_dir=recipe.output_dir,
+    )
+
+
+def grad_accum_for(t, world: int) -> int:
+    """Micro-batches per step: train.grad_accum, or derived from train.global_batch_size and the process count."""
+    if t.global_batch_size is None:
+        return t.grad_accum
+    per = t.batch_size * world
+    if t.global_batch_size % per:
+        raise UserError(
+            f"train.global_batch_size {t.global_batch_size} is not a multiple of train.batch_size {t.batch_size} "
+            f"x {world} process(es)",
+            hint="change the process count or train.batch_size so that they divide the global batch",
+        )
+    return t.global_batch_size // per
+
+
+def _is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[key] = v if v is not None else "null"
+        else:
+            out[key] = json.dumps(v)
+    return out
+
+
+def find_checkpoint(output_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint (``checkpoints/step-N`` with its state file)."""
+    root = Path(output_dir) / CHECKPOINTS
+    best = None
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith("step-") and p.name[5:].isdigit() and (p / STATE).is_file():
+                if best is None or int(p.name[5:]) > int(best.name[5:]):
+                    best = p
+    return best
+
+
+def class_weights(recipe) -> tuple[float, float]:
+    if recipe.data.weights_file:
+        from dllm_align.console import info
+        from dllm_align.data import read_weights_file
+
+        ld, lu = read_weights_file(recipe.data.weights_file)
+        info(f"class weights from {recipe.data.weights_file}: lambda_D {ld:g}, lambda_U {lu:g}")
+        return ld, lu
+    return recipe.train.lambda_desirable, recipe.train.lambda_undesirable
+
+
+# --------------------------------------------------------------------------- the loop
+class _Run:
+    """State of one training run; :func:`train` is its readable driver."""
+
+    def __init__(self, recipe, accelerator, resume_from: Optional[Path], examples: Optional[list]):
+        from dllm_align.console import info
+        from dllm_align.elbo import DrawConfig
+        from dllm_align.models import load_from_section
+
+        self.recipe = recipe
+        self.acc = accelerator
+        self.t = recipe.train
+        self.out = Path(recipe.output_dir)
+        self.main = accelerator.is_main_process
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.fsdp = _is_fsdp(accelerator)
+        self.resume_from = resume_from
+
+        # -- the policy (fp32 master weights unless the recipe pins a dtype; autocast does bf16 on GPU)
+        section = recipe.model
+        if section.dtype == "auto":
+            section = section.model_copy(update={"dtype": "float32"})
+        if self.fsdp and accelerator.state.fsdp_plugin.activation_checkpointing:
+            section = section.model_copy(update={"gradient_checkpointing": False})  # FSDP does it
+        load_dev = "cpu" if self.fsdp else accelerator.device
+        lora = self.t.lora
+        src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
+        self.mp = load_from_section(section, load_dev, name_or_path=src)
+        self.tokenizer = self.mp.tokenizer
+        if lora.enabled:
+            self._apply_lora(resume_from)
+        self.mp.model.train()
+
+        # -- data
+        if examples is None:
+            examples = load_training_examples(recipe, self.tokenizer, quiet=not self.main)
+        self.examples = examples
+        self.units = make_units(examples, self.t.objective, self.t.sft_rows)
+        self.rows_per_unit = 2 if self.t.objective == "vrpo" else 1
+        self.collate = make_collate(recipe, self.tokenizer)
+        self.accum = grad_accum_for(self.t, self.world)
+        self.G = self.t.batch_size * self.accum * self.world
+        if len(self.units) < self.G:
+            what = "pairs" if self.t.objective == "vrpo" else "rows"
+            raise UserError(
+                f"the training set has {len(self.units)} {what}, fewer than one global batch "
+                f"(train.batch_size {self.t.batch_size} x grad_accum {self.accum} x {self.world} process(es) = {self.G})"
+            )
+        self.lengths = [sum(ex.length for ex in u) for u in self.units]
+        self.steps_per_epoch = len(self.units) // self.G
+        self.total = self.t.max_steps or max(1, math.ceil(self.t.epochs * self.steps_per_epoch))
+        self.dropped_per_epoch = len(self.units) - self.steps_per_epoch * self.G
+        self._plans: dict[int, list[list[int]]] = {}
+        self.lambda_d, self.lambda_u = class_weights(recipe)
+        if self.t.objective == "elbo_kto" and self.main:
+            from dllm_align.data import check_weight_ratio
+
+            n_d = sum(1 for u in self.units if u[0].label)
+            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u)
+
+        # -- draws: the policy uses the reference's masks (draws 0..K'-1 of the K-draw set)
+        self.cfg = DrawConfig.from_reference(recipe.reference)
+        self.k = recipe.train_n_mc()
+        self.draws = list(range(self.k))
+
+        # -- reference
+        self.cache = None
+        self.ref_mp = None
+        if self.t.objective != "sft":
+            self._setup_reference()
+
+        # -- distributed wrapping, optimiser
+        scorer = PolicyScorer(self.mp)
+        self.module = accelerator.prepare(scorer)
+        self.policy = _ViaModule(self.module, self.mp.mask_token_id)
+        decay, no_decay = [], []
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if (name.endswith("bias") or "norm" in name.lower()) else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=self.t.lr,
+            betas=(self.t.adam_beta1, self.t.adam_beta2),
+            eps=self.t.adam_eps,
+        )
+        self.optimizer = accelerator.prepare(opt)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+        # -- state to continue
+        self.step = 0
+        self.margin_watch = MarginWatch(self.t.margin_watch_window)
+        self.examples_seen = 0
+        self.tokens_seen = 0
+        self.elapsed = 0.0
+        if resume_from is not None:
+            self._load_state(resume_from)
+        if self.main:
+            n_params = sum(p.numel() for p in self.params)
+            info(
+                f"train: objective {self.t.objective}, {len(self.units):,} {'pairs' if self.rows_per_unit == 2 else 'rows'}, "
+                f"global batch {self.G} ({self.world} process(es) x {self.accum} micro-batch(es) x {self.t.batch_size}), "
+                f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
+                f"mixed precision {accelerator.mixed_precision}"
+            )
+            if self.dropped_per_epoch:
+                info(f"train: {self.dropped_per_epoch} row(s) per epoch do not fill a global batch and are left out of that epoch")
+            if accelerator.device.type == "cpu" and self.t.mixed_precision == "auto":
+                info("train: bf16 autocast is off (no CUDA device: CPU bf16 is slow and changes the numbers)")
+
+    # ---------------------------------------------------------------- setup helpers
+    def _apply_lora(self, resume_from: Optional[Path]) -> None:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise UserError("train.lora.enabled needs the peft package", hint="pip install 'dllm-align[lora]'") from None
+        lora = self.t.lora
+        cfg = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none"
+        )
+        try:
+            get_peft_model(self.mp.model, cfg)  # injects the adapter layers into mp.model in place
+        except ValueError as e:
+            raise UserError(f"train.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
+        if resume_from is not None:
+            from safetensors.torch import load_file
+
+            adapter = load_file(str(resume_from / "adapter.safetensors"))
+            named = dict(self.mp.model.named_parameters())
+            for k, v in adapter.items():
+                named[k].data.copy_(v)
+
+    def _setup_reference(self) -> None:
+        from dllm_align import reference as ref
+        from dllm_align.console import info
+        from dllm_align.models import load_from_section
+
+        r = self.recipe.reference
+        if r.mode == "online":
+            self.ref_mp = load_from_section(self.recipe.model, self.acc.device, name_or_path=ref.reference_name(self.recipe))
+            self.ref_mp.model.eval()
+            for p in self.ref_mp.model.parameters():
+                p.requires_grad_(False)
+            if self.main:
+                info(f"train: reference computed online ({ref.reference_name(self.recipe)}, resident)")
+            return
+        folder = ref.cache_dir(self.recipe)
+        cache = ref.ReferenceCache.open(folder)
+        fp = ref.fingerprint(
+            self.recipe,
+            tokenizer=self.tokenizer,
+            mask_token_id=self.mp.mask_token_id,
+            device=self.acc.device,
+            examples=self.examples,
+            known_files=cache.weight_files(),
+        )
+        used = [ex for u in self.units for ex in u]
+        cache.check(fp, used, self.k)
+        self.cache = cache
+        if self.main:
+            info(f"train: reference from cache {folder} (K={cache.K}, using {self.k})")
+
+    # ---------------------------------------------------------------- data order
+    def plan(self, epoch: int) -> list[list[int]]:
+        from dllm_align.batching import plan_batches
+
+        if epoch not in self._plans:
+            self._plans = {
+                epoch: plan_batches(
+                    self.lengths, self.G, self.t.seed, epoch, self.recipe.data.group_by_length, drop_last=True
+                )
+            }
+        return self._plans[epoch]
+
+    def micro_batches(self, step: int) -> list[list[tuple]]:
+        """This process's micro-batches of global step ``step`` (lists of units)."""
+        from dllm_align.batching import shard
+
+        epoch, j = divmod(step, self.steps_per_epoch)
+        batch = self.plan(epoch)[j]
+        mine = shard(batch, self.rank, self.world, self.t.batch_size)
+        assert len(mine) == self.accum, (len(mine), self.accum)
+        return [[self.units[i] for i in m] for m in mine]
+
+    # ---------------------------------------------------------------- ELBO values
+    def _to_dev(self, batch: dict) -> dict:
+        dev = self.acc.device
+        out = dict(batch)
+        for k in ("input_ids", "attention_mask", "completion_mask", "completion_len"):
+            if out.get(k) is not None:
+                out[k] = out[k].to(dev)
+        return out
+
+    def policy_elbo(self, batch: dict) -> torch.Tensor:
+        """B_hat_policy [B] (mean of draws 0..K'-1), differentiable when grad is on."""
+        from dllm_align.elbo import elbo_draws
+
+        v = elbo_draws(
+            self.policy,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["completion_mask"],
+            batch["ids"],
+            self.cfg,
+            max_rows_per_forward=self.t.rows_per_forward,
+            draws=self.draws,
+        )
+        return v.mean(dim=1)
+
+    @torch.no_grad()
+    def reference_elbo(self, batch: dict) -> torch.Tensor:
+        """B_hat_ref [B] with the same draws, from the cache or the resident reference."""
+        if self.cache is not None:
+            return self.cache.lookup(batch["ids"], self.k).mean(dim=1).to(self.acc.device)
+        from dllm_align.elbo import elbo_draws
+
+        v = elbo_draws(
+            self.ref_mp,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["completion_mask"],
+            batch["ids"],
+            self.cfg,
+            max_rows_per_forward=self.t.rows_per_forward,
+            draws=self.draws,
+        )
+        return v.float().mean(dim=1)
+
+    def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
+        allv = self.acc.gather(local.detach().float().contiguous()) if self.world > 1 else local.detach().float()
+        return allv.double().mean().float()
+
+    # ---------------------------------------------------------------- one optimiser step
+    def _sync(self, last: bool):
+        return contextlib.nullcontext() if last or self.world == 1 else self.acc.no_sync(self.module)
+
+    def run_step(self, micro: list[list[tuple]]) -> dict:
+        """Forward/backward over this process's micro-batches; returns summed metrics (local)."""
+        from dllm_align.losses import elbo_kto_loss, sft_loss, vrpo_loss
+
+        batches = []
+        for units in micro:
+            rows = [ex for u in units for ex in u]  # vrpo: chosen, rejected, chosen, rejected, ...
+            batches.append(self._to_dev(self.collate(rows)))
+        norm = self.G / self.world  # DDP averages over processes: this makes the sum over all units / G
+        acc = {"loss_sum": 0.0, "n": 0, "n_d": 0, "n_u": 0, "r_d": 0.0, "r_u": 0.0, "saturated": 0, "accuracy": 0.0, "baseline": float("nan")}
+        acc["tokens"] = sum(ex.length for units in micro for u in units for ex in u)  # real tokens, padding excluded
+        obj = self.t.objective
+        A = len(batches)
+
+        if obj == "elbo_kto":
+            refs = [self.reference_elbo(b) for b in batches]
+            baseline = None
+            if self.t.baseline == "none":
+                baseline = torch.zeros((), device=self.acc.device)
+            elif A > 1:
+                with torch.no_grad():  # every margin of the step before any backward
+                    r = torch.cat([self.policy_elbo(b).float() - rf for b, rf in zip(batches, refs)])
+                baseline = self._global_mean(r)
+            for a, (b, rf) in enumerate(zip(batches, refs)):
+                with self._sync(a == A - 1):
+                    pol = self.policy_elbo(b)
+                    if baseline is None:
+                        baseline = self._global_mean(pol.detach().float() - rf)
+                    terms = elbo_kto_loss(
+                        pol, rf, b["labels"].to(pol.device), beta=self.t.beta,
+                        lambda_desirable=self.lambda_d, lambda_undesirable=self.lambda_u,
+                        baseline=baseline, normalizer=norm,
+                    )
+                    self.acc.backward(terms.loss)
+                m = terms.metrics
+                acc["loss_sum"] += m["loss_sum"]
+                acc["n"] += m["n"]
+                acc["n_d"] += m["n_desirable"]
+                acc["n_u"] += m["n_undesirable"]
+                acc["r_d"] += m["reward_sum_desirable"]
+                acc["r_u"] += m["reward_sum_undesirable"]
+                acc["saturated"] += m["saturated"]
+            acc["baseline"] = float(baseline)
+        elif obj == "sft":
+            for a, b in enumerate(batches):
+                with self._sync(a == A - 1):
+                    pol = self.policy_elbo(b)
+                    terms = sft_loss(pol, b["completion_len"], normalizer=norm)
+                    self.acc.backward(terms.loss)
+                acc["loss_sum"] += terms.metrics["loss_sum"]
+                acc["n"] += terms.metrics["n"]
+        else:  # vrpo: rows alternate chosen / rejected
+            for a, b in enumerate(batches):
+                rf = self.reference_elbo(b)
+                with self._sync(a == A - 1):
+                    pol = self.policy_elbo(b)
+                    terms = vrpo_loss(pol[0::2], pol[1::2], rf[0::2], rf[1::2], beta=self.t.beta, normalizer=norm)
+                    self.acc.backward(terms.loss)
+                m = terms.metrics
+                acc["loss_sum"] += m["loss_sum"]
+                acc["n"] += m["n"]
+                acc["n_d"] += m["n"]
+                acc["n_u"] += m["n"]
+                acc["r_d"] += m["reward_sum_chosen"]
+                acc["r_u"] += m["reward_sum_rejected"]
+                acc["saturated"] += m["saturated"]
+                acc["accuracy"] += m["accuracy_sum"]
+        return acc
+
+    def reduce(self, acc: dict) -> dict:
+        keys = ["loss_sum", "n", "n_d", "n_u", "r_d", "r_u", "saturated", "accuracy", "tokens"]
+        t = torch.tensor([float(acc[k]) for k in keys], dtype=torch.float64, device=self.acc.device)
+        if self.world > 1:
+            t = self.acc.reduce(t, reduction="sum")
+        s = dict(zip(keys, t.tolist()))
+        n = max(s["n"], 1.0)
+        out = {"loss": s["loss_sum"] / n}
+        if self.t.objective == "sft":
+            out.update(reward_desirable=None, reward_undesirable=None, baseline=None, saturation=None)
+        else:
+            out["reward_desirable"] = s["r_d"] / s["n_d"] if s["n_d"] else None
+            out["reward_undesirable"] = s["r_u"] / s["n_u"] if s["n_u"] else None
+            out["baseline"] = acc["baseline"] if self.t.objective == "elbo_kto" else None
+            out["saturation"] = s["saturated"] / n
+            if self.t.objective == "vrpo":
+                out["reward_accuracy"] = s["accuracy"] / n
+        out["tokens"] = int(s["tokens"])
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def _state_dict(self) -> dict:
+        sd = self.acc.get_state_dict(self.module)  # full weights on the main process (FSDP gathers)
+        return {k: v for k, v in sd.items()} if sd is not None else {}
+
+    def export(self, folder: Path, sd: dict, final: bool = False) -> dict:
+        """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""
+        lora = self.t.lora
+        weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
+        if final and lora.enabled and not lora.merge_on_export:
+            save_peft_adapter(folder, adapter, lora, self.recipe.model.name_or_path, self.tokenizer)
+            return adapter
+        save_model_folder(folder, weights, self.acc.unwrap_model(self.module).model.config, self.tokenizer)
+        return adapter
+
+    def save_checkpoint(self, history: list) -> Path:
+        from safetensors.torch import save_file
+
+        root = self.out / CHECKPOINTS
+        final = root / f"step-{self.step}"
+        tmp = root / f".tmp-step-{self.step}"
+        if self.main:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        self.acc.wait_for_everyone()
+        sd = self._state_dict()
+        if self.main:
+            adapter = self.export(tmp, sd)
+            if adapter:
+                save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / "adapter.safetensors"))
+                (tmp / "adapter_config.json").write_text(json.dumps(self.t.lora.model_dump(), indent=2))
+        if self.main:
+            _fault("kill_in_checkpoint", self.step)
+        opt_sd = self.optimizer.state_dict()
+        if self.fsdp:
+            torch.save(opt_sd, tmp / f"optimizer-rank{self.rank}.pt")
+        elif self.main:
+            torch.save(opt_sd, tmp / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(tmp / f"rng-rank{self.rank}.safetensors"))
+        self.acc.wait_for_everyone()
+        if self.main:
+            state = {
+                "version": STATE_VERSION,
+                "step": self.step,
+                "total_steps": self.total,
+                "epoch": self.step // self.steps_per_epoch,
+                "batch_in_epoch": self.step % self.steps_per_epoch,
+                "global_batch_size": self.G,
+                "seed": self.t.seed,
+                "group_by_length": self.recipe.data.group_by_length,
+                "units_digest": units_digest(self.units),
+                "world_size": self.world,
+                "fsdp": self.fsdp,
+                "lora": self.t.lora.enabled,
+                "examples_seen": self.examples_seen,
+                "tokens_seen": self.tokens_seen,
+                "elapsed_seconds": self.elapsed,
+                "margin_watch": self.margin_watch.state(),
+                "last_metrics": history[-1] if history else None,
+            }
+            (tmp / STATE).write_text(json.dumps(state, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            from dllm_align.io import _fsync_dir
+
+            _fsync_dir(root)
+            kept = sorted(
+                (p for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()),
+                key=lambda p: int(p.name[5:]),
+            )
+            for old in kept[: -self.t.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        return final
+
+    def _load_state(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        from dllm_align.console import info
+
+        st = json.loads((folder / STATE).read_text())
+        checks = [
+            ("global batch size", st["global_batch_size"], self.G),
+            ("train.seed", st["seed"], self.t.seed),
+            ("data.group_by_length", st["group_by_length"], self.recipe.data.group_by_length),
+            ("the training rows", st["units_digest"], units_digest(self.units)),
+            ("train.lora.enabled", st["lora"], self.t.lora.enabled),
+        ]
+        for what, was, now in checks:
+            if was != now:
+                raise UserError(
+                    f"cannot resume from {folder}: {what} differs from the interrupted run ({was!r} then, {now!r} now)",
+                    hint="resume with the same recipe and data, or start a new run with --overwrite",
+                )
+        if st["fsdp"] != self.fsdp or (self.fsdp and st["world_size"] != self.world):
+            raise UserError(
+                f"cannot resume from {folder}: it was written by {st['world_size']} process(es) "
+                f"{'with' if st['fsdp'] else 'without'} FSDP; resume with the same launch configuration"
+            )
+        name = f"optimizer-rank{self.rank}.pt" if self.fsdp else "optimizer.pt"
+        opt_sd = torch.load(folder / name, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(opt_sd)
+        rng_file = folder / f"rng-rank{self.rank}.safetensors"
+        if not rng_file.exists():
+            rng_file = folder / "rng-rank0.safetensors"
+        rng = load_file(str(rng_file))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        self.step = int(st["step"])
+        self.examples_seen = int(st["examples_seen"])
+        self.tokens_seen = int(st["tokens_seen"])
+        self.elapsed = float(st["elapsed_seconds"])
+        self.margin_watch = MarginWatch.from_state(st["margin_watch"], self.t.margin_watch_window)
+        if st["total_steps"] != self.total and self.main:
+            info(f"train: the interrupted run planned {st['total_steps']} steps; this one plans {self.total}")
+        if self.main:
+            info(f"train: resuming from {folder} (step {self.step} of {self.total})")
+
+
+def _status(m: dict, lr: float, tok_s: float) -> str:
+    parts = [f"loss {m['loss']:.4f}"]
+    if m.get("reward_desirable") is not None:
+        parts.append(f"r+ {m['reward_desirable']:+.3f}")
+    if m.get("reward_undesirable") is not None:
+        parts.append(f"r- {m['reward_undesirable']:+.3f}")
+    if m.get("baseline") is not None:
+        parts.append(f"b {m['baseline']:+.3f}")
+    if m.get("saturation") is not None:
+        parts.append(f"sat {m['saturation']:.0%}")
+    parts.append(f"lr {lr:.2e}")
+    parts.append(f"{tok_s:,.0f} tok/s")
+    return " | ".join(parts)
+
+
+def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
+    """Check the run folder; returns the checkpoint to resume from (or None)."""
+    from dllm_align.console import info
+
+    out = Path(recipe.output_dir)
+    ckpt = find_checkpoint(out)
+    started = (out / CHECKPOINTS).exists() or (out / FINAL).exists() or (out / METRICS).exists()
+    if resume:
+        if ckpt is None:
+            info(f"train: no checkpoint in {out / CHECKPOINTS}; starting from step 0")
+        return ckpt
+    if started and not overwrite:
+        raise UserError(
+            f"{out} already holds a training run (checkpoints/, final/ or metrics.jsonl)",
+            hint="continue it with --resume, or start again with --overwrite",
+        )
+    return None
+
+
+def _clear_previous(out: Path) -> None:
+    for name in (CHECKPOINTS, FINAL):
+        if (out / name).exists():
+            shutil.rmtree(out / name)
+    for name in (METRICS,):
+        if (out / name).exists():
+            (out / name).unlink()
+
+
+def train(
+    recipe,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    examples: Optional[list] = None,
+    accelerator=None,
+) -> TrainResult:
+    """Train the policy as the recipe says (``dllm-align train``); returns where the model went.
+
+    ``examples`` (tokenised :class:`dllm_align.tokenize.Example` s) replace
+    ``data.train`` when given (tests, the toy demo).
+    """
+    from dllm_align.console import info, progress, warn
+    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.recipe import write_run_info
+
+    acc = accelerator or make_accelerator(recipe)
+    out = Path(recipe.output_dir)
+    # Every process must agree on where to resume; the main process decides.
+    # The main process inspects the run folder; every process must then agree (or fail together).
+    decision: list = [None]
+    if acc.is_main_process:
+        try:
+            found = prepare_output(recipe, resume, overwrite)
+            if not resume and overwrite:
+                _clear_previous(out)
+            decision = [("ok", str(found) if found else None)]
+        except UserError as e:
+            decision = [("error", e.message, e.hint)]
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(decision, from_process=0)
+    if decision[0][0] == "error":
+        raise UserError(decision[0][1], hint=decision[0][2])
+    resume_from = Path(decision[0][1]) if decision[0][1] else None
+    if acc.is_main_process:
+        write_run_info(recipe, out, "train")
+    torch.manual_seed(recipe.train.seed)
+
+    run = _Run(recipe, acc, resume_from, examples)
+    t = recipe.train
+    history: list[dict] = []
+    metrics_path = out / METRICS
+    if acc.is_main_process:
+        rows = recover_jsonl(metrics_path)
+        keep = [r for r in rows if r.get("step", 0) <= run.step]
+        if len(keep) != len(rows):
+            atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
+        history = keep
+    if acc.log_with:
+        acc.init_trackers(recipe.name, config=_flat(recipe.model_dump(mode="json")))
+
+    last_ckpt = resume_from
+    summary_path = out / FINAL / "training_summary.json"
+    if resume and summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("steps", 0) >= run.total:
+            if acc.is_main_process:
+                info(f"train: {out} already finished ({summary['steps']} steps); nothing to do")
+            return TrainResult(out, out / FINAL, 0, 0.0, 0, summary.get("last_metrics") or {})
+
+    appender = JsonlAppender(metrics_path) if acc.is_main_process else None
+    start_step = run.step
+    t_run = time.perf_counter()
+    step_examples = run.G * run.rows_per_unit
+    try:
+        with progress(f"train ({t.objective})", total=run.total if acc.is_main_process else None, unit="step") as bar:
+            if start_step:
+                bar.advance(0)
+            while run.step < run.total:
+                t0 = time.perf_counter()
+                lr = lr_at(run.step, run.total, t.lr, t.warmup_ratio, t.scheduler)
+                for g in run.optimizer.param_groups:
+                    g["lr"] = lr
+                micro = run.micro_batches(run.step)
+                acc_m = run.run_step(micro)
+                m = run.reduce(acc_m)
+                clip = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+                grad_norm = float(acc.clip_grad_norm_(run.params, clip))
+                human_step = run.step + 1
+                if not math.isfinite(m["loss"]) or not math.isfinite(grad_norm):
+                    what = f"loss {m['loss']}" if not math.isfinite(m["loss"]) else f"gradient norm {grad_norm}"
+                    keep_msg = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
+                    raise RunFailure(
+                        f"non-finite {what} at step {human_step}; stopped before applying it ({keep_msg})",
+                        hint="lower train.lr, check the data, or resume from the checkpoint with other settings",
+                    )
+                run.optimizer.step()
+                run.optimizer.zero_grad(set_to_none=True)
+                run.step = human_step
+                dt = time.perf_counter() - t0
+                run.elapsed += dt
+                run.examples_seen += step_examples
+                run.tokens_seen += m["tokens"]
+                row = {
+                    "step": run.step,
+                    "epoch": round(run.step / run.steps_per_epoch, 4),
+                    "loss": m["loss"],
+                    "reward_desirable": m["reward_desirable"],
+                    "reward_undesirable": m["reward_undesirable"],
+                    "baseline": m["baseline"],
+                    "saturation": m["saturation"],
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": m["tokens"] / dt,
+                    "examples_per_s": step_examples / dt,
+                    "seconds": dt,
+                }
+                if "reward_accuracy" in m:
+                    row["reward_accuracy"] = m["reward_accuracy"]
+                history.append(row)
+                if acc.is_main_process:
+                    appender.write(row)
+                    bar.advance(1, status=_status(m, lr, row["tokens_per_s"]))
+                    if run.step % t.log_every == 0 and not _bar_on():
+                        info(f"step {run.step}/{run.total}: " + _status(m, lr, row["tokens_per_s"]))
+                    msg = run.margin_watch.add(run.step, m["reward_desirable"] if t.objective == "elbo_kto" else None)
+                    if msg:
+                        warn(msg)
+                if acc.log_with and run.step % t.log_every == 0:
+                    acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}, step=run.step)
+                if acc.is_main_process:
+                    _fault("kill_after_step", run.step)
+                if t.save_every and run.step % t.save_every == 0 and run.step < run.total:
+                    last_ckpt = run.save_checkpoint(history)
+        # final export: the model (LoRA merged) and tokenizer, written atomically
+        final = out / FINAL
+        tmp = out / ".tmp-final"
+        if acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        sd = run._state_dict()
+        seconds = time.perf_counter() - t_run
+        n_steps = run.step - start_step
+        if acc.is_main_process:
+            run.export(tmp, sd, final=True)
+            summary = {
+                "objective": t.objective,
+                "steps": run.step,
+                "steps_this_session": n_steps,
+                "seconds": seconds,
+                "steps_per_s": n_steps / seconds if seconds > 0 else None,
+                "examples": n_steps * step_examples,
+                "examples_per_s": n_steps * step_examples / seconds if seconds > 0 else None,
+                "global_batch_size": run.G,
+                "processes": run.world,
+                "last_metrics": history[-1] if history else None,
+            }
+            atomic_write_json(tmp / "training_summary.json", summary)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        if t.save_every and run.step % t.save_every == 0:
+            run.save_checkpoint(history)
+        acc.wait_for_everyone()
+    finally:
+        if appender is not None:
+            appender.close()
+        if acc.log_with:
+            acc.end_training()
+    return TrainResult(out, out / FINAL, n_steps, seconds, n_steps * step_examples, history[-1] if history else {})
+
+
+def _bar_on() -> bool:
+    from dllm_align.console import progress_enabled
+
+    return progress_enabled()

@@ -1,0 +1,256 @@
+"""`dllm-align precompute-ref` and `dllm-align train` end to end: CLI manners, kill + resume, two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from dllm_align.cli.app import app
+
+from fixtures.sort_toy import write_pairs
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        DLLM_ALIGN_NO_PROGRESS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.pop("DLLM_ALIGN_FAULT", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A recipe file on the toy pairs, and a run folder whose reference cache is already computed."""
+    root = tmp_path_factory.mktemp("cli")
+    data = write_pairs(root / "pairs.jsonl", n=16)
+    recipe = {
+        "name": "cli-toy",
+        "model": {"name_or_path": "builtin:tiny"},
+        "data": {"train": str(data), "format": "paired", "max_length": 64},
+        "reference": {"n_mc": 4, "batch_size": 16, "shard_size": 8, "cache": str(root / "ref_cache")},
+        "train": {"lr": 1e-3, "warmup_ratio": 0.25, "batch_size": 2, "max_steps": 5},
+    }
+    path = root / "toy.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    res = runner.invoke(app, ["precompute-ref", str(path), "-o", str(root / "first")])
+    assert res.exit_code == 0, res.output
+    return {"root": root, "recipe": path}
+
+
+def _params(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_precompute_then_train_writes_a_loadable_model(toy):
+    from transformers import AutoModelForCausalLM
+
+    out = toy["root"] / "first"
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(out), "--set", "train.save_every=2"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().endswith(str(out / "final"))  # stdout: the result only
+    assert "steps/s" in res.stderr and "examples/s" in res.stderr
+    for folder in (out / "checkpoints" / "step-4", out / "final"):
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+        torch.testing.assert_close(dict(model.state_dict())["lm_head.weight"], _params(folder)["lm_head.weight"])
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for key in ("loss", "reward_desirable", "reward_undesirable", "baseline", "saturation", "lr", "grad_norm",
+                "tokens_per_s", "examples_per_s"):
+        assert all(r[key] is not None for r in rows), key
+    assert (out / "run_info.precompute-ref.json").exists() and (out / "run_info.train.json").exists()
+
+
+def test_mismatched_cache_exits_2_naming_the_field(toy):
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(toy["root"] / "bad"), "--set", "reference.seed=7"])
+    assert res.exit_code == 2
+    assert "Error: reference cache" in res.stderr and "field 'seed'" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (toy["root"] / "bad" / "final").exists()
+
+
+def test_missing_cache_and_contradictory_flags(toy, tmp_path):
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", f"reference.cache={tmp_path / 'none'}"])
+    assert res.exit_code == 2 and "no reference cache" in res.stderr and "precompute-ref" in res.stderr
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "--resume", "--overwrite"])
+    assert res.exit_code == 2 and "contradict" in res.stderr
+
+
+def test_nan_exits_1_naming_the_step(toy, tmp_path):
+    res = runner.invoke(
+        app,
+        ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.lr=1e30", "--set", "train.max_grad_norm=null",
+         "--set", "train.save_every=1", "--set", "train.warmup_ratio=0"],
+    )
+    assert res.exit_code == 1
+    assert "Error: non-finite" in res.stderr and "at step" in res.stderr and "last good checkpoint" in res.stderr
+
+
+def test_help_has_examples():
+    for cmd in ("train", "precompute-ref"):
+        res = runner.invoke(app, [cmd, "--help"])
+        assert res.exit_code == 0 and "Example:" in res.output
+
+
+@pytest.mark.parametrize("fault", ["kill_in_checkpoint:3", "kill_after_step:3"])
+def test_killed_run_resumes_to_the_same_parameters(toy, tmp_path, fault):
+    """SIGKILL halfway through writing checkpoint 3 (or right after step 3): resume ends bitwise equal."""
+    sets = ["--set", "train.save_every=1" if fault.startswith("kill_in") else "train.save_every=2"]
+    straight = tmp_path / "straight"
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(straight), *sets])
+    assert res.exit_code == 0, res.output
+
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dllm_align", "train", str(toy["recipe"]), "-o", str(run), *sets]
+    p = subprocess.run(cmd, env=dict(_env(), DLLM_ALIGN_FAULT=fault), capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, p.stderr
+    assert not (run / "final").exists()
+    ckpts = sorted(x.name for x in (run / "checkpoints").iterdir())
+    if fault.startswith("kill_in"):
+        assert "step-2" in ckpts and ".tmp-step-3" in ckpts and "step-3" not in ckpts  # a half-written checkpoint is ignored
+    else:
+        assert ckpts == ["step-2"]
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
+
+    res = runner.invoke(app, cmd[3:] + ["--resume"])  # the resumed run, in process
+    assert res.exit_code == 0, res.output
+    assert "resuming from" in res.stderr and "step 2 of 5" in res.stderr
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]  # step 3 is redone, not logged twice
+    a, b = _params(straight / "final"), _params(run / "final")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    for x, y in zip(_metrics(straight), _metrics(run)):
+        assert x["loss"] == y["loss"] and x["grad_norm"] == y["grad_norm"]
+    # resuming a finished run does nothing
+    res = runner.invoke(app, cmd[3:] + ["--resume"])
+    assert res.exit_code == 0 and "already finished" in res.stderr
+
+
+@pytest.mark.multiproc
+def test_two_processes_equal_one_process_with_batch_two(toy, tmp_path):
+    """torchrun, 2 CPU processes (gloo) x 1 row each == 1 process x batch 2: loss, baseline, gradient norm, parameters."""
+    one = tmp_path / "one"
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(one), "--set", "train.max_steps=3"])
+    assert res.exit_code == 0, res.output
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dllm_align",
+           "train", str(toy["recipe"]), "-o", str(two), "--set", "train.batch_size=1", "--set", "train.max_steps=3"]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batch(es) x 1" in p.stderr
+    assert p.stdout.strip() == str(two / "final")  # printed once, by the main process
+    m1, m2 = _metrics(one), _metrics(two)
+    assert len(m1) == len(m2) == 3
+    for x, y in zip(m1, m2):
+        # ELBO sums are O(100) in fp32: rows padded in a batch vs alone differ by ~1e-5
+        for key in ("baseline", "reward_desirable", "reward_undesirable"):
+            assert y[key] == pytest.approx(x[key], abs=1e-4), (x["step"], key)
+        for key in ("loss", "grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4), (x["step"], key)
+    a, b = _params(one / "final"), _params(two / "final")
+    from dllm_align.models import build_tiny_model
+
+    init = build_tiny_model().state_dict()
+    assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # the runs moved the weights
+    for k in a:
+        # Adam divides by sqrt(v): a near-zero gradient component can turn fp32 noise into ~1e-6 here
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_precompute_on_two_processes_matches_one(toy, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dllm_align",
+           "precompute-ref", str(toy["recipe"]), "-o", str(tmp_path), "--set", f"reference.cache={tmp_path / 'c2'}"]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    from dllm_align.reference import ReferenceCache
+
+    one, two = ReferenceCache.open(toy["root"] / "ref_cache"), ReferenceCache.open(tmp_path / "c2")
+    assert one.manifest["fingerprint"] == two.manifest["fingerprint"]
+    assert len(two.manifest["shards"]) == 4  # 32 rows in shards of 8: ranks 0 and 1 wrote two each
+    ids = sorted(one._values)
+    torch.testing.assert_close(two.lookup(ids, 4), one.lookup(ids, 4), atol=1e-4, rtol=1e-5)
+
+
+def test_shipped_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    folder = REPO / "recipes" / "accelerate"
+    names = sorted(p.name for p in folder.glob("*.yaml"))
+    assert names == ["ddp_8gpu.yaml", "fsdp_8gpu.yaml", "single_gpu.yaml"]
+    fsdp = load_config_from_file(str(folder / "fsdp_8gpu.yaml"))
+    assert fsdp.distributed_type == "FSDP" and fsdp.num_processes == 8 and fsdp.mixed_precision == "bf16"
+    assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    assert fsdp.fsdp_config["fsdp_activation_checkpointing"] is True
+    assert fsdp.fsdp_config["fsdp_reshard_after_forward"] == "FULL_SHARD"
+    ddp = load_config_from_file(str(folder / "ddp_8gpu.yaml"))
+    assert ddp.distributed_type == "MULTI_GPU" and ddp.num_processes == 8
+    single = load_config_from_file(str(folder / "single_gpu.yaml"))
+    assert single.num_processes == 1
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_step_on_gpu(toy, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: bf16 autocast is only used on GPU")
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.max_steps=2"])
+    assert res.exit_code == 0, res.output
+    assert "mixed precision bf16" in res.stderr
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in _metrics(tmp_path))
+
+
+def test_demo_recipe_end_to_end(tmp_path, monkeypatch):
+    """The bundled demo recipe (run from the repository root, as its comment says): precompute-ref, then train."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "demo"
+    res = runner.invoke(app, ["precompute-ref", "demo", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["train", "demo", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = _metrics(out)
+    assert len(rows) == 32  # 128 rows / 8 per step x 2 epochs
+    gap = [r["reward_desirable"] - r["reward_undesirable"] for r in rows]
+    assert sum(gap[-8:]) / 8 > sum(gap[:8]) / 8
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-24", "step-32"]  # keep_checkpoints 2; the last step saves too
+
+
+def test_trackers_are_used_when_installed_else_named(toy, tmp_path):
+    from accelerate.utils import is_tensorboard_available
+
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.max_steps=1",
+                              "--set", "train.trackers=[tensorboard]"])
+    assert res.exit_code == 0, res.output
+    if is_tensorboard_available():
+        assert any(tmp_path.rglob("events.out.tfevents.*"))
+    else:
+        assert "tensorboard is not installed" in res.stderr
