@@ -55,7 +55,12 @@ class DataSection(Section):
     train_split: str = "train"
     test: Optional[str] = Field(None, description="Evaluation prompts: local file/folder or hub dataset id.")
     test_split: str = "test"
-    format: Literal["auto", "unpaired", "paired"] = "auto"
+    format: Literal["auto", "unpaired", "paired"] = Field(
+        "auto", description="Layout of the rows: detected from the columns, or forced (see `dllm-align convert`)."
+    )
+    label: Optional[bool] = Field(
+        None, description="Class of rows that have no 'label' column (a file of only desirable or only undesirable rows)."
+    )
     max_length: int = Field(4096, ge=8, description="Cap on prompt + completion tokens.")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="Cap on prompt tokens (left-truncated).")
     truncation: Literal["completion", "prompt_left"] = Field(
@@ -66,11 +71,16 @@ class DataSection(Section):
         description="'paper': right-pad with EOS to max_length (visible, never scored); 'none': no tail, attention-masked batches.",
     )
     group_by_length: bool = Field(True, description="Bucket rows of similar length into batches (less padding).")
-    desirable_ratio: float = Field(1.0, gt=0, le=1)
-    undesirable_ratio: float = Field(1.0, gt=0, le=1)
-    weights_file: Optional[str] = Field(None, description="Sidecar from `convert --balance-weights`.")
-    seed: int = 0
-    limit: Optional[int] = Field(None, ge=1, description="Use only the first N rows (smoke tests).")
+    desirable_ratio: float = Field(
+        1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
+    )
+    undesirable_ratio: float = Field(1.0, gt=0, le=1, description="Keep this fraction of the undesirable rows.")
+    weights_file: Optional[str] = Field(
+        None,
+        description="JSON with lambda_desirable / lambda_undesirable, as written by `convert --balance-weights` (OUT.weights.json).",
+    )
+    seed: int = Field(0, description="Seed of the class subsampling and of the batch order.")
+    limit: Optional[int] = Field(None, ge=1, description="Use only the first N rows, before the ratios (smoke tests).")
 
 
 # --------------------------------------------------------------------------- reference

@@ -109,6 +109,8 @@ def root(
 
 # Command modules register themselves on import. They must stay light (no torch at import).
 from dllm_align.cli import recipes as _recipes  # noqa: E402,F401
+from dllm_align.cli import convert as _convert  # noqa: E402,F401
+from dllm_align.cli import data as _data  # noqa: E402,F401
 from dllm_align.cli import evaluate as _evaluate  # noqa: E402,F401
 
 

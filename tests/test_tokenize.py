@@ -1,0 +1,149 @@
+"""Tokenisation: chat template + completion + end-of-turn, the completion mask, truncation rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from dllm_align.batching import collate
+from dllm_align.data import PairRow, Row
+from dllm_align.models import build_tiny_tokenizer
+from dllm_align.recipe import DataSection
+from dllm_align.tokenize import (
+    end_of_turn_id,
+    fit,
+    pad_token_id,
+    tokenize_pairs,
+    tokenize_rows,
+    tokenize_with_report,
+)
+
+USER = [{"role": "user", "content": "Sort 3 1 2."}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def row(completion: str, prompt=USER, label=True, id="r1") -> Row:
+    return Row(id, prompt, completion, label, None)
+
+
+def test_layout_and_completion_mask_cover_exactly_the_completion(tok):
+    (ex,) = tokenize_rows([row("  1 2 3  ")], tok, DataSection())
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    assert end_of_turn_id(tok) == eot == 260
+    # prompt = the chat template with the generation prompt, tokenised
+    text = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert ex.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+    # completion = stripped text (the template trims every message) + end of turn
+    assert ex.completion_ids == tok("1 2 3", add_special_tokens=False)["input_ids"] + [eot]
+    assert tok.decode(ex.completion_ids) == "1 2 3<|eot_id|>"
+    assert len(ex.completion_ids) == len("1 2 3") + 1
+    for padding in ("paper", "none"):
+        b = collate([ex], padding, 256, pad_token_id(tok))
+        m = b["completion_mask"][0]
+        assert int(m.sum()) == len(ex.completion_ids) == int(b["completion_len"][0])
+        assert b["input_ids"][0][m].tolist() == ex.completion_ids
+        # masked positions are exactly [len(prompt), len(prompt) + len(completion))
+        idx = m.nonzero().flatten().tolist()
+        assert idx == list(range(len(ex.prompt_ids), ex.length))
+
+
+def test_special_token_text_inside_a_completion_stays_text(tok):
+    (ex,) = tokenize_rows([row("say <|eot_id|> twice")], tok, DataSection())
+    eot = end_of_turn_id(tok)
+    assert ex.completion_ids.count(eot) == 1 and ex.completion_ids[-1] == eot
+    assert tok.decode(ex.completion_ids[:-1]) == "say <|eot_id|> twice"
+
+
+def test_end_of_turn_found_from_template_or_eos():
+    t = build_tiny_tokenizer()
+    t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    t.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert end_of_turn_id(t) == t.convert_tokens_to_ids("<|im_end|>")
+    (ex,) = tokenize_rows([row("ok")], t, DataSection())
+    assert t.decode(ex.completion_ids) == "ok<|im_end|>"
+    plain = build_tiny_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    assert end_of_turn_id(plain) == plain.eos_token_id
+
+
+def test_no_chat_template_is_a_user_error():
+    from dllm_align.errors import UserError
+
+    t = build_tiny_tokenizer()
+    t.chat_template = None
+    with pytest.raises(UserError, match="has no chat template"):
+        tokenize_rows([row("x")], t, DataSection())
+
+
+# --------------------------------------------------------------------------- truncation
+BOS = 100
+
+
+def test_fit_rules_by_hand():
+    p = [BOS, 1, 2, 3, 4, 5]  # 6 prompt tokens
+    c = [10, 11, 12, 13, 99]  # 5 completion tokens, 99 = end of turn
+    # fits: untouched
+    assert fit(p, [c], 11, None, "completion", BOS) == (p, [c], False, [False])
+    # completion rule: the tail goes, end-of-turn with it
+    assert fit(p, [c], 9, None, "completion", BOS) == (p, [[10, 11, 12]], False, [True])
+    # prompt alone fills max_length: cannot keep the row
+    assert fit(p, [c], 6, None, "completion", BOS) is None
+    # prompt_left: the prompt's head goes, BOS stays
+    assert fit(p, [c], 9, None, "prompt_left", BOS) == ([BOS, 3, 4, 5], [c], True, [False])
+    # prompt_left with a completion longer than the room: BOS + last prompt token, completion tail cut
+    assert fit(p, [c], 4, None, "prompt_left", BOS) == ([BOS, 5], [[10, 11]], True, [True])
+    # max_prompt_length first, keeping BOS
+    assert fit(p, [c], 100, 3, "completion", BOS) == ([BOS, 4, 5], [c], True, [False])
+    # no BOS: the plain last tokens
+    assert fit([1, 2, 3, 4], [[7, 8]], 4, None, "prompt_left", None) == ([3, 4], [[7, 8]], True, [False])
+    # pairs share one prompt cut, sized for the longer completion
+    got = fit(p, [c, [20, 99]], 9, None, "prompt_left", BOS)
+    assert got == ([BOS, 3, 4, 5], [c, [20, 99]], True, [False, False])
+
+
+def test_truncation_on_real_rows(tok):
+    long = "word " * 200
+    rows = [row(long.strip(), id="long"), row("short", id="short")]
+    sec = DataSection(max_length=64, truncation="completion")
+    exs, rep = tokenize_with_report(rows, tok, sec)
+    assert [e.length for e in exs][0] == 64 and exs[0].completion_ids[-1] != end_of_turn_id(tok)
+    assert exs[1].completion_ids[-1] == end_of_turn_id(tok)
+    assert rep.completion_cut == 1 and rep.prompt_cut == 0 and not rep.dropped
+    # a prompt longer than max_length: dropped with the completion rule (and said so), cut with prompt_left
+    big_prompt = [{"role": "user", "content": "x" * 100}]
+    rows = [row("ok", prompt=big_prompt, id="big"), row("ok", id="small")]
+    exs, rep = tokenize_with_report(rows, tok, sec)
+    assert [e.id for e in exs] == ["small"] and rep.dropped == ["big"]
+    exs, rep = tokenize_with_report(rows, tok, DataSection(max_length=64, truncation="prompt_left"))
+    assert [e.id for e in exs] == ["big", "small"]
+    assert exs[0].length == 64 and exs[0].prompt_ids[0] == tok.bos_token_id
+    assert tok.decode(exs[0].completion_ids) == "ok<|eot_id|>"
+    assert tok.decode(exs[0].prompt_ids).endswith("x<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # max_prompt_length
+    exs, _ = tokenize_with_report(rows, tok, DataSection(max_length=4096, max_prompt_length=40))
+    assert len(exs[0].prompt_ids) == 40 and exs[0].prompt_ids[0] == tok.bos_token_id
+
+
+def test_dropped_rows_are_reported(tok, capsys):
+    rows = [row("ok", prompt=[{"role": "user", "content": "x" * 100}], id="big"), row("ok", id="small")]
+    tokenize_rows(rows, tok, DataSection(max_length=64), quiet=True)
+    assert "dropped 1 rows whose prompt alone fills max_length 64 (big)" in capsys.readouterr().err
+
+
+def test_labels_ids_and_pairs(tok):
+    rows = [Row("a:chosen", USER, "1 2 3", True, "a"), Row("a:rejected", USER, "3 2 1", False, "a")]
+    exs = tokenize_rows(rows, tok, DataSection())
+    assert [(e.id, e.label, e.pair_id) for e in exs] == [("a:chosen", True, "a"), ("a:rejected", False, "a")]
+    ((c, r),) = tokenize_pairs([PairRow("a", USER, "1 2 3", "3 2 1")], tok, DataSection())
+    assert (c, r) == tuple(exs)
+    # prompt_left with pairs: one shared prompt, cut for the longer completion
+    long_prompt = [{"role": "user", "content": "y" * 80}]
+    ((c, r),) = tokenize_pairs([PairRow("b", long_prompt, "z" * 20, "w")], tok, DataSection(max_length=64, truncation="prompt_left"))
+    assert c.prompt_ids == r.prompt_ids and c.length == 64 and r.length < 64
