@@ -226,10 +226,19 @@ def test_unknown_model_argument_is_named(tiny):
         E.DiffusionLM(predictor=tiny, gen_lenght=8)
 
 
-def test_registered_with_the_harness():
+def test_registered_with_the_harness(tiny, tmp_path):
+    """The harness builds the model itself from its name and an argument string."""
     from lm_eval.api.registry import get_model
 
     assert get_model("dllm_align") is E.DiffusionLM
+    direct = [[float(direct_elbo(tiny, q, " " + c, n_mc=4).mean()) for c in ch] for q, ch in MC_DOCS[:2]]
+    write_mc_task(tmp_path, [max(range(3), key=v.__getitem__) for v in direct[:2]] + [0] * 4)
+    res = lm_eval.simple_evaluate(
+        model="dllm_align", model_args="pretrained=builtin:tiny,mc_num=4,gen_length=8,block_length=4,steps=4",
+        tasks=["toy_mc"], task_manager=E.task_manager(["toy_mc"], str(tmp_path)), batch_size=4, limit=2, bootstrap_iters=0,
+    )
+    assert res["results"]["toy_mc"]["acc,none"] == 1.0
+    assert res["config"]["mc_num"] == 4 and res["config"]["sampler"]["gen_length"] == 8
 
 
 # --------------------------------------------------------------------------- the command

@@ -61,8 +61,9 @@ from dllm_align.errors import UserError
 HARNESS_NAME = "dllm_align"
 log = logging.getLogger("dllm_align.evaluation")
 
-# The bundled task YAMLs (generative HellaSwag for the paper's Table 4) live beside the recipes.
+
 def bundled_task_dir() -> Path:
+    """The bundled task YAMLs (generative HellaSwag for the paper's Table 4), beside the recipes."""
     from dllm_align.recipe import bundled_dir
 
     return bundled_dir() / "tasks"
@@ -587,7 +588,7 @@ def task_manager(names: Sequence[str], include_path: Optional[str | Sequence[str
     """
     from lm_eval.tasks import TaskManager
 
-    paths = [str(bundled_task_dir())]
+    paths = [str(bundled_task_dir())] if bundled_task_dir().is_dir() else []
     if include_path:
         for p in [include_path] if isinstance(include_path, (str, Path)) else include_path:
             if not Path(p).is_dir():
