@@ -14,7 +14,8 @@ import torch
 
 @torch.no_grad()
 def reference_generate(mp, prompt, *, gen_length, block_length, steps, remasking="low_confidence",
-                       temperature=0.0, cfg=0.0, seed=0):
+                       temperature=0.0, cfg=0.0, seed=0, trace=None):
+    """Generated token ids (the whole span); ``trace`` (a list) receives the span after each block."""
     mask = mp.mask_token_id
     g = torch.Generator().manual_seed(seed)
     P = len(prompt)
@@ -49,4 +50,6 @@ def reference_generate(mp, prompt, *, gen_length, block_length, steps, remasking
             best = sorted(range(len(cand)), key=lambda j: (-score[j], j))[:k]
             for j in best:
                 x[0, cand[j]] = x0[j]
+        if trace is not None:
+            trace.append(x[0, P:].tolist())
     return x[0, P:].tolist()

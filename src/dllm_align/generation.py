@@ -201,15 +201,19 @@ class SamplerStats:
 
 # --------------------------------------------------------------------------- prompts
 def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Chat template with the generation prompt added (SPEC.md §2)."""
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(t) for t in out]
-    if len(messages) == 1:
-        return list(tokenizer(messages[0]["content"])["input_ids"])
-    raise UserError("the tokenizer has no chat template, so multi-message prompts cannot be encoded")
+    """Prompt ids: the chat template with the generation prompt added (SPEC.md §2).
+
+    Rendered to text and encoded without extra special tokens, exactly as
+    :mod:`dllm_align.tokenize` encodes training prompts, so a prompt decodes
+    from the very tokens it was trained behind.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has no chat template",
+            hint="use an instruct model's tokenizer (model.tokenizer in the recipe)",
+        )
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -399,7 +403,7 @@ def generate_batch(
 
     def keep_rows(keep: list[int]) -> None:
         nonlocal x, attn, is_prompt, pos, gens, rows
-        idx = torch.tensor(keep, device=dev)
+        idx = torch.tensor(keep, dtype=torch.long, device=dev)
         x, attn, is_prompt, pos = x[idx], attn[idx], is_prompt[idx], pos[idx]
         gens = [gens[j] for j in keep]
         rows = [rows[j] for j in keep]

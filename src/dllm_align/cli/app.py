@@ -112,6 +112,7 @@ from dllm_align.cli import recipes as _recipes  # noqa: E402,F401
 from dllm_align.cli import convert as _convert  # noqa: E402,F401
 from dllm_align.cli import data as _data  # noqa: E402,F401
 from dllm_align.cli import evaluate as _evaluate  # noqa: E402,F401
+from dllm_align.cli import generate as _generate  # noqa: E402,F401
 
 
 def main() -> None:

@@ -1,0 +1,258 @@
+"""``dllm-align generate``: completions for a prompt set with the LLaDA sampler (SPEC.md §7).
+
+Thin: resolve the recipe (flags are ``--set generate.*`` overrides, validated
+the same way), read the prompts, and hand them to :mod:`dllm_align.generation`.
+The resumable, multi-process output logic lives in :func:`run_generate`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dllm_align.cli.app import command
+
+RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
+
+
+@command("generate")
+def generate(
+    recipe: RecipeArg,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSONL file to write (default: <output_dir>/gen.<split>.jsonl). Rerunning resumes it.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint folder or hub id (overrides model.name_or_path).")] = None,
+    split: Annotated[Optional[str], typer.Option("--split", help="Which prompts of the recipe: 'test' (data.test) or 'train' (data.train).")] = None,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompt file/folder/hub dataset instead of the recipe's data (.txt: one prompt a line).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N prompts.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set generate.cfg=0.5 (repeatable).")] = None,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", help="Override the recipe's output_dir.")] = None,
+    gen_length: Annotated[Optional[int], typer.Option("--gen-length", help="Tokens to generate (paper: 512).")] = None,
+    block_length: Annotated[Optional[int], typer.Option("--block-length", help="Semi-autoregressive block length (paper: 32).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Total denoising steps (paper: 512).")] = None,
+    remasking: Annotated[Optional[str], typer.Option("--remasking", help="low_confidence (paper) or random.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy (paper).")] = None,
+    cfg: Annotated[Optional[float], typer.Option("--cfg", help="Classifier-free guidance scale (0 = off, paper).")] = None,
+    fast: Annotated[bool, typer.Option("--fast", help="Fast decoding: dual key/value cache and confidence threshold 0.9 (unless set otherwise).")] = False,
+    cache: Annotated[Optional[str], typer.Option("--cache", help="Key/value reuse within a block: none, prefix or dual.")] = None,
+    threshold: Annotated[Optional[float], typer.Option("--threshold", help="Commit every candidate above this confidence (fast mode).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Prompts per forward pass.")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for temperature / random remasking (per prompt: hashed with its id).")] = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; under accelerate/torchrun, the process's device).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the output afresh instead of resuming it.")] = False,
+) -> None:
+    """Generate completions for a recipe's prompts, resumably, on one or many devices.
+
+    Output rows: id, prompt (messages), completion (text before the first
+    end-of-turn), finish_reason, num_tokens and the settings; the settings also
+    go to OUT.settings.json. A rerun skips ids already written; a file made with
+    other settings is refused. Under `accelerate launch` / `torchrun` the prompts
+    are split across processes and the file is the same as a one-process run.
+
+    Example: dllm-align generate kto_mix_14k --split test --output runs/base/gen.jsonl
+
+    Example: accelerate launch -m dllm_align generate kto_mix_14k --fast --limit 200
+    """
+    from dllm_align.recipe import load_recipe
+
+    overrides = list(set_ or [])
+    flags = {
+        "gen_length": gen_length,
+        "block_length": block_length,
+        "steps": steps,
+        "remasking": remasking,
+        "temperature": temperature,
+        "cfg": cfg,
+        "cache": cache,
+        "threshold": threshold,
+        "batch_size": batch_size,
+        "seed": seed,
+        "split": split,
+        "limit": limit,
+    }
+    overrides += [f"generate.{k}={v}" for k, v in flags.items() if v is not None]
+    if model is not None:
+        overrides.append(f"model.name_or_path={model}")
+    rec = load_recipe(recipe, overrides, output_dir)
+    if fast:
+        extra = []
+        if cache is None and rec.generate.cache == "none":
+            extra.append("generate.cache=dual")
+        if threshold is None and rec.generate.threshold is None:
+            extra.append("generate.threshold=0.9")
+        if extra:
+            rec = load_recipe(recipe, overrides + extra, output_dir)
+    run_generate(rec, output=output, prompts=prompts, device=device, overwrite=overwrite)
+
+
+def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] = None, device: Optional[str] = None, overwrite: bool = False) -> Path:
+    """Generate for the recipe's prompts into a JSONL file (resumable; one or many processes)."""
+    import json
+    import os
+    import time
+
+    import torch
+
+    from dllm_align import console
+    from dllm_align.data import load_prompts
+    from dllm_align.errors import UserError
+    from dllm_align.generation import SamplerSettings, SamplerStats, encode_prompt, generate_batch, length_batches, row_seed
+    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.models import load_from_section, pick_dtype
+    from dllm_align.recipe import write_run_info
+    from dllm_align.tokenize import fit
+
+    g = rec.generate
+    settings = SamplerSettings.from_section(g)
+    settings.check()
+
+    # -- where the prompts come from
+    if prompts is not None:
+        source, split_name = prompts, (rec.data.test_split if g.split == "test" else rec.data.train_split)
+    else:
+        source = rec.data.test if g.split == "test" else rec.data.train
+        split_name = rec.data.test_split if g.split == "test" else rec.data.train_split
+        if source is None:
+            raise UserError(
+                f"the recipe has no data.{g.split} to take prompts from",
+                hint="pass --prompts FILE, or set data.test / data.train in the recipe",
+            )
+    out = Path(output) if output is not None else Path(rec.output_dir) / f"gen.{g.split}.jsonl"
+    if out.suffix != ".jsonl":
+        raise UserError(f"--output {out}: expected a .jsonl file name")
+    sidecar = out.with_name(out.name[: -len(".jsonl")] + ".settings.json")
+
+    # -- processes: torchrun / accelerate launch set WORLD_SIZE
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    state = None
+    if world > 1:
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available() or (device or "").startswith("cpu"))
+        rank, world, dev = state.process_index, state.num_processes, state.device
+    else:
+        rank = 0
+        dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def barrier() -> None:
+        if state is not None:
+            state.wait_for_everyone()
+
+    def part_files() -> list[Path]:
+        return sorted(out.parent.glob(out.name[: -len(".jsonl")] + ".part*.jsonl")) if out.parent.exists() else []
+
+    rows = load_prompts(source, split=split_name, limit=g.limit)
+    settings_record = {
+        "model": rec.model.name_or_path,
+        "revision": rec.model.revision,
+        "tokenizer": rec.model.tokenizer,
+        "dtype": str(pick_dtype(rec.model.dtype, dev)).removeprefix("torch."),
+        "prompts": str(source),
+        "split": split_name,
+        "sampler": settings.to_dict(),
+    }
+
+    # -- resume or refuse
+    if overwrite and rank == 0:
+        for p in [out, sidecar, *part_files()]:
+            if p.exists():
+                p.unlink()
+    barrier()
+    existing = out.exists() and out.stat().st_size > 0 or bool(part_files())
+    if sidecar.exists():
+        try:
+            old = json.loads(sidecar.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{sidecar}: not valid JSON", hint="delete it (and the output) or pass --overwrite") from None
+        if old != settings_record and existing:
+            diff = sorted(k for k in set(old) | set(settings_record) if old.get(k) != settings_record.get(k))
+            if "sampler" in diff:
+                a, b = old.get("sampler") or {}, settings_record["sampler"]
+                diff = [d for d in diff if d != "sampler"] + [f"sampler.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            raise UserError(
+                f"{out} was made with other settings ({', '.join(diff)} differ); refusing to mix them",
+                hint="choose another --output, or pass --overwrite to start afresh",
+            )
+    elif existing:
+        raise UserError(f"{out} exists but has no {sidecar.name}, so its settings are unknown", hint="choose another --output, or pass --overwrite")
+
+    if rank == 0:
+        for p in [out, *part_files()]:
+            recover_jsonl(p)  # cut a torn last line left by a kill
+        atomic_write_json(sidecar, settings_record)
+        write_run_info(rec, out.parent, "generate")
+    barrier()
+    done: set[str] = set()
+    for p in [out, *part_files()]:
+        done.update(str(r.get("id")) for r in recover_jsonl(p))
+
+    order = {r.id: i for i, r in enumerate(rows)}
+    todo = [r for r in rows if r.id not in done]
+    console.info(
+        f"generate: {len(rows):,} prompts from {source}" + (f", {len(rows) - len(todo):,} already in {out}" if done else "")
+        + (f"; {world} processes" if world > 1 else "")
+    )
+
+    if todo:
+        mp = load_from_section(rec.model, device=dev)
+        mp.model.eval()
+        ids = [encode_prompt(mp.tokenizer, r.messages) for r in todo]
+        if rec.data.max_prompt_length is not None:
+            # The training cut (tokenize.fit): a long prompt loses its head, BOS kept.
+            cap, bos = rec.data.max_prompt_length, mp.tokenizer.bos_token_id
+            cut = sum(len(p) > cap for p in ids)
+            ids = [fit(p, [[]], len(p) + 1, cap, "completion", bos)[0] for p in ids]
+            if cut:
+                console.info(f"{cut:,} prompts lost their head to fit data.max_prompt_length {cap}")
+        max_pos = getattr(mp.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in ids) + settings.gen_length
+        if rank == 0 and max_pos and longest > max_pos:
+            console.warn(f"prompt + gen_length reaches {longest} tokens, beyond the model's {max_pos} positions")
+        batches = length_batches([len(p) for p in ids], g.batch_size)
+        mine = [b for j, b in enumerate(batches) if j % world == rank]
+        target = out if world == 1 else out.with_name(out.name[: -len(".jsonl")] + f".part{rank}.jsonl")
+        stats = SamplerStats()
+        t0 = time.perf_counter()
+        n_mine = sum(len(b) for b in mine)
+        with JsonlAppender(target) as app, console.progress("generate", total=n_mine, unit="prompts") as bar:
+            for b in mine:
+                res = generate_batch(
+                    mp, [ids[i] for i in b], settings, seeds=[row_seed(settings.seed, todo[i].id) for i in b], stats=stats
+                )
+                for i, c in zip(b, res):
+                    app.write(
+                        {
+                            "id": todo[i].id,
+                            "prompt": todo[i].messages,
+                            "completion": c.text,
+                            "finish_reason": c.finish_reason,
+                            "num_tokens": len(c.ids),
+                            "settings": settings_record,
+                        }
+                    )
+                dt = max(time.perf_counter() - t0, 1e-9)
+                bar.advance(len(b), status=f"{stats.decoded / dt:,.0f} tok/s")
+        dt = max(time.perf_counter() - t0, 1e-9)
+        console.info(
+            f"rank {rank}: " * (world > 1)
+            + f"{n_mine:,} prompts in {dt:,.1f} s ({n_mine / dt:.2f} prompts/s, {stats.decoded / dt:,.0f} tokens/s, "
+            f"{stats.forwards:,} forward passes)"
+        )
+    barrier()
+
+    # -- one file, every id once, in input order (the same whatever the number of processes)
+    if rank == 0:
+        parts = part_files()
+        merged: dict[str, dict] = {}
+        for p in [out, *parts]:
+            for r in recover_jsonl(p):
+                merged.setdefault(str(r.get("id")), r)
+        known = sorted((k for k in merged if k in order), key=order.__getitem__)
+        extra = [k for k in merged if k not in order]  # rows of an earlier, longer run: kept
+        text = "".join(json.dumps(merged[k], ensure_ascii=False) + "\n" for k in known + extra)
+        atomic_write_text(out, text)
+        for p in parts:
+            p.unlink()
+        console.result(str(out))
+    barrier()
+    return out
