@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dllm_align.errors import UserError
 
@@ -259,18 +259,62 @@ class AblateSection(Section):
 
 # --------------------------------------------------------------------------- evaluate
 class EvalTask(Section):
-    gen_length: Optional[int] = Field(None, ge=1)
-    block_length: Optional[int] = Field(None, ge=1)
-    steps: Optional[int] = Field(None, ge=1)
-    num_fewshot: Optional[int] = Field(None, ge=0)
-    limit: Optional[int] = Field(None, ge=1)
+    """Per-task settings of ``dllm-align evaluate`` (paper Appendix C, Table eval-config).
+
+    Unset keys fall back to the ``generate`` section (decoding) and to the
+    harness task's own defaults (shots)."""
+
+    task: Optional[str] = Field(
+        None, description="lm-evaluation-harness task or group name; default: this entry's key."
+    )
+    gen_length: Optional[int] = Field(None, ge=1, description="Tokens generated (default: generate.gen_length).")
+    block_length: Optional[int] = Field(None, ge=1, description="Semi-autoregressive block (default: generate.block_length).")
+    steps: Optional[int] = Field(None, ge=1, description="Sampler steps over the whole span (default: generate.steps).")
+    num_fewshot: Optional[int] = Field(None, ge=0, description="Few-shot examples (default: the task's own).")
+    limit: Optional[int] = Field(None, ge=1, description="Evaluate only the first N documents (smoke runs).")
+    metric: Optional[str] = Field(
+        None,
+        description="Metric shown in the comparison table, as the harness names it, e.g. 'exact_match,flexible-extract' (default: the task's first).",
+    )
+    apply_chat_template: Optional[bool] = Field(None, description="Override evaluate.apply_chat_template for this task.")
 
 
 class EvaluateSection(Section):
-    tasks: dict[str, EvalTask] = Field(default_factory=dict)
-    mc_num: int = Field(32, ge=1, description="Monte Carlo draws for loglikelihood requests.")
-    batch_size: int = Field(8, ge=1)
-    compare: Optional[str] = Field(None, description="A second checkpoint to put side by side.")
+    tasks: dict[str, EvalTask] = Field(
+        default_factory=dict, description="Tasks to run, keyed by the name shown in the table (see EvalTask)."
+    )
+    mc_num: int = Field(32, ge=1, description="Monte Carlo draws of the ELBO for each loglikelihood request.")
+    mc_seed: int = Field(0, description="Mask seed of those draws; masks are a pure function of (seed, request text).")
+    stratified: bool = Field(
+        True, description="Evenly spaced l across the draws of a request (LLaDA's evaluation does this)."
+    )
+    greedy_check: bool = Field(
+        False,
+        description="Compute is_greedy for loglikelihood requests by decoding the continuation one token per step (L extra forwards); off: reported False.",
+    )
+    batch_size: int = Field(8, ge=1, description="Noisy sequences per forward (loglikelihood) / prompts per batch (generation).")
+    max_length: Optional[int] = Field(
+        None, ge=8, description="Cap on prompt + continuation tokens; the prompt's head gives way (default: the model's context size)."
+    )
+    apply_chat_template: bool = Field(False, description="Wrap prompts in the model's chat template (instruct models).")
+    fewshot_as_multiturn: bool = Field(True, description="With the chat template: few-shot examples as separate turns.")
+    system_instruction: Optional[str] = Field(None, description="System message put before every prompt.")
+    include_path: Optional[str] = Field(None, description="Folder of extra task YAMLs (besides the bundled ones).")
+    limit: Optional[int] = Field(None, ge=1, description="Documents per task for every task (smoke runs); a task's own limit wins.")
+    bootstrap_iters: int = Field(100000, ge=0, description="Bootstrap resamples for stderr of non-mean metrics (0: none).")
+    log_samples: bool = Field(True, description="Write every document's prompt, response and score (samples_<task>.jsonl).")
+    allow_code_execution: bool = Field(
+        False, description="Let code tasks (HumanEval) run model-written code on this machine."
+    )
+    compare: Optional[str] = Field(None, description="A second checkpoint evaluated the same way and put side by side.")
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _bare_keys(cls, v):
+        # `gsm8k:` with nothing under it means "all defaults".
+        if isinstance(v, dict):
+            return {k: ({} if t is None else t) for k, t in v.items()}
+        return v
 
 
 # --------------------------------------------------------------------------- recipe
@@ -307,6 +351,14 @@ class Recipe(Section):
             )
         if self.train.objective == "vrpo" and self.data.format == "unpaired":
             problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        for key, t in self.evaluate.tasks.items():
+            g = t.gen_length or self.generate.gen_length
+            b = t.block_length or self.generate.block_length
+            s = t.steps or self.generate.steps
+            if g % b:
+                problems.append(f"evaluate.tasks.{key}: gen_length ({g}) must be a multiple of block_length ({b})")
+            elif s % (g // b):
+                problems.append(f"evaluate.tasks.{key}: steps ({s}) must be a multiple of the number of blocks ({g // b})")
         if problems:
             raise ValueError("; ".join(problems))
         return self

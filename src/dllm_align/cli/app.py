@@ -112,6 +112,7 @@ from dllm_align.cli import recipes as _recipes  # noqa: E402,F401
 from dllm_align.cli import convert as _convert  # noqa: E402,F401
 from dllm_align.cli import data as _data  # noqa: E402,F401
 from dllm_align.cli import judge as _judge  # noqa: E402,F401
+from dllm_align.cli import evaluate as _evaluate  # noqa: E402,F401
 from dllm_align.cli import generate as _generate  # noqa: E402,F401
 from dllm_align.cli import precompute_ref as _precompute_ref  # noqa: E402,F401
 from dllm_align.cli import train as _train  # noqa: E402,F401

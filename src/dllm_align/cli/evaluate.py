@@ -1,0 +1,130 @@
+"""``dllm-align evaluate``: downstream benchmarks through lm-evaluation-harness (paper Table 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dllm_align.cli.app import command
+
+HINT_INSTALL = "install the optional extra: pip install 'dllm-align[eval]'"
+
+
+def _split(tasks: Optional[str]) -> Optional[list[str]]:
+    if tasks is None:
+        return None
+    out = [t.strip() for t in tasks.split(",") if t.strip()]
+    return out or None
+
+
+def _require_harness():
+    from dllm_align.errors import UserError
+
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError("lm-evaluation-harness (lm-eval) is not installed", hint=HINT_INSTALL) from None
+
+
+@command("evaluate")
+def evaluate(
+    recipe: Annotated[str, typer.Argument(help="A bundled recipe name (e.g. table4_downstream) or a YAML file.")],
+    model: Annotated[
+        Optional[str], typer.Option("--model", "-m", help="Checkpoint to evaluate (default: the recipe's model.name_or_path).")
+    ] = None,
+    compare: Annotated[
+        Optional[str],
+        typer.Option("--compare", "-c", help="A second checkpoint, evaluated the same way and shown side by side (default: evaluate.compare)."),
+    ] = None,
+    tasks: Annotated[
+        Optional[str], typer.Option("--tasks", "-t", help="Comma-separated recipe task keys or harness task names (default: all of evaluate.tasks).")
+    ] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N documents of each task (smoke runs).")] = None,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir); results go to DIR/eval/.")] = None,
+    include_path: Annotated[Optional[str], typer.Option("--include-path", help="Folder of your own task YAMLs (lm-eval format).")] = None,
+    apply_chat_template: Annotated[
+        Optional[bool],
+        typer.Option("--apply-chat-template/--no-apply-chat-template", help="Wrap prompts in the chat template (default: evaluate.apply_chat_template)."),
+    ] = None,
+    allow_code_execution: Annotated[
+        bool, typer.Option("--allow-code-execution", help="Let code tasks (HumanEval) execute model-written code.")
+    ] = False,
+    rerun: Annotated[bool, typer.Option("--rerun", help="Run tasks again even when a result with the same settings exists.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the scores (and comparison) as JSON on stdout.")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set evaluate.mc_num=64.")] = None,
+) -> None:
+    """Run downstream benchmarks (GSM8K, MMLU, ...) on a checkpoint, optionally next to another one.
+
+    Each task runs through lm-evaluation-harness with its own decoding settings
+    (gen length / block / steps / shots from the recipe's evaluate.tasks).
+    Writes DIR/eval/<model>/results.json (the harness's JSON), per-sample logs,
+    and with two models DIR/eval/comparison.md. Multi-GPU: `accelerate launch
+    -m dllm_align evaluate ...` splits the documents over the processes.
+
+    Example: dllm-align evaluate table4_downstream --compare runs/ufb/final --limit 50
+    """
+    _require_harness()
+    import logging
+
+    from dllm_align import evaluation as E
+    from dllm_align.console import info, progress_enabled, result
+    from dllm_align.errors import UserError
+    from dllm_align.io import atomic_write_json, atomic_write_text
+    from dllm_align.recipe import load_recipe, write_run_info
+
+    overrides = list(set_ or [])
+    if include_path is not None:
+        overrides.append(f"evaluate.include_path={json.dumps(include_path)}")
+    if apply_chat_template is not None:
+        overrides.append(f"evaluate.apply_chat_template={str(apply_chat_template).lower()}")
+    if allow_code_execution:
+        overrides.append("evaluate.allow_code_execution=true")
+    rec = load_recipe(recipe, overrides, output_dir)
+    if os.environ.get("DLLM_ALIGN_DEBUG", "") in ("", "0"):
+        logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if not progress_enabled():  # keep CI logs readable: no dataset-building bars
+        import datasets
+
+        datasets.disable_progress_bars()
+    plans = E.plan_tasks(rec, _split(tasks), limit)
+
+    first = model or rec.model.name_or_path
+    second = compare or rec.evaluate.compare
+    models = [first] + ([second] if second else [])
+    labels = [E.model_label(m) for m in models]
+    if len(labels) == 2 and labels[0] == labels[1]:
+        labels[1] += "-2"
+    eval_dir = Path(rec.output_dir) / "eval"
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        write_run_info(rec, eval_dir, "evaluate")
+
+    merged = []
+    for name, label in zip(models, labels):
+        res = E.evaluate_model(rec, name, plans, eval_dir / label, rerun=rerun)
+        merged.append(res)
+        if rank0:
+            info(f"wrote {eval_dir / label / 'results.json'}")
+    if not rank0:
+        return
+    if any(m is None for m in merged):
+        raise UserError("no results were produced (every task failed?)")
+
+    payload: dict = {
+        "models": {label: {"model": name, "results": str(eval_dir / label / "results.json"), "scores": m["dllm_align"]["scores"]}
+                   for name, label, m in zip(models, labels, merged)},
+    }
+    if len(models) == 2:
+        rows = E.comparison_rows(merged[0], merged[1], plans)
+        table = E.comparison_markdown(rows, labels[0], labels[1])
+        atomic_write_text(eval_dir / "comparison.md", table)
+        atomic_write_json(eval_dir / "comparison.json", {"a": models[0], "b": models[1], "rows": rows})
+        info(f"wrote {eval_dir / 'comparison.md'}")
+        payload["comparison"] = {"a": labels[0], "b": labels[1], "rows": rows}
+    else:
+        table = E.scores_markdown(merged[0], plans, labels[0])
+    result(json.dumps(payload, indent=2) if as_json else table)
