@@ -229,21 +229,6 @@ def test_bf16_autocast_step_on_gpu(toy, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in _metrics(tmp_path))
 
 
-def test_demo_recipe_end_to_end(tmp_path, monkeypatch):
-    """The bundled demo recipe (run from the repository root, as its comment says): precompute-ref, then train."""
-    monkeypatch.chdir(REPO)
-    out = tmp_path / "demo"
-    res = runner.invoke(app, ["precompute-ref", "demo", "-o", str(out)])
-    assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["train", "demo", "-o", str(out)])
-    assert res.exit_code == 0, res.output
-    rows = _metrics(out)
-    assert len(rows) == 32  # 128 rows / 8 per step x 2 epochs
-    gap = [r["reward_desirable"] - r["reward_undesirable"] for r in rows]
-    assert sum(gap[-8:]) / 8 > sum(gap[:8]) / 8
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-24", "step-32"]  # keep_checkpoints 2; the last step saves too
-
-
 def test_trackers_are_used_when_installed_else_named(toy, tmp_path):
     from accelerate.utils import is_tensorboard_available
 

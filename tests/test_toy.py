@@ -11,7 +11,7 @@ def test_splits_deterministic_and_disjoint():
     b = toy.splits(toy.ToySpec(n_train=300, n_test=50, seed=4))
     assert a == b
     assert not set(a["train"]) & set(a["test"])
-    assert len(set(a["train"])) == 300 and all(len(d) == 6 for d in a["train"])
+    assert len(set(a["train"])) == 300 and all(len(d) == 5 for d in a["train"])
     assert toy.splits(toy.ToySpec(n_train=300, n_test=50, seed=5)) != a
 
 

@@ -477,9 +477,28 @@ def _read_hub(name: str, split: Optional[str]) -> Table:
     return _dataset_rows(ds, f"{name}[{split}]")
 
 
+BUILTIN_DATA = ("builtin:toy-sort",)
+
+
+def _read_builtin(name: str, split: Optional[str]) -> Table:
+    """Data sets built from code (no files, no network): the demo's toy sorting task."""
+    if name not in BUILTIN_DATA:
+        raise UserError(f"unknown built-in data set '{name}'", hint=f"built-in data sets: {', '.join(BUILTIN_DATA)}")
+    from dllm_align import toy
+
+    split = split or "train"
+    prompts = toy.splits()
+    if split not in prompts:
+        raise UserError(f"{name}: no split '{split}'", hint="splits: train, test")
+    rows = toy.paired_rows(prompts[split], split)
+    return Table(f"{name}[{split}]", [Record(f"{name}[{split}] row {i}", r) for i, r in enumerate(rows)])
+
+
 def read_tables(source: str | Path, split: Optional[str] = None, *, allow_txt: bool = False) -> list[Table]:
     """Read a source (file, folder or hub dataset) into raw tables of records."""
     s = str(source)
+    if s.startswith("builtin:"):
+        return [_read_builtin(s, split)]
     p = Path(s).expanduser()
     if p.is_file():
         kind = _kind(p)

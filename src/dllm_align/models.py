@@ -65,6 +65,17 @@ class TinySpec:
     seed: int = 0
 
 
+# Random-init models built from code (no files), deterministic by spec.
+BUILTIN_SPECS: dict[str, TinySpec] = {
+    "builtin:tiny": TinySpec(),  # 2 x 64: tests; a training step takes milliseconds
+    "builtin:small": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256),  # the toy demo's base
+}
+
+
+# Trained models shipped inside the package: name -> folder under dllm_align/assets.
+BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base"}
+
+
 def _quiet_transformers() -> None:
     import transformers
 
@@ -324,9 +335,18 @@ def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
 
 def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> Path | str:
     if name_or_path.startswith("builtin:"):
-        if name_or_path != BUILTIN_TINY:
-            raise UserError(f"unknown built-in model '{name_or_path}'", hint=f"the built-in model is '{BUILTIN_TINY}'")
-        return name_or_path
+        if name_or_path in BUILTIN_SPECS:
+            return name_or_path
+        if name_or_path in BUILTIN_ASSETS:
+            folder = Path(__file__).resolve().parent / "assets" / BUILTIN_ASSETS[name_or_path]
+            if not (folder / "config.json").is_file():
+                raise UserError(
+                    f"the packaged model '{name_or_path}' is missing from {folder}",
+                    hint="rebuild it: dllm-align train toy_sort_base -o runs/toy_sort_base (see the recipe's header)",
+                )
+            return folder
+        known = ", ".join(sorted([*BUILTIN_SPECS, *BUILTIN_ASSETS]))
+        raise UserError(f"unknown built-in model '{name_or_path}'", hint=f"built-in models: {known}")
     p = Path(name_or_path).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
@@ -348,7 +368,7 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     _quiet_transformers()
-    if path == BUILTIN_TINY:
+    if str(path) in BUILTIN_SPECS:
         return build_tiny_tokenizer()
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -376,9 +396,9 @@ def load_model(
     _quiet_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
-    if path == BUILTIN_TINY:
+    if isinstance(path, str) and path in BUILTIN_SPECS:
         tok = build_tiny_tokenizer()
-        model = build_tiny_model(tok).to(torch_dtype)
+        model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
         path = Path(path)
         try:

@@ -249,12 +249,32 @@ class JudgeSection(Section):
 
 # --------------------------------------------------------------------------- ablate
 class AblateSection(Section):
-    betas: list[float] = Field(default_factory=lambda: [0.1, 0.2])
-    lrs: list[float] = Field(default_factory=lambda: [1e-6, 5e-6])
-    baselines: list[Literal["global_mean", "none"]] = Field(default_factory=lambda: ["none", "global_mean"])
-    ratios: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
-    subsample: Literal["desirable", "undesirable", "both"] = "both"
-    judge: Optional[str] = None
+    """Sweeps of ``dllm-align ablate`` (the paper's Table 3 and Figure 1)."""
+
+    betas: list[float] = Field(default_factory=lambda: [0.1, 0.2], description="ablate baseline: beta values (grid with lrs).")
+    lrs: list[float] = Field(default_factory=lambda: [1e-6, 5e-6], description="ablate baseline: learning rates (grid with betas).")
+    pairs: Optional[list[tuple[float, float]]] = Field(
+        None, description="ablate baseline: explicit (beta, lr) settings instead of the betas x lrs grid (Table 3 uses three)."
+    )
+    baselines: list[Literal["global_mean", "none"]] = Field(
+        default_factory=lambda: ["none", "global_mean"], description="ablate baseline: the reference points compared."
+    )
+    ratios: list[float] = Field(
+        default_factory=lambda: [0.1, 0.5, 1.0], description="ablate imbalance: fractions of the subsampled class kept."
+    )
+    subsample: Literal["desirable", "undesirable", "both"] = Field(
+        "both", description="ablate imbalance: which class is subsampled ('both': one sweep for each, as in Figure 1)."
+    )
+    balance_weights: bool = Field(True, description="ablate imbalance: set lambda_D * n_D = lambda_U * n_U (the paper's setting).")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "AblateSection":
+        bad = [r for r in self.ratios if not 0 < r <= 1]
+        if bad:
+            raise ValueError(f"ratios must be in (0, 1], got {bad}")
+        if any(b <= 0 for b in self.betas) or any(lr <= 0 for lr in self.lrs):
+            raise ValueError("betas and lrs must be positive")
+        return self
 
 
 # --------------------------------------------------------------------------- evaluate

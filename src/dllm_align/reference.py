@@ -199,12 +199,12 @@ def fingerprint(
     model, from building it), the tokenizer is the one the examples were
     tokenised with, and the dtype is the one the reference is loaded in.
     """
-    from dllm_align.models import BUILTIN_TINY, build_tiny_model, pick_dtype, resolve_model_path
+    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, pick_dtype, resolve_model_path
 
     name = reference_name(recipe)
     revision = recipe.model.revision
-    if name == BUILTIN_TINY:
-        weights, files = "state:" + state_dict_digest(build_tiny_model()), []
+    if name in BUILTIN_SPECS:
+        weights, files = "state:" + state_dict_digest(build_tiny_model(spec=BUILTIN_SPECS[name])), []
     else:
         path = resolve_model_path(name, revision)
         known = {e["name"]: e for e in (known_files or [])}
@@ -585,3 +585,23 @@ class ReferenceCache:
 
     def weight_files(self) -> list:
         return self.manifest.get("weight_files") or []
+
+
+def run_precompute(recipe, accelerator=None):
+    """``precompute-ref`` as a library call: load the reference and the examples, fill the cache.
+
+    Returns (PrecomputeReport, accelerator). Finished shards are reused.
+    """
+    from accelerate import Accelerator
+
+    from dllm_align.models import load_from_section
+    from dllm_align.recipe import write_run_info
+    from dllm_align.training import load_training_examples, make_collate
+
+    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+    ref_mp = load_from_section(recipe.model, acc.device, name_or_path=reference_name(recipe))
+    examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
+    if acc.is_main_process:
+        write_run_info(recipe, recipe.output_dir, "precompute-ref")
+    rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
+    return rep, acc

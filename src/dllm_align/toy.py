@@ -21,7 +21,7 @@ PROMPT_PREFIX = "sort: "
 
 @dataclass(frozen=True)
 class ToySpec:
-    n_digits: int = 6
+    n_digits: int = 5
     n_train: int = 2000
     n_test: int = 200
     seed: int = 0
@@ -130,3 +130,31 @@ def _register() -> None:
 
 
 _register()
+
+
+ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def install_base(folder: str) -> str:
+    """Copy a trained base model (the ``toy_sort_base`` recipe's final/ folder) into the package
+    as ``builtin:toy-sort-base``."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(folder)
+    dst = Path(__file__).resolve().parent / "assets" / "toy_sort_base"
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ASSET_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    return str(dst)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "install-base":
+        print(install_base(sys.argv[2]))
+    else:
+        sys.stderr.write("usage: python -m dllm_align.toy install-base RUN/final\n")
+        sys.exit(2)

@@ -116,6 +116,8 @@ from dllm_align.cli import evaluate as _evaluate  # noqa: E402,F401
 from dllm_align.cli import generate as _generate  # noqa: E402,F401
 from dllm_align.cli import precompute_ref as _precompute_ref  # noqa: E402,F401
 from dllm_align.cli import train as _train  # noqa: E402,F401
+from dllm_align.cli import demo as _demo  # noqa: E402,F401
+from dllm_align.cli import ablate as _ablate  # noqa: E402,F401
 
 
 def main() -> None:

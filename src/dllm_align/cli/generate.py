@@ -53,6 +53,9 @@ def generate(
 
     Example: accelerate launch -m dllm_align generate kto_mix_14k --fast --limit 200
     """
+    import os
+
+    from dllm_align.console import result
     from dllm_align.recipe import load_recipe
 
     overrides = list(set_ or [])
@@ -82,7 +85,9 @@ def generate(
             extra.append("generate.threshold=0.9")
         if extra:
             rec = load_recipe(recipe, overrides + extra, output_dir)
-    run_generate(rec, output=output, prompts=prompts, device=device, overwrite=overwrite)
+    out = run_generate(rec, output=output, prompts=prompts, device=device, overwrite=overwrite)
+    if int(os.environ.get("RANK", "0")) == 0:
+        result(str(out))  # the output path on stdout, once
 
 
 def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] = None, device: Optional[str] = None, overwrite: bool = False) -> Path:
@@ -252,6 +257,5 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
         atomic_write_text(out, text)
         for p in parts:
             p.unlink()
-        console.result(str(out))
     barrier()
     return out

@@ -27,22 +27,12 @@ def precompute_ref(recipe: RecipeArg, output_dir: OutputOpt = None, set_: SetOpt
 
     Example: accelerate launch --num_processes 8 -m dllm_align precompute-ref kto_mix_14k -o runs/kto
     """
-    import torch
-    from accelerate import Accelerator
-
     from dllm_align import reference as ref
     from dllm_align.console import info, result
-    from dllm_align.models import load_from_section
-    from dllm_align.recipe import load_recipe, write_run_info
-    from dllm_align.training import load_training_examples, make_collate
+    from dllm_align.recipe import load_recipe
 
     r = load_recipe(recipe, set_, output_dir)
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    ref_mp = load_from_section(r.model, acc.device, name_or_path=ref.reference_name(r))
-    examples = load_training_examples(r, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    if acc.is_main_process:
-        write_run_info(r, r.output_dir, "precompute-ref")
-    rep = ref.precompute(r, examples, make_collate(r, ref_mp.tokenizer), acc, ref_mp)
+    rep, acc = ref.run_precompute(r)
     if acc.is_main_process:
         local = rep.n_examples * rep.computed_shards / max(rep.n_shards, 1)
         if rep.computed_shards:

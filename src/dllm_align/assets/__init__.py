@@ -1,0 +1,1 @@
+"""Trained artefacts shipped with the package (the demo's base model)."""

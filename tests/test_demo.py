@@ -1,0 +1,80 @@
+"""The embedded default (`dllm-align demo`) and the sweeps (`dllm-align ablate`) end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from dllm_align.cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    t = time.perf_counter()
+    res = runner.invoke(app, ["demo", "-o", str(out)])
+    return out, res, time.perf_counter() - t
+
+
+def test_demo_aligns_the_toy_model(demo_run):
+    out, res, seconds = demo_run
+    assert res.exit_code == 0, res.output
+    assert seconds < 300, f"the demo must finish within 5 minutes (took {seconds:.0f} s)"
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["rows"]) == {"aligned", "chosen", "rejected"}
+    for row in results["rows"].values():
+        assert row["n"] == 200 and row["wins"] + row["losses"] + row["ties"] == 200
+        assert row["ci90"][0] <= row["awr"] <= row["ci90"][1]
+    assert results["awr"] == results["rows"]["aligned"]["awr"]
+    assert results["ci90"][0] > 0.5, results["rows"]["aligned"]  # a real alignment gain from unpaired labels
+    assert results["rows"]["rejected"]["awr"] < 0.5
+    assert results["rows"]["chosen"]["awr"] > 0.5
+    # stdout carries only the table; progress and logs go to stderr
+    assert "ELBO-KTO (aligned)" in res.stdout and "rejected target" in res.stdout
+    assert "demo: [1/4]" in res.stderr and "demo: [1/4]" not in res.stdout
+    assert (out / "results.md").read_text().count("|") > 20
+
+
+def test_demo_rerun_reuses_every_stage(demo_run):
+    out, _, first = demo_run
+    before = json.loads((out / "results.json").read_text())
+    t = time.perf_counter()
+    res = runner.invoke(app, ["demo", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert time.perf_counter() - t < max(30.0, first / 3)
+    assert "train: reusing" in res.stderr
+    assert json.loads(res.stdout) == before
+
+
+def test_ablate_imbalance_table_plot_and_instant_rerun(tmp_path):
+    out = tmp_path / "imb"
+    small = ["--set", "train.max_steps=4", "--set", "generate.limit=24", "--set", "train.save_every=4"]
+    args = ["ablate", "imbalance", "demo", "--ratios", "0.1,0.5,1", "-o", str(out), *small]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    csv_rows = (out / "results.csv").read_text().strip().splitlines()
+    assert len(csv_rows) == 1 + 6  # both classes x 3 ratios
+    assert (out / "imbalance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # lambda_D * n_D = lambda_U * n_U in every setting
+    for f in out.glob("*/result.json"):
+        r = json.loads(f.read_text())
+        assert abs(r["lambda_desirable"] * r["n_desirable"] - r["lambda_undesirable"] * r["n_undesirable"]) <= 1e-3 * max(r["n_desirable"], r["n_undesirable"])
+    assert "| desirable | 0.1 |" in res.stdout
+    t = time.perf_counter()
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0
+    assert again.stderr.count("done, reusing") == 6
+    assert time.perf_counter() - t < 20
+    assert again.stdout == res.stdout
+
+
+def test_ablate_rejects_bad_ratio(tmp_path):
+    res = runner.invoke(app, ["ablate", "imbalance", "demo", "--ratios", "0,1.5", "-o", str(tmp_path / "x")])
+    assert res.exit_code == 2
+    assert "ratios must be in (0, 1]" in res.stderr
+    assert not (tmp_path / "x").exists()
