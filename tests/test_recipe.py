@@ -106,3 +106,52 @@ def test_run_info_written(tmp_path):
 def test_every_bundled_recipe_loads(name):
     r = load_recipe(name)
     assert r.name == name
+
+
+@pytest.mark.parametrize("name", bundled_names())
+def test_every_bundled_recipe_dry_runs(name):
+    """Each shipped recipe passes the checks its commands make before loading any model or data."""
+    from dllm_align.ablate import baseline_settings
+    from dllm_align.generation import SamplerSettings
+
+    r = load_recipe(name)
+    SamplerSettings.from_section(r.generate).check()
+    assert r.model.name_or_path
+    assert r.data.train is not None or r.evaluate.tasks  # something to train on, or to evaluate
+    assert baseline_settings(r)  # the sweep expands
+    if r.evaluate.tasks:
+        from dllm_align.evaluation import plan_tasks
+
+        plans = plan_tasks(r)
+        assert len(plans) == len(r.evaluate.tasks)
+    if r.judge.judges and all(j.startswith("rule:") for j in r.judge.judges):
+        from dllm_align.judging import get_rule
+
+        for j in r.judge.judges:
+            get_rule(j.removeprefix("rule:"))
+
+
+def test_extends_merges_sections_and_detects_cycles(tmp_path):
+    (tmp_path / "base.yaml").write_text("name: base\ntrain:\n  beta: 0.3\n  lr: 2.0e-6\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nname: child\ntrain:\n  lr: 5.0e-6\n")
+    r = load_recipe(str(tmp_path / "child.yaml"))
+    assert (r.name, r.train.beta, r.train.lr) == ("child", 0.3, 5e-6)
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(UserError, match="cycle"):
+        load_recipe(str(tmp_path / "a.yaml"))
+    # a bundled parent by name; an unknown key in the child is still caught
+    (tmp_path / "c.yaml").write_text("extends: kto_mix_14k\ntrain:\n  betaa: 1\n")
+    with pytest.raises(UserError, match="did you mean 'train.beta'"):
+        load_recipe(str(tmp_path / "c.yaml"))
+
+
+def test_accelerate_configs_ship_and_parse():
+    import yaml
+
+    from dllm_align.recipe import bundled_dir
+
+    configs = sorted((bundled_dir() / "accelerate").glob("*.yaml"))
+    assert {p.stem for p in configs} >= {"single_gpu", "ddp_8gpu", "fsdp_8gpu"}
+    for p in configs:
+        assert isinstance(yaml.safe_load(p.read_text()), dict)

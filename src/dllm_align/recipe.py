@@ -508,6 +508,32 @@ def read_yaml(path: Path) -> dict:
     return raw
 
 
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_with_extends(path: Path, _seen: tuple = ()) -> dict:
+    """Read a recipe; ``extends: NAME_OR_PATH`` starts from another recipe and overrides it section by section."""
+    raw = read_yaml(path)
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise UserError(f"{path}: 'extends' must be a recipe name or path, got {type(parent).__name__}")
+    ppath = Path(parent)
+    if not ppath.is_absolute() and (path.parent / ppath).is_file():
+        ppath = path.parent / ppath
+    else:
+        ppath = locate(parent)
+    key = str(ppath.resolve())
+    if key in _seen or key == str(path.resolve()):
+        raise UserError(f"{path}: 'extends' makes a cycle through {ppath}")
+    return _deep_merge(read_with_extends(ppath, _seen + (str(path.resolve()),)), raw)
+
+
 def load_recipe(
     name_or_path: str | None,
     overrides: list[str] | None = None,
@@ -518,7 +544,7 @@ def load_recipe(
         raw, source = {}, "(defaults)"
     else:
         path = locate(name_or_path)
-        raw, source = read_yaml(path), str(path)
+        raw, source = read_with_extends(path), str(path)
     problems = apply_overrides(raw, overrides or [])
     if output_dir is not None:
         raw["output_dir"] = output_dir
