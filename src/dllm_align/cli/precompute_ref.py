@@ -40,10 +40,9 @@ def precompute_ref(recipe: RecipeArg, output_dir: OutputOpt = None, set_: SetOpt
     acc = Accelerator(cpu=not torch.cuda.is_available())
     ref_mp = load_from_section(r.model, acc.device, name_or_path=ref.reference_name(r))
     examples = load_training_examples(r, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    if acc.is_main_process:
-        write_run_info(r, r.output_dir, "precompute-ref")
     rep = ref.precompute(r, examples, make_collate(r, ref_mp.tokenizer), acc, ref_mp)
     if acc.is_main_process:
+        write_run_info(r, r.output_dir, "precompute-ref")
         local = rep.n_examples * rep.computed_shards / max(rep.n_shards, 1)
         if rep.computed_shards:
             info(
