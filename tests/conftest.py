@@ -10,9 +10,29 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["DLLM_ALIGN_NO_PROGRESS"] = "1"
+# The models here are tiny: one thread per process avoids oversubscribing a 2-core box
+# (multi-process tests start several), where torch's default can be ~10x slower.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
 os.environ.pop("DLLM_ALIGN_DEBUG", None)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow") or os.environ.get("DLLM_ALIGN_RUN_SLOW"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (or DLLM_ALIGN_RUN_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data" / "kto-mix-14k-test"

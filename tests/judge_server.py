@@ -12,6 +12,8 @@ prompt id and the order (which marker comes first) whatever the template.
   "500", "503", "slow" (answers after ``slow_seconds``), "drop" (closes the
   connection without answering), "garbage" (a reply with no verdict), "badjson",
   "302", "400", "401", "404". The action "forever-garbage" never runs out.
+* ``echo_auth``: replies and error messages quote the Authorization header
+  back (as some servers do), to test that the key never reaches a file or log.
 * Every request is logged (model, id, order, action, time); ``answered`` counts
   normal answers; with ``hold_after = N`` the server stops answering after N
   normal answers until ``release`` is set; with ``fail_after = N`` it answers
@@ -44,6 +46,7 @@ class JudgeServer:
         self.default_verdict = default_verdict
         self.slow_seconds = slow_seconds
         self.echo_auth = echo_auth
+        self.redirect_to = "http://elsewhere.invalid/v1/chat/completions"  # where a "302" points
         self.log: list[dict] = []
         self.answered = 0
         self.hold_after: int | None = None
@@ -104,6 +107,7 @@ class JudgeServer:
                     srv.release.wait(30)
                     self.close_connection = True
                     return
+                echo = f" (you sent {auth})" if srv.echo_auth else ""  # a server that quotes the key back
                 if self.path != "/v1/chat/completions":
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 if action == "401":
@@ -111,15 +115,15 @@ class JudgeServer:
                 if action == "404":
                     return self._send(404, {"error": {"message": f"The model {model} does not exist"}})
                 if action == "302":
-                    return self._send(302, {}, {"Location": "http://elsewhere.invalid/v1/chat/completions"})
+                    return self._send(302, {}, {"Location": srv.redirect_to})
                 if action == "400":
-                    return self._send(400, {"error": {"message": "context too long"}})
+                    return self._send(400, {"error": {"message": "context too long" + echo}})
                 if action == "429":
-                    return self._send(429, {"error": {"message": "rate limited"}}, {"Retry-After": "1"})
+                    return self._send(429, {"error": {"message": "rate limited" + echo}}, {"Retry-After": "1"})
                 if action == "429ms":
                     return self._send(429, {"error": {"message": "rate limited"}}, {"retry-after-ms": "30"})
                 if action in ("500", "503"):
-                    return self._send(int(action), {"error": {"message": "server error"}})
+                    return self._send(int(action), {"error": {"message": "server error" + echo}})
                 if action == "drop":
                     self.close_connection = True
                     try:

@@ -218,6 +218,8 @@ def _read_jsonl_bytes(data: bytes, name: str) -> list[Record]:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise _Bad(f"malformed JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise _Bad("JSON nested too deeply") from None
             if not isinstance(obj, dict):
                 raise _Bad(f"expected a JSON object, got {type(obj).__name__}")
             records.append(Record(where, obj))
@@ -246,6 +248,8 @@ def _read_json(path: Path) -> list[Record]:
             # Many ".json" files (the hub's included) are really JSON lines.
             return _read_jsonl_bytes(data, str(path))
         raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply") from None
     if isinstance(obj, dict):
         lists = {k: v for k, v in obj.items() if isinstance(v, list)}
         columnar = (
@@ -537,7 +541,7 @@ def _maybe_json_list(value: Any, textual: bool) -> Any:
     if textual and isinstance(value, str) and value.lstrip().startswith("["):
         try:
             parsed = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return value
         if isinstance(parsed, list) and all(isinstance(m, dict) and "role" in m for m in parsed):
             return parsed

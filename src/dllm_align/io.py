@@ -2,19 +2,30 @@
 
 Whole files are written to a temporary file in the same folder, fsynced and
 renamed over the target, so a kill leaves either the old file or the new one.
-Append-only JSONL logs (generation, judging) are recovered on open: a torn last
-line (a kill mid-write) is cut off, so finished records are never lost or
-duplicated.
+A temporary file left by a killed writer (its name carries the writer's host
+and process id) is removed the next time the same target is written. Folders
+(checkpoints, the final model) are written under a temporary name, fsynced
+file by file (:func:`fsync_tree`) and renamed into place.
+
+Append-only JSONL logs (generation, judging, training metrics) are recovered on
+open: a torn last line (a kill mid-write) is cut off, so finished records are
+never lost or duplicated. A damaged line *followed by good lines* is not a torn
+write: it is refused, never cut away with the good lines after it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from dllm_align import faults
 
 
 def _umask() -> int:
@@ -36,12 +47,59 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode("utf-8")).hexdigest()[:8]
+
+
+_WRITER_RE = re.compile(r"^([0-9a-f]{8})-([0-9]+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(target: str | Path) -> list[Path]:
+    """Delete temporary files of ``target`` left by writers that were killed.
+
+    Only files written on this host by a process that no longer exists are
+    removed: a live writer's file (another process of the same run) is never
+    touched, and files from other hosts on a shared filesystem are left alone.
+    """
+    target = Path(target)
+    prefix = f".{target.name}."
+    removed = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return removed
+    tag = _host_tag()
+    for e in entries:
+        if not (e.name.startswith(prefix) and e.name.endswith(".tmp")):
+            continue
+        m = _WRITER_RE.match(e.name[len(prefix):].split(".", 1)[0])
+        if m is None or m.group(1) != tag or _pid_alive(int(m.group(2))):
+            continue
+        try:
+            os.unlink(e.path)
+            removed.append(Path(e.path))
+        except OSError:
+            pass
+    return removed
+
+
 @contextmanager
 def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``target``; rename it over ``target`` on success only."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
+    remove_stale_temps(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_host_tag()}-{os.getpid()}.", suffix=suffix + ".tmp", dir=target.parent)
     os.close(fd)
     # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 minus umask).
     os.chmod(tmp, 0o666 & ~_umask())
@@ -57,6 +115,19 @@ def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file under ``folder`` and the folders themselves (before renaming it into place)."""
+    folder = Path(folder)
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
 def atomic_write_bytes(target: str | Path, data: bytes) -> None:
     with atomic_path(target) as tmp:
         tmp.write_bytes(data)
@@ -70,8 +141,26 @@ def atomic_write_json(target: str | Path, obj: Any) -> None:
     atomic_write_text(target, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
+def _parse_line(line: bytes) -> Any:
+    """A JSON object from one log line; raises ValueError for anything else."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise ValueError("not JSON") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj
+
+
 def recover_jsonl(path: str | Path) -> list[dict]:
-    """Read an append-only JSONL log, cutting off a torn (unterminated or unparsable) last line."""
+    """Read an append-only JSONL log, cutting off a torn last line (a kill mid-write).
+
+    Only a damaged *tail* is cut: an unterminated last line, or bad lines with no
+    good line after them (a crash can leave zero bytes at the end of a file). A
+    damaged line with good lines after it means the file was edited or corrupted
+    otherwise; cutting there would drop the good records, so it is refused
+    (:class:`~dllm_align.errors.UserError` naming the line).
+    """
     path = Path(path)
     if not path.exists():
         return []
@@ -79,16 +168,26 @@ def recover_jsonl(path: str | Path) -> list[dict]:
     rows: list[dict] = []
     good_end = 0
     pos = 0
+    lineno = 0
     while pos < len(data):
         nl = data.find(b"\n", pos)
         if nl < 0:
             break  # unterminated tail: a torn write
+        lineno += 1
         line = data[pos:nl]
-        try:
-            if line.strip():
-                rows.append(json.loads(line))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            break
+        if line.strip():
+            try:
+                rows.append(_parse_line(line))
+            except ValueError:
+                if _any_good_line(data[nl + 1:]):
+                    from dllm_align.errors import UserError
+
+                    raise UserError(
+                        f"{path}:{lineno}: damaged line in the middle of an append-only log (good lines follow it)",
+                        hint="a kill can only tear the last line: the file was edited or damaged; "
+                        "delete that line, or move the file away to start afresh",
+                    ) from None
+                break
         pos = nl + 1
         good_end = pos
     if good_end < len(data):
@@ -96,6 +195,17 @@ def recover_jsonl(path: str | Path) -> list[dict]:
             f.truncate(good_end)
             os.fsync(f.fileno())
     return rows
+
+
+def _any_good_line(data: bytes) -> bool:
+    for line in data.split(b"\n")[:-1]:  # newline-terminated lines only
+        if line.strip():
+            try:
+                _parse_line(line)
+                return True
+            except ValueError:
+                pass
+    return False
 
 
 class JsonlAppender:
@@ -108,10 +218,19 @@ class JsonlAppender:
         self._fsync = fsync
 
     def write(self, row: dict) -> None:
-        self._f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        n = faults.next_record()
+        if n and faults.armed("kill_mid_record", n):
+            self._f.write(data[: len(data) // 2])
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            faults.kill()
+        self._f.write(data)
         self._f.flush()
         if self._fsync:
             os.fsync(self._f.fileno())
+        if n:
+            faults.at("kill_after_records", n)
 
     def close(self) -> None:
         self._f.close()
@@ -121,3 +240,113 @@ class JsonlAppender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- folder checksums
+CHECKSUMS = "checksums.json"
+CHECKSUMS_FORMAT = "dllm-align-checksums/1"
+
+
+def sha256_file(path: str | Path, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(bufsize)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(folder: str | Path) -> Path:
+    """Record the size and sha256 of every file under ``folder`` in ``folder/checksums.json``.
+
+    Written last into a folder that is then renamed into place (checkpoints, the
+    final model), so a folder with a valid checksums file is complete.
+    """
+    folder = Path(folder)
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != CHECKSUMS:
+            rel = p.relative_to(folder).as_posix()
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    atomic_write_json(folder / CHECKSUMS, {"format": CHECKSUMS_FORMAT, "files": files})
+    return folder / CHECKSUMS
+
+
+def verify_checksums(folder: str | Path, *, what: str = "folder", required: bool = True, hint: str | None = None) -> bool:
+    """Check every file listed in ``folder/checksums.json`` (size, then sha256).
+
+    Raises :class:`~dllm_align.errors.UserError` naming the first file that is
+    missing, truncated or modified. Returns False when there is no checksums
+    file and ``required`` is off (a folder written by another tool).
+    """
+    from dllm_align.errors import UserError
+
+    folder = Path(folder)
+    path = folder / CHECKSUMS
+    if not path.is_file():
+        if required:
+            raise UserError(f"{what} {folder}: no {CHECKSUMS}, so its files cannot be verified (incomplete, or not written by dllm-align)", hint=hint)
+        return False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        files = data["files"]
+        if data.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict):
+            raise ValueError
+        entries = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise UserError(f"{what} {folder}: {CHECKSUMS} is damaged (not the expected JSON)", hint=hint) from None
+    root = folder.resolve()
+    for rel, size, sha in entries:
+        p = (folder / rel)
+        if root not in p.resolve().parents:
+            raise UserError(f"{what} {folder}: {CHECKSUMS} names a file outside the folder ({rel})", hint=hint)
+        if not p.is_file():
+            raise UserError(f"{what} {folder}: {rel} is missing", hint=hint)
+        have = p.stat().st_size
+        if have != size:
+            raise UserError(f"{what} {folder}: {rel} is {have:,} bytes but was written with {size:,} (truncated or modified)", hint=hint)
+        if sha256_file(p) != sha:
+            raise UserError(f"{what} {folder}: {rel} does not match its sha256 checksum (modified or damaged)", hint=hint)
+    return True
+
+
+# --------------------------------------------------------------------------- one writer per folder
+class DirLock:
+    """An exclusive lock on a folder (``flock`` on the folder itself, so no lock file is left behind).
+
+    Two runs writing into one folder would interleave their logs and repeat work;
+    the second one is refused with ``message``. Best effort: a no-op where
+    ``flock`` is unavailable (non-POSIX, some network filesystems).
+    """
+
+    def __init__(self, folder: str | Path, message: str):
+        self.folder = Path(folder)
+        self.message = message
+        self._fd: int | None = None
+
+    def __enter__(self) -> "DirLock":
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(self.folder), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            from dllm_align.errors import UserError
+
+            raise UserError(self.message) from None
+        except OSError:  # the filesystem does not support locks: carry on unlocked
+            os.close(fd)
+            return self
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

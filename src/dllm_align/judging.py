@@ -193,6 +193,8 @@ def read_generations(path: str | Path) -> list[GenRow]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno})")
+        except RecursionError:
+            raise UserError(f"{path}: JSON nested too deeply") from None
         if not isinstance(data, list):
             raise UserError(f"{path}: a .json file must hold a list of rows, got {type(data).__name__}")
         entries = [(f"{path}: row {i + 1}", obj) for i, obj in enumerate(data)]
@@ -204,6 +206,8 @@ def read_generations(path: str | Path) -> list[GenRow]:
                 entries.append((f"{path}:{lineno}", json.loads(line)))
             except json.JSONDecodeError as e:
                 problems.append(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno})")
+            except RecursionError:
+                problems.append(f"{path}:{lineno}: JSON nested too deeply")
     rows: list[GenRow] = []
     first_seen: dict[str, str] = {}
     for where, obj in entries:
@@ -409,6 +413,10 @@ def get_rule(name: str) -> RuleFn:
         f = getattr(mod, attr, None)
         if not callable(f):
             raise UserError(f"rule:{name}: module {mod_name!r} has no function {attr!r}")
+        from dllm_align.console import warn
+
+        # Code named by a flag or a recipe runs here: say whose.
+        warn(f"rule:{name}: running your function {attr}() from {getattr(mod, '__file__', None) or mod_name}")
         return lambda p, a, b, ref: f(p, a, b)
     if name not in _RULES:
         _load_rule_modules()
@@ -805,32 +813,6 @@ def _load_cache(path: Path) -> dict[str, dict]:
     return cache
 
 
-class _DirLock:
-    """One judge run per output folder at a time (two would interleave cache lines and repeat requests)."""
-
-    def __init__(self, folder: Path):
-        self.path = folder / ".judge.lock"
-        self._f = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:  # not on POSIX: no lock
-            return self
-        self._f = open(self.path, "a")
-        try:
-            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._f.close()
-            self._f = None
-            raise UserError(f"another `dllm-align judge` run is writing to {self.path.parent}")
-        return self
-
-    def __exit__(self, *exc):
-        if self._f is not None:
-            self._f.close()
-
-
 @dataclass
 class JudgeRunResult:
     results: dict
@@ -909,7 +891,10 @@ def judge_pairs(
 
     out.mkdir(parents=True, exist_ok=True)
 
-    with _DirLock(out):
+    from dllm_align.io import DirLock
+
+    # One judge run per output folder at a time (two would interleave cache lines and repeat requests).
+    with DirLock(out, f"another `dllm-align judge` run is writing to {out}"):
         cache_path = out / "cache.jsonl"
         cache = _load_cache(cache_path)
         slots: dict[str, list[tuple[str, int, str]]] = {}  # key -> the (judge, i, order) it answers

@@ -151,11 +151,27 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
 
 
 def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write the tiny model and tokenizer as a model folder (built beside ``path``, then renamed into place)."""
+    import shutil
+    import tempfile
+
+    from dllm_align.io import fsync_tree
+
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, spec)
     path = Path(path)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        fsync_tree(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -400,19 +416,34 @@ def load_model(
         tok = build_tiny_tokenizer()
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
+        from dllm_align.io import verify_checksums
+
         path = Path(path)
         try:
-            cfg = json.loads((path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path / 'config.json'}: invalid JSON ({e.msg} at line {e.lineno})") from None
+            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise UserError(f"{path / 'config.json'}: invalid JSON ({why})") from None
+        if not isinstance(cfg, dict):
+            raise UserError(f"{path / 'config.json'}: expected a JSON object")
+        # Folders written by dllm-align (checkpoints, final/) carry checksums: a
+        # truncated or modified weight file is refused before it is read.
+        verify_checksums(path, what="model folder", required=False,
+                         hint="the folder was damaged after it was written; use an earlier checkpoint")
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
         if cfg.get("model_type") == "llada" and not trust_remote_code:
-            model = load_llada_native(path, torch_dtype)
+            try:
+                model = load_llada_native(path, torch_dtype)
+            except UserError:
+                raise
+            except Exception as e:  # a truncated or damaged safetensors file
+                raise UserError(f"{path}: could not read the model weights ({_one_line(e)})") from e
         else:
             from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-            kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            # use_safetensors: never unpickle a .bin checkpoint, even with weights_only.
+            kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
             if attn_implementation:
                 kw["attn_implementation"] = attn_implementation
             try:
@@ -423,15 +454,30 @@ def load_model(
                     hint="if the model ships its own code, set model.trust_remote_code: true",
                 ) from None
             try:
-                model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
-            except ValueError:
-                if not trust_remote_code:
-                    raise
-                model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+                except ValueError:
+                    if not trust_remote_code:
+                        raise
+                    model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+            except Exception as e:
+                # A truncated safetensors file, a .bin-only folder, weights of another shape
+                # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
+                if not any(path.glob("*.safetensors")):
+                    raise UserError(
+                        f"{path}: no safetensors weights found",
+                        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+                    ) from None
+                raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code)
     model.to(device)
     model.eval()
     return MaskPredictor(model, tok, mask_token_id=mask_token_id)
+
+
+def _one_line(e: BaseException, n: int = 200) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:n]}" if text else type(e).__name__
 
 
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":

@@ -312,6 +312,24 @@ def reference_values(
     return out
 
 
+def elbo_range_problem(elbo: np.ndarray, ids: Sequence[str]) -> Optional[str]:
+    """The first out-of-range value of a [n, K] block of ELBO draws, described, or None.
+
+    A draw is a positive weight times a sum of log-probabilities (eq. elbo-l),
+    so it is finite and <= 0. NaN / inf come from a broken or overflowing
+    reference (float16); a positive value cannot come from the estimator at all.
+    """
+    vals = np.asarray(elbo, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(vals) | (vals > 0)
+    if not bad.any():
+        return None
+    i, k = (int(x) for x in np.argwhere(bad)[0])
+    v = float(vals[i, k])
+    why = "not finite" if not math.isfinite(v) else "a positive log-likelihood sum"
+    return f"example '{ids[i]}' draw {k} is {v:g} ({why}; an ELBO is finite and <= 0); {int(bad.sum())} value(s) out of range"
+
+
 def _contents_sha(elbo: np.ndarray, ids: list[str], digests: list[str]) -> str:
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(elbo, dtype="<f4").tobytes())
@@ -323,8 +341,6 @@ def write_shard(path: Path, elbo: np.ndarray, ids: list[str], digests: list[str]
     """One shard, written atomically, with a checksum of its contents in the metadata."""
     from safetensors.torch import save
 
-    from dllm_align.io import atomic_write_bytes
-
     meta = {
         "format": "pt",
         "dllm_align_format_version": str(FORMAT_VERSION),
@@ -334,7 +350,16 @@ def write_shard(path: Path, elbo: np.ndarray, ids: list[str], digests: list[str]
         "contents_sha256": _contents_sha(elbo, ids, digests),
     }
     data = save({"elbo": torch.from_numpy(np.ascontiguousarray(elbo, dtype=np.float32))}, metadata=meta)
-    atomic_write_bytes(path, data)
+    from dllm_align import faults
+    from dllm_align.io import atomic_path
+
+    n = faults.next_record()
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+        if n:
+            faults.at("kill_mid_record", n)  # the temporary file is written, not yet renamed
+    if n:
+        faults.at("kill_after_records", n)
 
 
 class ShardError(Exception):
@@ -356,12 +381,17 @@ def read_shard(path: Path) -> tuple[np.ndarray, list[str], list[str], str]:
         digests = json.loads(meta["digests"])
         fp = meta["fingerprint"]
         want = meta["contents_sha256"]
-    except (KeyError, json.JSONDecodeError):
+        if not (isinstance(ids, list) and isinstance(digests, list) and all(isinstance(i, str) for i in ids)):
+            raise ValueError
+    except (KeyError, ValueError, RecursionError):
         raise ShardError(f"{path.name}: metadata missing or malformed") from None
-    if elbo.ndim != 2 or elbo.shape[0] != len(ids) or len(ids) != len(digests):
-        raise ShardError(f"{path.name}: shape {tuple(elbo.shape)} does not match {len(ids)} ids")
+    if elbo.dtype != np.float32 or elbo.ndim != 2 or elbo.shape[0] != len(ids) or len(ids) != len(digests):
+        raise ShardError(f"{path.name}: tensor {elbo.dtype} {tuple(elbo.shape)} does not match {len(ids)} ids of float32 draws")
     if _contents_sha(elbo, ids, digests) != want:
         raise ShardError(f"{path.name}: checksum mismatch (the file was modified or damaged)")
+    problem = elbo_range_problem(elbo, ids)
+    if problem:
+        raise ShardError(f"{path.name}: out-of-range reference ELBO: {problem}")
     return elbo, ids, digests, fp
 
 
@@ -408,95 +438,107 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
 
     out = cache_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
-    if ref_mp is None:
-        ref_mp = load_from_section(recipe.model, device, name_or_path=reference_name(recipe))
-    ref_mp.model.eval()
-    old = _read_manifest(out)
-    fp = fingerprint(
-        recipe,
-        tokenizer=ref_mp.tokenizer,
-        mask_token_id=ref_mp.mask_token_id,
-        device=device,
-        examples=examples,
-        known_files=(old or {}).get("weight_files"),
-    )
-    fpd = fp.digest()
-    cfg = draw_config(recipe)
-    size = recipe.reference.shard_size
-    n_shards = math.ceil(len(examples) / size)
-    mine = list(range(rank, n_shards, world))
-    digests = [example_digest(ex) for ex in examples]
+    from dllm_align.io import DirLock
 
-    todo, reused = [], 0
-    for s in mine:
-        p = out / SHARD_FMT.format(s)
-        lo, hi = s * size, min((s + 1) * size, len(examples))
-        if p.exists():
-            try:
-                _, sids, sdig, sfp = read_shard(p)
-                if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
-                    reused += 1
-                    continue
-            except ShardError as e:
-                warn(f"reference cache: {e}; computing it again")
-        todo.append(s)
-    if is_main and old is not None:
-        (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
-
-    n_todo = sum(min((s + 1) * size, len(examples)) - s * size for s in todo)
-    t0 = time.perf_counter()
-    rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
-    if is_main:
-        info(
-            f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of {size}; "
-            f"{world} process(es); this process: {len(todo)} to compute, {reused} already done"
+    lock = DirLock(out, f"another `dllm-align precompute-ref` is writing to {out}") if is_main else None
+    if lock is not None:
+        lock.__enter__()
+    try:
+        if ref_mp is None:
+            ref_mp = load_from_section(recipe.model, device, name_or_path=reference_name(recipe))
+        ref_mp.model.eval()
+        old = _read_manifest(out)
+        fp = fingerprint(
+            recipe,
+            tokenizer=ref_mp.tokenizer,
+            mask_token_id=ref_mp.mask_token_id,
+            device=device,
+            examples=examples,
+            known_files=(old or {}).get("weight_files"),
         )
-    with progress("reference ELBO", total=n_todo if is_main else None, unit="ex") as bar:
-        for s in todo:
-            lo, hi = s * size, min((s + 1) * size, len(examples))
-            vals = reference_values(
-                ref_mp, examples[lo:hi], collate, cfg, recipe.reference.batch_size, rows,
-                on_batch=(lambda n: bar.advance(n)) if is_main else None,
-            )
-            if not np.isfinite(vals).all():
-                from dllm_align.errors import RunFailure
+        fpd = fp.digest()
+        cfg = draw_config(recipe)
+        size = recipe.reference.shard_size
+        n_shards = math.ceil(len(examples) / size)
+        mine = list(range(rank, n_shards, world))
+        digests = [example_digest(ex) for ex in examples]
 
-                bad = ids[lo + int(np.nonzero(~np.isfinite(vals).all(1))[0][0])]
-                raise RunFailure(f"reference ELBO is not finite for example '{bad}'")
-            write_shard(out / SHARD_FMT.format(s), vals, ids[lo:hi], digests[lo:hi], fpd)
-    seconds = time.perf_counter() - t0
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
-    if is_main:
-        shards = []
-        for s in range(n_shards):
+        todo, reused = [], 0
+        for s in mine:
             p = out / SHARD_FMT.format(s)
-            try:
-                _, sids, sdig, sfp = read_shard(p)
-            except (ShardError, FileNotFoundError) as e:
-                from dllm_align.errors import RunFailure
-
-                raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
             lo, hi = s * size, min((s + 1) * size, len(examples))
-            if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
-                from dllm_align.errors import RunFailure
+            if p.exists():
+                try:
+                    _, sids, sdig, sfp = read_shard(p)
+                    if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
+                        reused += 1
+                        continue
+                except ShardError as e:
+                    warn(f"reference cache: {e}; computing it again")
+            todo.append(s)
+        if is_main and old is not None:
+            (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
 
-                raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
-            shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "fingerprint": fp.fields,
-            "fingerprint_digest": fpd,
-            "weight_files": fp.weight_files,
-            "K": cfg.n_mc,
-            "shard_size": size,
-            "shards": shards,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        atomic_write_json(out / MANIFEST, manifest)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
-    return PrecomputeReport(out, len(examples), n_shards, len(todo), reused, seconds)
+        n_todo = sum(min((s + 1) * size, len(examples)) - s * size for s in todo)
+        t0 = time.perf_counter()
+        rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
+        if is_main:
+            info(
+                f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of {size}; "
+                f"{world} process(es); this process: {len(todo)} to compute, {reused} already done"
+            )
+        with progress("reference ELBO", total=n_todo if is_main else None, unit="ex") as bar:
+            for s in todo:
+                lo, hi = s * size, min((s + 1) * size, len(examples))
+                vals = reference_values(
+                    ref_mp, examples[lo:hi], collate, cfg, recipe.reference.batch_size, rows,
+                    on_batch=(lambda n: bar.advance(n)) if is_main else None,
+                )
+                problem = elbo_range_problem(vals, ids[lo:hi])
+                if problem:
+                    from dllm_align.errors import RunFailure
+
+                    raise RunFailure(
+                        f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
+                        hint="check the reference model's weights and model.dtype (float16 overflows: use bfloat16 or float32)",
+                    )
+                write_shard(out / SHARD_FMT.format(s), vals, ids[lo:hi], digests[lo:hi], fpd)
+        seconds = time.perf_counter() - t0
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        if is_main:
+            shards = []
+            for s in range(n_shards):
+                p = out / SHARD_FMT.format(s)
+                try:
+                    _, sids, sdig, sfp = read_shard(p)
+                except (ShardError, FileNotFoundError) as e:
+                    from dllm_align.errors import RunFailure
+
+                    raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
+                lo, hi = s * size, min((s + 1) * size, len(examples))
+                if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
+                    from dllm_align.errors import RunFailure
+
+                    raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
+                shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "fingerprint": fp.fields,
+                "fingerprint_digest": fpd,
+                "weight_files": fp.weight_files,
+                "K": cfg.n_mc,
+                "shard_size": size,
+                "shards": shards,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            atomic_write_json(out / MANIFEST, manifest)
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        return PrecomputeReport(out, len(examples), n_shards, len(todo), reused, seconds)
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def _read_manifest(folder: Path) -> Optional[dict]:
@@ -507,8 +549,15 @@ def _read_manifest(folder: Path) -> Optional[dict]:
         m = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError(f"{p}: not valid JSON", hint="delete the cache folder and run precompute-ref again")
-    if not isinstance(m, dict) or "fingerprint" not in m or "shards" not in m:
-        raise UserError(f"{p}: not a dllm-align reference cache manifest")
+    if not isinstance(m, dict) or not isinstance(m.get("fingerprint"), dict) or not isinstance(m.get("shards"), list):
+        raise UserError(f"{p}: not a dllm-align reference cache manifest", hint="delete the cache folder and run precompute-ref again")
+    files = m.get("weight_files") or []
+    shards_ok = all(
+        isinstance(e, dict) and isinstance(e.get("file"), str) and Path(e["file"]).name == e["file"]
+        and e["file"].endswith(".safetensors") for e in m["shards"]
+    )
+    if not shards_ok or not isinstance(files, list) or not all(isinstance(e, dict) and "name" in e for e in files):
+        raise UserError(f"{p}: malformed manifest (shard or weight-file entries)", hint="delete the cache folder and run precompute-ref again")
     return m
 
 
@@ -541,7 +590,15 @@ class ReferenceCache:
             )
         values: dict[str, np.ndarray] = {}
         digests: dict[str, str] = {}
-        for entry in m["shards"]:
+        try:
+            fpd = Fingerprint(dict(m["fingerprint"]), []).digest()
+            K = int(m["K"])
+            entries = [(str(e["file"]), str(e["sha256"])) for e in m["shards"]]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise UserError(f"{folder / MANIFEST}: malformed manifest (fields missing or of the wrong type)",
+                            hint="delete the cache folder and run precompute-ref again") from None
+        for name, sha in entries:
+            entry = {"file": name, "sha256": sha}
             p = folder / entry["file"]
             if not p.exists():
                 raise UserError(f"reference cache {folder}: shard {entry['file']} is missing", hint="run precompute-ref again")
@@ -551,9 +608,18 @@ class ReferenceCache:
                     hint="run precompute-ref again: it recomputes damaged shards",
                 )
             try:
-                elbo, ids, dig, _ = read_shard(p)
+                elbo, ids, dig, sfp = read_shard(p)
             except ShardError as e:
                 raise UserError(f"reference cache {folder}: {e}", hint="run precompute-ref again") from None
+            if sfp != fpd:
+                raise UserError(
+                    f"reference cache {folder}: {MANIFEST} does not match shard {entry['file']} "
+                    "(their fingerprints differ: the manifest was edited, or the shard comes from another cache)",
+                    hint="run precompute-ref again into a fresh cache folder",
+                )
+            if elbo.shape[1] != K:
+                raise UserError(f"reference cache {folder}: shard {entry['file']} holds {elbo.shape[1]} draws per example, "
+                                f"the manifest says K={K}", hint="run precompute-ref again into a fresh cache folder")
             for i, row, d in zip(ids, elbo, dig):
                 values[i] = row
                 digests[i] = d
@@ -601,7 +667,7 @@ def run_precompute(recipe, accelerator=None):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     ref_mp = load_from_section(recipe.model, acc.device, name_or_path=reference_name(recipe))
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    if acc.is_main_process:
-        write_run_info(recipe, recipe.output_dir, "precompute-ref")
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
+    if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
+        write_run_info(recipe, recipe.output_dir, "precompute-ref")
     return rep, acc

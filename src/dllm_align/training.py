@@ -30,17 +30,22 @@ Checkpoints
     ``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout
     (safetensors, config, tokenizer; LoRA merged, plus the adapter itself), the
     optimiser state (plain tensors, read back with ``weights_only=True``), the
-    RNG state (safetensors) and ``trainer_state.json`` (step, data position,
-    metrics history needed to continue). It is written to a temporary folder
+    RNG state (safetensors), ``trainer_state.json`` (step, data position,
+    metrics history needed to continue) and ``checksums.json`` (size and
+    sha256 of every other file). It is written to a temporary folder, fsynced
     and renamed into place, so a folder named ``step-N`` is always complete.
-    ``--resume`` continues from the newest one; the data order, the masks and
-    the learning rate are functions of the step, so the resumed run follows
-    the uninterrupted one exactly.
+    ``--resume`` verifies every checksum of the newest one before loading
+    anything (a truncated or modified file is refused by name), then
+    continues; the data order, the masks and the learning rate are functions
+    of the step, so the resumed run follows the uninterrupted one exactly.
+    ``final/`` is written the same way; an export killed after it was complete
+    but before the rename is finished by the next ``--resume``.
 
-Test hook
-    ``DLLM_ALIGN_FAULT=kill_after_step:N`` or ``kill_in_checkpoint:N`` makes the
-    main process SIGKILL itself after optimiser step N, or halfway through
-    writing checkpoint N (used by the resume tests).
+Test hooks (:mod:`dllm_align.faults`)
+    ``DLLM_ALIGN_FAULT=kill_after_step:N``, ``kill_in_checkpoint:N`` or
+    ``kill_in_final`` makes the main process SIGKILL itself after optimiser
+    step N, halfway through writing checkpoint N, or with ``final/`` written
+    but not yet renamed into place (used by the resume tests).
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +72,8 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 METRICS = "metrics.jsonl"
 STATE = "trainer_state.json"
-STATE_VERSION = 1
+STATE_VERSION = 2
+TMP_FINAL = ".tmp-final"
 
 
 # --------------------------------------------------------------------------- data
@@ -315,10 +320,10 @@ class TrainResult:
         return self.examples / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _fault(kind: str, step: int) -> None:
-    spec = os.environ.get("DLLM_ALIGN_FAULT", "")
-    if spec and spec == f"{kind}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+def _fault(kind: str, step: Optional[int] = None) -> None:
+    from dllm_align import faults
+
+    faults.at(kind, step)
 
 
 def make_accelerator(recipe):
@@ -533,7 +538,18 @@ class _Run:
 
             adapter = load_file(str(resume_from / "adapter.safetensors"))
             named = dict(self.mp.model.named_parameters())
+            extra = sorted(set(adapter) - set(named))
+            if extra:
+                raise UserError(
+                    f"cannot resume from {resume_from}: its LoRA adapter has weights this run's model lacks ({extra[0]})",
+                    hint="resume with the recipe's original train.lora settings and model",
+                )
             for k, v in adapter.items():
+                if named[k].shape != v.shape:
+                    raise UserError(
+                        f"cannot resume from {resume_from}: LoRA weight {k} is {tuple(v.shape)} there but {tuple(named[k].shape)} now "
+                        "(train.lora.r or the model changed)"
+                    )
                 named[k].data.copy_(v)
 
     def _setup_reference(self) -> None:
@@ -777,6 +793,8 @@ class _Run:
         if self.main:
             state = {
                 "version": STATE_VERSION,
+                "model": self.recipe.model.name_or_path,
+                "objective": self.t.objective,
                 "step": self.step,
                 "total_steps": self.total,
                 "epoch": self.step // self.steps_per_epoch,
@@ -794,12 +812,14 @@ class _Run:
                 "margin_watch": self.margin_watch.state(),
                 "last_metrics": history[-1] if history else None,
             }
+            from dllm_align.io import _fsync_dir, fsync_tree, write_checksums
+
             (tmp / STATE).write_text(json.dumps(state, indent=2))
+            write_checksums(tmp)  # last: a folder whose checksums verify is complete
+            fsync_tree(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            from dllm_align.io import _fsync_dir
-
             _fsync_dir(root)
             kept = sorted(
                 (p for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()),
@@ -815,7 +835,7 @@ class _Run:
 
         from dllm_align.console import info
 
-        st = json.loads((folder / STATE).read_text())
+        st = read_state(folder)
         checks = [
             ("global batch size", st["global_batch_size"], self.G),
             ("train.seed", st["seed"], self.t.seed),
@@ -878,8 +898,18 @@ def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
     ckpt = find_checkpoint(out)
     started = (out / CHECKPOINTS).exists() or (out / FINAL).exists() or (out / METRICS).exists()
     if resume:
+        _finish_interrupted_export(out)
+        _remove_partial_checkpoints(out)
         if ckpt is None:
             info(f"train: no checkpoint in {out / CHECKPOINTS}; starting from step 0")
+        else:
+            st = verify_checkpoint(ckpt)
+            if st["model"] != recipe.model.name_or_path:
+                raise UserError(
+                    f"cannot resume from {ckpt}: it was trained from model {st['model']!r}, "
+                    f"but model.name_or_path is now {recipe.model.name_or_path!r}",
+                    hint="resume with the recipe the run started with, or start a new run with --overwrite",
+                )
         return ckpt
     if started and not overwrite:
         raise UserError(
@@ -889,7 +919,77 @@ def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
     return None
 
 
+def read_state(folder: Path) -> dict:
+    """A checkpoint's ``trainer_state.json``, checked for the keys resuming needs (UserError otherwise)."""
+    path = Path(folder) / STATE
+    try:
+        st = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot resume from {folder}: {STATE} is unreadable ({type(e).__name__})",
+                        hint="delete this checkpoint folder to resume from an earlier one") from None
+    needed = ("version", "model", "step", "total_steps", "global_batch_size", "seed", "group_by_length", "units_digest",
+              "world_size", "fsdp", "lora", "examples_seen", "tokens_seen", "elapsed_seconds", "margin_watch")
+    if not isinstance(st, dict):
+        raise UserError(f"cannot resume from {folder}: {STATE} is not a JSON object")
+    if st.get("version") != STATE_VERSION:
+        raise UserError(
+            f"cannot resume from {folder}: {STATE} has format version {st.get('version')!r}, this dllm-align writes {STATE_VERSION}",
+            hint="resume with the dllm-align version that wrote it, or start again with --overwrite",
+        )
+    missing = [k for k in needed if k not in st]
+    if missing:
+        raise UserError(f"cannot resume from {folder}: {STATE} lacks '{missing[0]}'")
+    return st
+
+
+def verify_checkpoint(folder: Path) -> dict:
+    """Refuse a checkpoint whose files do not match their checksums; returns its state."""
+    from dllm_align.io import verify_checksums
+
+    older = sorted(
+        (p for p in folder.parent.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit() and p != folder),
+        key=lambda p: int(p.name[5:]),
+    )
+    hint = (f"delete {folder} to resume from {older[-1].name}" if older else f"delete {folder}") + ", or start again with --overwrite"
+    verify_checksums(folder, what="checkpoint", hint=hint)
+    return read_state(folder)
+
+
+def _remove_partial_checkpoints(out: Path) -> None:
+    """Temporary checkpoint folders of a killed run are never complete: remove them."""
+    root = out / CHECKPOINTS
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-step-") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _finish_interrupted_export(out: Path) -> None:
+    """A ``.tmp-final`` whose checksums verify was complete when the run was killed: move it into place."""
+    from dllm_align.console import info
+    from dllm_align.io import _fsync_dir, verify_checksums
+
+    tmp = out / TMP_FINAL
+    if not tmp.is_dir():
+        return
+    complete = False
+    if not (out / FINAL).exists():
+        try:
+            complete = verify_checksums(tmp, what="export", required=False)
+        except UserError:
+            complete = False
+    if complete:
+        os.replace(tmp, out / FINAL)
+        _fsync_dir(out)
+        info(f"train: finished the final export that an interrupted run had written ({out / FINAL})")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _clear_previous(out: Path) -> None:
+    _remove_partial_checkpoints(out)
+    if (out / TMP_FINAL).exists():
+        shutil.rmtree(out / TMP_FINAL)
     for name in (CHECKPOINTS, FINAL):
         if (out / name).exists():
             shutil.rmtree(out / name)
@@ -911,20 +1011,21 @@ def train(
     ``examples`` (tokenised :class:`dllm_align.tokenize.Example` s) replace
     ``data.train`` when given (tests, the toy demo).
     """
-    from dllm_align.console import info, progress, warn
-    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
-    from dllm_align.recipe import write_run_info
+    from dllm_align.io import DirLock, recover_jsonl
 
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
-    # Every process must agree on where to resume; the main process decides.
-    # The main process inspects the run folder; every process must then agree (or fail together).
+    created = not out.exists()
+    lock: Optional[DirLock] = None
+    # The main process inspects the run folder (and verifies the checkpoint to
+    # resume from); every process must then agree, or fail together.
     decision: list = [None]
     if acc.is_main_process:
         try:
+            lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
             found = prepare_output(recipe, resume, overwrite)
-            if not resume and overwrite:
-                _clear_previous(out)
+            if resume:
+                recover_jsonl(out / METRICS)  # cut a torn last line; refuse a damaged middle
             decision = [("ok", str(found) if found else None)]
         except UserError as e:
             decision = [("error", e.message, e.hint)]
@@ -932,20 +1033,46 @@ def train(
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(decision, from_process=0)
-    if decision[0][0] == "error":
-        raise UserError(decision[0][1], hint=decision[0][2])
-    resume_from = Path(decision[0][1]) if decision[0][1] else None
-    if acc.is_main_process:
-        write_run_info(recipe, out, "train")
-    torch.manual_seed(recipe.train.seed)
+    try:
+        if decision[0][0] == "error":
+            raise UserError(decision[0][1], hint=decision[0][2])
+        resume_from = Path(decision[0][1]) if decision[0][1] else None
+        return _train(recipe, acc, out, resume, overwrite, resume_from, examples)
+    except UserError:
+        # Refused before anything was written: leave no empty run folder behind.
+        if acc.is_main_process and created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
-    run = _Run(recipe, acc, resume_from, examples)
+
+def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples) -> TrainResult:
+    from dllm_align.console import info, progress, warn
+    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.recipe import write_run_info
+
+    torch.manual_seed(recipe.train.seed)
+    run = _Run(recipe, acc, resume_from, examples)  # loads and checks everything before the run folder changes
     t = recipe.train
+    summary_path = out / FINAL / "training_summary.json"
+    if resume and summary_path.exists():
+        # Checked before the metrics are trimmed to the checkpoint: a finished run stays as it is.
+        summary = json.loads(summary_path.read_text())
+        if summary.get("steps", 0) >= run.total:
+            if acc.is_main_process:
+                info(f"train: {out} already finished ({summary['steps']} steps); nothing to do")
+            return TrainResult(out, out / FINAL, 0, 0.0, 0, summary.get("last_metrics") or {})
+    if acc.is_main_process:
+        if not resume and overwrite:
+            _clear_previous(out)
+        write_run_info(recipe, out, "train")
     history: list[dict] = []
     metrics_path = out / METRICS
     if acc.is_main_process:
         rows = recover_jsonl(metrics_path)
-        keep = [r for r in rows if r.get("step", 0) <= run.step]
+        keep = [r for r in rows if r.get("step", 0) <= run.step]  # steps after the checkpoint are redone
         if len(keep) != len(rows):
             atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
         history = keep
@@ -953,14 +1080,6 @@ def train(
         acc.init_trackers(recipe.name, config=_flat(recipe.model_dump(mode="json")))
 
     last_ckpt = resume_from
-    summary_path = out / FINAL / "training_summary.json"
-    if resume and summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        if summary.get("steps", 0) >= run.total:
-            if acc.is_main_process:
-                info(f"train: {out} already finished ({summary['steps']} steps); nothing to do")
-            return TrainResult(out, out / FINAL, 0, 0.0, 0, summary.get("last_metrics") or {})
-
     appender = JsonlAppender(metrics_path) if acc.is_main_process else None
     start_step = run.step
     t_run = time.perf_counter()
@@ -1027,7 +1146,7 @@ def train(
                     last_ckpt = run.save_checkpoint(history)
         # final export: the model (LoRA merged) and tokenizer, written atomically
         final = out / FINAL
-        tmp = out / ".tmp-final"
+        tmp = out / TMP_FINAL
         if acc.is_main_process:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -1050,9 +1169,15 @@ def train(
                 "last_metrics": history[-1] if history else None,
             }
             atomic_write_json(tmp / "training_summary.json", summary)
+            from dllm_align.io import _fsync_dir, fsync_tree, write_checksums
+
+            write_checksums(tmp)
+            fsync_tree(tmp)
+            _fault("kill_in_final")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            _fsync_dir(out)
         if t.save_every and run.step % t.save_every == 0:
             run.save_checkpoint(history)
         acc.wait_for_everyone()

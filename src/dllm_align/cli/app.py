@@ -59,6 +59,9 @@ def handle_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             sys.stderr.write("\nInterrupted.\n")
             raise typer.Exit(130)
+        except BrokenPipeError:  # stdout piped into `head`: the reader went away, not an error to report
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(1)
         except FileNotFoundError as e:
             if _debug():
                 raise
@@ -120,13 +123,48 @@ from dllm_align.cli import demo as _demo  # noqa: E402,F401
 from dllm_align.cli import ablate as _ablate  # noqa: E402,F401
 
 
-def main() -> None:
+def _usage_error(e: Exception) -> Optional[int]:
+    """Print a command-line usage error (unknown option, bad value, missing argument)
+    as one ``Error:`` line plus a hint, like every other error; returns its exit code.
+
+    Typer's usage errors come from its vendored Click; they are recognised by their
+    public shape (``exit_code`` and ``format_message()``) rather than by importing
+    Click's classes.
+    """
+    fmt = getattr(e, "format_message", None)
+    code = getattr(e, "exit_code", None)
+    if not callable(fmt) or not isinstance(code, int):
+        return None
+    msg = " ".join(str(fmt()).split())
+    if msg:  # empty when the help was shown instead (no arguments at all)
+        ctx = getattr(e, "ctx", None)
+        path = getattr(ctx, "command_path", None) or "dllm-align"
+        _error_line(msg, f"see '{path} --help'")
+    return code
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """The ``dllm-align`` console script (and ``python -m dllm_align``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        app()
+        rv = app(args=argv, prog_name="dllm-align", standalone_mode=False)
     except KeyboardInterrupt:  # Ctrl-C outside a command body (e.g. while parsing)
         sys.stderr.write("\nInterrupted.\n")
         sys.exit(130)
+    except typer.Abort:
+        sys.stderr.write("\nAborted.\n")
+        sys.exit(1)
+    except BrokenPipeError:  # `dllm-align ... | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except Exception as e:
+        if _debug():
+            raise
+        code = _usage_error(e)
+        if code is None:
+            raise
+        sys.exit(code)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

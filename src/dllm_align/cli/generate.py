@@ -184,8 +184,6 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
     if rank == 0:
         for p in [out, *part_files()]:
             recover_jsonl(p)  # cut a torn last line left by a kill
-        atomic_write_json(sidecar, settings_record)
-        write_run_info(rec, out.parent, "generate")
     barrier()
     done: set[str] = set()
     for p in [out, *part_files()]:
@@ -197,8 +195,14 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
         already = f", {len(rows) - len(todo):,} already in {out}" if done else ""
         console.info(f"generate: {len(rows):,} prompts from {source}{already}" + (f"; {world} processes" if world > 1 else ""))
 
+    # The model is loaded (and a damaged one refused) before anything is written.
+    mp = load_from_section(rec.model, device=dev) if todo else None
+    if rank == 0:
+        atomic_write_json(sidecar, settings_record)
+        write_run_info(rec, out.parent, "generate")
+    barrier()
+
     if todo:
-        mp = load_from_section(rec.model, device=dev)
         mp.model.eval()
         ids = [encode_prompt(mp.tokenizer, r.messages) for r in todo]
         if rec.data.max_prompt_length is not None:
