@@ -854,6 +854,23 @@ def _finish_counters(counters: dict, label: Optional[bool]) -> None:
 
 
 # --------------------------------------------------------------------------- public loaders
+def _parse_tables(tables, format: str, label, problems: list, counters: dict, prompts_only: str):
+    """Parse every table of a source by its layout: (paired rows, unpaired rows, layouts)."""
+    parsed_pairs: list[tuple] = []
+    parsed_rows: list[tuple] = []
+    layouts = []
+    for t in tables:
+        lay = _layout(t, format)
+        layouts.append(lay)
+        if lay == "paired":
+            parsed_pairs += _parse_paired(t, problems)
+        elif lay == "unpaired":
+            parsed_rows += _parse_unpaired(t, label, problems, counters)
+        else:
+            raise UserError(f"{t.name}: {prompts_only}")
+    return parsed_pairs, parsed_rows, layouts
+
+
 def load_unpaired(
     source: str | Path,
     split: Optional[str] = None,
@@ -875,20 +892,9 @@ def load_unpaired(
         return _unpaired_from_pair_files(tables, skip_invalid, quiet)
     problems: list[Problem] = []
     counters: dict = {}
-    parsed_pairs: list[tuple] = []
-    parsed_rows: list[tuple] = []
-    layouts = []
-    for t in tables:
-        lay = _layout(t, format)
-        layouts.append(lay)
-        if lay == "paired":
-            parsed_pairs += _parse_paired(t, problems)
-        elif lay == "unpaired":
-            parsed_rows += _parse_unpaired(t, label, problems, counters)
-        else:
-            raise UserError(
-                f"{t.name}: holds prompts only (no completion or chosen/rejected columns); training needs completions"
-            )
+    parsed_pairs, parsed_rows, layouts = _parse_tables(
+        tables, format, label, problems, counters, "holds prompts only (no completion or chosen/rejected columns); training needs completions"
+    )
     # Ids are assigned over all files of a source at once (shards may hold copies of each other's rows).
     rows = unpair(_assign_ids(parsed_pairs, problems, _pair_hash, counters))
     rows += _assign_ids(parsed_rows, problems, _row_hash, counters)
@@ -1005,18 +1011,9 @@ def load_paired(
         return _pairs_from_pair_files(tables, skip_invalid, quiet)
     problems: list[Problem] = []
     counters: dict = {}
-    parsed_pairs: list[tuple] = []
-    parsed_rows: list[tuple] = []
-    layouts = []
-    for t in tables:
-        lay = _layout(t, format)
-        layouts.append(lay)
-        if lay == "paired":
-            parsed_pairs += _parse_paired(t, problems)
-        elif lay == "unpaired":
-            parsed_rows += _parse_unpaired(t, None, problems, counters)
-        else:
-            raise UserError(f"{t.name}: holds prompts only; pairs need chosen and rejected completions")
+    parsed_pairs, parsed_rows, layouts = _parse_tables(
+        tables, format, None, problems, counters, "holds prompts only; pairs need chosen and rejected completions"
+    )
     pairs = _assign_ids(parsed_pairs, problems, _pair_hash, counters)
     if parsed_rows:
         pairs += _repair(parsed_rows, _source_name(tables, source), problems)

@@ -70,15 +70,10 @@ _HEX64 = set("0123456789abcdef")
 
 
 # --------------------------------------------------------------------------- digests
-def _sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(bufsize)
-            if not chunk:
-                break
-            h.update(chunk)
-    return h.hexdigest()
+def _sha256_file(path: Path) -> str:
+    from dllm_align.io import sha256_file
+
+    return sha256_file(path)
 
 
 def example_digest(ex) -> str:
