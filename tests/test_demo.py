@@ -69,6 +69,7 @@ def test_ablate_imbalance_table_plot_and_instant_rerun(tmp_path):
     again = runner.invoke(app, args)
     assert again.exit_code == 0
     assert again.stderr.count("done, reusing") == 6
+    assert "same run as desirable_1, reusing it" in res.stderr  # ratio 1 of both sweeps trains once
     assert time.perf_counter() - t < 20
     assert again.stdout == res.stdout
 

@@ -58,7 +58,9 @@ def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
     for side in sides:
         for ratio in a.ratios:
             key = "data.desirable_ratio" if side == "desirable" else "data.undesirable_ratio"
-            ov = {key: ratio}
+            # both ratios always, so that equal settings (ratio 1 of both sweeps) have equal overrides
+            ov = {"data.desirable_ratio": recipe.data.desirable_ratio, "data.undesirable_ratio": recipe.data.undesirable_ratio}
+            ov[key] = ratio
             if a.balance_weights:
                 sec = recipe.data.model_copy(update={key.split(".")[1]: ratio})
                 rows = rows_from_section(sec, "train", quiet=True)
@@ -102,12 +104,22 @@ def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list
     shared.reference.cache = str(cache)
     base_gen: Optional[Path] = None
     rows = []
+    by_overrides: dict[str, dict] = {}  # settings that train the same thing (e.g. ratio 1 of both sweeps) run once
     for i, s in enumerate(settings, 1):
         folder = out_dir / s.name
         done = folder / "result.json"
+        key = json.dumps(s.overrides, sort_keys=True)
         if done.exists():
             console.info(f"ablate {kind}: [{i}/{len(settings)}] {s.name}: done, reusing {done}")
             rows.append(json.loads(done.read_text()))
+            by_overrides.setdefault(key, rows[-1])
+            continue
+        if key in by_overrides:
+            twin = by_overrides[key]
+            console.info(f"ablate {kind}: [{i}/{len(settings)}] {s.name}: same run as {twin['setting']}, reusing it")
+            row = {**twin, "setting": s.name, **s.labels}
+            atomic_write_json(done, row)
+            rows.append(row)
             continue
         console.info(f"ablate {kind}: [{i}/{len(settings)}] {s.name}")
         if base_gen is None:
@@ -123,6 +135,7 @@ def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list
                "ties": head["ties"], "n": head["n"]}
         atomic_write_json(done, row)
         rows.append(row)
+        by_overrides[key] = row
     write_tables(rows, out_dir)
     return rows
 
