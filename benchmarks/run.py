@@ -5,7 +5,9 @@
 Each benchmark compares dllm-align with a faithful implementation of the
 straightforward method written in the benchmark itself (see each module's
 docstring). Memory and time targets are asserted here, not in the unit tests:
-the exit code is 1 when a target is missed (``--no-assert`` to only report).
+the exit code is 1 when a target is missed or a benchmark fails (``--no-assert``
+to only report). ``--quick`` is a smoke run with small settings: there only a
+failing benchmark sets the exit code, and missed targets are marked as such.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def main(argv=None) -> int:
         met = "reported" if check is None else ("yes" if check(val, results) else "NO")
         if met == "NO":
             missed.append(key)
+            if args.quick:
+                met = "NO (quick settings)"
         lines.append(f"| {key} | {base} | {val:.3f} | {absolute(results)} | {target} | {met} |")
     lines.append("")
     lines.append("Seconds per benchmark: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
@@ -157,10 +161,16 @@ def main(argv=None) -> int:
         payload = {"machine": m, "device": args.device, "quick": args.quick, "results": results,
                    "seconds": timings, "missed": missed}
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    if missed and not args.no_assert:
+    errors = [k for k in results if k.endswith("_error")]
+    if missed:
         sys.stderr.write(f"[bench] targets missed: {', '.join(missed)}\n")
+    if args.no_assert:
+        return 0
+    if errors:
         return 1
-    return 0
+    # --quick is a smoke run: its settings are too small for some targets (fast decoding
+    # needs long generations to pay off), so only errors fail it.
+    return 1 if missed and not args.quick else 0
 
 
 if __name__ == "__main__":

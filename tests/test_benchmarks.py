@@ -54,6 +54,8 @@ def test_driver_exit_codes(bench_path, monkeypatch, capsys):
     assert run.main(["--only", "padding"]) == 1
     assert "| padding_ratio |" in capsys.readouterr().out
     assert run.main(["--only", "padding", "--no-assert"]) == 0
+    assert run.main(["--only", "padding", "--quick"]) == 0  # a smoke run fails on errors only
+    assert "NO (quick settings)" in capsys.readouterr().out
 
     def broken(device, quick):
         raise RuntimeError("boom")
@@ -61,6 +63,7 @@ def test_driver_exit_codes(bench_path, monkeypatch, capsys):
     fake.run = broken  # one failing benchmark is reported as an error, and counts as missed
     assert run.main(["--only", "padding"]) == 1
     assert "| error |" in capsys.readouterr().out
+    assert run.main(["--only", "padding", "--quick"]) == 1
     with pytest.raises(SystemExit) as e:
         run.main(["--only", "nosuch"])
     assert e.value.code == 2
