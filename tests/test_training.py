@@ -145,7 +145,9 @@ def test_accumulation_equals_one_big_batch(toy):
         for x, y in zip(ref_m, m):
             for key in ("loss", "baseline", "grad_norm", "reward_desirable", "reward_undesirable"):
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (name, x["step"], key)
-        assert_same_params(ref_p, p)
+        # Splitting the step changes the order of float sums; Adam's normalised update (lr 1e-3)
+        # turns that rounding into parameter differences of ~1e-6 on elements with tiny gradients.
+        assert_same_params(ref_p, p, atol=2e-6)
 
 
 def test_per_micro_batch_baseline_would_differ(toy):
