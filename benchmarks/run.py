@@ -5,7 +5,9 @@
 Each benchmark compares dllm-align with a faithful implementation of the
 straightforward method written in the benchmark itself (see each module's
 docstring). Memory and time targets are asserted here, not in the unit tests:
-the exit code is 1 when a target is missed (``--no-assert`` to only report).
+the exit code is 1 when a target is missed or a benchmark fails (``--no-assert``
+to only report). ``--quick`` is a smoke run with small settings: there only a
+failing benchmark sets the exit code, and missed targets are marked as such.
 """
 
 from __future__ import annotations
@@ -24,16 +26,43 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-# (module, key, what the straightforward method is, target text, check)
+def _get(r: dict, *path):
+    for k in path:
+        if not isinstance(r, dict) or k not in r:
+            return None
+        r = r[k]
+    return r
+
+
+def _pair(a, b, fmt: str, unit: str) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{a:{fmt}} vs {b:{fmt}} {unit}"
+
+
+# (module, key, what the straightforward method is, target text, check(value, results), absolute figures(results))
 BENCHMARKS = [
-    ("memory", "loss_memory_ratio", "full [K, L, V] logits, then gather", "<= 0.15", lambda r: r <= 0.15),
-    ("padding", "padding_ratio", "pad every row to 4,096 (paper)", "<= 1.15 x real tokens", lambda r: r <= 1.15),
-    ("throughput", "train_speedup", "K separate forwards, full logits, pad to longest", ">= 3x", lambda r: r >= 3.0),
-    ("throughput", "precompute_speedup", "same, no grad", ">= 3x", lambda r: r >= 3.0),
-    ("generation", "generate_exact_speedup", "one full forward per step (SPEC 7)", ">= 1.0x, identical tokens", lambda r: r >= 1.0),
-    ("generation", "generate_fast_speedup", "exact mode", ">= 3x at batch 1", lambda r: r >= 3.0),
-    ("variance", "variance_ratio_shared", "independent masks for policy and reference", "reported", None),
-    ("variance", "variance_ratio_stratified", "independent masks for policy and reference", "reported", None),
+    ("memory", "loss_memory_ratio", "full [K, L, V] logits, then gather", "<= 0.15", lambda v, r: v <= 0.15,
+     lambda r: _pair(r.get("loss_memory_ours_mb"), r.get("loss_memory_straightforward_mb"), ",.0f", "MB")),
+    ("padding", "padding_ratio", "pad every row to 4,096 (paper)", "<= 1.15 x real tokens", lambda v, r: v <= 1.15,
+     lambda r: _pair(_get(r, "padding_settings", "ours_tokens"), _get(r, "padding_settings", "paper_tokens"), ",", "positions")),
+    ("throughput", "train_speedup", "K separate forwards, full logits, pad to longest", ">= 3x", lambda v, r: v >= 3.0,
+     lambda r: _pair(r.get("throughput_train_ours_ex_per_s"), r.get("throughput_train_straightforward_ex_per_s"), ".2f", "ex/s")),
+    ("throughput", "precompute_speedup", "same, no grad", ">= 3x", lambda v, r: v >= 3.0,
+     lambda r: _pair(r.get("throughput_precompute_ours_ex_per_s"), r.get("throughput_precompute_straightforward_ex_per_s"), ".2f", "ex/s")),
+    ("generation", "generate_exact_speedup", "one full forward per step (SPEC 7)", ">= 1.0x, identical tokens (fp32)",
+     lambda v, r: v >= 1.0 and (r.get("generate_exact_identical") is True or _get(r, "generation_settings", "dtype") != "float32"),
+     lambda r: _pair(_get(r, "generation_figures", "exact", "tokens_per_s"),
+                     _get(r, "generation_figures", "straightforward", "tokens_per_s"), ".1f", "tok/s")
+     + ("" if r.get("generate_exact_identical") is None else
+        (", identical" if r["generate_exact_identical"] else ", tokens DIFFER"))),
+    ("generation", "generate_fast_speedup", "exact mode", ">= 3x at batch 1", lambda v, r: v >= 3.0,
+     lambda r: _pair(_get(r, "generation_figures", "fast", "tokens_per_s"),
+                     _get(r, "generation_figures", "exact", "tokens_per_s"), ".1f", "tok/s")),
+    ("variance", "variance_ratio_shared", "independent masks for policy and reference", "reported", None,
+     lambda r: _pair(r.get("variance_shared"), r.get("variance_independent"), ".3g", "")),
+    ("variance", "variance_ratio_stratified", "independent masks for policy and reference", "reported", None,
+     lambda r: _pair(r.get("variance_shared_stratified"), r.get("variance_independent"), ".3g", "")),
 ]
 
 
@@ -48,6 +77,7 @@ def machine() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -59,9 +89,27 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller settings (a smoke run)")
     ap.add_argument("--json", metavar="OUT", help="write the ratios, settings and machine as JSON")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--only", nargs="*", help="run only these modules (memory padding throughput generation variance)")
+    ap.add_argument("--only", nargs="*", metavar="NAME",
+                    help="run only these modules (memory padding throughput generation variance)")
     ap.add_argument("--no-assert", action="store_true", help="report only; exit 0 even if a target is missed")
+    ap.add_argument("--threads", type=int, metavar="N",
+                    help="torch / OpenMP threads here and in child processes (1 is steadier on a busy machine)")
     args = ap.parse_args(argv)
+    known = {m for m, *_ in BENCHMARKS}
+    unknown = sorted(set(args.only or []) - known)
+    if unknown:
+        ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {' '.join(sorted(known))}")
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the memory benchmark's child processes
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.stderr.write("Error: --device cuda but no CUDA device is visible to torch\n")
+            return 2
 
     modules = []
     for mod, *_ in BENCHMARKS:
@@ -83,26 +131,29 @@ def main(argv=None) -> int:
     m = machine()
     lines = [
         f"# dllm-align benchmarks ({m['date']}, {m['platform']}, {m['cores']} cores, torch {m['torch']}"
-        + (f", {m['gpu']}" if "gpu" in m else "") + f", device {args.device}{', quick' if args.quick else ''})",
+        + (f", {m['gpu']}" if "gpu" in m else "")
+        + f", {m['threads']} torch thread(s), device {args.device}{', quick' if args.quick else ''})",
         "",
-        "| benchmark | straightforward method | ratio (ours / straightforward) | target | met |",
-        "|---|---|---|---|---|",
+        "| benchmark | straightforward method | ratio (ours / straightforward) | ours vs straightforward | target | met |",
+        "|---|---|---|---|---|---|",
     ]
     missed = []
-    for mod, key, base, target, check in BENCHMARKS:
+    for mod, key, base, target, check, absolute in BENCHMARKS:
         if mod not in modules:
             continue
         val = results.get(key)
         if val is None:
             ok = "not run" if f"{mod}_error" not in results else "error"
-            lines.append(f"| {key} | {base} | - | {target} | {ok} |")
+            lines.append(f"| {key} | {base} | - | - | {target} | {ok} |")
             if check is not None:
                 missed.append(key)
             continue
-        met = "reported" if check is None else ("yes" if check(val) else "NO")
+        met = "reported" if check is None else ("yes" if check(val, results) else "NO")
         if met == "NO":
             missed.append(key)
-        lines.append(f"| {key} | {base} | {val:.3f} | {target} | {met} |")
+            if args.quick:
+                met = "NO (quick settings)"
+        lines.append(f"| {key} | {base} | {val:.3f} | {absolute(results)} | {target} | {met} |")
     lines.append("")
     lines.append("Seconds per benchmark: " + ", ".join(f"{k} {v}" for k, v in timings.items()))
     print("\n".join(lines))
@@ -110,10 +161,16 @@ def main(argv=None) -> int:
         payload = {"machine": m, "device": args.device, "quick": args.quick, "results": results,
                    "seconds": timings, "missed": missed}
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    if missed and not args.no_assert:
+    errors = [k for k in results if k.endswith("_error")]
+    if missed:
         sys.stderr.write(f"[bench] targets missed: {', '.join(missed)}\n")
+    if args.no_assert:
+        return 0
+    if errors:
         return 1
-    return 0
+    # --quick is a smoke run: its settings are too small for some targets (fast decoding
+    # needs long generations to pay off), so only errors fail it.
+    return 1 if missed and not args.quick else 0
 
 
 if __name__ == "__main__":

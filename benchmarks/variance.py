@@ -36,7 +36,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.elbo import DrawConfig, elbo_draws
     from dllm_align.models import load_model
 
-    ref = load_model("builtin:tiny", device=device, dtype="float32")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible")
+    ref = load_model("builtin:tiny", device=device, dtype="auto")  # bf16 on CUDA, fp32 on CPU
     pol = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -67,7 +69,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         "variance_independent": v["indep"],
         "variance_shared": v["shared"],
         "variance_shared_stratified": v["strat"],
-        "variance_settings": {"rows": n_rows, "repeats": R, "n_mc": N_MC, "policy": "tiny + N(0, 0.005^2) weight noise"},
+        "variance_settings": {"rows": n_rows, "repeats": R, "n_mc": N_MC, "policy": "tiny + N(0, 0.005^2) weight noise",
+                              "device": device, "dtype": str(next(ref.model.parameters()).dtype).removeprefix("torch.")},
     }
 
 

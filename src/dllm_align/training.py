@@ -407,6 +407,37 @@ def class_weights(recipe) -> tuple[float, float]:
     return recipe.train.lambda_desirable, recipe.train.lambda_undesirable
 
 
+def build_optimizer(named_parameters, t, *, fused_ok: bool = True) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters (``train`` section t); no weight decay on biases and norms.
+
+    The fused kernel (one pass over each tensor, torch >= 2.4 on CPU and CUDA) is used
+    when every parameter is a plain floating tensor on such a device and fp16 loss
+    scaling is off; it gives the same update as the per-tensor loop up to float
+    rounding, ~10x faster on CPU (where the loop's step is a visible part of a small
+    model's training step). FSDP's sharded parameters keep the default implementation.
+    """
+    decay, no_decay = [], []
+    for name, p in named_parameters:
+        if not p.requires_grad:
+            continue
+        (no_decay if (name.endswith("bias") or "norm" in name.lower()) else decay).append(p)
+    params = decay + no_decay
+    fused = (
+        fused_ok
+        and t.mixed_precision != "fp16"
+        and bool(params)
+        and all(type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    )
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        fused=fused or None,
+    )
+
+
 # --------------------------------------------------------------------------- the loop
 class _Run:
     """State of one training run; :func:`train` is its readable driver."""
@@ -483,18 +514,7 @@ class _Run:
         scorer = PolicyScorer(self.mp)
         self.module = accelerator.prepare(scorer)
         self.policy = _ViaModule(self.module, self.mp.mask_token_id)
-        decay, no_decay = [], []
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            (no_decay if (name.endswith("bias") or "norm" in name.lower()) else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=self.t.lr,
-            betas=(self.t.adam_beta1, self.t.adam_beta2),
-            eps=self.t.adam_eps,
-        )
+        opt = build_optimizer(self.module.named_parameters(), self.t, fused_ok=not self.fsdp)
         self.optimizer = accelerator.prepare(opt)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 

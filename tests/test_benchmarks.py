@@ -1,0 +1,95 @@
+"""The benchmark driver (benchmarks/run.py) and the throughput benchmark's straightforward method.
+
+The benchmarks themselves take minutes and are run by hand (benchmarks/README.md);
+these tests keep the driver from rotting and check that the straightforward
+ELBO written in the throughput benchmark computes the same numbers as the
+library, so its speed-up compares equal work.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import REPO
+
+BENCH = REPO / "benchmarks"
+
+
+@pytest.fixture()
+def bench_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+def test_driver_runs_padding_and_writes_json(shared_data, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--only", "padding", "--no-assert", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| padding_ratio |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == "yes" and cells[-2] == "<= 1.15 x real tokens"
+    assert cells[3].endswith("positions")  # absolute figures: ours vs the paper's padding
+    payload = json.loads(out.read_text())
+    r = payload["results"]
+    assert 1.0 <= r["padding_ratio"] <= 1.15
+    assert r["padding_ratio_paper"] > 4  # the paper pads ~750-token rows to 4,096
+    assert payload["missed"] == [] and payload["quick"] is True
+    assert {"date", "torch", "cores", "threads"} <= set(payload["machine"])
+
+
+def test_driver_exit_codes(bench_path, monkeypatch, capsys):
+    import run
+
+    fake = types.ModuleType("padding")
+    fake.run = lambda device, quick: {"padding_ratio": 2.0}  # misses the <= 1.15 target
+    monkeypatch.setitem(sys.modules, "padding", fake)
+    assert run.main(["--only", "padding"]) == 1
+    assert "| padding_ratio |" in capsys.readouterr().out
+    assert run.main(["--only", "padding", "--no-assert"]) == 0
+    assert run.main(["--only", "padding", "--quick"]) == 0  # a smoke run fails on errors only
+    assert "NO (quick settings)" in capsys.readouterr().out
+
+    def broken(device, quick):
+        raise RuntimeError("boom")
+
+    fake.run = broken  # one failing benchmark is reported as an error, and counts as missed
+    assert run.main(["--only", "padding"]) == 1
+    assert "| error |" in capsys.readouterr().out
+    assert run.main(["--only", "padding", "--quick"]) == 1
+    with pytest.raises(SystemExit) as e:
+        run.main(["--only", "nosuch"])
+    assert e.value.code == 2
+
+
+def test_straightforward_elbo_equals_the_library(bench_path, tiny):
+    """K full-logit forwards with padding to the longest row give elbo_draws' values and gradients."""
+    import throughput
+
+    from dllm_align.batching import collate
+    from dllm_align.elbo import DrawConfig, elbo_draws
+    from dllm_align.tokenize import Example
+
+    exs = [
+        Example("a", [1, 2, 3], [4, 5, 6, 7, 8, 9], True),
+        Example("b", [1, 2], [10, 11, 12], False),
+        Example("c", [1, 2, 3, 4, 5], [13, 14], True),
+    ]
+    b = collate(exs, "none", 64, tiny.tokenizer.pad_token_id)
+    cfg = DrawConfig(n_mc=5, seed=3)
+    params = list(tiny.model.parameters())
+    ours = elbo_draws(tiny, b["input_ids"], b["attention_mask"], b["completion_mask"], b["ids"], cfg)
+    g_ours = torch.autograd.grad(ours.mean(), params)
+    plain = throughput.straightforward_draws(tiny.model, b, cfg, tiny.mask_token_id)
+    g_plain = torch.autograd.grad(plain.mean(), params)
+    assert plain.shape == (3, 5)
+    torch.testing.assert_close(plain, ours, atol=1e-4, rtol=1e-5)
+    for x, y in zip(g_plain, g_ours):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
