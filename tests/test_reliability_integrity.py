@@ -8,6 +8,8 @@ that the refusal's advice works, and what happens when the numbers go bad
 
 from __future__ import annotations
 
+import re
+
 import json
 import shutil
 from pathlib import Path
@@ -170,7 +172,8 @@ def test_inf_loss_stops_at_the_step(toy, tmp_path):
     run = tmp_path / "run"
     r = run_cli(["train", toy["recipe"], "-o", run, "--set", f"model.name_or_path={model}", "--set", "train.objective=sft"])
     assert r.code == 1, r.err
-    assert "Error: non-finite loss inf at step 1; stopped before applying it (no checkpoint was written yet)" in r.err
+    # an overflowing head gives inf or nan log-probabilities (inf - inf); either is stopped, named and not applied
+    assert re.search(r"Error: non-finite loss (inf|nan) at step 1; stopped before applying it \(no checkpoint was written yet\)", r.err)
     assert "Traceback" not in r.err
     assert not (run / "final").exists() and not (run / "checkpoints").exists()
 
@@ -182,7 +185,7 @@ def test_precompute_reports_an_out_of_range_reference_and_writes_nothing(toy, tm
                  "--set", f"reference.cache={cache}"])
     assert r.code == 1, r.err
     err = next(line for line in r.err.splitlines() if line.startswith("Error:"))
-    assert "reference ELBO out of range in shard 0: example 'sort-" in err and "is -inf (not finite" in err
+    assert "reference ELBO out of range in shard 0: example 'sort-" in err and re.search(r"is (-inf|nan) \(not finite", err)
     assert "the shard was not written" in err
     assert not list(cache.glob("*.safetensors")) and not (cache / "manifest.json").exists() and stray_temps(cache) == []
 
