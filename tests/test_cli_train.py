@@ -24,12 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _env() -> dict:

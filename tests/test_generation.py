@@ -20,13 +20,6 @@ from dllm_align.generation import (
 )
 from dllm_align.models import MaskPredictor, build_tiny_model, build_tiny_tokenizer
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices: one thread is faster, and immune to a busy machine's oversubscription.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 TEXTS = ["hi", "what is two plus two?", "sort these numbers: 3 1 2, quickly please"]

@@ -6,7 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,12 +16,6 @@ from dllm_align.recipe import load_recipe
 from fixtures.sort_toy import write_pairs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _recipe(tmp: Path, data: Path, *sets: str):

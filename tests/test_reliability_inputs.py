@@ -28,12 +28,6 @@ from judge_server import answer
 from reliability import run_cli, snapshot
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 RECIPE = {
@@ -147,7 +141,7 @@ def _rewrite_shard(cache: Path, name: str, change: Callable[[np.ndarray], None])
     """Change a shard's values but keep it self-consistent (its own checksum and the manifest's sha256 recomputed),
     as a careless edit or a buggy tool would: only the range check can catch it."""
     from dllm_align.io import sha256_file
-    from dllm_align.reference import _contents_sha, read_shard  # noqa: F401
+    from dllm_align.reference import _contents_sha
     from safetensors import safe_open
     from safetensors.torch import save_file
 

@@ -25,12 +25,6 @@ from fixtures.sort_toy import write_pairs
 from reliability import run_cli, run_killed, stray_temps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

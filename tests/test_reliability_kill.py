@@ -25,12 +25,6 @@ from reliability import run_cli, run_killed, stray_temps
 KEY = "sk-test-kill-0123456789abcdef"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

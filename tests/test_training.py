@@ -16,13 +16,6 @@ from dllm_align.training import MarginWatch, lr_at, merged_state_dict, train
 from fixtures.sort_toy import write_pairs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two cores shared with other jobs: one intra-op thread is many times faster than two contending ones.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
