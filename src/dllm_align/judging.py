@@ -685,7 +685,11 @@ class ChatClient:
             conn = self._connection()
             reused = conn.sock is not None
             try:
+                if self.stop.is_set():
+                    raise Cancelled()
                 conn.request("POST", self._path, body=body, headers=self._headers)
+                if self.stop.is_set():  # abort() ran while this request was being sent: its socket may have been missed
+                    raise Cancelled()
                 resp = conn.getresponse()
                 data = resp.read()
                 headers = {k.lower(): v for k, v in resp.getheaders()}
