@@ -323,7 +323,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.console import info
     from dllm_align.elbo import DrawConfig
     from dllm_align.models import load_model
-    from dllm_align.training import make_collate, train
+    from dllm_align.examples import make_collate
+    from dllm_align.training import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

@@ -30,7 +30,7 @@ def _recipe(tmp: Path, data: Path, *sets: str):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from dllm_align.models import load_model
-    from dllm_align.training import load_training_examples, make_collate
+    from dllm_align.examples import load_training_examples, make_collate
 
     tmp = tmp_path_factory.mktemp("ref")
     data = write_pairs(tmp / "pairs.jsonl", n=8)

@@ -11,7 +11,8 @@ import torch
 
 from dllm_align.errors import RunFailure, UserError
 from dllm_align.recipe import load_recipe
-from dllm_align.training import MarginWatch, lr_at, merged_state_dict, train
+from dllm_align.checkpoint import merged_state_dict
+from dllm_align.training import MarginWatch, lr_at, train
 
 from fixtures.sort_toy import write_pairs
 
@@ -23,7 +24,7 @@ def toy(tmp_path_factory):
     """16 sorting pairs (32 unpaired rows) and their reference cache (K=4)."""
     from dllm_align import reference as ref
     from dllm_align.models import load_model
-    from dllm_align.training import load_training_examples, make_collate
+    from dllm_align.examples import load_training_examples, make_collate
 
     root = tmp_path_factory.mktemp("toy")
     data = write_pairs(root / "pairs.jsonl", n=16)

@@ -27,7 +27,8 @@ def reference(recipe) -> None:
 
 def trained_model(recipe) -> Path:
     """Train (or resume, or reuse) the policy of ``recipe``; returns its final model folder."""
-    from dllm_align.training import FINAL, train
+    from dllm_align.checkpoint import FINAL
+    from dllm_align.training import train
 
     out = Path(recipe.output_dir)
     final = out / FINAL

@@ -657,7 +657,7 @@ def run_precompute(recipe, accelerator=None):
 
     from dllm_align.models import load_from_section
     from dllm_align.recipe import write_run_info
-    from dllm_align.training import load_training_examples, make_collate
+    from dllm_align.examples import load_training_examples, make_collate
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     ref_mp = load_from_section(recipe.model, acc.device, name_or_path=reference_name(recipe))

@@ -51,9 +51,6 @@ Test hooks (:mod:`dllm_align.faults`)
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
-import hashlib
 import json
 import math
 import os
@@ -61,85 +58,18 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 
+from dllm_align import checkpoint
+from dllm_align.checkpoint import (
+    FINAL, METRICS, TMP_FINAL, _clear_previous, prepare_output,
+)
 from dllm_align.errors import RunFailure, UserError
+from dllm_align.examples import load_training_examples, make_collate, make_units
 
-CHECKPOINTS = "checkpoints"
-FINAL = "final"
-METRICS = "metrics.jsonl"
-STATE = "trainer_state.json"
-STATE_VERSION = 2
-TMP_FINAL = ".tmp-final"
-
-
-# --------------------------------------------------------------------------- data
-def load_training_examples(recipe, tokenizer, *, quiet: bool = False) -> list:
-    """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation)."""
-    from dllm_align.data import rows_from_section
-    from dllm_align.tokenize import tokenize_rows
-
-    rows = rows_from_section(recipe.data, "train", quiet=quiet)
-    return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet)
-
-
-def make_collate(recipe, tokenizer) -> Callable[[list], dict]:
-    from dllm_align.batching import collate
-    from dllm_align.tokenize import pad_token_id
-
-    return functools.partial(
-        collate, padding=recipe.data.padding, max_length=recipe.data.max_length, pad_id=pad_token_id(tokenizer)
-    )
-
-
-def make_units(examples: Sequence, objective: str, sft_rows: str = "all") -> list[tuple]:
-    """The units of the global batch: single examples, or (chosen, rejected) pairs for VRPO."""
-    if objective == "elbo_kto":
-        missing = [ex.id for ex in examples if ex.label is None]
-        if missing:
-            raise UserError(f"objective elbo_kto needs a label on every row; row '{missing[0]}' has none")
-        return [(ex,) for ex in examples]
-    if objective == "sft":
-        keep = [ex for ex in examples if sft_rows == "all" or ex.label]
-        if not keep:
-            raise UserError("objective sft with train.sft_rows 'desirable': there are no desirable rows")
-        return [(ex,) for ex in keep]
-    if objective != "vrpo":
-        raise ValueError(objective)
-    by_pair: dict[str, list] = {}
-    for ex in examples:
-        if ex.pair_id is None:
-            raise UserError(
-                f"objective vrpo needs paired data; row '{ex.id}' has no pair id",
-                hint="use a paired source (prompt, chosen, rejected) with data.format: paired",
-            )
-        by_pair.setdefault(ex.pair_id, []).append(ex)
-    units, broken = [], []
-    for pid, rows in by_pair.items():
-        chosen = [r for r in rows if r.label]
-        rejected = [r for r in rows if r.label is False]
-        if len(chosen) == 1 and len(rejected) == 1 and len(rows) == 2:
-            units.append((chosen[0], rejected[0]))
-        else:
-            broken.append(pid)
-    if broken:
-        from dllm_align.console import warn
-
-        warn(f"vrpo: {len(broken)} pair id(s) without exactly one chosen and one rejected row are skipped (e.g. '{broken[0]}')")
-    if not units:
-        raise UserError("objective vrpo: no complete (chosen, rejected) pairs in the training data")
-    return units
-
-
-def units_digest(units: Sequence[tuple]) -> str:
-    h = hashlib.sha256()
-    for u in units:
-        h.update("\x1f".join(ex.id for ex in u).encode("utf-8"))
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- schedule
@@ -184,78 +114,6 @@ class _ViaModule:
 
     def target_logprobs(self, input_ids, attention_mask, rows, cols, targets):
         return self.module(input_ids, attention_mask, rows, cols, targets)
-
-
-# --------------------------------------------------------------------------- export
-def _lora_scale(lora) -> float:
-    return lora.alpha / lora.r
-
-
-def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
-    """Split a PolicyScorer state dict into (plain model weights, LoRA adapter weights).
-
-    With LoRA, ``W = W_base + (alpha / r) * B @ A`` is folded in, so the result
-    loads with plain transformers; the adapter tensors are returned separately
-    (they are what a resumed run needs).
-    """
-    out: dict[str, torch.Tensor] = {}
-    adapter: dict[str, torch.Tensor] = {}
-    for k, v in sd.items():
-        k = k.removeprefix("model.")  # PolicyScorer.model -> the transformers model's own names
-        if ".lora_A." in k or ".lora_B." in k:
-            adapter[k] = v
-            continue
-        out[k.replace(".base_layer.", ".")] = v
-    if adapter:
-        scale = _lora_scale(lora)
-        for ka in [k for k in adapter if ".lora_A." in k]:
-            stem, rest = ka.split(".lora_A.", 1)  # stem: ...q_proj ; rest: default.weight
-            a = adapter[ka]
-            b = adapter[f"{stem}.lora_B.{rest}"]
-            w = out[f"{stem}.weight"]
-            out[f"{stem}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
-    return out, adapter
-
-
-def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB") -> None:
-    """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    sd = dict(state_dict)
-    if getattr(config, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)  # tied: the loader re-ties it
-    split = split_torch_state_dict_into_shards(sd, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: sd[n].detach().cpu().contiguous() for n in names}, str(folder / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    cfg = copy.deepcopy(config)
-    dtypes = {t.dtype for t in sd.values()}
-    if len(dtypes) == 1:
-        cfg.dtype = next(iter(dtypes))
-    cfg.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-
-
-def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
-    """A PEFT adapter folder (``PeftModel.from_pretrained(base, folder)`` loads it)."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        "base_model.model." + k.replace(".default.", "."): v.detach().cpu().contiguous() for k, v in adapter.items()
-    }
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    cfg = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
-        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model,
-    )
-    cfg.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
 
 
 # --------------------------------------------------------------------------- margin watch
@@ -382,18 +240,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = json.dumps(v)
     return out
-
-
-def find_checkpoint(output_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint (``checkpoints/step-N`` with its state file)."""
-    root = Path(output_dir) / CHECKPOINTS
-    best = None
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith("step-") and p.name[5:].isdigit() and (p / STATE).is_file():
-                if best is None or int(p.name[5:]) > int(best.name[5:]):
-                    best = p
-    return best
 
 
 def class_weights(recipe) -> tuple[float, float]:
@@ -765,135 +611,18 @@ class _Run:
         out["tokens"] = int(s["tokens"])
         return out
 
-    # ---------------------------------------------------------------- checkpoints
-    def _state_dict(self) -> dict:
-        sd = self.acc.get_state_dict(self.module)  # full weights on the main process (FSDP gathers)
-        return {k: v for k, v in sd.items()} if sd is not None else {}
-
+    # ---------------------------------------------------------------- checkpoints (checkpoint.py)
     def export(self, folder: Path, sd: dict, final: bool = False) -> dict:
-        """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""
-        lora = self.t.lora
-        weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
-        if final and lora.enabled and not lora.merge_on_export:
-            save_peft_adapter(folder, adapter, lora, self.recipe.model.name_or_path, self.tokenizer)
-            return adapter
-        save_model_folder(folder, weights, self.acc.unwrap_model(self.module).model.config, self.tokenizer)
-        return adapter
+        return checkpoint.export(self, folder, sd, final=final)
 
     def save_checkpoint(self, history: list) -> Path:
-        from safetensors.torch import save_file
+        return checkpoint.save_checkpoint(self, history)
 
-        root = self.out / CHECKPOINTS
-        final = root / f"step-{self.step}"
-        tmp = root / f".tmp-step-{self.step}"
-        if self.main:
-            root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        self.acc.wait_for_everyone()
-        sd = self._state_dict()
-        if self.main:
-            adapter = self.export(tmp, sd)
-            if adapter:
-                save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / "adapter.safetensors"))
-                (tmp / "adapter_config.json").write_text(json.dumps(self.t.lora.model_dump(), indent=2))
-        if self.main:
-            _fault("kill_in_checkpoint", self.step)
-        opt_sd = self.optimizer.state_dict()
-        if self.fsdp:
-            torch.save(opt_sd, tmp / f"optimizer-rank{self.rank}.pt")
-        elif self.main:
-            torch.save(opt_sd, tmp / "optimizer.pt")
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        save_file(rng, str(tmp / f"rng-rank{self.rank}.safetensors"))
-        self.acc.wait_for_everyone()
-        if self.main:
-            state = {
-                "version": STATE_VERSION,
-                "model": self.recipe.model.name_or_path,
-                "objective": self.t.objective,
-                "step": self.step,
-                "total_steps": self.total,
-                "epoch": self.step // self.steps_per_epoch,
-                "batch_in_epoch": self.step % self.steps_per_epoch,
-                "global_batch_size": self.G,
-                "seed": self.t.seed,
-                "group_by_length": self.recipe.data.group_by_length,
-                "units_digest": units_digest(self.units),
-                "world_size": self.world,
-                "fsdp": self.fsdp,
-                "lora": self.t.lora.enabled,
-                "examples_seen": self.examples_seen,
-                "tokens_seen": self.tokens_seen,
-                "elapsed_seconds": self.elapsed,
-                "margin_watch": self.margin_watch.state(),
-                "last_metrics": history[-1] if history else None,
-            }
-            from dllm_align.io import _fsync_dir, fsync_tree, write_checksums
-
-            (tmp / STATE).write_text(json.dumps(state, indent=2))
-            write_checksums(tmp)  # last: a folder whose checksums verify is complete
-            fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(root)
-            kept = sorted(
-                (p for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()),
-                key=lambda p: int(p.name[5:]),
-            )
-            for old in kept[: -self.t.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
-        return final
+    def _state_dict(self) -> dict:
+        return checkpoint.state_dict_of(self)
 
     def _load_state(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        from dllm_align.console import info
-
-        st = read_state(folder)
-        checks = [
-            ("global batch size", st["global_batch_size"], self.G),
-            ("train.seed", st["seed"], self.t.seed),
-            ("data.group_by_length", st["group_by_length"], self.recipe.data.group_by_length),
-            ("the training rows", st["units_digest"], units_digest(self.units)),
-            ("train.lora.enabled", st["lora"], self.t.lora.enabled),
-        ]
-        for what, was, now in checks:
-            if was != now:
-                raise UserError(
-                    f"cannot resume from {folder}: {what} differs from the interrupted run ({was!r} then, {now!r} now)",
-                    hint="resume with the same recipe and data, or start a new run with --overwrite",
-                )
-        if st["fsdp"] != self.fsdp or (self.fsdp and st["world_size"] != self.world):
-            raise UserError(
-                f"cannot resume from {folder}: it was written by {st['world_size']} process(es) "
-                f"{'with' if st['fsdp'] else 'without'} FSDP; resume with the same launch configuration"
-            )
-        name = f"optimizer-rank{self.rank}.pt" if self.fsdp else "optimizer.pt"
-        opt_sd = torch.load(folder / name, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(opt_sd)
-        rng_file = folder / f"rng-rank{self.rank}.safetensors"
-        if not rng_file.exists():
-            rng_file = folder / "rng-rank0.safetensors"
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        self.step = int(st["step"])
-        self.examples_seen = int(st["examples_seen"])
-        self.tokens_seen = int(st["tokens_seen"])
-        self.elapsed = float(st["elapsed_seconds"])
-        self.margin_watch = MarginWatch.from_state(st["margin_watch"], self.t.margin_watch_window)
-        if st["total_steps"] != self.total and self.main:
-            info(f"train: the interrupted run planned {st['total_steps']} steps; this one plans {self.total}")
-        if self.main:
-            info(f"train: resuming from {folder} (step {self.step} of {self.total})")
-
+        checkpoint.load_state(self, folder)
 
 def _status(m: dict, lr: float, tok_s: float) -> str:
     parts = [f"loss {m['loss']:.4f}"]
@@ -908,114 +637,6 @@ def _status(m: dict, lr: float, tok_s: float) -> str:
     parts.append(f"lr {lr:.2e}")
     parts.append(f"{tok_s:,.0f} tok/s")
     return " | ".join(parts)
-
-
-def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
-    """Check the run folder; returns the checkpoint to resume from (or None)."""
-    from dllm_align.console import info
-
-    out = Path(recipe.output_dir)
-    ckpt = find_checkpoint(out)
-    started = (out / CHECKPOINTS).exists() or (out / FINAL).exists() or (out / METRICS).exists()
-    if resume:
-        _finish_interrupted_export(out)
-        _remove_partial_checkpoints(out)
-        if ckpt is None:
-            info(f"train: no checkpoint in {out / CHECKPOINTS}; starting from step 0")
-        else:
-            st = verify_checkpoint(ckpt)
-            if st["model"] != recipe.model.name_or_path:
-                raise UserError(
-                    f"cannot resume from {ckpt}: it was trained from model {st['model']!r}, "
-                    f"but model.name_or_path is now {recipe.model.name_or_path!r}",
-                    hint="resume with the recipe the run started with, or start a new run with --overwrite",
-                )
-        return ckpt
-    if started and not overwrite:
-        raise UserError(
-            f"{out} already holds a training run (checkpoints/, final/ or metrics.jsonl)",
-            hint="continue it with --resume, or start again with --overwrite",
-        )
-    return None
-
-
-def read_state(folder: Path) -> dict:
-    """A checkpoint's ``trainer_state.json``, checked for the keys resuming needs (UserError otherwise)."""
-    path = Path(folder) / STATE
-    try:
-        st = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot resume from {folder}: {STATE} is unreadable ({type(e).__name__})",
-                        hint="delete this checkpoint folder to resume from an earlier one") from None
-    needed = ("version", "model", "step", "total_steps", "global_batch_size", "seed", "group_by_length", "units_digest",
-              "world_size", "fsdp", "lora", "examples_seen", "tokens_seen", "elapsed_seconds", "margin_watch")
-    if not isinstance(st, dict):
-        raise UserError(f"cannot resume from {folder}: {STATE} is not a JSON object")
-    if st.get("version") != STATE_VERSION:
-        raise UserError(
-            f"cannot resume from {folder}: {STATE} has format version {st.get('version')!r}, this dllm-align writes {STATE_VERSION}",
-            hint="resume with the dllm-align version that wrote it, or start again with --overwrite",
-        )
-    missing = [k for k in needed if k not in st]
-    if missing:
-        raise UserError(f"cannot resume from {folder}: {STATE} lacks '{missing[0]}'")
-    return st
-
-
-def verify_checkpoint(folder: Path) -> dict:
-    """Refuse a checkpoint whose files do not match their checksums; returns its state."""
-    from dllm_align.io import verify_checksums
-
-    older = sorted(
-        (p for p in folder.parent.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit() and p != folder),
-        key=lambda p: int(p.name[5:]),
-    )
-    hint = (f"delete {folder} to resume from {older[-1].name}" if older else f"delete {folder}") + ", or start again with --overwrite"
-    verify_checksums(folder, what="checkpoint", hint=hint)
-    return read_state(folder)
-
-
-def _remove_partial_checkpoints(out: Path) -> None:
-    """Temporary checkpoint folders of a killed run are never complete: remove them."""
-    root = out / CHECKPOINTS
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".tmp-step-") and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-
-
-def _finish_interrupted_export(out: Path) -> None:
-    """A ``.tmp-final`` whose checksums verify was complete when the run was killed: move it into place."""
-    from dllm_align.console import info
-    from dllm_align.io import _fsync_dir, verify_checksums
-
-    tmp = out / TMP_FINAL
-    if not tmp.is_dir():
-        return
-    complete = False
-    if not (out / FINAL).exists():
-        try:
-            complete = verify_checksums(tmp, what="export", required=False)
-        except UserError:
-            complete = False
-    if complete:
-        os.replace(tmp, out / FINAL)
-        _fsync_dir(out)
-        info(f"train: finished the final export that an interrupted run had written ({out / FINAL})")
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _clear_previous(out: Path) -> None:
-    _remove_partial_checkpoints(out)
-    if (out / TMP_FINAL).exists():
-        shutil.rmtree(out / TMP_FINAL)
-    for name in (CHECKPOINTS, FINAL):
-        if (out / name).exists():
-            shutil.rmtree(out / name)
-    for name in (METRICS,):
-        if (out / name).exists():
-            (out / name).unlink()
 
 
 def train(
