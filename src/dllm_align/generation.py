@@ -248,12 +248,18 @@ class _KVForward:
         self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
+    # Bodies with the Llama layout (LLaDA natively, Dream as Qwen2, LLaDA-MoE as Qwen3-MoE,
+    # whose per-head q/k norms are applied below; its MoE MLP is just ``layer.mlp``).
+    LAYOUTS = ("llama", "qwen2", "qwen3_moe")
+
     @staticmethod
     def unsupported(model) -> Optional[str]:
         """Why this model cannot use the cache (None: it can)."""
         cfg = getattr(model, "config", None)
-        if getattr(cfg, "model_type", None) != "llama":
+        if getattr(cfg, "model_type", None) not in _KVForward.LAYOUTS:
             return f"model type {getattr(cfg, 'model_type', type(model).__name__)!r} is not Llama-family"
+        if getattr(cfg, "use_sliding_window", False):
+            return "the model uses sliding-window attention"
         if getattr(cfg, "is_causal", True) is not False:
             return "the model is not configured bidirectional (config.is_causal is not False)"
         inner = getattr(model, "model", None)
@@ -282,8 +288,11 @@ class _KVForward:
         for i, layer in enumerate(self.inner.layers):
             att = layer.self_attn
             a = layer.input_layernorm(h)
-            q = att.q_proj(a).view(R, W, self.heads, self.head_dim).transpose(1, 2)
-            k = att.k_proj(a).view(R, W, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = att.q_proj(a).view(R, W, self.heads, self.head_dim)
+            k = att.k_proj(a).view(R, W, self.kv_heads, self.head_dim)
+            if getattr(att, "q_norm", None) is not None:  # per-head RMSNorm (Qwen3-MoE / LLaDA-MoE)
+                q, k = att.q_norm(q), att.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = att.v_proj(a).view(R, W, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             if want_kv:
@@ -375,6 +384,11 @@ def generate_batch(
     random_remask = settings.remasking == "random"
     kvf = _kv_forward_for(mp) if settings.cache != "none" else None
     stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
+    # A shifted family (Dream) scores position j with output j - shift: ``sp`` maps scored
+    # positions to the outputs read, and a cached window starts ``shift`` early so that
+    # the output scoring the block's first position is recomputed too.
+    shift = mp.family.logit_shift
+    sp = mp.family.source_positions
 
     x = torch.full((B, T), _pad_id(mp), dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
@@ -444,13 +458,14 @@ def generate_batch(
             elif not bool((x[:, bs:be] == mask_id).any()):
                 break
             # The window of positions whose outputs this forward computes.
+            ws = bs - shift  # where a cached window starts
             if kvf is None or kept is None:
                 lo, hi = 0, T
             elif settings.cache == "prefix":
-                lo, hi = bs, T
+                lo, hi = ws, T
             else:
-                lo, hi = bs, be
-            cand = (x == mask_id) & (col >= max(P, lo)) & (col < min(be, hi))
+                lo, hi = ws, be
+            cand = (x == mask_id) & (col >= max(P, lo + shift)) & (col < min(be, hi))
             if thr is not None:
                 cand &= in_block
             else:
@@ -468,21 +483,21 @@ def generate_batch(
                     full = mp.logits(xx, aa)
                     get = lambda r, c: full[r, c]  # noqa: E731
                 else:
-                    get = lambda r, c: mp.head(h[r, c])  # noqa: E731
+                    get = lambda r, c: mp.head(h[r, sp(c)])  # noqa: E731
             elif kept is None:
                 h, kvs = kvf(xx, pp, aa, want_kv=True)
                 if settings.cache == "prefix":
-                    past = [(k[:, :, :bs], v[:, :, :bs]) for k, v in kvs]
-                    km = aa[:, :bs]
+                    past = [(k[:, :, :ws], v[:, :, :ws]) for k, v in kvs]
+                    km = aa[:, :ws]
                 else:
-                    past = [(torch.cat([k[:, :, :bs], k[:, :, be:]], 2), torch.cat([v[:, :, :bs], v[:, :, be:]], 2)) for k, v in kvs]
-                    km = torch.cat([aa[:, :bs], aa[:, be:]], dim=1)
+                    past = [(torch.cat([k[:, :, :ws], k[:, :, be:]], 2), torch.cat([v[:, :, :ws], v[:, :, be:]], 2)) for k, v in kvs]
+                    km = torch.cat([aa[:, :ws], aa[:, be:]], dim=1)
                 kept = (past, km)
-                get = lambda r, c: mp.head(h[r, c])  # noqa: E731
+                get = lambda r, c: mp.head(h[r, sp(c)])  # noqa: E731
             else:
                 past, km = kept
                 h, _ = kvf(xx[:, lo:hi], pp[:, lo:hi], torch.cat([km, aa[:, lo:hi]], dim=1), past=past)
-                get = lambda r, c: mp.head(h[r, c - lo])  # noqa: E731
+                get = lambda r, c: mp.head(h[r, sp(c) - lo])  # noqa: E731
             local.forwards += 1
             local.positions += xx.shape[0] * (hi - lo)
             forwards[torch.tensor(rows)] += 1

@@ -5,10 +5,10 @@ Three kinds of model load the same way (:func:`load_model`):
 * ``builtin:tiny`` - a tiny bidirectional transformer (Llama architecture with
   ``is_causal = False``) and a byte-level tokenizer, both built from code with
   no network. Used by tests, the demo and CI.
-* LLaDA checkpoints (``model_type: llada``, LLaDA's weight names) - mapped onto
-  a native bidirectional Llama model; no ``trust_remote_code`` needed, and the
-  result supports gradient checkpointing, SDPA / flash attention and KV caches
-  (SPEC.md section 10).
+* Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.families``)
+  - mapped onto a native bidirectional transformers model; no
+  ``trust_remote_code`` needed, and the result supports gradient checkpointing,
+  SDPA / flash attention and KV caches (SPEC.md sections 10 and 11).
 * Anything transformers can load (``AutoModelForCausalLM``, or ``AutoModel``
   with ``trust_remote_code`` when the user turns it on).
 
@@ -63,17 +63,20 @@ class TinySpec:
     intermediate_size: int = 128
     max_position_embeddings: int = 4096
     seed: int = 0
+    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens
 
 
 # Random-init models built from code (no files), deterministic by spec.
 BUILTIN_SPECS: dict[str, TinySpec] = {
     "builtin:tiny": TinySpec(),  # 2 x 64: tests; a training step takes milliseconds
     "builtin:small": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256),  # the toy demo's base
+    "builtin:tiny-dream": TinySpec(family="dream"),  # Dream's layout and manners at the tiny size
+    "builtin:small-dream": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="dream"),
 }
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
-BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base"}
+BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream"}
 
 
 def _quiet_transformers() -> None:
@@ -90,12 +93,17 @@ def _quiet_transformers() -> None:
 
 
 # --------------------------------------------------------------------------- tiny model
-def build_tiny_tokenizer():
+def build_tiny_tokenizer(family: str = "llada"):
     """A byte-level tokenizer (256 byte symbols + LLaDA-style specials) with a chat template.
 
     Every string round-trips exactly, so any real text (the kto-mix rows) can be
-    fed to the tiny model; one token is one UTF-8 byte.
+    fed to the tiny model; one token is one UTF-8 byte. ``family="dream"`` gives
+    Dream's special tokens and chat template instead.
     """
+    if family == "dream":
+        from dllm_align.families.dream import build_dream_tokenizer
+
+        return build_dream_tokenizer()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -123,7 +131,12 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _quiet_transformers()
-    tokenizer = tokenizer or build_tiny_tokenizer()
+    tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
+    if spec.family == "dream":
+        from dllm_align.families.dream import build_dream_model
+
+        return build_dream_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                                 spec.max_position_embeddings, spec.seed)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -157,7 +170,7 @@ def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
 
     from dllm_align.io import fsync_tree
 
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(spec.family)
     model = build_tiny_model(tok, spec)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,155 +186,6 @@ def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-# --------------------------------------------------------------------------- LLaDA mapping
-LLADA_RENAMES = [
-    # (LLaDA suffix, Llama suffix) for the weights inside each block
-    ("attn_norm.weight", "input_layernorm.weight"),
-    ("ff_norm.weight", "post_attention_layernorm.weight"),
-    ("q_proj.weight", "self_attn.q_proj.weight"),
-    ("k_proj.weight", "self_attn.k_proj.weight"),
-    ("v_proj.weight", "self_attn.v_proj.weight"),
-    ("q_proj.bias", "self_attn.q_proj.bias"),
-    ("k_proj.bias", "self_attn.k_proj.bias"),
-    ("v_proj.bias", "self_attn.v_proj.bias"),
-    ("attn_out.weight", "self_attn.o_proj.weight"),
-    ("ff_proj.weight", "mlp.gate_proj.weight"),
-    ("up_proj.weight", "mlp.up_proj.weight"),
-    ("ff_out.weight", "mlp.down_proj.weight"),
-]
-
-
-def llada_config_to_llama(cfg: dict):
-    """Translate a LLaDA ``config.json`` into a bidirectional ``LlamaConfig``.
-
-    Raises UserError naming the field for LLaDA options the mapping does not
-    reproduce (so a silent numerical difference is impossible).
-    """
-    from transformers import LlamaConfig
-
-    unsupported = []
-    checks = {
-        "block_type": ("llama",),
-        "layer_norm_type": ("rms",),
-        "activation_type": ("silu", "swiglu"),
-    }
-    for key, ok in checks.items():
-        if key in cfg and cfg[key] not in ok:
-            unsupported.append(f"{key}={cfg[key]!r}")
-    for key in ("input_emb_norm", "scale_logits", "alibi", "include_bias"):
-        if cfg.get(key):
-            unsupported.append(f"{key}=true")
-    if cfg.get("rope") is False:
-        unsupported.append("rope=false")
-    if cfg.get("clip_qkv") is not None:
-        unsupported.append(f"clip_qkv={cfg['clip_qkv']}")
-    if unsupported:
-        raise UserError(
-            f"LLaDA config options not supported by the native loader: {', '.join(unsupported)}",
-            hint="set model.trust_remote_code: true to run the checkpoint's own code instead",
-        )
-    d = cfg["d_model"]
-    n_heads = cfg["n_heads"]
-    mlp = cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
-    vocab = cfg.get("embedding_size") or cfg["vocab_size"]
-    theta = float(cfg.get("rope_theta", 10000.0))
-    llama = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=d,
-        intermediate_size=mlp,
-        num_hidden_layers=cfg["n_layers"],
-        num_attention_heads=n_heads,
-        num_key_value_heads=cfg.get("n_kv_heads") or n_heads,
-        max_position_embeddings=cfg.get("max_sequence_length", 4096),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        tie_word_embeddings=bool(cfg.get("weight_tying", False)),
-        attention_bias=bool(cfg.get("include_qkv_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"),
-        is_causal=False,
-    )
-    llama.mask_token_id = cfg.get("mask_token_id", 126336)
-    llama.dllm_align_family = "llada"
-    return llama
-
-
-def llada_key_to_llama(key: str) -> Optional[str]:
-    """Map one LLaDA weight name onto the Llama name (None: not a weight we keep)."""
-    k = key
-    for prefix in ("model.transformer.", "transformer."):
-        if k.startswith(prefix):
-            k = k[len(prefix):]
-            break
-    else:
-        return None
-    if k == "wte.weight":
-        return "model.embed_tokens.weight"
-    if k == "ln_f.weight":
-        return "model.norm.weight"
-    if k == "ff_out.weight":
-        return "lm_head.weight"
-    if k.startswith("blocks."):
-        _, idx, rest = k.split(".", 2)
-        for src, dst in LLADA_RENAMES:
-            if rest == src:
-                return f"model.layers.{idx}.{dst}"
-    return None
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
-    single = folder / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(folder.glob("*.safetensors"))
-    if found:
-        return found
-    raise UserError(
-        f"{folder}: no safetensors weights found",
-        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
-    )
-
-
-def load_llada_native(folder: Path, dtype: torch.dtype):
-    """Load a LLaDA checkpoint folder into a bidirectional LlamaForCausalLM (no remote code)."""
-    from safetensors import safe_open
-    from transformers import LlamaForCausalLM
-
-    cfg = json.loads((folder / "config.json").read_text())
-    llama_cfg = llada_config_to_llama(cfg)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama_cfg)
-    state: dict[str, torch.Tensor] = {}
-    unknown = []
-    for f in _safetensors_files(folder):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                nk = llada_key_to_llama(k)
-                if nk is None:
-                    unknown.append(k)
-                    continue
-                state[nk] = sf.get_tensor(k).to(dtype)
-    if unknown:
-        raise UserError(f"{folder}: weights the LLaDA mapping does not know: {', '.join(unknown[:3])}" + (" ..." if len(unknown) > 3 else ""))
-    if llama_cfg.tie_word_embeddings and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = set(model.state_dict().keys())
-    missing = sorted(expected - set(state))
-    if missing:
-        raise UserError(f"{folder}: LLaDA checkpoint is missing weights: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
-    model.load_state_dict(state, assign=True, strict=True)
-    # Rotary buffers are not weights: they were created on the meta device, so rebuild the module.
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=llama_cfg)
-    return model.eval()
 
 
 # --------------------------------------------------------------------------- resolving and loading
@@ -380,14 +244,20 @@ def pick_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False, family=None):
+    """The tokenizer of a model folder (``family``: its fix-ups, e.g. a native twin of a remote-code class)."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
     if str(path) in BUILTIN_SPECS:
-        return build_tiny_tokenizer()
+        return build_tiny_tokenizer(BUILTIN_SPECS[str(path)].family)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except Exception:
+            if family is None or family.fix_tokenizer is None or trust_remote_code:
+                raise
+            tok = family.fix_tokenizer(None, Path(path))
     except Exception as e:
         raise UserError(f"{path}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
@@ -412,8 +282,9 @@ def load_model(
     _quiet_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
+    family = None
     if isinstance(path, str) and path in BUILTIN_SPECS:
-        tok = build_tiny_tokenizer()
+        tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
         from dllm_align.io import verify_checksums
@@ -432,9 +303,13 @@ def load_model(
                          hint="the folder was damaged after it was written; use an earlier checkpoint")
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
-        if cfg.get("model_type") == "llada" and not trust_remote_code:
+        from dllm_align.families import family_for_config, native_family
+
+        family = family_for_config(cfg)
+        native = None if trust_remote_code else native_family(cfg)
+        if native is not None:
             try:
-                model = load_llada_native(path, torch_dtype)
+                model = native.load_native(path, cfg, torch_dtype)
             except UserError:
                 raise
             except Exception as e:  # a truncated or damaged safetensors file
@@ -469,7 +344,7 @@ def load_model(
                         hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
-        tok = load_tokenizer(tokenizer or path, trust_remote_code)
+        tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
     model.to(device)
     model.eval()
     return MaskPredictor(model, tok, mask_token_id=mask_token_id)
@@ -505,11 +380,19 @@ class MaskPredictor:
     Splitting them lets callers apply the (huge) output head only at the
     positions they score. Models whose head cannot be separated fall back to
     full logits transparently.
+
+    The model's family (``dllm_align.families``) says how outputs line up with
+    positions: :meth:`logits` and :meth:`target_logprobs` always return the
+    prediction *for* position j, reading output j - shift for a shifted family
+    (Dream), so the estimator and the sampler never see the difference.
     """
 
     def __init__(self, model, tokenizer, mask_token_id: Optional[int] = None):
+        from dllm_align.families import family_of
+
         self.model = model
         self.tokenizer = tokenizer
+        self.family = family_of(model)
         cfg = getattr(model, "config", None)
         mid = mask_token_id
         if mid is None:
@@ -541,7 +424,7 @@ class MaskPredictor:
     def _stop_ids(self) -> list[int]:
         ids = []
         tok = self.tokenizer
-        for t in (EOT, EOS, "<|im_end|>", "<|end_of_text|>"):
+        for t in self.family.stop_tokens:
             try:
                 i = tok.convert_tokens_to_ids(t)
             except Exception:
@@ -591,9 +474,9 @@ class MaskPredictor:
     def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Full logits [B, T, V] (generation, tests)."""
         if self.separable:
-            return self.head(self.hidden(input_ids, attention_mask))
+            return self.family.align_logits(self.head(self.hidden(input_ids, attention_mask)))
         out = self.model(input_ids=input_ids, attention_mask=attention_mask)
-        return out.logits if hasattr(out, "logits") else out[0]
+        return self.family.align_logits(out.logits if hasattr(out, "logits") else out[0])
 
     def target_logprobs(
         self,
@@ -606,9 +489,11 @@ class MaskPredictor:
         """log p(targets) at positions (rows, cols), in fp32, computing logits only there.
 
         ``rows``, ``cols`` and ``targets`` are 1-D of equal length N; returns [N].
+        For a shifted family the hidden state gathered for position j is j - 1's.
         """
         if self.separable:
-            h = self.hidden(input_ids, attention_mask)[rows, cols]  # [N, H]: only the scored positions
+            src = self.family.source_positions(cols)
+            h = self.hidden(input_ids, attention_mask)[rows, src]  # [N, H]: only the scored positions
             w = self._plain_head_weight()
             if w is not None and self.head_chunk:
                 return chunked_target_logprobs(h, w, targets, self.head_chunk)

@@ -1,0 +1,160 @@
+"""What a model family declares, and the loading machinery every family shares.
+
+A :class:`Family` is a plain record: how a checkpoint of that family loads
+natively (a config translation and a weight-name mapping onto a transformers
+architecture), its special tokens, how its logits line up with positions, its
+end-of-turn tokens, the decoder layer class that FSDP wraps, and the decoding
+rule its authors publish. The rest of dllm-align asks the family; it never
+branches on a family's name. Adding a family is one module in this package
+(plus its tests) and one line in ``families/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from dllm_align.errors import UserError
+
+Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the rest of the code needs to know about one model family."""
+
+    name: str
+    # config.json ``model_type`` values whose checkpoints this family loads natively.
+    model_types: tuple[str, ...] = ()
+    # Which output scores position j: j - logit_shift (Dream: 1, "shifted logits";
+    # position 0 then reuses its own output, as the published code does).
+    logit_shift: int = 0
+    # The published mask token id (the config or tokenizer still wins when it names one).
+    mask_token_id: Optional[int] = None
+    # Tokens that end the generated text, most specific first (resolved through the tokenizer).
+    stop_tokens: tuple[str, ...] = ()
+    # The decoding rule of the family's own code: "llada" (SPEC.md section 7) or "dream"
+    # (``diffusion_generate``: one canvas, timestep schedule, confidence rules).
+    sampler: str = "llada"
+    # Native loader: (folder, config.json dict, dtype) -> a transformers model, no remote code.
+    load_native: Optional[Loader] = None
+    # Tokenizer fix-ups (a missing pad token, a remote-code tokenizer class with a native twin).
+    fix_tokenizer: Optional[Callable[[Any, Path], Any]] = None
+    # Published decoding defaults, written into the bundled recipes.
+    decoding: dict = field(default_factory=dict)
+
+    def source_positions(self, cols: torch.Tensor) -> torch.Tensor:
+        """The output positions whose hidden states score positions ``cols``."""
+        if not self.logit_shift:
+            return cols
+        return (cols - self.logit_shift).clamp_min(0)
+
+    def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, T, V] re-indexed so that row j predicts token j."""
+        if not self.logit_shift:
+            return logits
+        s = self.logit_shift
+        return torch.cat([logits[:, :1].expand(-1, s, -1), logits[:, :-s]], dim=1)
+
+    @staticmethod
+    def decoder_layer_class(model) -> Optional[type]:
+        """The repeated block FSDP wraps (and activation checkpointing targets)."""
+        inner = getattr(model, "base_model", model)
+        layers = getattr(inner, "layers", None) or getattr(getattr(inner, "model", None), "layers", None)
+        if layers is None or len(layers) == 0:
+            return None
+        return type(layers[0])
+
+
+# --------------------------------------------------------------------------- shared loading
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise UserError(
+        f"{folder}: no safetensors weights found",
+        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+    )
+
+
+def refuse(family: str, unsupported: list[str]) -> None:
+    """One error naming every config option the native mapping does not reproduce."""
+    if unsupported:
+        raise UserError(
+            f"{family} config options not supported by the native loader: {', '.join(unsupported)}",
+            hint="set model.trust_remote_code: true to run the checkpoint's own code instead",
+        )
+
+
+def _short(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (" ..." if len(keys) > 3 else "")
+
+
+def load_mapped(
+    folder: Path,
+    model_cls,
+    config,
+    dtype: torch.dtype,
+    rename: Callable[[str], Optional[str]],
+    family: str,
+    combine: Optional[Callable[[dict], dict]] = None,
+):
+    """Build ``model_cls(config)`` on the meta device and fill it from the folder's safetensors.
+
+    ``rename`` maps a checkpoint name onto the native name (None: unknown, an
+    error); ``combine`` may merge renamed tensors (e.g. stack per-expert
+    matrices). Every expected weight must be present: a missing or unknown one
+    is named, so a silent numerical difference is impossible. Rotary
+    frequencies are not weights: they are rebuilt in fp32 from the config
+    (never trusted from a file, never left on the meta device).
+    """
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = model_cls(config)
+    state: dict[str, torch.Tensor] = {}
+    unknown = []
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                nk = rename(k)
+                if nk is None:
+                    unknown.append(k)
+                    continue
+                state[nk] = sf.get_tensor(k).to(dtype)
+    if unknown:
+        raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(unknown)}")
+    if combine is not None:
+        state = combine(state)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise UserError(f"{folder}: {family} checkpoint is missing weights: {_short(missing)}")
+    extra = sorted(set(state) - expected)
+    if extra:
+        raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(extra)}")
+    model.load_state_dict(state, assign=True, strict=True)
+    rebuild_rotary(model)
+    return model.eval()
+
+
+def rebuild_rotary(model) -> None:
+    """Recreate the rotary-embedding module from the config: its buffers in fp32, on the CPU."""
+    inner = getattr(model, "model", None)
+    rot = getattr(inner, "rotary_emb", None)
+    if rot is None:
+        return
+    model.model.rotary_emb = type(rot)(config=model.config)
