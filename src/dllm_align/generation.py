@@ -74,6 +74,7 @@ import torch
 from dllm_align.errors import UserError
 
 REMASKING = ("low_confidence", "random")
+SAMPLERS = ("auto", "llada", "dream")  # auto: the model family's published rule
 CACHES = ("none", "prefix", "dual")
 FAST_CACHE = "dual"
 FAST_THRESHOLD = 0.9  # Fast-dLLM's default confidence threshold
@@ -93,6 +94,14 @@ class SamplerSettings:
     cache: str = "none"
     threshold: Optional[float] = None
     seed: int = 0
+    # Which rule decodes: "llada" (this module), "dream" (dllm_align.dream_sampler), or "auto":
+    # the model family's own. The fields below belong to the Dream rule (published defaults).
+    sampler: str = "auto"
+    alg: str = "origin"
+    alg_temp: float = 0.0
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    eps: float = 1e-3
 
     @classmethod
     def from_section(cls, section) -> "SamplerSettings":
@@ -107,7 +116,21 @@ class SamplerSettings:
             cache=section.cache,
             threshold=section.threshold,
             seed=section.seed,
+            sampler=section.sampler,
+            alg=section.alg,
+            alg_temp=float(section.alg_temp),
+            top_p=section.top_p,
+            top_k=section.top_k,
+            eps=float(section.eps),
         )
+
+    def for_model(self, mp) -> "SamplerSettings":
+        """These settings with ``sampler: auto`` resolved to the model family's rule."""
+        if self.sampler != "auto":
+            return self
+        from dataclasses import replace
+
+        return replace(self, sampler=mp.family.sampler)
 
     def problems(self) -> list[str]:
         out = []
@@ -117,7 +140,10 @@ class SamplerSettings:
                 out.append(f"{name} must be a positive integer (got {v!r})")
         if out:
             return out
-        if self.gen_length % self.block_length:
+        out += self._rule_problems()
+        if self.sampler == "dream":
+            pass  # one canvas: block_length is not used
+        elif self.gen_length % self.block_length:
             out.append(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})")
         elif self.steps % self.num_blocks:
             out.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({self.num_blocks})")
@@ -131,6 +157,32 @@ class SamplerSettings:
             out.append(f"cache must be one of {', '.join(CACHES)} (got {self.cache!r})")
         if self.threshold is not None and not (0 < self.threshold <= 1):
             out.append(f"threshold must be in (0, 1] (got {self.threshold})")
+        return out
+
+    def _rule_problems(self) -> list[str]:
+        from dllm_align.dream_sampler import ALGS
+
+        out = []
+        if self.sampler not in SAMPLERS:
+            out.append(f"sampler must be one of {', '.join(SAMPLERS)} (got {self.sampler!r})")
+        if self.alg not in ALGS:
+            out.append(f"alg must be one of {', '.join(ALGS)} (got {self.alg!r})")
+        if not (self.alg_temp >= 0 and math.isfinite(self.alg_temp)):
+            out.append(f"alg_temp must be >= 0 (got {self.alg_temp})")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            out.append(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            out.append(f"top_k must be a positive integer (got {self.top_k!r})")
+        if not (0 < self.eps < 1):
+            out.append(f"eps must be in (0, 1) (got {self.eps})")
+        if self.sampler == "dream":
+            if self.cache != "none" or self.threshold is not None:
+                out.append("the Dream rule decodes one canvas: cache and threshold apply to the LLaDA sampler "
+                           "(generate.sampler: llada)")
+            if self.cfg > 0:
+                out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
+        elif self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
+            out.append("top_p / top_k belong to the Dream rule (generate.sampler: dream)")
         return out
 
     def check(self) -> None:
@@ -360,7 +412,10 @@ def generate_batch(
 
     ``seeds``: one per prompt (default: :func:`row_seed` of ``settings.seed`` and
     the prompt's index in this call; the CLI passes the prompt ids instead).
+    A family whose rule is Dream's (``settings.sampler`` auto or dream) is decoded
+    by :func:`dllm_align.dream_sampler.generate_batch_dream`.
     """
+    settings = settings.for_model(mp)
     settings.check()
     if not prompts:
         return []
@@ -372,6 +427,10 @@ def generate_batch(
         seeds = [row_seed(settings.seed, i) for i in range(B)]
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
+    if settings.sampler == "dream":
+        from dllm_align.dream_sampler import generate_batch_dream
+
+        return generate_batch_dream(mp, prompts, settings, seeds=seeds, stats=stats)
     dev = mp.device
     mask_id = mp.mask_token_id
     P = max(len(p) for p in prompts)
@@ -573,6 +632,7 @@ def generate(
     ``on_batch(indices, completions)`` is called as each batch finishes (the CLI
     appends rows there, so a killed run keeps what it finished).
     """
+    settings = settings.for_model(mp)
     settings.check()
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1 (got {batch_size})")

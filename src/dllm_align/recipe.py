@@ -172,7 +172,11 @@ class TrainSection(Section):
 
 # --------------------------------------------------------------------------- generate
 class GenerateSection(Section):
-    """The LLaDA sampler (SPEC.md section 7); `dllm-align generate`, module dllm_align.generation."""
+    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generation / dream_sampler."""
+
+    sampler: Literal["auto", "llada", "dream"] = Field(
+        "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, or Dream's diffusion_generate."
+    )
 
     gen_length: int = Field(512, ge=1, description="Tokens generated per prompt (paper: 512).")
     block_length: int = Field(32, ge=1, description="Semi-autoregressive block length; divides gen_length (paper: 32).")
@@ -192,11 +196,21 @@ class GenerateSection(Section):
     )
     split: Literal["train", "test"] = Field("test", description="Which prompts `generate` reads: data.test or data.train.")
     limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts.")
+    # Dream's rule (sampler: dream, or auto with a Dream model); defaults are the published ones.
+    alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = Field(
+        "origin", description="Dream rule: which masked positions a step commits (origin: random; else by confidence)."
+    )
+    alg_temp: float = Field(0.0, ge=0, description="Dream rule: > 0 draws the committed positions from softmax(confidence / alg_temp).")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Dream rule: nucleus filtering of the candidates (applies at temperature 0 too).")
+    top_k: Optional[int] = Field(None, ge=1, description="Dream rule: top-k filtering of the candidates.")
+    eps: float = Field(1e-3, gt=0, lt=1, description="Dream rule: the last timestep of linspace(1, eps, steps + 1).")
 
     @model_validator(mode="after")
     def _shapes(self) -> "GenerateSection":
         problems = []
-        if self.gen_length % self.block_length:
+        if self.sampler == "dream":
+            pass  # one canvas: no blocks
+        elif self.gen_length % self.block_length:
             problems.append(
                 f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})"
             )

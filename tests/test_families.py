@@ -1,0 +1,207 @@
+"""The model-family layer: native loading of each family's published layout, Dream's shifted
+logits in the ELBO, and the family registry.
+
+Dream's sampler: tests/test_dream_sampler.py. One ELBO-KTO step per family: tests/test_families_cli.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from dllm_align.elbo import DrawConfig, elbo_draws, exact_elbo
+from dllm_align.errors import UserError
+from dllm_align.families import FAMILIES, family_for_config
+from dllm_align.models import build_tiny_tokenizer, load_model
+
+from fixtures.family_checkpoints import (
+    dream_config,
+    dream_state,
+    lladamoe_config,
+    lladamoe_state,
+    reference_logits,
+    write_checkpoint,
+)
+
+
+def _dream(tmp_path, shards=1):
+    tok = build_tiny_tokenizer("dream")
+    cfg = dream_config(tok)
+    sd = dream_state(cfg)
+    return write_checkpoint(tmp_path / "dream", cfg, sd, tok, shards), cfg, sd
+
+
+def _moe(tmp_path, shards=1, **kw):
+    tok = build_tiny_tokenizer()
+    cfg = lladamoe_config(tok, **kw)
+    sd = lladamoe_state(cfg)
+    return write_checkpoint(tmp_path / "moe", cfg, sd, tok, shards), cfg, sd
+
+
+def _shift(raw):
+    return torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
+
+
+# --------------------------------------------------------------------------- registry
+def test_every_family_declares_what_the_code_asks():
+    for fam in FAMILIES.values():
+        assert fam.model_types and fam.stop_tokens and fam.sampler in ("llada", "dream")
+        assert fam.load_native is not None and fam.logit_shift in (0, 1)
+    assert family_for_config({"model_type": "Dream"}).logit_shift == 1
+    assert family_for_config({"model_type": "llada"}).name == "llada"
+    assert family_for_config({"model_type": "lladamoe"}).name == "llada_moe"
+    assert family_for_config({"model_type": "qwen2", "dllm_align_family": "dream"}).name == "dream"  # a saved checkpoint
+    assert family_for_config({"dllm_align_family": "tiny"}).name == "llada"  # older folders
+    assert family_for_config({"model_type": "llama"}).name == "llada"  # unknown: LLaDA's manners
+
+
+# --------------------------------------------------------------------------- Dream
+@pytest.mark.parametrize("shards", [1, 2])
+def test_dream_native_matches_independent_forward(tmp_path, shards):
+    folder, cfg, sd = _dream(tmp_path, shards)
+    mp = load_model(str(folder))  # no trust_remote_code
+    assert mp.family.name == "dream" and type(mp.model).__name__ == "Qwen2ForCausalLM"
+    assert mp.mask_token_id == cfg["mask_token_id"] and mp.vocab_size == cfg["vocab_size"]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg["vocab_size"] - 4, (2, 11), generator=g)
+    raw = reference_logits("dream", sd, cfg, ids)
+    torch.testing.assert_close(mp.logits(ids).double(), _shift(raw), atol=2e-5, rtol=1e-4)
+    # bidirectional: a change at the end reaches the first position's output
+    ids2 = ids.clone()
+    ids2[:, -1] = (ids2[:, -1] + 1) % 100
+    assert not torch.allclose(mp.logits(ids2)[:, 1], mp.logits(ids)[:, 1])
+
+
+def test_dream_left_padded_batch_equals_each_row_alone(tmp_path):
+    folder, cfg, sd = _dream(tmp_path)
+    mp = load_model(str(folder))
+    a, b = [5, 9, 200, 7, 33, 12, 8], [71, 3, 99]
+    pad = len(a) - len(b)
+    ids = torch.tensor([a, [cfg["pad_token_id"]] * pad + b])
+    am = torch.tensor([[1] * len(a), [0] * pad + [1] * len(b)])
+    batched = mp.logits(ids, am)
+    # A row's first position reads its own output alone but the padding's in a batch (the
+    # published code does the same); it is always a prompt token, never scored nor decoded.
+    torch.testing.assert_close(batched[1, pad + 1:], mp.logits(torch.tensor([b]))[0, 1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[0], mp.logits(torch.tensor([a]))[0], atol=1e-5, rtol=1e-5)
+    raw = reference_logits("dream", sd, cfg, ids, am)
+    torch.testing.assert_close(batched[1, pad + 1:].double(), raw[1, pad:-1], atol=2e-5, rtol=1e-4)
+
+
+def test_dream_unsupported_option_is_named(tmp_path):
+    folder, cfg, _ = _dream(tmp_path)
+    cfg["use_sliding_window"] = True
+    (folder / "config.json").write_text(__import__("json").dumps(cfg))
+    with pytest.raises(UserError, match="use_sliding_window"):
+        load_model(str(folder))
+
+
+def test_dream_estimator_reads_the_previous_position(tmp_path):
+    """target_logprobs at position j reads output j - 1 (position 0: its own), never output j."""
+    folder, cfg, sd = _dream(tmp_path)
+    mp = load_model(str(folder))
+    ids = torch.tensor([[12, 40, 7, 88, 3, 150, 21]])
+    rows = torch.zeros(4, dtype=torch.long)
+    cols = torch.tensor([0, 1, 4, 6])
+    tgt = torch.tensor([5, 6, 7, 8])
+    got = mp.target_logprobs(ids, None, rows, cols, tgt)
+    lp = torch.log_softmax(reference_logits("dream", sd, cfg, ids), -1)[0]
+    want = torch.stack([lp[max(int(c) - 1, 0), int(t)] for c, t in zip(cols, tgt)])
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+    unshifted = torch.stack([lp[int(c), int(t)] for c, t in zip(cols, tgt)])
+    assert (got.double() - unshifted).abs().max() > 1e-2  # the test can tell the two apart
+
+
+def test_dream_exact_elbo_enumeration_with_shifted_logits(tmp_path):
+    """The exact ELBO from the raw (unshifted) model read at j - 1 by hand, the library's
+    exact_elbo, and the Monte Carlo estimator all agree (and an unshifted reading does not)."""
+    folder, _, _ = _dream(tmp_path)
+    mp = load_model(str(folder))
+    tok = mp.tokenizer
+    p = tok("Q: 12", add_special_tokens=False)["input_ids"]
+    c = tok("3a9!x", add_special_tokens=False)["input_ids"]
+    L, P = len(c), len(p)
+    full = torch.tensor(p + c)
+    by_hand = unshifted = 0.0
+    with torch.no_grad():
+        for l in range(1, L + 1):
+            subsets = list(itertools.combinations(range(L), l))
+            for M in subsets:
+                x = full.clone()
+                x[[P + i for i in M]] = mp.mask_token_id
+                lp = torch.log_softmax(mp.model(input_ids=x[None]).logits.double(), -1)[0]
+                by_hand += sum(float(lp[P + i - 1, c[i]]) for i in M) / (l * len(subsets))
+                unshifted += sum(float(lp[P + i, c[i]]) for i in M) / (l * len(subsets))
+    exact = exact_elbo(mp, p, c)
+    assert exact == pytest.approx(by_hand, rel=1e-5)
+    assert abs(exact - unshifted) > 0.5
+    K = 4000
+    ids = full[None]
+    cm = torch.zeros_like(ids, dtype=torch.bool)
+    cm[0, P:] = True
+    with torch.no_grad():
+        vals = elbo_draws(mp, ids, None, cm, ["row"], DrawConfig(n_mc=K, seed=5), max_rows_per_forward=1000)[0].double()
+    se = float(vals.std()) / math.sqrt(K)
+    assert abs(float(vals.mean()) - exact) < 4 * se, (float(vals.mean()), exact, se)
+    assert abs(exact - unshifted) > 10 * se
+
+
+# --------------------------------------------------------------------------- LLaDA-MoE
+@pytest.mark.parametrize("shards", [1, 3])
+def test_lladamoe_native_matches_independent_forward(tmp_path, shards):
+    folder, cfg, sd = _moe(tmp_path, shards)
+    mp = load_model(str(folder))
+    assert mp.family.name == "llada_moe" and type(mp.model).__name__ == "Qwen3MoeForCausalLM"
+    assert mp.family.logit_shift == 0
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 13), generator=g)
+    raw = reference_logits("llada_moe", sd, cfg, ids)
+    torch.testing.assert_close(mp.logits(ids).double(), raw, atol=2e-5, rtol=1e-4)
+
+
+def test_lladamoe_left_padded_batch_equals_each_row_alone(tmp_path):
+    folder, cfg, sd = _moe(tmp_path)
+    mp = load_model(str(folder))
+    a, b = [5, 9, 200, 7, 33, 12, 8, 40], [71, 3, 99, 4]
+    pad = len(a) - len(b)
+    ids = torch.tensor([a, [cfg["pad_token_id"]] * pad + b])
+    am = torch.tensor([[1] * len(a), [0] * pad + [1] * len(b)])
+    batched = mp.logits(ids, am)
+    torch.testing.assert_close(batched[1, pad:], mp.logits(torch.tensor([b]))[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[1, pad:].double(), reference_logits("llada_moe", sd, cfg, torch.tensor([b]))[0],
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key,value", [("shared_expert_intermediate_size", 16), ("moe_router_enable_expert_bias", True),
+                                       ("partial_rotary_factor", 0.5), ("qk_layernorm", False)])
+def test_lladamoe_unsupported_option_is_named(tmp_path, key, value):
+    folder, cfg, _ = _moe(tmp_path)
+    cfg[key] = value
+    (folder / "config.json").write_text(__import__("json").dumps(cfg))
+    with pytest.raises(UserError, match=key):
+        load_model(str(folder))
+
+
+def test_lladamoe_missing_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, cfg, _ = _moe(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    del sd["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(UserError, match="missing weights: model.layers.1.mlp.experts"):
+        load_model(str(folder))
+
+
+def test_saved_checkpoint_keeps_its_family(tmp_path):
+    """A folder dllm-align writes (Qwen2 config with the family recorded) reloads as Dream."""
+    mp = load_model("builtin:tiny-dream")
+    mp.model.save_pretrained(tmp_path / "m")
+    mp.tokenizer.save_pretrained(tmp_path / "m")
+    again = load_model(str(tmp_path / "m"))
+    assert again.family.name == "dream" and again.mask_token_id == mp.mask_token_id
+    ids = torch.tensor([[3, 4, 5, 6]])
+    torch.testing.assert_close(again.logits(ids), mp.logits(ids))
