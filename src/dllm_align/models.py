@@ -153,7 +153,7 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
         is_causal=False,
     )
     cfg.mask_token_id = tokenizer.mask_token_id
-    cfg.dllm_align_family = "tiny"
+    cfg.dllm_align_family = "llada"
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)

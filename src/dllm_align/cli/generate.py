@@ -36,6 +36,11 @@ def generate(
     fast: Annotated[bool, typer.Option("--fast", help="Fast decoding: dual key/value cache and confidence threshold 0.9 (unless set otherwise).")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Key/value reuse within a block: none, prefix or dual.")] = None,
     threshold: Annotated[Optional[float], typer.Option("--threshold", help="Commit every candidate above this confidence (fast mode).")] = None,
+    sampler: Annotated[Optional[str], typer.Option("--sampler", help="auto (the model family's rule), llada or dream.")] = None,
+    alg: Annotated[Optional[str], typer.Option("--alg", help="Dream rule: origin, maskgit_plus, topk_margin or entropy.")] = None,
+    alg_temp: Annotated[Optional[float], typer.Option("--alg-temp", help="Dream rule: > 0 draws the committed positions.")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Dream rule: nucleus filtering of the candidates.")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Dream rule: top-k filtering of the candidates.")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Prompts per forward pass.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for temperature / random remasking (per prompt: hashed with its id).")] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; under accelerate/torchrun, the process's device).")] = None,
@@ -52,6 +57,8 @@ def generate(
     Example: dllm-align generate kto_mix_14k --split test --output runs/base/gen.jsonl
 
     Example: accelerate launch -m dllm_align generate kto_mix_14k --fast --limit 200
+
+    Example: dllm-align generate dream_kto_mix_14k --alg entropy --temperature 0.2 --top-p 0.95
     """
     import os
 
@@ -68,6 +75,11 @@ def generate(
         "cfg": cfg,
         "cache": cache,
         "threshold": threshold,
+        "sampler": sampler,
+        "alg": alg,
+        "alg_temp": alg_temp,
+        "top_p": top_p,
+        "top_k": top_k,
         "batch_size": batch_size,
         "seed": seed,
         "split": split,
