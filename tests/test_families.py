@@ -205,3 +205,35 @@ def test_saved_checkpoint_keeps_its_family(tmp_path):
     assert again.family.name == "dream" and again.mask_token_id == mp.mask_token_id
     ids = torch.tensor([[3, 4, 5, 6]])
     torch.testing.assert_close(again.logits(ids), mp.logits(ids))
+
+
+def test_fsdp_wraps_the_family_decoder_layer(tmp_path):
+    from types import SimpleNamespace
+
+    from dllm_align.training import fsdp_wrap_family_layer
+
+    for name, layer in (("builtin:tiny-dream", "Qwen2DecoderLayer"), ("builtin:tiny", "LlamaDecoderLayer")):
+        plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+        fsdp_wrap_family_layer(plugin, load_model(name).model)
+        assert plugin.transformer_cls_names_to_wrap == [layer]
+    folder, _, _ = _moe(tmp_path)
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)
+    fsdp_wrap_family_layer(plugin, load_model(str(folder)).model)
+    assert plugin.transformer_cls_names_to_wrap == ["Qwen3MoeDecoderLayer"]
+
+
+def test_dream_remote_code_tokenizer_loads_through_its_native_twin(tmp_path):
+    """Dream's tokenizer_config names a shipped class; the family loads Qwen2's tokenizer instead
+    (without asking about remote code)."""
+    import json
+
+    folder, _, _ = _dream(tmp_path)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc |= {"tokenizer_class": "DreamTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc))
+    mp = load_model(str(folder))
+    assert type(mp.tokenizer).__name__ == "Qwen2Tokenizer"
+    ref = build_tiny_tokenizer("dream")
+    text = "sort: 12<|im_end|>"
+    assert mp.tokenizer(text)["input_ids"] == ref(text)["input_ids"]
+    assert mp.stop_token_ids[0] == ref.convert_tokens_to_ids("<|im_end|>")

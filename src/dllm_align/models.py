@@ -251,18 +251,32 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False, family=Non
     _quiet_transformers()
     if str(path) in BUILTIN_SPECS:
         return build_tiny_tokenizer(BUILTIN_SPECS[str(path)].family)
+    fix = None if (family is None or trust_remote_code) else family.fix_tokenizer
     try:
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        except Exception:
-            if family is None or family.fix_tokenizer is None or trust_remote_code:
-                raise
-            tok = family.fix_tokenizer(None, Path(path))
+        if fix is not None and _names_remote_tokenizer(Path(path)):
+            # Asking AutoTokenizer would prompt for remote code on a terminal: go to the native twin.
+            tok = fix(None, Path(path))
+        else:
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            except Exception:
+                if fix is None:
+                    raise
+                tok = fix(None, Path(path))
     except Exception as e:
         raise UserError(f"{path}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _names_remote_tokenizer(folder: Path) -> bool:
+    """Whether the folder's tokenizer_config.json points AutoTokenizer at shipped code."""
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "AutoTokenizer" in (cfg.get("auto_map") or {})
 
 
 def load_model(

@@ -223,6 +223,25 @@ def grad_accum_for(t, world: int) -> int:
     return t.global_batch_size // per
 
 
+def fsdp_wrap_family_layer(plugin, model) -> None:
+    """Make FSDP wrap the model family's decoder layer.
+
+    The shipped accelerate config names ``LlamaDecoderLayer`` (LLaDA's native body);
+    a Dream (Qwen2) or LLaDA-MoE (Qwen3-MoE) body has other layer classes, and
+    accelerate would stop on a class it cannot find. A config that names classes
+    the model has is left as it is.
+    """
+    from dllm_align.families.base import Family
+
+    cls = Family.decoder_layer_class(model)
+    if cls is None:
+        return
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    present = {type(m).__name__ for m in model.modules()}
+    if not names or any(n not in present for n in names):
+        plugin.transformer_cls_names_to_wrap = [cls.__name__]
+
+
 def _is_fsdp(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
@@ -357,6 +376,8 @@ class _Run:
             self._setup_reference()
 
         # -- distributed wrapping, optimiser
+        if self.fsdp:
+            fsdp_wrap_family_layer(accelerator.state.fsdp_plugin, self.mp.model)
         scorer = PolicyScorer(self.mp)
         self.module = accelerator.prepare(scorer)
         self.policy = _ViaModule(self.module, self.mp.mask_token_id)
