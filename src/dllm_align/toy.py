@@ -135,26 +135,29 @@ _register()
 ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def install_base(folder: str) -> str:
-    """Copy a trained base model (the ``toy_sort_base`` recipe's final/ folder) into the package
-    as ``builtin:toy-sort-base``."""
+def install_base(folder: str, name: str = "toy_sort_base") -> str:
+    """Copy a trained base model (the ``toy_sort_base`` or ``toy_sort_base_dream`` recipe's final/
+    folder) into the package as ``builtin:toy-sort-base`` (or ``builtin:toy-sort-base-dream``)."""
     import shutil
     from pathlib import Path
 
+    if name not in ("toy_sort_base", "toy_sort_base_dream"):
+        raise SystemExit(f"unknown packaged base {name!r} (toy_sort_base or toy_sort_base_dream)")
     src = Path(folder)
-    dst = Path(__file__).resolve().parent / "assets" / "toy_sort_base"
+    dst = Path(__file__).resolve().parent / "assets" / name
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ASSET_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
+    for f in ASSET_FILES:
+        if (src / f).exists():
+            shutil.copy2(src / f, dst / f)
     return str(dst)
 
 
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) == 3 and sys.argv[1] == "install-base":
-        print(install_base(sys.argv[2]))
+    args = sys.argv[1:]
+    if len(args) in (2, 4) and args[0] == "install-base" and (len(args) == 2 or args[2] == "--name"):
+        print(install_base(args[1], *(args[3:4])))
     else:
-        sys.stderr.write("usage: python -m dllm_align.toy install-base RUN/final\n")
+        sys.stderr.write("usage: python -m dllm_align.toy install-base RUN/final [--name toy_sort_base_dream]\n")
         sys.exit(2)
