@@ -78,6 +78,7 @@ def test_generate_writes_rows_settings_and_run_info(tmp_path):
     assert side["sampler"] == {
         "gen_length": 16, "block_length": 8, "steps": 8, "remasking": "low_confidence", "temperature": 0.0,
         "cfg": 0.0, "cache": "none", "threshold": None, "seed": 0,
+        "sampler": "auto", "alg": "origin", "alg_temp": 0.0, "top_p": None, "top_k": None, "eps": 1e-3,
     }
     assert (tmp_path / "gen" / "recipe.resolved.yaml").exists() and (tmp_path / "gen" / "run_info.generate.json").exists()
     assert "6 prompts in" in r.stderr and "tokens/s" in r.stderr

@@ -433,3 +433,31 @@ def test_two_processes_give_the_single_process_result(tiny, tmp_path):
     for r in rows:
         got = [x[0][0] for x in r["resps"]]
         assert got == pytest.approx(direct[r["doc_id"]], abs=1e-4)
+
+
+# --------------------------------------------------------------------------- another family
+@pytest.fixture(scope="module")
+def tiny_dream():
+    from dllm_align.models import load_model
+
+    return load_model("builtin:tiny-dream")
+
+
+def test_dream_family_through_the_harness(tiny_dream, tmp_path):
+    """`evaluate` on a Dream-format model: generation by the family's rule (Dream's), likelihoods
+    through the shifted ELBO; the harness returns what direct calls return."""
+    texts = direct_texts(tiny_dream, GEN_QUESTIONS, chat=True)
+    stop, answers = stop_and_answers(texts)
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "mc").mkdir()
+    write_gen_task(tmp_path / "gen", answers, stop)
+    res = run_harness(make_lm(tiny_dream), tmp_path / "gen", "toy_gen", apply_chat_template=True, log_samples=True)
+    got = [s["filtered_resps"][0] for s in sorted(res["samples"]["toy_gen"], key=lambda s: s["doc_id"])]
+    assert got == [E.truncate_at_stops(t, [stop]) for t in texts]
+    direct = [[float(direct_elbo(tiny_dream, q, " " + c).mean()) for c in choices] for q, choices in MC_DOCS]
+    best = [max(range(len(v)), key=v.__getitem__) for v in direct]
+    write_mc_task(tmp_path / "mc", best)
+    res = run_harness(make_lm(tiny_dream), tmp_path / "mc", "toy_mc", log_samples=True)
+    harness_ll = [[r[0][0] for r in s["resps"]] for s in sorted(res["samples"]["toy_mc"], key=lambda s: s["doc_id"])]
+    assert torch.allclose(torch.tensor(harness_ll), torch.tensor(direct), atol=1e-4)
+    assert res["results"]["toy_mc"]["acc,none"] == pytest.approx(1.0)

@@ -56,9 +56,15 @@ the masked positions it recomputes (those of the block). ``threshold`` replaces 
 each step commits every candidate whose confidence exceeds it (at least the
 best one per row), until the block is full; the mask token is then never a
 candidate (otherwise a block could never finish) and ``steps`` is not used.
-The cache needs the forward of :class:`_KVForward` (Llama-family models, which
-include native LLaDA); other models fall back to full recomputation with a
+The cache needs the forward of :class:`_KVForward` (Llama-layout bodies: native
+LLaDA, Dream as Qwen2, LLaDA-MoE as Qwen3-MoE); other models fall back to full recomputation with a
 warning. With ``cache='none'`` and no threshold, fast mode *is* exact mode.
+
+Families with shifted logits (Dream: position j is scored by output j - 1) are
+decoded the same way: candidates are scored from the output the family names,
+and a cached window starts one position before the block so that output is
+recomputed. A family whose published rule is another (``Family.sampler``) is
+decoded by that rule unless ``sampler: llada`` is asked for (``dream_sampler.py``).
 """
 
 from __future__ import annotations

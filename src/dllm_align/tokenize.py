@@ -122,7 +122,7 @@ def end_of_turn_id(tokenizer) -> int:
                 if i in special:
                     return int(i)
             tail_checked = True
-    for name in () if tail_checked else ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>"):
+    for name in () if tail_checked else ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<end_of_turn>", "<|end|>"):
         i = tokenizer.convert_tokens_to_ids(name)
         if isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None) and i in special:
             return i
