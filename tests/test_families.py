@@ -237,3 +237,26 @@ def test_dream_remote_code_tokenizer_loads_through_its_native_twin(tmp_path):
     text = "sort: 12<|im_end|>"
     assert mp.tokenizer(text)["input_ids"] == ref(text)["input_ids"]
     assert mp.stop_token_ids[0] == ref.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("which", ["dream", "llada_moe"])
+def test_cached_window_forward_equals_the_full_forward(tmp_path, which):
+    """The sampler's key/value forward on Qwen2 (Dream) and Qwen3-MoE (q/k norm) bodies: a window
+    run against fresh kept keys/values gives exactly the full forward's hidden states there."""
+    from dllm_align.generation import _KVForward
+
+    folder = (_dream if which == "dream" else _moe)(tmp_path)[0]
+    mp = load_model(str(folder))
+    assert _KVForward.unsupported(mp.model) is None
+    kvf = _KVForward(mp.model)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    pos = mp.position_ids(am, ids.shape, ids.device)
+    h_full, kvs = kvf(ids, pos, am, want_kv=True)
+    torch.testing.assert_close(h_full[0], mp.hidden(ids, am)[0], atol=1e-5, rtol=1e-5)
+    lo, hi = 5, 9  # a dual-cache window: keys/values kept on both sides
+    past = [(torch.cat([k[:, :, :lo], k[:, :, hi:]], 2), torch.cat([v[:, :, :lo], v[:, :, hi:]], 2)) for k, v in kvs]
+    km = torch.cat([am[:, :lo], am[:, hi:]], dim=1)
+    h_win, _ = kvf(ids[:, lo:hi], pos[:, lo:hi], torch.cat([km, am[:, lo:hi]], dim=1), past=past)
+    torch.testing.assert_close(h_win, h_full[:, lo:hi], atol=1e-5, rtol=1e-5)
