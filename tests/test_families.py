@@ -216,6 +216,11 @@ def test_fsdp_wraps_the_family_decoder_layer(tmp_path):
         plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
         fsdp_wrap_family_layer(plugin, load_model(name).model)
         assert plugin.transformer_cls_names_to_wrap == [layer]
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(load_model("builtin:tiny-dream").model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    fsdp_wrap_family_layer(plugin, lora)
+    assert plugin.transformer_cls_names_to_wrap == ["Qwen2DecoderLayer"]
     folder, _, _ = _moe(tmp_path)
     plugin = SimpleNamespace(transformer_cls_names_to_wrap=None)
     fsdp_wrap_family_layer(plugin, load_model(str(folder)).model)

@@ -63,11 +63,11 @@ class Family:
     @staticmethod
     def decoder_layer_class(model) -> Optional[type]:
         """The repeated block FSDP wraps (and activation checkpointing targets)."""
-        inner = getattr(model, "base_model", model)
-        layers = getattr(inner, "layers", None) or getattr(getattr(inner, "model", None), "layers", None)
-        if layers is None or len(layers) == 0:
-            return None
-        return type(layers[0])
+        # The first ``layers`` list found, so that wrappers (PEFT, DDP) around the body do not matter.
+        for name, mod in model.named_modules():
+            if name.rsplit(".", 1)[-1] == "layers" and isinstance(mod, torch.nn.ModuleList) and len(mod):
+                return type(mod[0])
+        return None
 
 
 # --------------------------------------------------------------------------- shared loading
