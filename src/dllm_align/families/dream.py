@@ -100,7 +100,7 @@ def fix_dream_tokenizer(tok, path: Path):
         return tok
     from transformers import Qwen2Tokenizer
 
-    return Qwen2Tokenizer.from_pretrained(str(path))
+    return Qwen2Tokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def build_dream_tokenizer():
