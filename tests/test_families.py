@@ -265,3 +265,13 @@ def test_cached_window_forward_equals_the_full_forward(tmp_path, which):
     km = torch.cat([am[:, :lo], am[:, hi:]], dim=1)
     h_win, _ = kvf(ids[:, lo:hi], pos[:, lo:hi], torch.cat([km, am[:, lo:hi]], dim=1), past=past)
     torch.testing.assert_close(h_win, h_full[:, lo:hi], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["dream", "llada_moe"])
+def test_rotary_frequencies_stay_fp32_after_a_bf16_load(tmp_path, which):
+    folder = (_dream if which == "dream" else _moe)(tmp_path)[0]
+    fp32 = load_model(str(folder)).model.model.rotary_emb.inv_freq
+    mp = load_model(str(folder), dtype="bfloat16")
+    rot = mp.model.model.rotary_emb
+    assert mp.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert rot.inv_freq.dtype == torch.float32 and torch.equal(rot.inv_freq, fp32)

@@ -49,14 +49,32 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps one process-wide state: a test that changes mixed precision starts and ends clean."""
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
-def test_elbo_kto_step_zero_margins_then_generate(models, family):
+def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fresh_accelerate):
     root = models["root"]
-    rec = _recipe(root, models[family], f"kto-{family}")
-    run = root / f"run-{family}"
-    res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run)])
+    rec = _recipe(root, models[family], f"kto-{family}-{precision}")
+    run = root / f"run-{family}-{precision}"
+    mp = ["--set", f"train.mixed_precision={precision}"]
+    res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run), *mp])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["train", str(rec), "-o", str(run)])
+    _reset_accelerate()  # a new process in real use
+    res = runner.invoke(app, ["train", str(rec), "-o", str(run), *mp])
     assert res.exit_code == 0, res.output
     (row,) = _metrics(run)
     # before the first update the policy is the reference: every margin is exactly zero
@@ -65,7 +83,7 @@ def test_elbo_kto_step_zero_margins_then_generate(models, family):
     saved = json.loads((run / "final" / "config.json").read_text())
     assert saved["dllm_align_family"] == family
     # generate from the trained folder: the family's own rule by default
-    out = root / f"gen-{family}.jsonl"
+    out = root / f"gen-{family}-{precision}.jsonl"
     res = runner.invoke(app, ["generate", str(rec), "-m", str(run / "final"), "-o", str(out), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -84,7 +102,7 @@ def test_llada_sampler_fast_mode_runs_for_the_family(models, family):
 
 
 @pytest.mark.parametrize("objective,extra", [("sft", {}), ("vrpo", {}), ("elbo_kto", {"lora": {"enabled": True, "r": 4}})])
-def test_other_objectives_and_lora_on_dream(models, objective, extra):
+def test_other_objectives_and_lora_on_dream(models, objective, extra, fresh_accelerate):
     pytest.importorskip("peft") if extra else None
     root = models["root"]
     rec = _recipe(root, models["dream"], f"{objective}-dream-{bool(extra)}", objective=objective, **extra)
