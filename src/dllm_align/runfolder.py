@@ -74,16 +74,19 @@ def _neutral(key: str, neutral: Iterable[str]) -> bool:
 
 
 def differing(old: dict, new: dict, neutral: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
-    """Every flattened key whose value differs, as (key, old, new); ``neutral`` keys are ignored."""
+    """Every flattened key whose value differs, as (key, old, new); ``neutral`` keys are ignored.
+
+    A key the old record lacks (written before the key existed) is not compared;
+    one the new settings lack counts as null.
+    """
     a, b = flatten(old), flatten(new)
-    missing = object()
     out = []
-    for k in sorted(set(a) | set(b)):
+    for k in sorted(a):
         if _neutral(k, neutral):
             continue
-        va, vb = a.get(k, missing), b.get(k, missing)
+        va, vb = a.get(k), b.get(k)
         if va != vb:
-            out.append((k, None if va is missing else va, None if vb is missing else vb))
+            out.append((k, va, vb))
     return out
 
 
@@ -120,11 +123,14 @@ def refuse_changes(
 
 
 def recorded_recipe(out_dir: str | Path, command: str) -> Optional[dict]:
-    """The recipe a command recorded in ``out_dir`` (``recipe.<command>.yaml``; older runs:
-    ``recipe.resolved.yaml``), or None when there is none."""
+    """The recipe a command recorded in ``out_dir`` (``recipe.<command>.yaml``), or None.
+
+    Folders written before per-command records have only ``recipe.resolved.yaml``,
+    which any command may have rewritten last; it is not trusted as the run's record.
+    """
     import yaml
 
-    for p in (recipe_record(out_dir, command), Path(out_dir) / "recipe.resolved.yaml"):
+    for p in (recipe_record(out_dir, command),):
         if p.is_file():
             try:
                 raw = yaml.safe_load(p.read_text(encoding="utf-8"))

@@ -382,6 +382,12 @@ class _Run:
                 f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
                 f"mixed precision {accelerator.mixed_precision}"
             )
+            if self.t.objective != "sft":  # the step line's abbreviations, said once
+                info(
+                    "train: step lines show r+ / r- = mean reward margin (policy ELBO minus reference ELBO, nats) of "
+                    "the desirable / undesirable rows, b = the step's mean-margin baseline, sat = share of rows with a "
+                    "saturated sigmoid (no gradient)"
+                )
             if self.dropped_per_epoch:
                 info(f"train: {self.dropped_per_epoch} row(s) per epoch do not fill a global batch and are left out of that epoch")
             if accelerator.device.type == "cpu" and self.t.mixed_precision == "auto":
