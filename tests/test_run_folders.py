@@ -245,7 +245,7 @@ def test_mask_token_id_outside_the_vocabulary_is_refused(tmp_path):
     r = runner.invoke(app, ["generate", str(recipe), "--set", "model.mask_token_id=999999"])
     line = one_error(r)
     assert "mask token id 999999 is outside the model's vocabulary" in line
-    assert not (tmp_path / "run" / "gen.test.jsonl").exists()
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
 def test_generation_beyond_the_models_positions_is_refused_before_decoding(tmp_path):
@@ -253,7 +253,7 @@ def test_generation_beyond_the_models_positions_is_refused_before_decoding(tmp_p
     r = runner.invoke(app, ["generate", str(recipe), "--gen-length", "8192", "--block-length", "8192", "--steps", "1"])
     line = one_error(r)
     assert "beyond the model's 4096 positions" in line and "--allow-long" in r.stderr
-    assert not (tmp_path / "run" / "gen.test.jsonl").exists()
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing left behind
 
 
 # --------------------------------------------------------------------------- class 5
@@ -281,6 +281,14 @@ def test_output_that_is_a_folder_names_the_users_path(tmp_path):
     target.mkdir()
     line = one_error(runner.invoke(app, ["convert", str(_rows(tmp_path)), "--output", str(target)]))
     assert f"cannot write {target}: it is a folder" in line
+    # and the other way round: a file where the run folder should be
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = one_error(runner.invoke(app, ["convert", str(_rows(tmp_path)), "-o", str(afile)]))
+    assert f"{afile} is a file, not a folder" in line
+    line = one_error(runner.invoke(app, ["precompute-ref", "demo", "-o", str(afile), "--set", "data.limit=4"]))
+    assert f"{afile} is a file, not a folder" in line
+    assert afile.read_text() == "x"
 
 
 @pytest.mark.parametrize(

@@ -145,8 +145,11 @@ def writing_error(target: str | Path, e: OSError, verb: str = "write"):
     if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
         return RunFailure(f"cannot {verb} {target}: no space left on the device (or over quota); nothing was replaced",
                           hint="free some space and run the command again")
-    if isinstance(e, NotADirectoryError) or e.errno == errno.ENOTDIR:
-        return UserError(f"cannot {verb} {target}: a part of its folder path is a file")
+    if isinstance(e, (NotADirectoryError, FileExistsError)) or e.errno in (errno.ENOTDIR, errno.EEXIST):
+        # mkdir of the run folder (or a folder above it) found a file in the way
+        blocker = next((p for p in [target, *target.parents] if p.exists() and not p.is_dir()), None)
+        where = f"{blocker} is a file, not a folder" if blocker is not None else "a part of its folder path is a file"
+        return UserError(f"cannot {verb} {target}: {where}", hint="choose another run folder (-o) or output path")
     return RunFailure(f"cannot {verb} {target}: {e.strerror or type(e).__name__}")
 
 

@@ -277,11 +277,7 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
 
     # The model is loaded (and a damaged one refused) before anything is written.
     mp = mp_loader() if todo else None
-    if rank == 0:
-        atomic_write_json(sidecar, settings_record)
-        write_run_info(rec, out.parent, "generate")
-    barrier()
-
+    ids: list = []
     if todo:
         mp.model.eval()
         ids = [encode_prompt(mp.tokenizer, r.messages) for r in todo]
@@ -303,6 +299,13 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
                 )
             if rank == 0:
                 console.warn(f"prompt + gen_length reaches {longest} tokens, beyond the model's {max_pos} positions (--allow-long)")
+    # Everything is checked: only now does the run leave its settings and record behind.
+    if rank == 0:
+        atomic_write_json(sidecar, settings_record)
+        write_run_info(rec, out.parent, "generate")
+    barrier()
+
+    if todo:
         batches = length_batches([len(p) for p in ids], g.batch_size)
         mine = [b for j, b in enumerate(batches) if j % world == rank]
         target = out if world == 1 else out.with_name(out.name[: -len(".jsonl")] + f".part{rank}.jsonl")
