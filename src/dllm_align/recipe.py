@@ -162,13 +162,22 @@ class TrainSection(Section):
         25, ge=1, description="Steps per window of the falling-desirable-margin warning (SPEC.md section 4 caution)."
     )
     n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto",
+        description="Forward compute: bf16 autocast over fp32 master weights, or no (fp32); auto = bf16 on CUDA, no on CPU.",
+    )
     seed: int = 0
     save_every: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: end only).")
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(1, ge=1)
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     lora: LoraSection = Field(default_factory=LoraSection)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        # YAML 1.1 reads a bare `no` (in a file or in --set) as false: that spelling means "no".
+        return "no" if v is False else v
 
 
 # --------------------------------------------------------------------------- generate

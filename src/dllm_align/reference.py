@@ -56,6 +56,7 @@ STRICT_FIELDS = (
     "tokenizer",
     "mask_token_id",
     "reference_dtype",
+    "compute_dtype",
     "max_length",
     "padding",
     "truncation",
@@ -192,9 +193,12 @@ def fingerprint(
     Computable without loading the reference (training from a cache holds only
     the policy): the weights digest comes from the files (or, for the built-in
     model, from building it), the tokenizer is the one the examples were
-    tokenised with, and the dtype is the one the reference is loaded in.
+    tokenised with, and the weights / compute dtypes are the training
+    precision's (:func:`dllm_align.precision.precision_for`): a cache made in
+    fp32 does not serve a bf16-autocast run, nor the reverse.
     """
-    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, pick_dtype, resolve_model_path
+    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, resolve_model_path
+    from dllm_align.precision import precision_for
 
     name = reference_name(recipe)
     revision = recipe.model.revision
@@ -206,6 +210,7 @@ def fingerprint(
         weights, files = folder_weights_digest(Path(path), known)
     d = recipe.data
     r = recipe.reference
+    prec = precision_for(recipe, device)
     fields = {
         "format_version": FORMAT_VERSION,
         "reference_model": name,
@@ -213,7 +218,8 @@ def fingerprint(
         "reference_weights": weights,
         "tokenizer": tokenizer_digest(tokenizer),
         "mask_token_id": int(mask_token_id),
-        "reference_dtype": str(pick_dtype(recipe.model.dtype, device)).removeprefix("torch."),
+        "reference_dtype": prec.weights_label,
+        "compute_dtype": prec.compute_label,
         "max_length": d.max_length,
         "padding": d.padding,
         "truncation": d.truncation,
@@ -237,6 +243,7 @@ _FIELD_HINTS = {
     "truncation": "data.truncation",
     "reference_weights": "the reference model's weights (reference.model / model.name_or_path)",
     "reference_dtype": "model.dtype",
+    "compute_dtype": "train.mixed_precision (and the device: auto is bf16 on CUDA, no on CPU)",
     "tokenizer": "the tokenizer (model.tokenizer)",
     "mask_token_id": "model.mask_token_id",
     "format_version": "the cache format (made by another dllm-align version)",
@@ -260,6 +267,27 @@ def compare(cached: dict, wanted: dict, where: Path) -> None:
 
 
 # --------------------------------------------------------------------------- computing
+def load_reference(recipe, device):
+    """The frozen reference, loaded in the training precision (the policy's forward at step 0).
+
+    Used by the online reference and by precompute, so that a cached value and an
+    online one are the same function of the same weights as the policy before its
+    first update (:mod:`dllm_align.precision`).
+    """
+    from dllm_align.models import load_from_section
+    from dllm_align.precision import precision_for, prepare_reference
+
+    prec = precision_for(recipe, device)
+    section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
+    mp = load_from_section(section, device, name_or_path=reference_name(recipe))
+    prepare_reference(mp.model, prec)
+    mp.set_precision(prec)
+    mp.model.eval()
+    for p in mp.model.parameters():
+        p.requires_grad_(False)
+    return mp
+
+
 def draw_config(recipe, n_mc: Optional[int] = None):
     from dllm_align.elbo import DrawConfig
 
@@ -422,7 +450,6 @@ def precompute(
     """
     from dllm_align.console import info, progress, warn
     from dllm_align.io import atomic_write_json
-    from dllm_align.models import load_from_section
 
     rank = accelerator.process_index if accelerator else 0
     world = accelerator.num_processes if accelerator else 1
@@ -444,7 +471,11 @@ def precompute(
         lock.__enter__()
     try:
         if ref_mp is None:
-            ref_mp = load_from_section(recipe.model, device, name_or_path=reference_name(recipe))
+            ref_mp = load_reference(recipe, device)
+        elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
+            from dllm_align.precision import precision_for
+
+            ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
         old = _read_manifest(out)
         fp = fingerprint(
@@ -679,12 +710,11 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     """
     from accelerate import Accelerator
 
-    from dllm_align.models import load_from_section
     from dllm_align.recipe import write_run_info
     from dllm_align.examples import load_training_examples, make_collate
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    ref_mp = load_from_section(recipe.model, acc.device, name_or_path=reference_name(recipe))
+    ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind

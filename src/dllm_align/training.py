@@ -190,10 +190,10 @@ def make_accelerator(recipe):
 
     from dllm_align.console import warn
 
+    from dllm_align.precision import resolve_mixed_precision
+
     cuda = torch.cuda.is_available()
-    mp = recipe.train.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    mp = resolve_mixed_precision(recipe.train.mixed_precision, "cuda" if cuda else "cpu")
     trackers = []
     for t in recipe.train.trackers:
         ok = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}[t]()
@@ -292,6 +292,7 @@ class _Run:
         from dllm_align.console import info
         from dllm_align.elbo import DrawConfig
         from dllm_align.models import load_from_section
+        from dllm_align.precision import precision_for
 
         self.recipe = recipe
         self.acc = accelerator
@@ -313,6 +314,10 @@ class _Run:
         lora = self.t.lora
         src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
         self.mp = load_from_section(section, load_dev, name_or_path=src)
+        # One precision for the policy and the reference (dllm_align.precision): the
+        # policy's forward computes under it whatever wraps the module (DDP, FSDP).
+        self.precision = precision_for(recipe, accelerator.device)
+        self.mp.set_precision(self.precision)
         self.tokenizer = self.mp.tokenizer
         if lora.enabled:
             self._apply_lora(resume_from)
@@ -359,6 +364,13 @@ class _Run:
             self._setup_reference()
 
         # -- distributed wrapping, optimiser
+        if self.fsdp:
+            from dllm_align.precision import fsdp_mixed_precision
+
+            # accelerate's default casts parameters and buffers (the rotary frequencies) to
+            # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
+            plugin = accelerator.state.fsdp_plugin
+            plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
         scorer = PolicyScorer(self.mp)
         self.module = accelerator.prepare(scorer)
         self.policy = _ViaModule(self.module, self.mp.mask_token_id)
@@ -429,14 +441,10 @@ class _Run:
     def _setup_reference(self) -> None:
         from dllm_align import reference as ref
         from dllm_align.console import info
-        from dllm_align.models import load_from_section
 
         r = self.recipe.reference
         if r.mode == "online":
-            self.ref_mp = load_from_section(self.recipe.model, self.acc.device, name_or_path=ref.reference_name(self.recipe))
-            self.ref_mp.model.eval()
-            for p in self.ref_mp.model.parameters():
-                p.requires_grad_(False)
+            self.ref_mp = ref.load_reference(self.recipe, self.acc.device)
             if self.main:
                 info(f"train: reference computed online ({ref.reference_name(self.recipe)}, resident)")
             return
@@ -631,6 +639,25 @@ class _Run:
 
     def _load_state(self, folder: Path) -> None:
         checkpoint.load_state(self, folder)
+
+@torch.no_grad()
+def invariant_margins(run: "_Run", steps: int = 1) -> dict[str, float]:
+    """Per-row margins B_policy - B_ref of this process's rows in global steps 0..steps-1, before any update.
+
+    With the policy's weights equal to the reference's, each is 0: exactly when
+    the forward is fp32 and deterministic, within the bf16 tolerance under
+    autocast (tests/test_invariants.py derives it). Both sides go through the
+    training path (the wrapped policy module; the cache or the online reference).
+    """
+    out: dict[str, float] = {}
+    for step in range(steps):
+        for units in run.micro_batches(step):
+            rows = [ex for u in units for ex in u]
+            b = run._to_dev(run.collate(rows))
+            m = run.policy_elbo(b).float() - run.reference_elbo(b)
+            out.update(zip(b["ids"], m.tolist()))
+    return out
+
 
 def _status(m: dict, lr: float, tok_s: float) -> str:
     parts = [f"loss {m['loss']:.4f}"]
