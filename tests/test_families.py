@@ -275,3 +275,9 @@ def test_rotary_frequencies_stay_fp32_after_a_bf16_load(tmp_path, which):
     rot = mp.model.model.rotary_emb
     assert mp.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert rot.inv_freq.dtype == torch.float32 and torch.equal(rot.inv_freq, fp32)
+
+
+def test_packaged_dream_format_base_loads_as_dream():
+    mp = load_model("builtin:toy-sort-base-dream")
+    assert mp.family.name == "dream" and type(mp.model).__name__ == "Qwen2ForCausalLM"
+    assert mp.tokenizer.convert_ids_to_tokens(mp.stop_token_ids[0]) == "<|im_end|>"

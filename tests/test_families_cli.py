@@ -84,7 +84,7 @@ def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fre
     assert saved["dllm_align_family"] == family
     # generate from the trained folder: the family's own rule by default
     out = root / f"gen-{family}-{precision}.jsonl"
-    res = runner.invoke(app, ["generate", str(rec), "-m", str(run / "final"), "-o", str(out), "--device", "cpu"])
+    res = runner.invoke(app, ["generate", str(rec), "-m", str(run / "final"), "--output", str(out), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 3 and all("completion" in r for r in rows)
@@ -95,7 +95,7 @@ def test_llada_sampler_fast_mode_runs_for_the_family(models, family):
     root = models["root"]
     rec = _recipe(root, models[family], f"fast-{family}")
     out = root / f"fast-{family}.jsonl"
-    res = runner.invoke(app, ["generate", str(rec), "-o", str(out), "--device", "cpu", "--sampler", "llada",
+    res = runner.invoke(app, ["generate", str(rec), "--output", str(out), "--device", "cpu", "--sampler", "llada",
                               "--block-length", "3", "--fast"])
     assert res.exit_code == 0, res.output
     assert "cache is not available" not in res.stderr  # the key/value cache applies to both bodies
