@@ -36,7 +36,6 @@ batch, so its output depends on batch-mates):
 
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
 import torch
@@ -80,29 +79,18 @@ def candidates(logits, temperature, top_p, top_k, alg, gen: torch.Generator):
 
 
 @torch.no_grad()
-def generate_batch_dream(mp, prompts: Sequence[Sequence[int]], settings, *, seeds: Sequence[int], stats=None):
-    """Decode a batch under Dream's rule (see the module docstring); returns generation.Completion rows."""
-    from dllm_align.generation import Completion, SamplerStats, _first_stop, _pad_id
+def denoise(mp, x: torch.Tensor, attn: torch.Tensor, settings, gens: Sequence[torch.Generator]) -> int:
+    """Decode the masks of canvas ``x`` [B, T] in place under Dream's rule; returns the model calls made.
 
-    t0 = time.perf_counter()
-    B = len(prompts)
-    dev = mp.device
+    ``gens`` holds one generator per row (see the module docstring for the order of draws).
+    """
+    B, T = x.shape
+    dev = x.device
     mask_id = mp.mask_token_id
-    P = max(len(p) for p in prompts)
-    G = settings.gen_length
-    T = P + G
     temp, alg = float(settings.temperature), settings.alg
-    x = torch.full((B, T), _pad_id(mp), dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        x[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p) :] = 1
-    x[:, P:] = mask_id
-    x, attn = x.to(dev), attn.to(dev)
-    gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
     timesteps = torch.linspace(1, settings.eps, settings.steps + 1, device=dev)
-    local = SamplerStats(prompts=B)
     sp = mp.family.source_positions
+    forwards = 0
     for i in range(settings.steps):
         masked = x == mask_id
         live = [b for b in range(B) if bool(masked[b].any())]
@@ -116,8 +104,7 @@ def generate_batch_dream(mp, prompts: Sequence[Sequence[int]], settings, *, seed
         else:
             full = mp.logits(x, attn).float()
             get = lambda b, c: full[b, c]  # noqa: E731
-        local.forwards += 1
-        local.positions += B * T
+        forwards += 1
         for b in live:
             g = gens[b]
             cols = masked[b].nonzero(as_tuple=True)[0]
@@ -144,16 +131,4 @@ def generate_batch_dream(mp, prompts: Sequence[Sequence[int]], settings, *, seed
             proposal = torch.full((T,), mask_id, dtype=torch.long, device=dev)
             proposal[cols] = x0
             x[b, take] = proposal[take]
-    results = []
-    stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
-    for b in range(B):
-        raw = x[b, P:].tolist()
-        has, first = _first_stop(x[b : b + 1, P:], stops)
-        ids = raw[: int(first[0])]
-        text = mp.tokenizer.decode(ids, skip_special_tokens=True) if mp.tokenizer is not None else ""
-        results.append(Completion(ids=ids, text=text, raw=raw, stopped=bool(has[0]), forwards=local.forwards))
-        local.decoded += sum(1 for t_ in raw if t_ != mask_id)
-    local.seconds = time.perf_counter() - t0
-    if stats is not None:
-        stats.add(local)
-    return results
+    return forwards

@@ -404,6 +404,46 @@ def _first_stop(gen: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, t
     return has, first
 
 
+def _canvas(mp, prompts: Sequence[Sequence[int]], gen_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts left-padded, each followed by ``gen_length`` masks; and the attention mask (on the model's device)."""
+    P = max(len(p) for p in prompts)
+    x = torch.full((len(prompts), P + gen_length), _pad_id(mp), dtype=torch.long)
+    attn = torch.zeros_like(x)
+    for i, p in enumerate(prompts):
+        x[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[i, P - len(p) :] = 1
+    x[:, P:] = mp.mask_token_id
+    return x.to(mp.device), attn.to(mp.device)
+
+
+def _completion(mp, gen: torch.Tensor, stops: torch.Tensor, forwards: int, stats: "SamplerStats") -> Completion:
+    """One row's result from its generated span: the text before the first stop token."""
+    raw = gen.tolist()
+    has, first = _first_stop(gen[None], stops)
+    ids = raw[: int(first[0])]
+    text = mp.tokenizer.decode(ids, skip_special_tokens=True) if mp.tokenizer is not None else ""
+    stats.decoded += sum(1 for t in raw if t != mp.mask_token_id)
+    return Completion(ids=ids, text=text, raw=raw, stopped=bool(has[0]), forwards=forwards)
+
+
+def _generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
+    """One batch under Dream's rule (:mod:`dllm_align.dream_sampler` denoises the canvas)."""
+    from dllm_align.dream_sampler import denoise
+
+    x, attn = _canvas(mp, prompts, settings.gen_length)
+    P = x.shape[1] - settings.gen_length
+    gens = [torch.Generator(device=mp.device).manual_seed(int(s)) for s in seeds]
+    local = SamplerStats(prompts=len(prompts))
+    local.forwards = denoise(mp, x, attn, settings, gens)
+    local.positions = local.forwards * x.numel()
+    stops = torch.tensor(mp.stop_token_ids or [-1], device=mp.device)
+    out = [_completion(mp, x[b, P:], stops, local.forwards, local) for b in range(len(prompts))]
+    local.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.add(local)
+    return out
+
+
 @torch.no_grad()
 def generate_batch(
     mp,
@@ -434,9 +474,7 @@ def generate_batch(
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
     if settings.sampler == "dream":
-        from dllm_align.dream_sampler import generate_batch_dream
-
-        return generate_batch_dream(mp, prompts, settings, seeds=seeds, stats=stats)
+        return _generate_batch_dream(mp, prompts, settings, seeds, stats, t0)
     dev = mp.device
     mask_id = mp.mask_token_id
     P = max(len(p) for p in prompts)
@@ -455,13 +493,7 @@ def generate_batch(
     shift = mp.family.logit_shift
     sp = mp.family.source_positions
 
-    x = torch.full((B, T), _pad_id(mp), dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        x[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p) :] = 1
-    x[:, P:] = mask_id
-    x, attn = x.to(dev), attn.to(dev)
+    x, attn = _canvas(mp, prompts, G)
     is_prompt = attn.bool().clone()
     is_prompt[:, P:] = False
     pos = mp.position_ids(attn, x.shape, dev)
@@ -473,13 +505,7 @@ def generate_batch(
     col = torch.arange(T, device=dev)
 
     def finish(j: int) -> None:
-        raw = x[j, P:].tolist()
-        has, first = _first_stop(x[j : j + 1, P:], stops)
-        cut = int(first[0])
-        ids = raw[:cut]
-        text = mp.tokenizer.decode(ids, skip_special_tokens=True) if mp.tokenizer is not None else ""
-        results[rows[j]] = Completion(ids=ids, text=text, raw=raw, stopped=bool(has[0]), forwards=int(forwards[rows[j]]))
-        local.decoded += sum(1 for t in raw if t != mask_id)
+        results[rows[j]] = _completion(mp, x[j, P:], stops, int(forwards[rows[j]]), local)
 
     def keep_rows(keep: list[int]) -> None:
         nonlocal x, attn, is_prompt, pos, gens, rows

@@ -107,26 +107,10 @@ def build_tiny_tokenizer(family: str = "llada"):
         from dllm_align.families.dream import build_dream_tokenizer
 
         return build_dream_tokenizer()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from dllm_align.families.base import byte_level_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    t = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        mask_token=MASK,
-        additional_special_tokens=[START_HEADER, END_HEADER, EOT],
-    )
-    t.chat_template = CHAT_TEMPLATE
-    t.model_max_length = 1 << 20
-    return t
+    return byte_level_tokenizer(SPECIAL_TOKENS, bos=BOS, eos=EOS, mask=MASK, extra=[START_HEADER, END_HEADER, EOT],
+                                chat_template=CHAT_TEMPLATE)
 
 
 def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):

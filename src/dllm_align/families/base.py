@@ -70,6 +70,30 @@ class Family:
         return None
 
 
+# --------------------------------------------------------------------------- built-in tokenizers
+def byte_level_tokenizer(specials: list[str], *, bos: str, eos: str, mask: str, extra: list[str], chat_template: str):
+    """A byte-level tokenizer: the 256 byte symbols, then ``specials`` (ids in that order).
+
+    Every string round-trips exactly and one token is one UTF-8 byte, so any text
+    can be fed to a built-in model. Padding uses EOS.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    t = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, mask_token=mask,
+        additional_special_tokens=extra,
+    )
+    t.chat_template = chat_template
+    t.model_max_length = 1 << 20
+    return t
+
+
 # --------------------------------------------------------------------------- shared loading
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from dllm_align.families.base import Family, load_mapped, refuse
+from dllm_align.families.base import Family, byte_level_tokenizer, load_mapped, refuse
 
 # Specials of the built-in Dream-format tokenizer, named as in Dream's (Qwen2.5) tokenizer.
 DREAM_EOS = "<|endoftext|>"
@@ -105,25 +105,8 @@ def fix_dream_tokenizer(tok, path: Path):
 
 def build_dream_tokenizer():
     """A byte-level tokenizer with Dream's special tokens and chat template (for the built-in Dream models)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(DREAM_SPECIALS)
-    t = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=DREAM_EOS,
-        eos_token=DREAM_EOS,
-        pad_token=DREAM_EOS,
-        mask_token=DREAM_MASK,
-        additional_special_tokens=[IM_START, IM_END],
-    )
-    t.chat_template = DREAM_CHAT_TEMPLATE
-    t.model_max_length = 1 << 20
-    return t
+    return byte_level_tokenizer(DREAM_SPECIALS, bos=DREAM_EOS, eos=DREAM_EOS, mask=DREAM_MASK,
+                                extra=[IM_START, IM_END], chat_template=DREAM_CHAT_TEMPLATE)
 
 
 def build_dream_model(tokenizer, hidden_size: int, layers: int, heads: int, intermediate_size: int,
