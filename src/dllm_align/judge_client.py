@@ -10,8 +10,9 @@ does not:
   reads no proxy or TLS settings from the environment (``trust_env=False``,
   unless ``--env-proxy``); :class:`GuardTransport` refuses any request for
   another scheme, host, port or path prefix, and sets the ``Authorization``
-  header itself, so neither ``OPENAI_CUSTOM_HEADERS`` nor any other ambient
-  setting of the SDK can add a credential.
+  header itself, so neither ``OPENAI_CUSTOM_HEADERS`` (its headers are
+  removed), ``OPENAI_ORG_ID`` nor any other ambient setting of the SDK adds a
+  credential or a header.
 * **A key is never sent in clear** to a host that is not loopback
   (:func:`check_base_url`), unless ``--allow-plain-http``.
 * **Bounded in time and memory.** Every response has a total deadline and a
@@ -246,9 +247,17 @@ def _url_of(request: Any) -> str:
 
 
 # =========================================================================== the guarded httpx2 transport
+def _ambient_header_names() -> set[str]:
+    """Header names the SDK adds from ``OPENAI_CUSTOM_HEADERS`` ("Name: value" lines)."""
+    text = os.environ.get("OPENAI_CUSTOM_HEADERS") or ""
+    return {line.partition(":")[0].strip().lower() for line in text.split("\n") if ":" in line}
+
+
 def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: str, auth: Optional[str],
                     deadline_s: float, stop: threading.Event, live_sockets: set, lock: threading.Lock):
     import httpx2
+
+    ambient = _ambient_header_names()
 
     class GuardedStream(httpx2.SyncByteStream):
         def __init__(self, stream, deadline: float, cap: int, url: str, sock):
@@ -285,7 +294,7 @@ def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: st
             if u.scheme != scheme or u.host != host or (u.port or (443 if u.scheme == "https" else 80)) != port \
                     or not (u.path == path_prefix or u.path.startswith(path_prefix.rstrip("/") + "/")):
                 raise OffBaseUrl(f"refused a request for {_url_of(request)}: outside --base-url")
-            for name in [k for k in request.headers.keys() if k.lower() in ("authorization", "openai-organization", "openai-project")]:
+            for name in [k for k in request.headers.keys() if k.lower() in ("authorization", "openai-organization", "openai-project") or k.lower() in ambient]:
                 del request.headers[name]
             if auth:
                 request.headers["Authorization"] = auth

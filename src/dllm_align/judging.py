@@ -455,6 +455,7 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
         raise JudgementFailed(f"no [[A]]/[[B]]/[[C]] verdict in {max_parse + 1} replies (last ends: {snippet!r})")
 
     total = already + len(tasks)
+    requests_before = client.stats.requests
     fatal = None
     n_failed = 0
     t0 = last_log = time.monotonic()
@@ -497,7 +498,7 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
     retries = client.stats.retries
     info(
         f"{done_now} judgement(s) in {elapsed:.1f} s ({done_now / elapsed if elapsed > 0 else 0:.2f}/s), "
-        f"{client.stats.requests} request(s)"
+        f"{client.stats.requests - requests_before} request(s)"
         + (", retries: " + ", ".join(f"{k} x{v}" for k, v in sorted(retries.items())) if retries else "")
     )
     return fatal
