@@ -7,8 +7,9 @@ Every batch this run folder ever made is recorded in ``DIR/batch_state.json``
 batch id) and ``done`` (its results are in the cache). A run killed anywhere
 continues from the recorded stage. The two steps that make something on the
 server (upload, create) are looked up before they are repeated: a killed upload
-is found by its file name, which is the hash of its content, and a killed
-create by the batch whose input file is ours. So a request is never in two
+is found by its file name (unique to this batch record: its name, the hash of
+its content and a random tag, all in the state before the upload starts), and
+a killed create by the batch whose input file is ours. So a request is never in two
 live batches, and a finished judgement (cached) is never sent again.
 
 The request files (``DIR/batches/NAME.input.jsonl``) hold model, messages and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -103,7 +105,7 @@ class BatchRunner:
         name = f"batch-{len(self.state['batches']) + 1:04d}"
         atomic_write_text(self.folder / f"{name}.input.jsonl", text)
         b = {"name": name, "status": "written", "input": f"{FOLDER}/{name}.input.jsonl", "sha256": digest,
-             "bytes": len(text.encode("utf-8")), "upload_name": f"dllm-align-{digest[:24]}.jsonl",
+             "bytes": len(text.encode("utf-8")), "upload_name": f"dllm-align-{name}-{digest[:16]}-{secrets.token_hex(4)}.jsonl",
              "file_id": None, "batch_id": None, "keys": {t.key: [t.judge, t.id, t.order] for t in tasks}}
         self.state["batches"].append(b)
         self._save()
@@ -262,7 +264,6 @@ class BatchRunner:
         self._save()
         from dllm_align.console import info, warn
 
-        (warn if why else info)(f"{b['name']} {batch.status}: {ok} judgement(s) cached, {len(why)} failed"
-                                + (" (retried below)" if why else ""))
+        (warn if why else info)(f"{b['name']} {batch.status}: {ok} judgement(s) cached, {len(why)} failed")
         return why
 
