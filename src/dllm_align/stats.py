@@ -276,9 +276,10 @@ def summarize(outcomes: Sequence[int] | np.ndarray, n_resamples: int = 5000, see
 # same total weight (prompts of equal length keep weight 1). Without them, a judge
 # that only prefers the longer answer makes the two groups linearly separable,
 # and the intercept of a logistic fit is then set by the ratio of the group sizes
-# (about 0.5 ln(n_A-longer / n_B-longer)), not by anything the judge did: on 120
-# prompts where A was longer on 80%, the unweighted fit gave 0.66 for a pure
-# length judge, the weighted one 0.48-0.56 over six seeds.
+# (about 0.5 ln(n_A-longer / n_B-longer)), not by anything the judge did: on the
+# README's example (200 prompts, A longer on 80%) the unweighted fit gives 0.73
+# for a judge that only likes length, the weighted one 0.53, and 0.43-0.57 over
+# ten such data sets (tests/test_judge_report.py).
 LC_RIDGE = 1.0
 _LC_ITERS = 60
 
