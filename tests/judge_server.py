@@ -112,6 +112,14 @@ class JudgeServer:
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True
 
+            def _drop(self) -> None:
+                """Close the connection without answering."""
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
             def _authorized(self) -> bool:
                 return srv.api_key is None or self.headers.get("Authorization") == f"Bearer {srv.api_key}"
 
@@ -141,12 +149,7 @@ class JudgeServer:
                 if action == "500":
                     return self._send(500, {"error": {"message": "server error"}})
                 if action == "drop":
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    return
+                    return self._drop()
                 with srv.lock:
                     status, obj = fn()
                 if isinstance(obj, bytes):
@@ -215,12 +218,7 @@ class JudgeServer:
                 if action in ("500", "503"):
                     return self._send(int(action), {"error": {"message": "server error" + echo}})
                 if action == "drop":
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    return
+                    return self._drop()
                 if model in srv.reasoning_models:
                     bad = "max_tokens" if "max_tokens" in req else "temperature" if "temperature" in req else None
                     if bad:

@@ -174,3 +174,22 @@ def test_a_run_killed_at_each_batch_stage_continues_its_own_batch(tmp_path, stra
     res = json.loads(r.out)
     assert res["judges"] == straight["results"]["judges"]
     assert len((out / "cache.jsonl").read_text().splitlines()) == 16
+
+
+def test_a_live_run_refuses_while_a_batch_of_the_same_folder_is_unfinished(tmp_path, files):
+    a, b = files
+    out = tmp_path / "out"
+    env = {"OPENAI_API_KEY": KEY}
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.batch_polls = 3
+        args = ["judge", a, b, "-o", out, "--judge", "judge-1", *fast(srv)]
+        assert run_killed(args + ["--batch", "--batch-poll", "0.01"], "kill_at:batch_polling", env=env).code == -9
+        r = run_cli(args, env=env)  # without --batch
+        assert r.code == 2 and "batch-0001" in r.err and "--batch" in r.err
+        assert srv.log == []  # nothing was asked live
+        r = run_cli(args + ["--batch", "--batch-poll", "0.01"], env=env)
+        assert r.code == 0, r.err
+        r = run_cli(args, env=env)  # all cached: the live run has nothing to ask
+        assert r.code == 0 and srv.log == []
+    assert exact(out) == (3, 2, 3, 8, 0.5625)

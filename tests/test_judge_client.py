@@ -10,10 +10,6 @@ server without a key, proxies) never reach the request.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,9 +19,8 @@ import pytest
 from dllm_align import judge_client
 from dllm_align.errors import UserError
 from judge_server import JudgeServer
-from test_judging import IDS, J1, KEY, cli, fast, script, write_gen
+from test_judging import IDS, J1, KEY, cli, fast, interrupt_judge, script, write_gen
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
@@ -67,26 +62,11 @@ def test_an_enormous_body_is_not_read_past_the_cap(tmp_path, files):
 
 def test_ctrl_c_stops_a_body_that_never_ends(tmp_path, files):
     a, b = files
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OPENAI_API_KEY=KEY)
-    env.pop("DLLM_ALIGN_DEBUG", None)
     with JudgeServer(KEY) as srv:
         srv.faults = {("m", i, o): ["endless"] for i in IDS for o in ("AB", "BA")}
-        proc = subprocess.Popen([sys.executable, "-m", "dllm_align", "judge", str(a), str(b), "-o", str(tmp_path / "out"),
-                                 "--judge", "m", "--base-url", srv.url, "--timeout", "120", "--concurrency", "4"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while len(srv.log) < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.5)  # the bodies are streaming now
-            t = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=20)
-            elapsed = time.monotonic() - t
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode == 130 and "Interrupted" in err
+        code, err, elapsed = interrupt_judge([a, b, "-o", tmp_path / "out", "--judge", "m", "--base-url", srv.url, "--timeout", "120",
+                                              "--concurrency", "4"], lambda: len(srv.log) >= 4, 0.5)  # the bodies are streaming
+    assert code == 130 and "Interrupted" in err
     assert elapsed < 5
     assert not (tmp_path / "out" / "cache.jsonl").exists()
 

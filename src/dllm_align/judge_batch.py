@@ -44,6 +44,18 @@ def request_line(task: Task, params: Mapping[str, Any]) -> dict:
             "body": {"model": task.judge, "messages": [{"role": "user", "content": task.content}], **params}}
 
 
+def pending_batches(out: Path) -> dict[str, list[str]]:
+    """``{name: keys}`` of the batches in ``out`` that an earlier run left unfinished."""
+    path = out / STATE
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        return {b["name"]: list(b["keys"]) for b in state["batches"] if b["status"] != "done"}
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return {}  # a damaged state file is reported by --batch, which reads it
+
+
 class BatchRunner:
     def __init__(self, client: ChatClient, out: Path, params: Mapping[str, Any], writer: CacheWriter,
                  parse: Callable[[str], Optional[str]], *, poll_interval: float, poll_max: float, stop: threading.Event):

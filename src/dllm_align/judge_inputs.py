@@ -127,6 +127,15 @@ def _row(obj: Any, where: str) -> GenRow:
     return GenRow(str(rid), prompt_text(obj["prompt"]), completion_text(obj["completion"]), ref, where)
 
 
+def _read_utf8(path: Path, what: str) -> str:
+    if not path.is_file():
+        raise UserError(f"{what} not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+
+
 def read_generations(path: str | Path) -> list[GenRow]:
     """Read generation rows (``id``, ``prompt``, ``completion``) from JSONL or a JSON list.
 
@@ -134,12 +143,7 @@ def read_generations(path: str | Path) -> list[GenRow]:
     and how many more), and nothing is judged. Raises :class:`UserError`.
     """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+    text = _read_utf8(path, "file")
     entries: list[tuple[str, Any]] = []
     problems: list[str] = []
     if path.suffix == ".json":
@@ -252,12 +256,7 @@ def load_template(path: str | Path | None) -> str:
     if path is None:
         return DEFAULT_TEMPLATE
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"template file not found: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})")
+    text = _read_utf8(p, "template file")
     check_template(text, str(p))
     unknown = sorted({m for m in _ANY_FIELD_RE.findall(text) if m not in PLACEHOLDERS})
     if unknown:

@@ -408,9 +408,15 @@ def _obtain(tasks: dict[str, Task], client: ChatClient, s: dict, params: dict, o
     Returns a fatal error if one stopped the run."""
     from dllm_align.console import info
 
+    from dllm_align.judge_batch import BatchRunner, pending_batches
+
     if not s["batch"]:
+        busy = {name: n for name, keys in pending_batches(out).items() if (n := len(set(keys) & set(tasks)))}
+        if busy:  # asking live would send requests a batch on the server is answering
+            name, n = next(iter(busy.items()))
+            raise UserError(f"{n} of these judgements are in {name}, a batch an earlier --batch run of {out} left on the server",
+                            hint=f"run the same command with --batch to collect it; or move {out / 'batch_state.json'} away to abandon it")
         return _run_live(list(tasks.values()), client, s, params, writer, slots, errors, stop, already)
-    from dllm_align.judge_batch import BatchRunner
 
     runner = BatchRunner(client, out, params, writer, parse_verdict, poll_interval=s["batch_poll_interval"],
                          poll_max=s["batch_poll_max"], stop=stop)
