@@ -20,7 +20,8 @@ prompt id and the order (which marker comes first) whatever the template.
   503 to every request after N normal answers.
 * Transport faults (class 3 of the hostile-input round), also as chat actions:
   "endless" (200, then a body that never ends, one byte every 50 ms), "huge"
-  (200, then 64 MiB of body as fast as it goes), "404" shows the path asked for.
+  (200, then 64 MiB of body as fast as it goes), "slowheaders" (a status line,
+  then header bytes one every 50 ms, never finished), "404" shows the path asked for.
 
 Files and batches (the Batch API), on the same server and key:
 
@@ -36,7 +37,8 @@ Files and batches (the Batch API), on the same server and key:
   error file); ``fail_batches = n`` fails the next n batches at validation.
 * ``route_faults[ROUTE]`` (ROUTE = "files.create", "files.list",
   "files.content", "batches.create", "batches.list", "batches.retrieve") is a
-  list of actions spent one per request: "429", "500", "drop".
+  list of actions spent one per request: "429", "500", "drop", "act-then-hang"
+  (the server does what was asked, then never answers: the client times out).
 """
 
 from __future__ import annotations
@@ -152,6 +154,10 @@ class JudgeServer:
                     return self._drop()
                 with srv.lock:
                     status, obj = fn()
+                if action == "act-then-hang":  # the server acts, then the answer never comes
+                    srv.release.wait(30)
+                    self.close_connection = True
+                    return
                 if isinstance(obj, bytes):
                     try:
                         self.send_response(status)
@@ -228,6 +234,8 @@ class JudgeServer:
                     return self._send(200, b"<html>not json")
                 if action in ("endless", "huge"):
                     return self._stream_forever(action)
+                if action == "slowheaders":
+                    return self._trickle_headers()
                 if action == "slow":
                     time.sleep(srv.slow_seconds)
                 if action == "garbage":
@@ -244,6 +252,19 @@ class JudgeServer:
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5},
                 })
+
+            def _trickle_headers(self) -> None:
+                """A status line, then header bytes one every 50 ms, never finishing them."""
+                self.close_connection = True
+                try:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    t0 = time.monotonic()
+                    while time.monotonic() - t0 < 60 and not srv.release.is_set():
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    pass
 
             def _stream_forever(self, action: str) -> None:
                 """200 and headers, then a body that never ends ("endless": a byte every

@@ -17,7 +17,7 @@ import pytest
 
 from judge_server import JudgeServer
 from reliability import run_cli, run_killed
-from test_judging import IDS, J1, KEY, cli, fast, script, write_gen
+from test_judging import J1, KEY, cli, fast, script, write_gen
 
 
 @pytest.fixture()
@@ -84,6 +84,19 @@ def test_batch_faults_and_partial_errors_are_retried_live_and_counted_exactly(tm
     assert "3 failed" in r.stderr and "Retrying 3 judgement(s) that failed in the batch live" in r.stderr
     usage = json.loads((out / "results.json").read_text())["usage"]["judge-1"]
     assert (usage["batch"], usage["live"]) == (13, 3)
+
+
+def test_an_upload_and_a_create_that_time_out_after_the_server_acted_are_not_repeated(tmp_path, files):
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.route_faults = {"files.create": ["act-then-hang"], "batches.create": ["act-then-hang"]}
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv), "--timeout", "1"])
+        assert r.exit_code == 0, r.stderr
+        assert len(srv.uploads) == 1 and len(srv.batches) == 1  # found on the retry, not made again
+        assert sorted(collections.Counter(srv.batch_log).values()) == [1] * 16
+    assert exact(out) == (3, 2, 3, 8, 0.5625)
 
 
 def test_an_expired_batch_continues_in_a_new_batch_with_only_the_missing_requests(tmp_path, files):
@@ -192,4 +205,21 @@ def test_a_live_run_refuses_while_a_batch_of_the_same_folder_is_unfinished(tmp_p
         assert r.code == 0, r.err
         r = run_cli(args, env=env)  # all cached: the live run has nothing to ask
         assert r.code == 0 and srv.log == []
+    assert exact(out) == (3, 2, 3, 8, 0.5625)
+
+
+def test_two_judges_get_one_batch_each_and_large_sets_are_split(tmp_path, files, monkeypatch):
+    from dllm_align import judge_batch
+
+    a, b = files
+    out = tmp_path / "out"
+    monkeypatch.setattr(judge_batch, "MAX_REQUESTS", 10)
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        r = cli([a, b, "-o", out, "--judge", "judge-1", "--judge", "judge-2", *batch_args(srv)])
+        assert r.exit_code == 0, r.stderr
+        models = [{json.loads(x)["body"]["model"] for x in data.decode().splitlines()} for _, data in srv.uploads]
+        sizes = [len(data.decode().splitlines()) for _, data in srv.uploads]
+        assert sorted(collections.Counter(srv.batch_log).values()) == [1] * 32
+    assert models == [{"judge-1"}, {"judge-1"}, {"judge-2"}, {"judge-2"}] and sizes == [10, 6, 10, 6]
     assert exact(out) == (3, 2, 3, 8, 0.5625)

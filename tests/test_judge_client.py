@@ -33,17 +33,18 @@ def _results(out: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- deadline, size cap
-def test_a_body_that_never_ends_is_cut_at_the_deadline_and_retried(tmp_path, files):
+@pytest.mark.parametrize("fault", ["endless", "slowheaders"])
+def test_a_response_that_never_ends_is_cut_at_the_deadline_and_retried(tmp_path, files, fault):
     a, b = files
     with JudgeServer(KEY) as srv:
         script(srv, "judge-1", J1)
-        srv.faults = {("judge-1", "p0", "AB"): ["endless"], ("judge-1", "p1", "BA"): ["endless"]}
+        srv.faults = {("judge-1", "p0", "AB"): [fault], ("judge-1", "p1", "BA"): [fault]}
         t = time.monotonic()
         r = cli([a, b, "-o", tmp_path / "out", "--judge", "judge-1", *fast(srv), "--timeout", "1"])
         elapsed = time.monotonic() - t
         acts = [x["action"] for x in srv.requests_for(id="p0", order="AB")]
     assert r.exit_code == 0, r.stderr
-    assert acts == ["endless", "ok"]  # cut, then asked again
+    assert acts == [fault, "ok"]  # cut, then asked again
     assert "timeout x2" in r.stderr
     assert elapsed < 15  # two 1 s deadlines, not the server's 60 s stream
     j = _results(tmp_path / "out")["judge-1"]
@@ -87,7 +88,7 @@ def test_a_wrong_base_path_names_the_path_that_was_asked_for(tmp_path, files):
     with JudgeServer(KEY) as srv:
         r = cli([a, b, "-o", tmp_path / "out", "--judge", "m", *fast(srv), "--base-url", srv.url + "/v1"])
     assert r.exit_code == 2
-    assert f"{srv.url}/v1/chat/completions" in r.stderr and f"no route /v1/v1/chat/completions" in r.stderr
+    assert f"{srv.url}/v1/chat/completions" in r.stderr and "no route /v1/v1/chat/completions" in r.stderr
 
 
 @pytest.mark.parametrize("fault, code", [("401", 2), ("400", 1)])

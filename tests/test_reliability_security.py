@@ -85,7 +85,7 @@ def test_a_planted_key_never_leaves_the_environment(tmp_path):
         runs.append(run_killed(base + url + batch + ["--judge", "m4", "-o", tmp_path / "batch-killed"], "kill_at:batch_after_create", env=env))
         assert runs[-1].code == -9
         uploaded = [name + "\n" + data.decode("utf-8", "replace") for name, data in srv.uploads]
-        assert len(uploaded) == 2 and all("custom_id" in u for u in uploaded)
+        assert len(uploaded) == 3 and all("custom_id" in u for u in uploaded)  # one batch per judge (m, m3), one killed
     # 5. a server that rejects the key and quotes it in the 401
     with JudgeServer("sk-the-right-one", echo_auth=True) as srv:
         runs.append(run_cli(base + ["--base-url", srv.url, "-o", tmp_path / "rejected"], env=env))

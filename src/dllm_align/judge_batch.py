@@ -33,7 +33,8 @@ from dllm_align.judge_client import Cancelled, ChatClient
 
 STATE = "batch_state.json"
 FOLDER = "batches"
-MAX_REQUESTS = 50_000  # the Batch API's limit per file
+MAX_REQUESTS = 50_000  # the Batch API's limits per file: requests,
+MAX_BYTES = 190 << 20  # and size (200 MB), with a margin
 ENDPOINT = "/v1/chat/completions"
 TERMINAL = ("completed", "expired", "failed", "cancelled")
 LOOKUP_LIMIT = 2000  # listing the account's files / batches stops here
@@ -102,10 +103,27 @@ class BatchRunner:
             todo = [t for k, t in tasks.items() if k not in self.writer.cache]
             if not todo:
                 break
-            for i in range(0, len(todo), MAX_REQUESTS):
-                b = self._write(todo[i : i + MAX_REQUESTS])
+            for chunk in self._chunks(todo):
+                b = self._write(chunk)
                 why.update(self._drive(b))
         return {k: why.get(k, "not judged") for k in tasks if k not in self.writer.cache}
+
+    def _chunks(self, todo: list[Task]) -> list[list[Task]]:
+        """One batch per judge (the Batch API takes one model per file), each within
+        MAX_REQUESTS lines and MAX_BYTES."""
+        chunks: list[list[Task]] = []
+        for judge in dict.fromkeys(t.judge for t in todo):
+            cur, size = [], 0
+            for t in (t for t in todo if t.judge == judge):
+                n = len(json.dumps(request_line(t, self.params), ensure_ascii=False).encode("utf-8")) + 1
+                if cur and (len(cur) == MAX_REQUESTS or size + n > MAX_BYTES):
+                    chunks.append(cur)
+                    cur, size = [], 0
+                cur.append(t)
+                size += n
+            if cur:
+                chunks.append(cur)
+        return chunks
 
     def _write(self, tasks: list[Task]) -> dict:
         """Stage ``written``: the request file on disk, recorded in the state."""
@@ -128,24 +146,35 @@ class BatchRunner:
         from dllm_align.console import info
 
         c = self.client
+        # Each attempt of an upload or a create first looks for what an earlier attempt
+        # (killed, or timed out after the server had acted) may have made.
         if b["status"] == "written":
             faults.at("kill_at", "batch_before_upload")
-            fid = self._find_upload(b)
-            if fid is None:
-                data = (self.out / b["input"]).read_bytes()
-                if hashlib.sha256(data).hexdigest() != b["sha256"]:
-                    raise RunFailure(f"{self.out / b['input']} changed since it was written; not uploading it")
-                fid = c.call(lambda sdk: sdk.files.create(file=(b["upload_name"], data, "application/jsonl"), purpose="batch").id,
-                             "file upload")
+            data = (self.out / b["input"]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != b["sha256"]:
+                raise RunFailure(f"{self.out / b['input']} changed since it was written; not uploading it")
+
+            def upload(sdk):
+                found = self._find_upload(sdk, b)
+                if found is not None:
+                    return found
+                fid = sdk.files.create(file=(b["upload_name"], data, "application/jsonl"), purpose="batch").id
                 faults.at("kill_at", "batch_after_upload")  # uploaded, not yet recorded: the next run must find it
-            b.update(file_id=fid, status="uploaded")
+                return fid
+
+            b.update(file_id=c.call(upload, "file upload"), status="uploaded")
             self._save()
         if b["status"] == "uploaded":
-            bid = self._find_batch(b["file_id"])
-            if bid is None:
-                bid = c.call(lambda sdk: sdk.batches.create(input_file_id=b["file_id"], endpoint=ENDPOINT, completion_window="24h",
-                                                            metadata={"dllm_align": b["name"]}).id, "batch create")
+            def create(sdk):
+                found = self._find_batch(sdk, b["file_id"])
+                if found is not None:
+                    return found
+                bid = sdk.batches.create(input_file_id=b["file_id"], endpoint=ENDPOINT, completion_window="24h",
+                                         metadata={"dllm_align": b["name"]}).id
                 faults.at("kill_at", "batch_after_create")  # created, not yet recorded: the next run must find it
+                return bid
+
+            bid = c.call(create, "batch create")
             b.update(batch_id=bid, status="created")
             self._save()
             info(f"Submitted {b['name']} ({len(b['keys'])} requests) as {bid}")
@@ -154,27 +183,23 @@ class BatchRunner:
             return self._collect(b, batch)
         return {}
 
-    def _find_upload(self, b: dict) -> Optional[str]:
-        def look(sdk):
-            for i, f in enumerate(sdk.files.list(purpose="batch")):
-                if i >= LOOKUP_LIMIT:
-                    break
-                if f.filename == b["upload_name"] and f.bytes == b["bytes"]:
-                    return f.id
-            return None
+    @staticmethod
+    def _find_upload(sdk, b: dict) -> Optional[str]:
+        for i, f in enumerate(sdk.files.list(purpose="batch")):
+            if i >= LOOKUP_LIMIT:
+                break
+            if f.filename == b["upload_name"] and f.bytes == b["bytes"]:
+                return f.id
+        return None
 
-        return self.client.call(look, "file list")
-
-    def _find_batch(self, file_id: str) -> Optional[str]:
-        def look(sdk):
-            for i, bt in enumerate(sdk.batches.list(limit=100)):
-                if i >= LOOKUP_LIMIT:
-                    break
-                if bt.input_file_id == file_id:
-                    return bt.id
-            return None
-
-        return self.client.call(look, "batch list")
+    @staticmethod
+    def _find_batch(sdk, file_id: str) -> Optional[str]:
+        for i, bt in enumerate(sdk.batches.list(limit=100)):
+            if i >= LOOKUP_LIMIT:
+                break
+            if bt.input_file_id == file_id:
+                return bt.id
+        return None
 
     def _poll(self, b: dict):
         from dllm_align.console import info, progress

@@ -16,9 +16,10 @@ does not:
 * **A key is never sent in clear** to a host that is not loopback
   (:func:`check_base_url`), unless ``--allow-plain-http``.
 * **Bounded in time and memory.** Every response has a total deadline and a
-  size cap, checked on every chunk of its body: a server that sends headers and
-  then trickles (or never ends) its body is cut at the deadline, not kept alive
-  by httpx's per-read timeout, and never buffered past the cap.
+  size cap: the headers are waited for until the deadline, and the body is
+  checked on every chunk, so a server that trickles its headers or its body (or
+  never ends it) is cut at the deadline, not kept alive by httpx's per-read
+  timeout, and nothing is buffered past the cap.
 * **Ctrl-C always stops.** Requests run on daemon threads; :meth:`ChatClient.abort`
   sets the stop flag (checked before sending and on every chunk) and shuts
   down the sockets of responses being read, and the process can exit without
@@ -260,8 +261,8 @@ def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: st
     ambient = _ambient_header_names()
 
     class GuardedStream(httpx2.SyncByteStream):
-        def __init__(self, stream, deadline: float, cap: int, url: str, sock):
-            self._stream, self._deadline, self._cap, self._url, self._sock = stream, deadline, cap, url, sock
+        def __init__(self, stream, deadline: float, limit: float, cap: int, url: str, sock):
+            self._stream, self._deadline, self._limit, self._cap, self._url, self._sock = stream, deadline, limit, cap, url, sock
 
         def __iter__(self):
             n = 0
@@ -273,7 +274,7 @@ def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: st
                     if n > self._cap:
                         raise TransportLimit(f"response from {self._url} larger than {self._cap >> 20} MiB; not read further", "too-large")
                     if time.monotonic() > self._deadline:
-                        raise TransportLimit(f"response from {self._url} not complete within {deadline_s:g} s", "timeout")
+                        raise TransportLimit(f"response from {self._url} not complete within {self._limit:g} s", "timeout")
                     yield chunk
             finally:
                 self._forget()
@@ -300,10 +301,11 @@ def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: st
                 request.headers["Authorization"] = auth
             if stop.is_set():
                 raise Cancelled()
-            big = u.path.endswith("/content")  # a file download (batch results)
+            # a batch file upload or a results download: larger, so longer (10x) and a larger cap
+            big = u.path.endswith("/content") or (request.method == "POST" and u.path.endswith("/files"))
             started = time.monotonic()
             limit = deadline_s * (10 if big else 1)
-            resp = inner.handle_request(request)
+            resp = self._headers_within(request, started + limit, limit)
             sock = None
             try:
                 ns = resp.extensions.get("network_stream")
@@ -316,11 +318,46 @@ def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: st
             if stop.is_set():
                 resp.close()
                 raise Cancelled()
-            stream = GuardedStream(resp.stream, started + limit, MAX_DOWNLOAD_BYTES if big else MAX_RESPONSE_BYTES, _url_of(request), sock)
+            stream = GuardedStream(resp.stream, started + limit, limit, MAX_DOWNLOAD_BYTES if big else MAX_RESPONSE_BYTES, _url_of(request), sock)
             return httpx2.Response(resp.status_code, headers=resp.headers, stream=stream, extensions=resp.extensions)
 
         def close(self):
             inner.close()
+
+        @staticmethod
+        def _headers_within(request, deadline: float, limit: float):
+            """``inner.handle_request`` (which returns once the headers are in) on a
+            helper thread, waited for until the deadline: httpx's read timeout is per
+            read, so a server trickling its headers a byte at a time would otherwise
+            hold the request for as long as it likes. A request given up on is closed
+            when its headers do arrive (h11 caps them at 16 KiB meanwhile)."""
+            box: dict = {}
+            done = threading.Event()
+
+            def go():
+                try:
+                    box["resp"] = inner.handle_request(request)
+                except BaseException as e:  # handed back below
+                    box["err"] = e
+                with lock:
+                    done.set()
+                    late = box.get("abandoned")
+                if late and "resp" in box:
+                    box["resp"].close()
+
+            threading.Thread(target=go, daemon=True, name="judge-headers").start()
+            while not done.wait(0.1):
+                if stop.is_set() or time.monotonic() > deadline:
+                    with lock:
+                        if not done.is_set():
+                            box["abandoned"] = True
+                    if box.get("abandoned"):
+                        if stop.is_set():
+                            raise Cancelled()
+                        raise TransportLimit(f"no response from {_url_of(request)} within {limit:g} s", "timeout")
+            if "err" in box:
+                raise box["err"]
+            return box["resp"]
 
     return GuardTransport()
 
