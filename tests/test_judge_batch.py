@@ -17,7 +17,7 @@ import pytest
 
 from judge_server import JudgeServer
 from reliability import run_cli, run_killed
-from test_judging import J1, KEY, cli, fast, script, write_gen
+from test_judging import J1, KEY, cli, fast, interrupt_judge, script, write_gen
 
 
 @pytest.fixture()
@@ -222,4 +222,21 @@ def test_two_judges_get_one_batch_each_and_large_sets_are_split(tmp_path, files,
         sizes = [len(data.decode().splitlines()) for _, data in srv.uploads]
         assert sorted(collections.Counter(srv.batch_log).values()) == [1] * 32
     assert models == [{"judge-1"}, {"judge-1"}, {"judge-2"}, {"judge-2"}] and sizes == [10, 6, 10, 6]
+    assert exact(out) == (3, 2, 3, 8, 0.5625)
+
+
+def test_ctrl_c_while_polling_stops_at_once_and_the_rerun_collects_the_same_batch(tmp_path, files):
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.batch_polls = 10_000  # still running when Ctrl-C comes
+        args = [a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)]
+        code, err, elapsed = interrupt_judge(args, lambda: ("batches.retrieve", "ok") in srv.api_log, 0.3)
+        assert code == 130 and "Interrupted" in err and elapsed < 5
+        srv.batch_polls = 1
+        r = cli(args)
+        assert r.exit_code == 0, r.stderr
+        assert len(srv.uploads) == 1 and len(srv.batches) == 1 and srv.log == []
+    assert "Continuing batch-0001" in r.stderr
     assert exact(out) == (3, 2, 3, 8, 0.5625)
