@@ -96,6 +96,7 @@ class JudgeServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            wbufsize = 1 << 16  # headers and body leave in one write (unbuffered, Nagle delays the body ~40 ms)
 
             def log_message(self, *a):  # keep test output clean
                 pass
