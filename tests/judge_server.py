@@ -259,13 +259,17 @@ class JudgeServer:
                 self.close_connection = True
                 try:
                     self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-                    t0 = time.monotonic()
-                    while time.monotonic() - t0 < 60 and not srv.release.is_set():
-                        self.wfile.write(b"x")
-                        self.wfile.flush()
-                        time.sleep(0.05)
+                    self._trickle()
                 except (BrokenPipeError, ConnectionResetError, OSError):
                     pass
+
+            def _trickle(self) -> None:
+                """One byte every 50 ms for up to a minute (or until the server is released)."""
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 60 and not srv.release.is_set():
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.05)
 
             def _stream_forever(self, action: str) -> None:
                 """200 and headers, then a body that never ends ("endless": a byte every
@@ -282,11 +286,7 @@ class JudgeServer:
                         for _ in range(64):
                             self.wfile.write(chunk)
                     else:
-                        t0 = time.monotonic()
-                        while time.monotonic() - t0 < 60 and not srv.release.is_set():
-                            self.wfile.write(b"x")
-                            self.wfile.flush()
-                            time.sleep(0.05)
+                        self._trickle()
                 except (BrokenPipeError, ConnectionResetError, OSError):
                     pass
 
