@@ -114,8 +114,21 @@ def find_checkpoint(output_dir: Path) -> Optional[Path]:
 
 
 def state_dict_of(run) -> dict:
-    sd = run.acc.get_state_dict(run.module)  # full weights on the main process (FSDP gathers)
-    return {k: v for k, v in sd.items()} if sd is not None else {}
+    if run.fsdp and not getattr(run.acc, "is_fsdp2", False) and run.acc.device.type == "cpu":
+        # FSDP1's offload_to_cpu (accelerate's choice) crashes when the shards already live on
+        # the CPU (gloo); there the gathered tensors are CPU tensors anyway.
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(run.module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+            sd = run.module.state_dict()
+    else:
+        sd = run.acc.get_state_dict(run.module)  # full weights on the main process (FSDP gathers)
+    if sd is None:
+        return {}
+    # FSDP2 can hand back sharded DTensors (seen with gloo on CPU): gather them here; every
+    # rank calls this, so the collective is matched.
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
 def export(run, folder: Path, sd: dict, final: bool = False) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""

@@ -377,6 +377,23 @@ def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> Pat
     return _hub_snapshot(name_or_path, revision)
 
 
+def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Path:
+    """A model's config.json without fetching its weights (``doctor`` estimates before any download)."""
+    p = Path(name_or_path).expanduser()
+    if name_or_path.startswith("builtin:") or p.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        return Path(resolve_model_path(name_or_path, revision)) / "config.json"
+    from huggingface_hub import hf_hub_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    try:
+        return Path(hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=offline, etag_timeout=10))
+    except Exception as e:
+        raise UserError(
+            f"could not read the config.json of '{name_or_path}' ({type(e).__name__})",
+            hint="pass a local model folder, or check the name and your network (only config.json is fetched)",
+        ) from None
+
+
 def pick_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

@@ -166,6 +166,11 @@ class TrainSection(Section):
         description="Forward compute: bf16 autocast over fp32 master weights, or no (fp32); auto = bf16 on CUDA, no on CPU.",
     )
     seed: int = 0
+    process_group_timeout_minutes: float = Field(
+        60.0, gt=0,
+        description="How long a process waits for the others in a collective (NCCL/gloo) before the run fails. "
+        "torch's NCCL default is 10; rank 0 alone gathers, writes and hashes a checkpoint (an 8B model: minutes).",
+    )
     save_every: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: end only).")
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(1, ge=1)
