@@ -545,6 +545,14 @@ class MaskPredictor:
                 hint="set model.mask_token_id in the recipe (LLaDA: 126336)",
             )
         self.mask_token_id = int(mid)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = getattr(emb, "num_embeddings", None) or getattr(cfg, "vocab_size", None)
+        if vocab is not None and not 0 <= self.mask_token_id < int(vocab):
+            # An id past the embedding table fails deep inside a forward (or, on GPU, as a device assert).
+            raise UserError(
+                f"mask token id {self.mask_token_id} is outside the model's vocabulary (ids 0..{int(vocab) - 1})",
+                hint="fix model.mask_token_id in the recipe (LLaDA: 126336), or leave it unset to read it from the model",
+            )
         self.stop_token_ids = self._stop_ids()
         self._body, self._head = self._split()
 

@@ -437,12 +437,16 @@ class PrecomputeReport:
         return n / self.seconds if self.seconds > 0 else float("nan")
 
 
-def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None) -> PrecomputeReport:
+def precompute(
+    recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None, overwrite: bool = False
+) -> PrecomputeReport:
     """Compute and cache every example's K reference draws (``dllm-align precompute-ref``).
 
     Sharded across processes (shard s goes to rank s mod world); finished shards
     whose contents, ids, token digests and fingerprint check out are kept, so a
-    rerun after an interruption only computes what is missing.
+    rerun after an interruption only computes what is missing. A cache (or a
+    shard) made with other settings is refused, naming every field that
+    differs, unless ``overwrite``: it is never silently replaced.
     """
     from dllm_align.console import info, progress, warn
     from dllm_align.io import atomic_write_json
@@ -488,28 +492,34 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
         n_shards = math.ceil(len(examples) / size)
         digests = [example_digest(ex) for ex in examples]
 
-        # The main process decides which shards are missing (every process then works on the
-        # same list: a shard written meanwhile cannot make their lists differ).
+        if old is not None and not overwrite:
+            was = old["fingerprint"]
+            _refuse_other_settings(out, [(k, was.get(k), fp.fields[k]) for k in (*STRICT_FIELDS, "dataset") if was.get(k) != fp.fields[k]])
+
         todo, reused = [], 0
-        if is_main:
-            for s in range(n_shards):
-                p = out / SHARD_FMT.format(s)
-                lo, hi = s * size, min((s + 1) * size, len(examples))
-                if p.exists():
-                    try:
-                        _, sids, sdig, sfp = read_shard(p)
-                        if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
-                            reused += 1
-                            continue
-                    except ShardError as e:
+        for s in range(n_shards):  # every process checks every shard, so all refuse together
+            p = out / SHARD_FMT.format(s)
+            lo, hi = s * size, min((s + 1) * size, len(examples))
+            if p.exists():
+                try:
+                    _, sids, sdig, sfp = read_shard(p)
+                    if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
+                        reused += 1
+                        continue
+                    if not overwrite:
+                        _refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
+                except ShardError as e:
+                    if is_main:
                         warn(f"reference cache: {e}; computing it again")
-                todo.append(s)
-            if old is not None:
-                (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
+            todo.append(s)
         if world > 1:
+            # Every process works on the main process's list (rows of each shard are dealt out
+            # below), so a shard written meanwhile cannot make their lists differ.
             box = [(todo, reused)]
             torch.distributed.broadcast_object_list(box, src=0)
             todo, reused = box[0]
+        if is_main and old is not None:
+            (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
 
         n_todo = sum(min((s + 1) * size, len(examples)) - s * size for s in todo)
         t0 = time.perf_counter()
@@ -585,6 +595,18 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
+
+
+def _refuse_other_settings(out: Path, diffs: list) -> None:
+    from dllm_align.runfolder import refuse_changes
+
+    if diffs:
+        refuse_changes(
+            f"reference cache {out} was made with other settings, and would be replaced",
+            [(_FIELD_HINTS.get(k, k) if k in _FIELD_HINTS else k, a, b) for k, a, b in diffs],
+            hint="run with the cache's settings, write to another folder (-o, or reference.cache), "
+            "or pass --overwrite to replace it",
+        )
 
 
 def _read_manifest(folder: Path) -> Optional[dict]:
@@ -699,7 +721,7 @@ class ReferenceCache:
         return self.manifest.get("weight_files") or []
 
 
-def run_precompute(recipe, accelerator=None):
+def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     """``precompute-ref`` as a library call: load the reference and the examples, fill the cache.
 
     Returns (PrecomputeReport, accelerator). Finished shards are reused.
@@ -714,7 +736,7 @@ def run_precompute(recipe, accelerator=None):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
+    rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")
     return rep, acc

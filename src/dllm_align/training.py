@@ -58,7 +58,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -391,7 +391,9 @@ class _Run:
             from dllm_align.data import check_weight_ratio
 
             n_d = sum(1 for u in self.units if u[0].label)
-            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u)
+            # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
+            chosen = bool({"lambda_desirable", "lambda_undesirable"} & self.t.model_fields_set) or bool(recipe.data.weights_file)
+            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u, chosen=chosen)
 
         # -- draws: the policy uses the reference's masks (draws 0..K'-1 of the K-draw set)
         self.cfg = DrawConfig.from_reference(recipe.reference)
@@ -441,6 +443,12 @@ class _Run:
                 f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
                 f"mixed precision {accelerator.mixed_precision}"
             )
+            if self.t.objective != "sft":  # the step line's abbreviations, said once
+                info(
+                    "train: step lines show r+ / r- = mean reward margin (policy ELBO minus reference ELBO, nats) of "
+                    "the desirable / undesirable rows, b = the step's mean-margin baseline, sat = share of rows with a "
+                    "saturated sigmoid (no gradient)"
+                )
             if self.dropped_per_epoch:
                 info(f"train: {self.dropped_per_epoch} row(s) per epoch do not fill a global batch and are left out of that epoch")
             if accelerator.device.type == "cpu" and self.t.mixed_precision == "auto":
@@ -749,13 +757,16 @@ def train(
     overwrite: bool = False,
     examples: Optional[list] = None,
     accelerator=None,
+    allow_changes: Sequence[str] = (),
 ) -> TrainResult:
     """Train the policy as the recipe says (``dllm-align train``); returns where the model went.
 
     ``examples`` (tokenised :class:`dllm_align.tokenize.Example` s) replace
-    ``data.train`` when given (tests, the toy demo).
+    ``data.train`` when given (tests, the toy demo). ``resume`` refuses settings
+    that change the results unless their keys are in ``allow_changes``.
     """
     from dllm_align.io import DirLock, recover_jsonl
+    from dllm_align.runfolder import check_training_settings
 
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
@@ -768,9 +779,10 @@ def train(
         try:
             lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
             found = prepare_output(recipe, resume, overwrite)
+            changes = check_training_settings(recipe, out, allow_changes) if resume else []
             if resume:
                 recover_jsonl(out / METRICS)  # cut a torn last line; refuse a damaged middle
-            decision = [("ok", str(found) if found else None)]
+            decision = [("ok", str(found) if found else None, changes)]
         except UserError as e:
             decision = [("error", e.message, e.hint)]
     if acc.num_processes > 1:
@@ -781,7 +793,7 @@ def train(
         if decision[0][0] == "error":
             raise UserError(decision[0][1], hint=decision[0][2])
         resume_from = Path(decision[0][1]) if decision[0][1] else None
-        return _train(recipe, acc, out, resume, overwrite, resume_from, examples)
+        return _train(recipe, acc, out, resume, overwrite, resume_from, examples, decision[0][2])
     except UserError:
         # Refused before anything was written: leave no empty run folder behind.
         if acc.is_main_process and created and out.is_dir() and not any(out.iterdir()):
@@ -792,7 +804,7 @@ def train(
             lock.__exit__(None, None, None)
 
 
-def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples) -> TrainResult:
+def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples, changes=()) -> TrainResult:
     from dllm_align.console import info, progress, warn
     from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
     from dllm_align.recipe import write_run_info
@@ -811,7 +823,10 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
     if acc.is_main_process:
         if not resume and overwrite:
             _clear_previous(out)
-        write_run_info(recipe, out, "train")
+        if changes:  # let through on purpose (--allow-change): said now, and kept in the run's record
+            for k, was, now in changes:
+                warn(f"train: {k} changed on resume ({was!r} then, {now!r} now)")
+        write_run_info(recipe, out, "train", changes=[{"key": k, "was": a, "now": b, "at_step": run.step} for k, a, b in changes])
     history: list[dict] = []
     metrics_path = out / METRICS
     if acc.is_main_process:
