@@ -4,7 +4,8 @@
 
 SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
 "margins": [[launch, mixed_precision, reference_mode, lora], ...],
-"train": [[launch, lora, run_dir], ...], "raw_fsdp1_default_policy": bool}
+"train": [[launch, lora, run_dir], ...], "resume": [[launch, run_dir], ...],
+"raw_fsdp1_default_policy": bool}
 
 launch is ddp, fsdp1 or fsdp2. accelerate turns FSDP on only for GPU
 backends, so on CPU the accelerator is created for gloo and its state is then
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_accelerator(launch: str, mp: str):
@@ -40,19 +42,24 @@ def make_accelerator(launch: str, mp: str):
     GradientState._reset_state()
     acc = Accelerator(cpu=True, mixed_precision=mp)
     if launch.startswith("fsdp"):
-        version = int(launch[-1])
-        kw = dict(
-            fsdp_version=version,
-            auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-            state_dict_type="FULL_STATE_DICT",
-            cpu_ram_efficient_loading=False,
-            activation_checkpointing=False,
-        )
+        import yaml
+
+        # the shipped config for this FSDP version, translated as `accelerate launch` does
+        name = {"fsdp1": "fsdp1_8gpu.yaml", "fsdp2": "fsdp_8gpu.yaml"}[launch]
+        raw = yaml.safe_load((REPO / "recipes" / "accelerate" / name).read_text())["fsdp_config"]
+        version = int(raw["fsdp_version"])
+        assert version == int(launch[-1]), (name, version)
+        keys = {"fsdp_reshard_after_forward": "reshard_after_forward", "fsdp_auto_wrap_policy": "auto_wrap_policy",
+                "fsdp_backward_prefetch": "backward_prefetch", "fsdp_forward_prefetch": "forward_prefetch",
+                "fsdp_state_dict_type": "state_dict_type", "fsdp_use_orig_params": "use_orig_params",
+                "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+                "fsdp_activation_checkpointing": "activation_checkpointing"}
+        kw = {keys[k]: v for k, v in raw.items() if k in keys}
+        kw["auto_wrap_policy"] = str(kw["auto_wrap_policy"]).lower()
+        kw.update(fsdp_version=version, transformer_cls_names_to_wrap=[raw["fsdp_transformer_layer_cls_to_wrap"]])
+        kw["cpu_offload"] = bool(raw.get("fsdp_offload_params", False))
         if version == 1:
-            kw.update(reshard_after_forward="FULL_SHARD", use_orig_params=True, sync_module_states=False)  # True needs a GPU to init on
-        else:
-            kw.update(reshard_after_forward=True)
+            kw["sync_module_states"] = False  # True needs a GPU to initialise on; every rank loads the same weights
         plugin = FullyShardedDataParallelPlugin(**kw)
         if mp != "no":
             plugin.set_mixed_precision(mp)  # what accelerate does for an FSDP launch (param/reduce/buffer bf16)
@@ -164,6 +171,21 @@ def main() -> None:
         res = train(rec, examples=exs, accelerator=acc)
         results["train"][f"{launch}/lora={lora}"] = {"dir": run_dir, "metrics": res.last_metrics}
         acc.free_memory()
+
+    for launch, run_dir in spec.get("resume", []):
+        # 3 steps with a checkpoint at step 2; final/ removed; resumed: the same weights as without the stop
+        import shutil
+
+        acc = make_accelerator(launch, "no")
+        rec = recipe(spec, "no", "cached", False, run_dir, "train.max_steps=3", "train.save_every=2", f"train.max_grad_norm={spec['clip']}")
+        train(rec, examples=exs, accelerator=acc)
+        if torch.distributed.get_rank() == 0:
+            shutil.copytree(Path(run_dir) / "final", Path(run_dir + "-uninterrupted"))
+            shutil.rmtree(Path(run_dir) / "final")
+        torch.distributed.barrier()
+        acc = make_accelerator(launch, "no")
+        train(rec, examples=exs, accelerator=acc, resume=True)
+        results.setdefault("resume", {})[launch] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
 
     if spec.get("raw_fsdp1_default_policy"):
         # The defect as accelerate's default FSDP policy produces it: buffers cast to bf16.

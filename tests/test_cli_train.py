@@ -171,12 +171,16 @@ def test_shipped_accelerate_configs_load():
 
     folder = REPO / "recipes" / "accelerate"
     names = sorted(p.name for p in folder.glob("*.yaml"))
-    assert names == ["ddp_8gpu.yaml", "fsdp_8gpu.yaml", "single_gpu.yaml"]
+    assert names == ["ddp_8gpu.yaml", "fsdp1_8gpu.yaml", "fsdp_8gpu.yaml", "single_gpu.yaml"]
+    # the shipped FSDP setup is FSDP2; FSDP1 stays as a fallback (both run by test_invariants_distributed)
     fsdp = load_config_from_file(str(folder / "fsdp_8gpu.yaml"))
     assert fsdp.distributed_type == "FSDP" and fsdp.num_processes == 8 and fsdp.mixed_precision == "bf16"
+    assert fsdp.fsdp_config["fsdp_version"] == 2
     assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     assert fsdp.fsdp_config["fsdp_activation_checkpointing"] is True
-    assert fsdp.fsdp_config["fsdp_reshard_after_forward"] == "FULL_SHARD"
+    assert fsdp.fsdp_config["fsdp_reshard_after_forward"] is True
+    fsdp1 = load_config_from_file(str(folder / "fsdp1_8gpu.yaml"))
+    assert fsdp1.fsdp_config["fsdp_version"] == 1 and fsdp1.fsdp_config["fsdp_reshard_after_forward"] == "FULL_SHARD"
     ddp = load_config_from_file(str(folder / "ddp_8gpu.yaml"))
     assert ddp.distributed_type == "MULTI_GPU" and ddp.num_processes == 8
     single = load_config_from_file(str(folder / "single_gpu.yaml"))

@@ -13,7 +13,12 @@ so the suite pays for one process start-up:
   (each rank's shard alone gives another number), and a NaN in one rank's
   shard is seen by all ranks;
 * after 3 steps with clipping active, DDP, FSDP1, FSDP2 and one process hold
-  the same weights (fp32; full fine-tune and LoRA).
+  the same weights (fp32; full fine-tune and LoRA);
+* an FSDP run stopped after its step-2 checkpoint and resumed ends with the
+  same weights as without the stop (FSDP2's DTensor optimiser state included).
+
+The FSDP plugins are built from the shipped recipes/accelerate/fsdp_8gpu.yaml
+(FSDP2) and fsdp1_8gpu.yaml, activation checkpointing included.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ def launched(tmp_path_factory):
     spec["margins"] = [[launch, mp, "cached", False] for launch in LAUNCHES for mp in ("no", "bf16")]
     spec["margins"] += [[launch, mp, "online", True] for launch in LAUNCHES for mp in ("no", "bf16")]
     spec["train"] = [[launch, lora, str(root / f"train-{launch}-{lora}")] for launch in LAUNCHES for lora in (False, True)]
+    spec["resume"] = [[launch, str(root / f"resume-{launch}")] for launch in ("fsdp1", "fsdp2")]
     (root / "out").mkdir()
     (root / "spec.json").write_text(json.dumps(spec))
 
@@ -140,3 +146,16 @@ def test_same_weights_after_three_clipped_steps(launched, lora):
     changed = any(not torch.equal(want[k], load_file(str(single_dir.parent / "train-single-False" / "final" / "model.safetensors"))[k])
                   for k in want) if lora else True
     assert changed
+
+
+@pytest.mark.parametrize("launch", ["fsdp1", "fsdp2"])
+def test_fsdp_resume_continues_exactly(launched, launch):
+    """3 steps with a checkpoint at step 2, final/ removed, resumed: the same weights (per-rank optimiser shards)."""
+    from safetensors.torch import load_file
+
+    r = launched["results"]["resume"][launch]
+    assert (Path(r["dir"]) / "checkpoints" / "step-2").is_dir()
+    a = load_file(str(Path(r["dir"]) / "final" / "model.safetensors"))
+    b = load_file(str(Path(r["uninterrupted"]) / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), (launch, k)

@@ -113,6 +113,29 @@ def find_checkpoint(output_dir: Path) -> Optional[Path]:
     return best
 
 
+def _local_tensors(obj):
+    """FSDP2's optimiser state holds DTensors (not loadable with weights_only): keep each rank's shard."""
+    if hasattr(obj, "to_local"):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_local_tensors(v) for v in obj]
+    return obj
+
+
+def _reshard_optimizer_state(optimizer) -> None:
+    """After loading local shards into an FSDP2 optimiser, give them back their parameter's layout."""
+    for p, st in optimizer.state.items():
+        if not hasattr(p, "device_mesh"):
+            continue
+        from torch.distributed.tensor import DTensor
+
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False)
+
+
 def state_dict_of(run) -> dict:
     if run.fsdp and not getattr(run.acc, "is_fsdp2", False) and run.acc.device.type == "cpu":
         # FSDP1's offload_to_cpu (accelerate's choice) crashes when the shards already live on
@@ -160,7 +183,7 @@ def save_checkpoint(run, history: list) -> Path:
             (tmp / "adapter_config.json").write_text(json.dumps(run.t.lora.model_dump(), indent=2))
     if run.main:
         faults.at("kill_in_checkpoint", run.step)
-    opt_sd = run.optimizer.state_dict()
+    opt_sd = _local_tensors(run.optimizer.state_dict())
     if run.fsdp:
         torch.save(opt_sd, tmp / f"optimizer-rank{run.rank}.pt")
     elif run.main:
@@ -237,6 +260,7 @@ def load_state(run, folder: Path) -> None:
     name = f"optimizer-rank{run.rank}.pt" if run.fsdp else "optimizer.pt"
     opt_sd = torch.load(folder / name, map_location="cpu", weights_only=True)
     run.optimizer.load_state_dict(opt_sd)
+    _reshard_optimizer_state(run.optimizer)
     rng_file = folder / f"rng-rank{run.rank}.safetensors"
     if not rng_file.exists():
         rng_file = folder / "rng-rank0.safetensors"

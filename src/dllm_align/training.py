@@ -287,6 +287,17 @@ def build_optimizer(named_parameters, t, *, fused_ok: bool = True) -> torch.opti
     )
 
 
+@contextlib.contextmanager
+def _seeded_rng(key: tuple, device):
+    import hashlib
+
+    seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
+    devices = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def clip_global_grad_norm(params: list, max_norm: float, *, sharded: bool, device) -> float:
     """Clip by the norm of the whole gradient, the same on every rank; returns that norm.
 
@@ -584,6 +595,19 @@ class _Run:
         return allv.double().mean().float()
 
     # ---------------------------------------------------------------- one optimiser step
+    def _same_dropout(self, micro: int):
+        """Seed the RNG per (step, rank, micro-batch) when LoRA dropout is on.
+
+        With gradient accumulation the baseline comes from a no-grad pass over the
+        step's micro-batches before the gradient pass; both passes draw their dropout
+        masks from this seed, so the baseline is the mean of exactly the margins the
+        gradient pass differentiates (issue 13, defect 8). The global RNG is restored
+        afterwards, so nothing else changes.
+        """
+        if not (self.t.lora.enabled and self.t.lora.dropout > 0):
+            return contextlib.nullcontext()
+        return _seeded_rng((self.t.seed, self.step, self.rank, micro), self.acc.device)
+
     def _sync(self, last: bool):
         return contextlib.nullcontext() if last or self.world == 1 else self.acc.no_sync(self.module)
 
@@ -607,11 +631,14 @@ class _Run:
             if self.t.baseline == "none":
                 baseline = torch.zeros((), device=self.acc.device)
             elif A > 1:
+                margins = []
                 with torch.no_grad():  # every margin of the step before any backward
-                    r = torch.cat([self.policy_elbo(b).float() - rf for b, rf in zip(batches, refs)])
-                baseline = self._global_mean(r)
+                    for a, (b, rf) in enumerate(zip(batches, refs)):
+                        with self._same_dropout(a):
+                            margins.append(self.policy_elbo(b).float() - rf)
+                baseline = self._global_mean(torch.cat(margins))
             for a, (b, rf) in enumerate(zip(batches, refs)):
-                with self._sync(a == A - 1):
+                with self._sync(a == A - 1), self._same_dropout(a):
                     pol = self.policy_elbo(b)
                     if baseline is None:
                         baseline = self._global_mean(pol.detach().float() - rf)
