@@ -527,8 +527,8 @@ def precompute(
         if is_main:
             info(
                 f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of {size}; "
-                f"{world} process(es), each computing every {world}th row of each shard; "
-                f"{len(todo)} shard(s) to compute, {reused} already done"
+                + (f"the rows of each shard dealt out over {world} processes; " if world > 1 else "1 process; ")
+                + f"{len(todo)} shard(s) to compute, {reused} already done"
             )
         with progress("reference ELBO", total=n_todo if is_main else None, unit="ex") as bar:
             for s in todo:
