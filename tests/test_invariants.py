@@ -237,3 +237,18 @@ def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, 
     assert torch.equal(first, second.detach())
     if dropout:
         assert not torch.equal(first, other)
+
+
+def test_process_group_timeout_reaches_accelerate():
+    """Defect 4: torch's 10-minute NCCL default applied; every launch now passes the recipe's timeout (default 60)."""
+    from datetime import timedelta
+
+    from accelerate.utils import AutocastKwargs, InitProcessGroupKwargs
+
+    from dllm_align.precision import accelerator_kwargs
+
+    for sets, minutes in (([], 60), (["train.process_group_timeout_minutes=180"], 180)):
+        kw = accelerator_kwargs(load_recipe("kto_mix_14k", sets))
+        pg = next(k for k in kw if isinstance(k, InitProcessGroupKwargs))
+        assert pg.timeout == timedelta(minutes=minutes)
+        assert next(k for k in kw if isinstance(k, AutocastKwargs)).cache_enabled is False

@@ -39,8 +39,11 @@ def doctor(
     Example: dllm-align doctor kto_mix_14k --config recipes/accelerate/fsdp_8gpu.yaml
 
     Example: dllm-align doctor demo --smoke 3 --json
+
+    Example: accelerate launch --config_file recipes/accelerate/fsdp_8gpu.yaml -m dllm_align doctor kto_mix_14k --config recipes/accelerate/fsdp_8gpu.yaml --smoke 3
     """
     import json
+    import os
 
     from dllm_align import doctor as d
     from dllm_align.console import result
@@ -69,10 +72,8 @@ def doctor(
         inv = report["smoke"]["invariant"]
         failures.append(f"step-0 invariant: max |margin| {inv['max_abs_margin']:.3g} > tolerance {inv['tolerance']:.3g}")
     report["ok"] = not failures
-    if json_:
-        result(json.dumps(report, indent=1, default=str))
-    else:
-        result(render(report))
+    if int(os.environ.get("RANK", "0")) == 0:  # under accelerate launch / torchrun: one report
+        result(json.dumps(report, indent=1, default=str) if json_ else render(report))
     if failures:
         raise RunFailure("doctor: " + "; ".join(failures), hint="; ".join(report["memory"]["advice"]) or None)
 
