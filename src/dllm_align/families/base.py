@@ -133,12 +133,14 @@ def load_mapped(
     rename: Callable[[str], Optional[str]],
     family: str,
     combine: Optional[Callable[[dict], dict]] = None,
+    prepare: Optional[Callable[[torch.nn.Module], None]] = None,
 ):
     """Build ``model_cls(config)`` on the meta device and fill it from the folder's safetensors.
 
     ``rename`` maps a checkpoint name onto the native name (None: unknown, an
     error); ``combine`` may merge renamed tensors (e.g. stack per-expert
-    matrices). Every expected weight must be present: a missing or unknown one
+    matrices); ``prepare`` may adjust the empty model first (e.g. drop a bias
+    the family does not have). Every expected weight must be present: a missing or unknown one
     is named, so a silent numerical difference is impossible. Rotary
     frequencies are not weights: they are rebuilt in fp32 from the config
     (never trusted from a file, never left on the meta device).
@@ -147,6 +149,8 @@ def load_mapped(
 
     with torch.device("meta"):
         model = model_cls(config)
+    if prepare is not None:
+        prepare(model)
     state: dict[str, torch.Tensor] = {}
     unknown = []
     for f in safetensors_files(folder):

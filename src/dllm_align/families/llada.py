@@ -109,11 +109,20 @@ def llada_key_to_llama(key: str) -> Optional[str]:
     return None
 
 
+def _no_output_bias(model) -> None:
+    """LLaDA's include_qkv_bias puts biases on q, k and v only; Llama's attention_bias would
+    add one to o_proj too (and then ask the checkpoint for it)."""
+    if model.config.attention_bias:
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.register_parameter("bias", None)
+
+
 def load_llada_native(folder: Path, cfg: dict, dtype: torch.dtype):
     """Load a LLaDA checkpoint folder into a bidirectional LlamaForCausalLM (no remote code)."""
     from transformers import LlamaForCausalLM
 
-    return load_mapped(folder, LlamaForCausalLM, llada_config_to_llama(cfg), dtype, llada_key_to_llama, "LLaDA")
+    return load_mapped(folder, LlamaForCausalLM, llada_config_to_llama(cfg), dtype, llada_key_to_llama, "LLaDA",
+                       prepare=_no_output_bias)
 
 
 LLADA = Family(
