@@ -37,6 +37,7 @@ TRAIN_NEUTRAL = (
     "train.batch_size",
     "train.grad_accum",
     "train.margin_watch_window",
+    "train.process_group_timeout_minutes",
     "model.gradient_checkpointing",
     "reference.batch_size",
     "reference.draws_per_forward",
