@@ -66,11 +66,22 @@ class DataSection(Section):
     truncation: Literal["completion", "prompt_left"] = Field(
         "completion", description="What gives way when a row is too long: the completion's tail or the prompt's head."
     )
-    padding: Literal["paper", "none"] = Field(
-        "none",
-        description="'paper': right-pad with EOS to max_length (visible, never scored); 'none': no tail, attention-masked batches.",
+    padding: Literal["paper", "none", "packed"] = Field(
+        "packed",
+        description="'paper': right-pad with EOS to max_length (visible, never scored; the paper's code); 'none': no tail, "
+        "attention-masked batches padded to their longest row; 'packed': no tail, and the noisy sequences of a forward packed "
+        "into as few max_length rows as fit, with block-diagonal attention (the values of 'none', without the padding).",
     )
-    group_by_length: bool = Field(True, description="Bucket rows of similar length into batches (less padding).")
+    group_by_length: bool = Field(
+        False,
+        description="Bucket rows of similar length into one global batch (an opt-in departure from the paper, which samples "
+        "mini-batches uniformly: the baseline is a batch statistic, so grouping changes the method).",
+    )
+    end_of_turn: Literal["scored", "none"] = Field(
+        "scored",
+        description="'scored': append the chat template's end-of-turn token to every completion and mask and score it "
+        "like a completion token (the model learns to stop); 'none': score only the completion's own tokens (the paper's code).",
+    )
     desirable_ratio: float = Field(
         1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
     )
@@ -315,6 +326,11 @@ class EvaluateSection(Section):
     batch_size: int = Field(8, ge=1, description="Noisy sequences per forward (loglikelihood) / prompts per batch (generation).")
     max_length: Optional[int] = Field(
         None, ge=8, description="Cap on prompt + continuation tokens; the prompt's head gives way (default: the model's context size)."
+    )
+    packing: bool = Field(
+        True,
+        description="Pack each forward's noisy sequences into rows of max_length with block-diagonal attention "
+        "(the same ELBO values as padded rows up to float rounding, no compute on padding).",
     )
     apply_chat_template: bool = Field(False, description="Wrap prompts in the model's chat template (instruct models).")
     fewshot_as_multiturn: bool = Field(True, description="With the chat template: few-shot examples as separate turns.")

@@ -20,10 +20,12 @@ precompute keeps its finished shards and skips them when run again.
 
 The fingerprint names everything that changes the numbers: the reference
 weights (a content digest), its config, the tokenizer, the mask token, the
-dtype, max_length / padding / truncation, n_mc, the mask seed, the estimator
-and stratification. The dataset is checked per example (id and token digest),
-so a cache made on the full set also serves a subsampled run (the class-ratio
-ablations), while a changed row is refused by name.
+dtype, max_length / padding / truncation / end-of-turn scoring, n_mc, the mask
+seed, the estimator and stratification. It also records, without comparing them,
+the batch grouping and the baseline kind of the recipe that made it. The dataset
+is checked per example (id and token digest), so a cache made on the full set
+also serves a subsampled run (the class-ratio ablations), while a changed row is
+refused by name.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ STRICT_FIELDS = (
     "seed",
     "estimator",
     "stratified",
+    "end_of_turn",
 )
-RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples")
+# Recorded for the reader, not compared: they do not change any cached value.
+# (A kl baseline needs the mismatched pairs of its own batch plan; those are
+# checked per example id like every other row.)
+RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples", "group_by_length", "baseline")
 
 _HEX64 = set("0123456789abcdef")
 
@@ -221,6 +227,9 @@ def fingerprint(
         "seed": r.seed,
         "estimator": r.estimator,
         "stratified": r.stratified,
+        "end_of_turn": d.end_of_turn,
+        "group_by_length": d.group_by_length,
+        "baseline": recipe.train.baseline,
         "dataset": dataset_digest(examples),
         "n_examples": len(examples),
     }
@@ -235,6 +244,7 @@ _FIELD_HINTS = {
     "max_length": "data.max_length",
     "padding": "data.padding",
     "truncation": "data.truncation",
+    "end_of_turn": "data.end_of_turn",
     "reference_weights": "the reference model's weights (reference.model / model.name_or_path)",
     "reference_dtype": "model.dtype",
     "tokenizer": "the tokenizer (model.tokenizer)",
@@ -276,11 +286,13 @@ def reference_values(
     rows_per_forward: Optional[int] = None,
     draws: Optional[Sequence[int]] = None,
     on_batch: Optional[Callable[[int], None]] = None,
+    pack_length: Optional[int] = None,
 ) -> np.ndarray:
     """Per-draw reference ELBO values [n, K] (float32) for ``examples``, in their order.
 
     Examples are batched longest first (less padding); each value depends only on
-    its own example's tokens and masks.
+    its own example's tokens and masks. ``pack_length``: pack the noisy
+    sequences of each forward into rows of that length (``data.padding: packed``).
     """
     from dllm_align.elbo import elbo_draws
 
@@ -300,6 +312,7 @@ def reference_values(
             cfg,
             max_rows_per_forward=rows_per_forward,
             draws=draws,
+            pack_length=pack_length,
         )
         out[idx] = vals.float().cpu().numpy()
         if on_batch is not None:
@@ -488,6 +501,7 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
                 vals = reference_values(
                     ref_mp, examples[lo:hi], collate, cfg, recipe.reference.batch_size, rows,
                     on_batch=(lambda n: bar.advance(n)) if is_main else None,
+                    pack_length=recipe.data.max_length if recipe.data.padding == "packed" else None,
                 )
                 problem = elbo_range_problem(vals, ids[lo:hi])
                 if problem:

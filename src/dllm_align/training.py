@@ -101,8 +101,8 @@ class PolicyScorer(torch.nn.Module):
         self.model = mp.model
         self.__dict__["_mp"] = mp  # not a submodule: it only holds references
 
-    def forward(self, input_ids, attention_mask, rows, cols, targets):
-        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets)
+    def forward(self, input_ids, attention_mask, rows, cols, targets, packed=None):
+        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets, packed=packed)
 
 
 class _ViaModule:
@@ -112,8 +112,8 @@ class _ViaModule:
         self.module = module
         self.mask_token_id = mask_token_id
 
-    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets):
-        return self.module(input_ids, attention_mask, rows, cols, targets)
+    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None):
+        return self.module(input_ids, attention_mask, rows, cols, targets, packed)
 
 
 # --------------------------------------------------------------------------- margin watch
@@ -325,6 +325,7 @@ class _Run:
         self.units = make_units(examples, self.t.objective, self.t.sft_rows)
         self.rows_per_unit = 2 if self.t.objective == "vrpo" else 1
         self.collate = make_collate(recipe, self.tokenizer)
+        self.pack_length = recipe.data.max_length if recipe.data.padding == "packed" else None
         self.accum = grad_accum_for(self.t, self.world)
         self.G = self.t.batch_size * self.accum * self.world
         if len(self.units) < self.G:
@@ -492,6 +493,7 @@ class _Run:
             self.cfg,
             max_rows_per_forward=self.t.rows_per_forward,
             draws=self.draws,
+            pack_length=self.pack_length,
         )
         return v.mean(dim=1)
 
@@ -511,6 +513,7 @@ class _Run:
             self.cfg,
             max_rows_per_forward=self.t.rows_per_forward,
             draws=self.draws,
+            pack_length=self.pack_length,
         )
         return v.float().mean(dim=1)
 
