@@ -137,8 +137,11 @@ class LoraSection(Section):
 class TrainSection(Section):
     objective: Literal["elbo_kto", "sft", "vrpo"] = "elbo_kto"
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
-    baseline: Literal["global_mean", "none"] = Field(
-        "global_mean", description="Reference point: stop-gradient mean margin over the optimiser-step batch, or 0."
+    baseline: Literal["global_mean", "none", "kl"] = Field(
+        "global_mean",
+        description="Reference point: stop-gradient mean margin over the optimiser-step batch (the paper), 0, or 'kl': "
+        "KTO's z0, the policy-vs-reference margin on mismatched (prompt, another row's completion) pairs of the step "
+        "batch, clamped at 0 (one extra no-grad policy pass per step).",
     )
     lambda_desirable: float = Field(1.0, gt=0)
     lambda_undesirable: float = Field(1.0, gt=0)
@@ -267,8 +270,8 @@ class AblateSection(Section):
     pairs: Optional[list[tuple[float, float]]] = Field(
         None, description="ablate baseline: explicit (beta, lr) settings instead of the betas x lrs grid (Table 3 uses three)."
     )
-    baselines: list[Literal["global_mean", "none"]] = Field(
-        default_factory=lambda: ["none", "global_mean"], description="ablate baseline: the reference points compared."
+    baselines: list[Literal["global_mean", "none", "kl"]] = Field(
+        default_factory=lambda: ["none", "global_mean", "kl"], description="ablate baseline: the reference points compared."
     )
     ratios: list[float] = Field(
         default_factory=lambda: [0.1, 0.5, 1.0], description="ablate imbalance: fractions of the subsampled class kept."

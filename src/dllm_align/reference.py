@@ -676,6 +676,10 @@ def run_precompute(recipe, accelerator=None):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
     ref_mp = load_from_section(recipe.model, acc.device, name_or_path=reference_name(recipe))
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
+    if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
+        from dllm_align.examples import planned_kl_examples
+
+        examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")
