@@ -186,13 +186,16 @@ def padding_costs(
     micro_batch_size: int,
     global_batch_size: Optional[int] = None,
     seed: int = 0,
+    n_mc: int = 8,
 ) -> dict[str, int]:
     """Tokens fed per epoch under each padding choice, for ``data stats``.
 
     ``real``: the sum of row lengths (no padding at all); ``paper``: rows x
     max_length; ``none_grouped`` / ``none_random``: padding to each
     micro-batch's longest row, with and without length grouping;
-    ``packed_random``: uniform batches, packed (one noisy copy per row).
+    ``packed_random``: uniform batches, packed; the ``n_mc`` noisy copies of a
+    micro-batch's rows share the packed rows (as in training), and the count
+    is per copy, comparable with the others.
     """
     G = global_batch_size or micro_batch_size
     out = {"real": int(sum(lengths)), "paper": len(lengths) * max_length}
@@ -200,5 +203,5 @@ def padding_costs(
         plan = plan_batches(lengths, G, seed, 0, grouped)
         out[name] = tokens_fed(lengths, micro_batches(plan, micro_batch_size), "none", max_length)
     plan = plan_batches(lengths, G, seed, 0, False)
-    out["packed_random"] = tokens_fed(lengths, micro_batches(plan, micro_batch_size), "packed", max_length)
+    out["packed_random"] = round(tokens_fed(lengths, micro_batches(plan, micro_batch_size), "packed", max_length, k=n_mc) / n_mc)
     return out

@@ -54,7 +54,7 @@ def stats_table(s: dict, model: str) -> str:
             ("paper", f"paper: EOS to {s['max_length']:,}"),
             ("none_grouped", f"none, length-grouped ({grouping})"),
             ("none_random", "none, random batches"),
-            ("packed_random", "packed, random batches"),
+            ("packed_random", "packed (8 noisy copies), random batches"),
         ):
             if key not in c:
                 continue
