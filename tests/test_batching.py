@@ -136,8 +136,8 @@ def test_tokens_fed_by_hand():
     # packed: the 10 and the 1 of a micro-batch share one row of 11
     assert tokens_fed(L, [[0, 1], [2, 3]], "packed", 16) == 11 + 11
     assert tokens_fed(L, [[0, 2], [1, 3]], "packed", 16) == 2 * 10 + 2
-    # K = 2 copies, first fit longest first: [10, 1, 1] and [10], so two rows as wide as the fuller (12)
-    assert tokens_fed(L, [[0, 1]], "packed", 16, k=2) == 2 * 12
+    # K = 2 copies: first fit needs two rows ([10, 1, 1] and [10]); evened out they are [10, 1] twice
+    assert tokens_fed(L, [[0, 1]], "packed", 16, k=2) == 2 * 11
     assert tokens_fed(L, [[0, 2]], "packed", 16, k=2) == 4 * 10  # 10s never share a row of 16
 
 

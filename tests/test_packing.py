@@ -43,16 +43,23 @@ def policy(tiny):
     return mp
 
 
-def test_first_fit_longest_first_by_hand():
-    # 5, 4, 3, 2 into rows of 8: 5 opens row 0 (room 3), 4 opens row 1 (room 4), 3 fills row 0, 2 joins row 1
-    assert pack_sequences([5, 3, 4, 2], 8) == [[0, 1], [2, 3]]
+def test_packing_by_hand():
+    # 5, 3, 4, 2 into rows of 8: first fit (longest first) needs 2 rows; the 14 tokens then fit rows of 7:
+    # 5 opens row 0, 4 opens row 1, 3 joins row 1 (room 3), 2 joins row 0 (room 2)
+    assert pack_sequences([5, 3, 4, 2], 8) == [[0, 3], [2, 1]]
     assert pack_sequences([8, 8, 1], 8) == [[0], [1], [2]]
     assert pack_sequences([9, 1], 8) == [[0], [1]]  # too long for a row: a row of its own
+    # 5, 3, 4: two rows; rows of 6 would need three, rows of 7 hold [5] and [4, 3]
+    assert pack_sequences([5, 3, 4], 8) == [[0], [2, 1]]
     p = pack_rows(torch.arange(40).view(4, 10), [5, 3, 4, 2], 8)
-    assert p.input_ids.tolist() == [[0, 1, 2, 3, 4, 10, 11, 12], [20, 21, 22, 23, 30, 31, 0, 0]]
-    assert p.layout.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, -1, -1]]
-    assert p.row_of.tolist() == [0, 0, 1, 1] and p.offset.tolist() == [0, 5, 0, 4]
-    assert packed_positions(p.layout).tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 0, 1]]
+    assert p.input_ids.tolist() == [[0, 1, 2, 3, 4, 30, 31], [20, 21, 22, 23, 10, 11, 12]]
+    assert p.layout.tolist() == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1]]
+    assert p.row_of.tolist() == [0, 1, 1, 0] and p.offset.tolist() == [0, 4, 0, 5]
+    assert packed_positions(p.layout).tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
+    q = pack_rows(torch.arange(30).view(3, 10), [5, 3, 4], 8)
+    assert q.input_ids.tolist() == [[0, 1, 2, 3, 4, 0, 0], [20, 21, 22, 23, 10, 11, 12]]
+    assert q.layout.tolist() == [[0, 0, 0, 0, 0, -1, -1], [0, 0, 0, 0, 1, 1, 1]]  # the tail: its own block
+    assert packed_positions(q.layout).tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
 
 
 def test_block_diagonal_masks_by_hand():

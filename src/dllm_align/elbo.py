@@ -178,12 +178,7 @@ def make_noisy_batch(
     )
 
 
-def pack_sequences(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of sequence indices whose lengths sum to at most ``capacity`` (first fit, longest first).
-
-    Deterministic: ties keep index order, and each bin lists its sequences in
-    the order they were placed. A sequence longer than ``capacity`` gets a bin of its own.
-    """
+def _first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -196,6 +191,32 @@ def pack_sequences(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         else:
             bins.append([i])
             room.append(capacity - L)
+    return bins
+
+
+def pack_sequences(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of sequence indices whose lengths sum to at most ``capacity``: as few bins as first fit
+    (longest first) finds, then as even as possible.
+
+    A packed call is as wide as its fullest row, so after first fit fixes the
+    number of rows R, the capacity is lowered towards total / R while R rows
+    still suffice: the rows come out nearly equally full and the call wastes
+    little on its tail. Deterministic (ties keep index order). A sequence longer
+    than ``capacity`` gets a bin of its own.
+    """
+    bins = _first_fit(lengths, capacity)
+    R = len(bins)
+    if R <= 1:
+        return bins
+    longest = max(int(x) for x in lengths)
+    lo = max(longest, -(-sum(int(x) for x in lengths) // R))
+    if lo >= capacity:
+        return bins
+    step = max(1, (capacity - lo) // 16)
+    for c in range(lo, capacity, step):
+        even = _first_fit(lengths, c)
+        if len(even) <= R:
+            return even
     return bins
 
 
