@@ -19,14 +19,14 @@ from pathlib import Path
 CHARS_PER_TOKEN = 4.0
 MAX_LENGTH = 4096
 MICRO = 8
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-test"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _lengths(tokenize) -> list[int]:
+def _lengths(folder: Path, tokenize) -> list[int]:
     from dllm_align.data import load_unpaired
 
-    rows = load_unpaired(str(SHARED / "chosen.jsonl"), label=True, quiet=True) + load_unpaired(
-        str(SHARED / "rejected.jsonl"), label=False, quiet=True
+    rows = load_unpaired(str(folder / "chosen.jsonl"), label=True, quiet=True) + load_unpaired(
+        str(folder / "rejected.jsonl"), label=False, quiet=True
     )
     return [min(tokenize(r), MAX_LENGTH) for r in rows]
 
@@ -34,9 +34,13 @@ def _lengths(tokenize) -> list[int]:
 def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.batching import padding_costs
     from dllm_align.models import build_tiny_tokenizer
+    from dllm_align.public_data import Unavailable, kto_mix_test
 
-    if not (SHARED / "chosen.jsonl").exists():
-        raise FileNotFoundError(f"shared rows not found at {SHARED}")
+    try:
+        # ../shared beside the checkout, a cached copy, or the hub through `datasets`
+        folder = kto_mix_test(REPO)
+    except Unavailable as e:
+        return {"padding_skipped": f"kto-mix-14k test split unavailable: {e}"}
     tok = build_tiny_tokenizer()
 
     def chat_chars(r) -> int:
@@ -49,7 +53,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         ("bytes", lambda r: len(tok.apply_chat_template(r.prompt, add_generation_prompt=True, tokenize=True))
          + len(r.completion.encode("utf-8")) + 1),
     ):
-        lengths = _lengths(fn)
+        lengths = _lengths(folder, fn)
         costs = padding_costs(lengths, MAX_LENGTH, MICRO, MICRO, seed=0)
         out[name] = {"rows": len(lengths), **costs}
     c = out["cpt"]
@@ -61,7 +65,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         "padding_settings": {
             "rows": c["rows"], "chars_per_token": CHARS_PER_TOKEN, "max_length": MAX_LENGTH,
             "micro_batch": MICRO, "real_tokens": c["real"], "paper_tokens": c["paper"],
-            "ours_tokens": c["none_grouped"],
+            "ours_tokens": c["none_grouped"], "data": str(folder),
         },
     }
 

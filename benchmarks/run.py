@@ -153,6 +153,9 @@ def main(argv=None) -> int:
         if mod not in modules:
             continue
         val = results.get(key)
+        if val is None and f"{mod}_skipped" in results:  # its data cannot be had here: said, not failed
+            lines.append(f"| {key} | {base} | - | skipped: {results[f'{mod}_skipped']} | {target} | skipped |")
+            continue
         if val is None:
             ok = "not run" if f"{mod}_error" not in results else "error"
             lines.append(f"| {key} | {base} | - | - | {target} | {ok} |")

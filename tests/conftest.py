@@ -35,14 +35,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data" / "kto-mix-14k-test"
+_KTO_MIX: list = []  # (folder, None) or (None, reason), found once per session
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not (SHARED_DATA / "chosen.jsonl").exists():
-        pytest.skip(f"shared kto-mix-14k rows not found at {SHARED_DATA}")
-    return SHARED_DATA
+    """The public kto-mix-14k test split as chosen.jsonl + rejected.jsonl: ../shared beside the
+    checkout, a cached copy, or the hub through `datasets` (dllm_align.public_data); a skip
+    with a one-line reason only when none of them can be had."""
+    from dllm_align.public_data import Unavailable, kto_mix_test
+
+    if not _KTO_MIX:
+        try:
+            _KTO_MIX.append((kto_mix_test(REPO), None))
+        except Unavailable as e:
+            _KTO_MIX.append((None, str(e)))
+    folder, reason = _KTO_MIX[0]
+    if folder is None:
+        pytest.skip(f"kto-mix-14k test split unavailable: {reason}")
+    return folder
 
 
 @pytest.fixture(scope="session")

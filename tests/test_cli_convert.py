@@ -65,16 +65,16 @@ def test_convert_ultrafeedback_pairs(tmp_path):
 
 def test_convert_shared_rows(shared_data, tmp_path):
     out = tmp_path / "kto.parquet"
-    r = runner.invoke(app, ["convert", str(shared_data), "-o", str(out)])
+    r = runner.invoke(app, ["convert", str(shared_data), "--output", str(out)])
     assert r.exit_code == 0, r.stderr
     rows = load_unpaired(out, quiet=True)
     assert len(rows) == 1500 and sum(x.label for x in rows) == 750
     assert rows[0].id == "1:chosen" and rows[0].pair_id == "1"
     # one file of one class needs --label
-    r = runner.invoke(app, ["convert", str(shared_data / "chosen.jsonl"), "-o", str(tmp_path / "c.jsonl")])
+    r = runner.invoke(app, ["convert", str(shared_data / "chosen.jsonl"), "--output", str(tmp_path / "c.jsonl")])
     assert r.exit_code == 2 and "--label" in r.stderr
     assert not (tmp_path / "c.jsonl").exists()
-    r = runner.invoke(app, ["convert", str(shared_data / "chosen.jsonl"), "-o", str(tmp_path / "c.jsonl"), "--label", "true"])
+    r = runner.invoke(app, ["convert", str(shared_data / "chosen.jsonl"), "--output", str(tmp_path / "c.jsonl"), "--label", "true"])
     assert r.exit_code == 0, r.stderr
     assert all(x["label"] is True for x in read_jsonl(tmp_path / "c.jsonl"))
 
@@ -94,7 +94,7 @@ def test_desirable_ratio_is_deterministic(tmp_path):
     runs = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         out = tmp_path / f"{name}.jsonl"
-        r = runner.invoke(app, ["convert", str(src), "-o", str(out), "--desirable-ratio", "0.1", "--seed", str(seed)])
+        r = runner.invoke(app, ["convert", str(src), "--output", str(out), "--desirable-ratio", "0.1", "--seed", str(seed)])
         assert r.exit_code == 0, r.stderr
         rows = read_jsonl(out)
         assert sum(x["label"] for x in rows) == 75
@@ -110,7 +110,7 @@ def test_desirable_ratio_is_deterministic(tmp_path):
 def test_balance_weights_sidecar(tmp_path):
     src = kto_file(tmp_path)
     out = tmp_path / "d10.jsonl"
-    r = runner.invoke(app, ["convert", str(src), "-o", str(out), "--desirable-ratio", "0.1", "--balance-weights"])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(out), "--desirable-ratio", "0.1", "--balance-weights"])
     assert r.exit_code == 0, r.stderr
     w = json.loads((tmp_path / "d10.weights.json").read_text())
     assert (w["lambda_desirable"], w["lambda_undesirable"]) == (10.0, 1.0)
@@ -127,7 +127,7 @@ def test_malformed_line_fails_with_line_number_and_writes_nothing(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, completion="b")) + "\n" + '{"prompt": "q", "completion": \n', encoding="utf-8")
     out = tmp_path / "out" / "x.jsonl"
-    r = runner.invoke(app, ["convert", str(src), "-o", str(out)])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(out)])
     assert r.exit_code == 2
     first = r.stderr.splitlines()[0]
     assert first.startswith("Error: 1 invalid row in ") and f"{src}:3: malformed JSON" in first
@@ -135,7 +135,7 @@ def test_malformed_line_fails_with_line_number_and_writes_nothing(tmp_path):
     assert not out.exists()
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
     # --skip-invalid: the two good rows, and the bad line listed
-    r = runner.invoke(app, ["convert", str(src), "-o", str(out), "--skip-invalid"])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(out), "--skip-invalid"])
     assert r.exit_code == 0, r.stderr
     assert len(read_jsonl(out)) == 2
     assert "skipped 1 invalid row" in r.stderr and f"{src}:3: malformed JSON" in r.stderr
@@ -144,7 +144,7 @@ def test_malformed_line_fails_with_line_number_and_writes_nothing(tmp_path):
 def test_many_problems_listed_and_capped(tmp_path):
     rows = [{"prompt": "q", "completion": f"a{i}", "label": "maybe"} for i in range(30)]
     src = write_jsonl(tmp_path / "bad.jsonl", rows)
-    r = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "o.jsonl")])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(tmp_path / "o.jsonl")])
     assert r.exit_code == 2
     lines = r.stderr.splitlines()
     assert lines[0].startswith("Error: 30 invalid rows in")
@@ -154,11 +154,11 @@ def test_many_problems_listed_and_capped(tmp_path):
 
 def test_convert_argument_errors(tmp_path):
     src = kto_file(tmp_path, 3, 3)
-    r = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "x.csv")])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(tmp_path / "x.csv")])
     assert r.exit_code == 2 and "must end in .jsonl or .parquet" in r.stderr
-    r = runner.invoke(app, ["convert", str(src), "-o", str(src)])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(src)])
     assert r.exit_code == 2 and "overwrite the input" in r.stderr
-    r = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "y.jsonl"), "--desirable-ratio", "0"])
+    r = runner.invoke(app, ["convert", str(src), "--output", str(tmp_path / "y.jsonl"), "--desirable-ratio", "0"])
     assert r.exit_code == 2
     r = runner.invoke(app, ["convert", "--help"])
     assert r.exit_code == 0 and "dllm-align convert" in r.stdout
@@ -212,7 +212,7 @@ def test_data_check(tmp_path):
 
 def test_convert_hub_dataset_offline_is_one_line(tmp_path):
     out = tmp_path / "ufb.jsonl"
-    r = runner.invoke(app, ["convert", "HuggingFaceH4/ultrafeedback_binarized", "--split", "train_prefs", "-o", str(out)])
+    r = runner.invoke(app, ["convert", "HuggingFaceH4/ultrafeedback_binarized", "--split", "train_prefs", "--output", str(out)])
     assert r.exit_code == 2
     assert r.stderr.splitlines()[0] == (
         "Error: dataset 'HuggingFaceH4/ultrafeedback_binarized' is not in the local cache "

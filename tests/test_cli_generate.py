@@ -79,7 +79,7 @@ def test_generate_writes_rows_settings_and_run_info(tmp_path):
         "gen_length": 16, "block_length": 8, "steps": 8, "remasking": "low_confidence", "temperature": 0.0,
         "cfg": 0.0, "cache": "none", "threshold": None, "seed": 0,
     }
-    assert (tmp_path / "gen" / "recipe.resolved.yaml").exists() and (tmp_path / "gen" / "run_info.generate.json").exists()
+    assert (tmp_path / "gen" / "recipe.generate.yaml").exists() and (tmp_path / "gen" / "run_info.generate.json").exists()
     assert "6 prompts in" in r.stderr and "tokens/s" in r.stderr
 
     # A rerun has nothing to do and leaves the file as it was.
@@ -94,7 +94,7 @@ def test_completions_match_the_library_sampler(tmp_path, tiny):
 
     recipe = write_setup(tmp_path, {"temperature": 0.5, "remasking": "random", "seed": 4})
     out = tmp_path / "o.jsonl"
-    assert runner.invoke(app, ["generate", str(recipe), "-o", str(out), "--limit", "2"]).exit_code == 0
+    assert runner.invoke(app, ["generate", str(recipe), "--output", str(out), "--limit", "2"]).exit_code == 0
     st = SamplerSettings(gen_length=16, block_length=8, steps=8, temperature=0.5, remasking="random", seed=4)
     for row, text in zip(read_rows(out), PROMPTS):
         ids = encode_prompt(tiny.tokenizer, [{"role": "user", "content": text}])
@@ -107,7 +107,7 @@ def test_flags_override_the_recipe_and_fast_sets_cache_and_threshold(tmp_path):
     out = tmp_path / "f.jsonl"
     r = runner.invoke(
         app,
-        ["generate", str(recipe), "-o", str(out), "--fast", "--gen-length", "32", "--block-length", "16", "--steps", "4",
+        ["generate", str(recipe), "--output", str(out), "--fast", "--gen-length", "32", "--block-length", "16", "--steps", "4",
          "--cfg", "0.5", "--temperature", "0.3", "--seed", "9", "--batch-size", "4", "--limit", "3"],
     )
     assert r.exit_code == 0, r.stderr
@@ -116,19 +116,19 @@ def test_flags_override_the_recipe_and_fast_sets_cache_and_threshold(tmp_path):
     assert s["cache"] == "dual" and s["threshold"] == 0.9
     assert len(read_rows(out)) == 3
     # --fast keeps an explicit cache choice.
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(tmp_path / "g.jsonl"), "--fast", "--cache", "prefix", "--limit", "1"])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(tmp_path / "g.jsonl"), "--fast", "--cache", "prefix", "--limit", "1"])
     assert r.exit_code == 0, r.stderr
     assert json.loads((tmp_path / "g.settings.json").read_text())["sampler"]["cache"] == "prefix"
 
 
 def test_split_train_and_prompts_file(tmp_path):
     recipe = write_setup(tmp_path)
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(tmp_path / "tr.jsonl"), "--split", "train"])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(tmp_path / "tr.jsonl"), "--split", "train"])
     assert r.exit_code == 0, r.stderr
     assert [x["prompt"][0]["content"] for x in read_rows(tmp_path / "tr.jsonl")] == [f"train prompt {i}" for i in range(3)]
     txt = tmp_path / "p.txt"
     txt.write_text("first line prompt\nsecond line prompt\n", encoding="utf-8")
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(tmp_path / "txt.jsonl"), "--prompts", str(txt)])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(tmp_path / "txt.jsonl"), "--prompts", str(txt)])
     assert r.exit_code == 0, r.stderr
     assert [x["prompt"][0]["content"] for x in read_rows(tmp_path / "txt.jsonl")] == ["first line prompt", "second line prompt"]
 
@@ -147,7 +147,7 @@ def test_split_train_and_prompts_file(tmp_path):
 )
 def test_bad_settings_exit_2(tmp_path, args, msg):
     recipe = write_setup(tmp_path)
-    argv = ["generate", str(recipe)] + (args if "--output" in args else ["-o", str(tmp_path / "o.jsonl")] + args)
+    argv = ["generate", str(recipe)] + (args if "--output" in args else ["--output", str(tmp_path / "o.jsonl")] + args)
     r = runner.invoke(app, argv)
     assert r.exit_code == 2, r.stderr
     assert msg in r.stderr and r.stderr.startswith("Error:")
@@ -157,36 +157,36 @@ def test_bad_settings_exit_2(tmp_path, args, msg):
 def test_no_prompt_source_exit_2(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("generate: {gen_length: 8, block_length: 8, steps: 8}\n", encoding="utf-8")
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(tmp_path / "o.jsonl")])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(tmp_path / "o.jsonl")])
     assert r.exit_code == 2 and "the recipe has no data.test" in r.stderr
 
 
 def test_refuses_to_mix_settings_and_overwrite_starts_afresh(tmp_path):
     recipe = write_setup(tmp_path)
     out = tmp_path / "o.jsonl"
-    assert runner.invoke(app, ["generate", str(recipe), "-o", str(out), "--limit", "2"]).exit_code == 0
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(out), "--temperature", "0.7"])
+    assert runner.invoke(app, ["generate", str(recipe), "--output", str(out), "--limit", "2"]).exit_code == 0
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(out), "--temperature", "0.7"])
     assert r.exit_code == 2
-    assert "made with other settings (sampler.temperature differ)" in r.stderr
+    assert "made with other settings" in r.stderr and "sampler.temperature (was 0.0, now 0.7)" in r.stderr
     assert len(read_rows(out)) == 2  # untouched
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(out), "--temperature", "0.7", "--overwrite"])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(out), "--temperature", "0.7", "--overwrite"])
     assert r.exit_code == 0, r.stderr
     assert len(read_rows(out)) == len(PROMPTS)
     assert json.loads((tmp_path / "o.settings.json").read_text())["sampler"]["temperature"] == 0.7
     # An output without its settings file is not appended to either.
     (tmp_path / "o.settings.json").unlink()
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(out), "--temperature", "0.7"])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(out), "--temperature", "0.7"])
     assert r.exit_code == 2 and "has no o.settings.json" in r.stderr
 
 
 def test_torn_last_line_is_recovered_and_every_id_written_once(tmp_path):
     recipe = write_setup(tmp_path)
     whole, out = tmp_path / "whole.jsonl", tmp_path / "o.jsonl"
-    assert runner.invoke(app, ["generate", str(recipe), "-o", str(whole)]).exit_code == 0
-    assert runner.invoke(app, ["generate", str(recipe), "-o", str(out), "--limit", "3"]).exit_code == 0
+    assert runner.invoke(app, ["generate", str(recipe), "--output", str(whole)]).exit_code == 0
+    assert runner.invoke(app, ["generate", str(recipe), "--output", str(out), "--limit", "3"]).exit_code == 0
     with open(out, "ab") as f:
         f.write(b'{"id": "p3", "prompt": [{"role": "us')  # a kill in the middle of a write
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(out)])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(out)])
     assert r.exit_code == 0, r.stderr
     assert "3 already in" in r.stderr
     rows = read_rows(out)
@@ -199,10 +199,10 @@ def test_torn_last_line_is_recovered_and_every_id_written_once(tmp_path):
 def test_two_processes_write_the_same_file_as_one(tmp_path):
     recipe = write_setup(tmp_path, {"temperature": 0.8, "remasking": "random", "batch_size": 2})
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    r = runner.invoke(app, ["generate", str(recipe), "-o", str(one)])
+    r = runner.invoke(app, ["generate", str(recipe), "--output", str(one)])
     assert r.exit_code == 0, r.stderr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "dllm_align", "generate", str(recipe), "-o", str(two)]
+           "-m", "dllm_align", "generate", str(recipe), "--output", str(two)]
     p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert two.read_bytes() == one.read_bytes()

@@ -40,6 +40,33 @@ def test_demo_aligns_the_toy_model(demo_run):
     assert (out / "results.md").read_text().count("|") > 20
 
 
+def test_demo_output_reads_without_the_paper(demo_run):
+    import re
+
+    out, res, _ = demo_run
+    assert res.exit_code == 0, res.output
+    # plain lines after the table: the task, what AWR and the target rows mean, exact sorts
+    after = res.stdout.split("rejected target", 1)[1]
+    for needle in ("Task: sort five digits", "AWR (adjusted win rate)", "chosen target / rejected target",
+                   "Exact ascending sorts: base"):
+        assert needle in after, res.stdout
+    results = json.loads((out / "results.json").read_text())
+    s = results["sorts"]
+    assert s["aligned"]["ascending"] > s["base"]["ascending"] and s["aligned"]["n"] == 200
+    assert f"base {s['base']['ascending']}/200, aligned {s['aligned']['ascending']}/200" in res.stdout
+    # clean numbers: no float noise such as 0.20762500000000045 anywhere in the outputs
+    text = (out / "results.json").read_text() + res.stdout
+    assert not re.search(r"\d\.\d{7,}", text), text
+    # nothing alarming on the default run, and the last line says what was written
+    assert "Warning" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("demo: wrote ") and str(out / "demo.png") in last and "results.json" in last
+    png = (out / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the step line's abbreviations are explained once
+    assert res.stderr.count("r+ / r- = mean reward margin") == 1
+
+
 def test_demo_rerun_reuses_every_stage(demo_run):
     out, _, first = demo_run
     before = json.loads((out / "results.json").read_text())

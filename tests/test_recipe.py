@@ -96,7 +96,7 @@ def test_yaml_is_loaded_safely(tmp_path):
 def test_run_info_written(tmp_path):
     r = load_recipe(None, ["train.beta=0.3"], output_dir=str(tmp_path / "run"))
     out = write_run_info(r, r.output_dir, "train")
-    resolved = (out / "recipe.resolved.yaml").read_text()
+    resolved = (out / "recipe.train.yaml").read_text()
     assert "beta: 0.3" in resolved
     info = json.loads((out / "run_info.train.json").read_text())
     assert "torch" in info["versions"] and "git_revision" in info

@@ -105,7 +105,7 @@ def data_case(content: str | bytes, name: str = "bad.jsonl"):
         src = tmp / name
         src.write_bytes(content if isinstance(content, bytes) else content.encode())
         out = tmp / "out.jsonl"
-        return ["convert", src, "-o", out], out
+        return ["convert", src, "--output", out], out
 
     return build
 
@@ -117,7 +117,7 @@ def recipe_case(edit=None, text=None, command="train", extra=()):
         p = b.write_recipe(tmp, edit, text)
         out = tmp / "run"
         if command == "generate":
-            return ["generate", p, "-o", out / "gen.jsonl", *extra], out
+            return ["generate", p, "--output", out / "gen.jsonl", *extra], out
         return [command, p, "-o", out, *extra], out
 
     return build
@@ -203,7 +203,7 @@ def model_case(tamper: Callable[[Path], None], from_run: bool = True):
         shutil.copytree(b.run / "final" if from_run else b.tiny_dir, folder)
         tamper(folder)
         out = tmp / "gen.jsonl"
-        return ["generate", b.recipe_path, "--model", folder, "-o", out], out
+        return ["generate", b.recipe_path, "--model", folder, "--output", out], out
 
     return build
 
@@ -233,7 +233,7 @@ def _damaged_settings(b: Base, t: Path):
     """An earlier output whose settings sidecar was damaged: refused, and the output left as it was."""
     (t / "g.jsonl").write_text(json.dumps({"id": "q0", "completion": "x"}) + "\n")
     (t / "g.settings.json").write_text("{")
-    return ["generate", b.recipe_path, "-o", t / "g.jsonl"], t
+    return ["generate", b.recipe_path, "--output", t / "g.jsonl"], t
 
 
 def _damaged_weights(b: Base, t: Path):
@@ -293,21 +293,21 @@ CASES = [
     Case("recipe-python-tag", recipe_case(text="name: !!python/object/apply:os.system ['echo pwned']\n"), 2,
          ("recipe.yaml", "invalid YAML")),
     # ---------------------------------------------------------------- command-line arguments
-    Case("args-limit-zero", args_case(lambda b, t: (["generate", b.recipe_path, "--limit", "0", "-o", t / "g.jsonl"], t / "g.jsonl")), 2,
+    Case("args-limit-zero", args_case(lambda b, t: (["generate", b.recipe_path, "--limit", "0", "--output", t / "g.jsonl"], t / "g.jsonl")), 2,
          ("--limit",)),
-    Case("args-output-suffix", args_case(lambda b, t: (["generate", b.recipe_path, "-o", t / "g.txt"], t / "g.txt")), 2, ("g.txt", ".jsonl")),
+    Case("args-output-suffix", args_case(lambda b, t: (["generate", b.recipe_path, "--output", t / "g.txt"], t / "g.txt")), 2, ("g.txt", ".jsonl")),
     Case("args-resume-and-overwrite", args_case(lambda b, t: (["train", b.recipe_path, "-o", t / "r", "--resume", "--overwrite"], t / "r")), 2,
          ("--resume", "--overwrite")),
-    Case("args-ratio-above-one", args_case(lambda b, t: (["convert", b.gen_a, "-o", t / "o.jsonl", "--desirable-ratio", "1.5"], t / "o.jsonl")), 2,
+    Case("args-ratio-above-one", args_case(lambda b, t: (["convert", b.gen_a, "--output", t / "o.jsonl", "--desirable-ratio", "1.5"], t / "o.jsonl")), 2,
          ("--desirable-ratio",)),
     Case("args-unknown-option", args_case(lambda b, t: (["train", b.recipe_path, "--bogus"], t / "x")), 2, ("--bogus",)),
     Case("args-missing-recipe", args_case(lambda b, t: (["train", t / "nope.yaml", "-o", t / "r"], t / "r")), 2, ("nope.yaml", "not found")),
-    Case("args-output-is-input", args_case(lambda b, t: (["convert", b.gen_a, "-o", b.gen_a], b.gen_a)), 2, ("overwrite the input",)),
+    Case("args-output-is-input", args_case(lambda b, t: (["convert", b.gen_a, "--output", b.gen_a], b.gen_a)), 2, ("overwrite the input",)),
     Case("args-same-judge-twice", judge_case(lambda t, a, bb, out: ["--judge", "rule:longer"]), 2, ("rule:longer", "twice")),
     Case("args-credentials-in-url", judge_case(lambda t, a, bb, out: ["--judge", "m", "--base-url", "http://u:pw@127.0.0.1:9/v1",
                                                                       "--api-key-env", ""]), 2, ("--base-url", "credentials")),
     Case("args-concurrency-zero", judge_case(lambda t, a, bb, out: ["--concurrency", "0"]), 2, ("--concurrency",)),
-    Case("args-unknown-remasking", args_case(lambda b, t: (["generate", b.recipe_path, "--remasking", "best", "-o", t / "g.jsonl"], t / "g.jsonl")), 2,
+    Case("args-unknown-remasking", args_case(lambda b, t: (["generate", b.recipe_path, "--remasking", "best", "--output", t / "g.jsonl"], t / "g.jsonl")), 2,
          ("generate.remasking",)),
     # ---------------------------------------------------------------- reference caches
     Case("cache-shard-truncated", cache_case(lambda c: _truncate(c / "shard-00001.safetensors")), 2,
@@ -410,9 +410,9 @@ def test_bad_input(case: Case, base: Base, tmp_path: Path):
 
 
 @pytest.mark.parametrize("make_args", [
-    lambda t: ["convert", t / "bad.jsonl", "-o", t / "out.jsonl"],
+    lambda t: ["convert", t / "bad.jsonl", "--output", t / "out.jsonl"],
     lambda t: ["recipes", "check", t / "bad.yaml"],
-    lambda t: ["convert", t / "bad.jsonl", "--desirable-ratio", "7", "-o", t / "out.jsonl"],
+    lambda t: ["convert", t / "bad.jsonl", "--desirable-ratio", "7", "--output", t / "out.jsonl"],
 ], ids=["bad-row", "bad-recipe", "bad-flag"])
 def test_a_real_interpreter_prints_one_line_or_with_debug_a_traceback(tmp_path, make_args):
     """The same manners from `python -m dllm_align` (these commands start in under a second: no torch)."""

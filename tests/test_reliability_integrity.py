@@ -116,7 +116,7 @@ def test_generate_refuses_a_damaged_final_model(toy, tmp_path):
     data = bytearray((model / "model.safetensors").read_bytes())
     data[-3] ^= 0x10
     (model / "model.safetensors").write_bytes(bytes(data))
-    r = run_cli(["generate", toy["recipe"], "--model", model, "-o", tmp_path / "g.jsonl"])
+    r = run_cli(["generate", toy["recipe"], "--model", model, "--output", tmp_path / "g.jsonl"])
     assert r.code == 2 and "final: model.safetensors does not match its sha256 checksum" in r.err
     assert not (tmp_path / "g.jsonl").exists() and not (tmp_path / "g.settings.json").exists()
 

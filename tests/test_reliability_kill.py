@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
     assert r.code == 0, r.err
     r = run_cli(["train", path, "-o", straight])
     assert r.code == 0, r.err
-    r = run_cli(["generate", path, "-o", straight / "gen.jsonl"])
+    r = run_cli(["generate", path, "--output", straight / "gen.jsonl"])
     assert r.code == 0, r.err
     return {"root": root, "recipe": path, "straight": straight}
 
@@ -153,7 +153,7 @@ def test_train(setup, tmp_path, fault, checkpoints, resumes_at):
 ])
 def test_generate(setup, tmp_path, fault, lines_before):
     out = tmp_path / "gen.jsonl"
-    args = ["generate", setup["recipe"], "-o", out]
+    args = ["generate", setup["recipe"], "--output", out]
     k = run_killed(args, fault)
     assert k.code == -9, k.err
     raw = out.read_bytes()

@@ -263,7 +263,7 @@ def test_model_code_does_not_run_by_default(custom_code_model, tmp_path):
     assert ModelSection().trust_remote_code is False
     folder, marker = custom_code_model
     _gens(tmp_path)
-    r = run_cli(["generate", "demo", "--model", folder, "--prompts", tmp_path / "a.jsonl", "-o", tmp_path / "g.jsonl"],
+    r = run_cli(["generate", "demo", "--model", folder, "--prompts", tmp_path / "a.jsonl", "--output", tmp_path / "g.jsonl"],
                 cwd=SRC.parents[1])
     assert r.code == 2 and "trust_remote_code" in r.err  # one line that says what would be needed
     assert not marker.exists()

@@ -249,7 +249,7 @@ def test_checkpoints_reload_with_plain_transformers(toy):
     assert st["step"] == 4 and st["global_batch_size"] == 4
     opt = torch.load(out / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
     assert opt["state"]
-    assert (out / "recipe.resolved.yaml").exists() and (out / "run_info.train.json").exists()
+    assert (out / "recipe.train.yaml").exists() and (out / "run_info.train.json").exists()
 
 
 def test_lora_trains_adapter_only_and_exports_merged(toy):

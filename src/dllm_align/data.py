@@ -222,6 +222,8 @@ def _read_jsonl_bytes(data: bytes, name: str) -> list[Record]:
                 raise _Bad("JSON nested too deeply") from None
             if not isinstance(obj, dict):
                 raise _Bad(f"expected a JSON object, got {type(obj).__name__}")
+            if "\\ud" in text.lower() and _lone_surrogate(obj):
+                raise _Bad("a lone UTF-16 surrogate escape (such as \\ud800) is not text")
             records.append(Record(where, obj))
         except _Bad as e:
             records.append(Record(where, problem=str(e)))
@@ -272,9 +274,12 @@ def _read_json(path: Path) -> list[Record]:
     if not isinstance(obj, list):
         raise UserError(f"{path}: expected a list of rows (or JSON lines), got {type(obj).__name__}")
     records = []
+    check = "\\ud" in text.lower()
     for i, item in enumerate(obj):
         where = f"{path} row {i}"
-        if isinstance(item, dict):
+        if isinstance(item, dict) and check and _lone_surrogate(item):
+            records.append(Record(where, problem="a lone UTF-16 surrogate escape (such as \\ud800) is not text"))
+        elif isinstance(item, dict):
             records.append(Record(where, item))
         else:
             records.append(Record(where, problem=f"expected an object, got {type(item).__name__}"))
@@ -334,7 +339,22 @@ def _read_txt(path: Path) -> list[Record]:
     return records
 
 
+def _lone_surrogate(obj: Any) -> bool:
+    """True when a parsed JSON value holds a lone UTF-16 surrogate (``"\\ud800"``): valid JSON,
+    but not text, and it would fail much later when written or tokenised."""
+    if isinstance(obj, str):
+        return any("\ud800" <= ch <= "\udfff" for ch in obj)
+    if isinstance(obj, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_lone_surrogate(v) for v in obj)
+    return False
+
+
 def _read_file(path: Path, kind: str, allow_txt: bool) -> Table:
+    from dllm_align.io import note_input
+
+    note_input(path, "input data")
     if kind == "txt" and not allow_txt:
         raise UserError(
             f"{path}: a plain text file holds prompts only; training data needs .jsonl, .json, .parquet or .csv"
@@ -1229,16 +1249,20 @@ def weight_ratio(n_d: int, n_u: int, lambda_d: float, lambda_u: float) -> float:
     return lambda_d * n_d / (lambda_u * n_u)
 
 
-def check_weight_ratio(n_d: int, n_u: int, lambda_d: float, lambda_u: float, *, warn: bool = True) -> bool:
-    """True when the class weights sit in KTO's recommended range; warns (stderr) otherwise."""
+def check_weight_ratio(n_d: int, n_u: int, lambda_d: float, lambda_u: float, *, warn: bool = True, chosen: bool = False) -> bool:
+    """True when the class weights sit in KTO's recommended range; warns (stderr) otherwise.
+
+    ``chosen``: the weights were set on purpose (recipe keys or a weights file), so
+    the ratio is reported as information rather than as a warning.
+    """
     q = weight_ratio(n_d, n_u, lambda_d, lambda_u)
     lo, hi = KTO_RATIO_RANGE
     ok = lo - 1e-9 <= q <= hi + 1e-9
-    if not ok and warn:
-        console.warn(
-            f"lambda_D*n_D / (lambda_U*n_U) = {lambda_d:g}*{n_d} / ({lambda_u:g}*{n_u}) = {q:.3g}, "
-            f"outside the KTO paper's recommended [1, 4/3] (convert --balance-weights gives 1)"
-        )
+    what = f"lambda_D*n_D / (lambda_U*n_U) = {lambda_d:g}*{n_d} / ({lambda_u:g}*{n_u}) = {q:.3g}"
+    if not ok and warn and chosen:
+        console.info(f"class weights: {what}, as the recipe chose (the KTO paper's range is [1, 4/3])")
+    elif not ok and warn:
+        console.warn(f"{what}, outside the KTO paper's recommended [1, 4/3] (convert --balance-weights gives 1)")
     return ok
 
 
@@ -1370,9 +1394,13 @@ def convert(
     out = Path(output)
     if out.suffix not in (".jsonl", ".parquet"):
         raise UserError(f"{out}: output must end in .jsonl or .parquet")
+    from dllm_align.io import check_not_input, note_input
+
     src = Path(str(source)).expanduser()
-    if src.exists() and src.resolve() == out.resolve():
-        raise UserError(f"{out}: the output would overwrite the input", hint="choose another --output")
+    if src.is_file():  # refused before reading; files found inside a folder are guarded as they are read
+        note_input(src, "input data")
+    check_not_input(out)
+    check_not_input(weights_path_for(out))
     for name, r in (("--desirable-ratio", desirable_ratio), ("--undesirable-ratio", undesirable_ratio)):
         if not (0 < r <= 1):
             raise UserError(f"{name} must be in (0, 1], got {r}")

@@ -93,25 +93,108 @@ def remove_stale_temps(target: str | Path) -> list[Path]:
     return removed
 
 
+# --------------------------------------------------------------------------- inputs are never outputs
+# Every file a command reads as data (prompts, training rows, generations to judge,
+# a recipe) is noted here; every writer below refuses to write, append to or
+# delete a noted file. One guard for all commands, instead of one check per flag.
+_INPUTS: dict[str, str] = {}
+
+
+def _key(path: str | Path) -> str:
+    return os.path.realpath(os.path.expanduser(str(path)))
+
+
+def note_input(path: str | Path, what: str = "input") -> None:
+    """Remember that the running command reads ``path`` (a file or a folder of data)."""
+    _INPUTS.setdefault(_key(path), what)
+
+
+def forget_inputs() -> None:
+    """Start a new command with no noted inputs (the CLI calls this before each command)."""
+    _INPUTS.clear()
+
+
+def check_not_input(target: str | Path) -> None:
+    """Refuse (UserError) to write over one of the running command's inputs."""
+    if not _INPUTS:
+        return
+    key = _key(target)
+    what = _INPUTS.get(key)
+    if what is None:
+        return
+    from dllm_align.errors import UserError
+
+    raise UserError(
+        f"{target} is one of this command's inputs ({what}); refusing to overwrite the input",
+        hint="choose another output path (see the command's --output / -o)",
+    )
+
+
+def writing_error(target: str | Path, e: OSError, verb: str = "write"):
+    """One clear error naming the user's path (never our temporary file) for a failed write."""
+    import errno
+
+    from dllm_align.errors import RunFailure, UserError
+
+    target = Path(target)
+    if isinstance(e, IsADirectoryError) or (target.is_dir() and not isinstance(e, FileNotFoundError)):
+        return UserError(f"cannot {verb} {target}: it is a folder", hint="give a file name")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return UserError(f"cannot {verb} {target}: permission denied or read-only filesystem",
+                         hint="choose a writable location")
+    if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
+        return RunFailure(f"cannot {verb} {target}: no space left on the device (or over quota); nothing was replaced",
+                          hint="free some space and run the command again")
+    if isinstance(e, (NotADirectoryError, FileExistsError)) or e.errno in (errno.ENOTDIR, errno.EEXIST):
+        # mkdir of the run folder (or a folder above it) found a file in the way
+        blocker = next((p for p in [target, *target.parents] if p.exists() and not p.is_dir()), None)
+        where = f"{blocker} is a file, not a folder" if blocker is not None else "a part of its folder path is a file"
+        return UserError(f"cannot {verb} {target}: {where}", hint="choose another run folder (-o) or output path")
+    return RunFailure(f"cannot {verb} {target}: {e.strerror or type(e).__name__}")
+
+
+def user_path(name: str | Path) -> Path:
+    """The file the user named, for a path that may be one of our temporary files
+    (``DIR/.NAME.<host>-<pid>.XXXX.tmp`` -> ``DIR/NAME``)."""
+    p = Path(name)
+    m = re.match(r"^\.(.+)\.[0-9a-f]{8}-[0-9]+\..*\.tmp$", p.name)
+    return p.with_name(m.group(1)) if m else p
+
+
 @contextmanager
 def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; rename it over ``target`` on success only."""
+    """Yield a temporary path beside ``target``; rename it over ``target`` on success only.
+
+    Refuses to replace one of the command's inputs; an OS error (a folder in the
+    way, a read-only or full disk) becomes one error naming ``target``.
+    """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_host_tag()}-{os.getpid()}.", suffix=suffix + ".tmp", dir=target.parent)
-    os.close(fd)
-    # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 minus umask).
-    os.chmod(tmp, 0o666 & ~_umask())
-    tmp_path = Path(tmp)
+    check_not_input(target)
+    if target.is_dir():
+        raise writing_error(target, IsADirectoryError(target))
+    tmp_path: Path | None = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(target)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_host_tag()}-{os.getpid()}.", suffix=suffix + ".tmp", dir=target.parent)
+        os.close(fd)
+        # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 minus umask).
+        os.chmod(tmp, 0o666 & ~_umask())
+        tmp_path = Path(tmp)
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, target)
         _fsync_dir(target.parent)
+    except OSError as e:
+        # Only faults of this write are ours to name; another file's error (read inside
+        # the block) passes through unchanged.
+        mine = (None, str(target), str(target.parent)) + ((str(tmp_path),) if tmp_path else ())
+        if getattr(e, "filename", None) not in mine and not str(getattr(e, "filename", "")).startswith(str(target.parent / f".{target.name}.")):
+            raise
+        raise writing_error(target, e) from None
     finally:
-        if tmp_path.exists():
+        if tmp_path is not None and tmp_path.exists():
             tmp_path.unlink()
 
 
@@ -213,8 +296,12 @@ class JsonlAppender:
 
     def __init__(self, path: str | Path, fsync: bool = True):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
+        check_not_input(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "ab")
+        except OSError as e:
+            raise writing_error(self.path, e) from None
         self._fsync = fsync
 
     def write(self, row: dict) -> None:
@@ -225,10 +312,13 @@ class JsonlAppender:
             self._f.flush()
             os.fsync(self._f.fileno())
             faults.kill()
-        self._f.write(data)
-        self._f.flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
+        try:
+            self._f.write(data)
+            self._f.flush()
+            if self._fsync:
+                os.fsync(self._f.fileno())
+        except OSError as e:
+            raise writing_error(self.path, e) from None
         if n:
             faults.at("kill_after_records", n)
 
@@ -350,3 +440,57 @@ class DirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class FileLock:
+    """An exclusive lock on one output file (``flock`` on the file itself), for outputs that
+    several runs could share a folder with (``generate``): a second writer of the same
+    file is refused with ``message``. Creates the file if needed; :meth:`release` removes
+    it again when it was created here and is still empty (a refused or failed run leaves
+    nothing behind). Best effort where ``flock`` is unavailable, like :class:`DirLock`.
+    """
+
+    def __init__(self, path: str | Path, message: str):
+        self.path = Path(path)
+        self.message = message
+        self._fd: int | None = None
+        self.created = False
+
+    def __enter__(self) -> "FileLock":
+        check_not_input(self.path)
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.created = not self.path.exists()
+            fd = os.open(str(self.path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        except OSError as e:
+            raise writing_error(self.path, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            from dllm_align.errors import UserError
+
+            raise UserError(self.message, hint="wait for the other run to finish, or write to another file") from None
+        except OSError:
+            os.close(fd)
+            return self
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if self.created and self.path.exists() and self.path.stat().st_size == 0:
+                self.path.unlink()
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -413,6 +413,17 @@ def get_rule(name: str) -> RuleFn:
         f = getattr(mod, attr, None)
         if not callable(f):
             raise UserError(f"rule:{name}: module {mod_name!r} has no function {attr!r}")
+        import inspect
+
+        try:  # a judging rule takes (prompt, answer_a, answer_b); anything else is refused before it runs
+            inspect.signature(f).bind("", "", "")
+        except TypeError:
+            raise UserError(
+                f"rule:{name}: {attr}() is not a judging rule: it must take (prompt, answer_a, answer_b) "
+                "and return 'A', 'B' or 'C'"
+            ) from None
+        except ValueError:  # no signature to read (some builtins): its first call will tell
+            pass
         from dllm_align.console import warn
 
         # Code named by a flag or a recipe runs here: say whose.

@@ -27,11 +27,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from dllm_align.errors import UserError
+
+if TYPE_CHECKING:
+    from dllm_align.precision import Precision
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -471,6 +474,9 @@ def load_model(
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code)
     model.to(device)
+    from dllm_align.precision import keep_fp32_buffers
+
+    keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
     return MaskPredictor(model, tok, mask_token_id=mask_token_id)
 
@@ -522,6 +528,14 @@ class MaskPredictor:
                 hint="set model.mask_token_id in the recipe (LLaDA: 126336)",
             )
         self.mask_token_id = int(mid)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = getattr(emb, "num_embeddings", None) or getattr(cfg, "vocab_size", None)
+        if vocab is not None and not 0 <= self.mask_token_id < int(vocab):
+            # An id past the embedding table fails deep inside a forward (or, on GPU, as a device assert).
+            raise UserError(
+                f"mask token id {self.mask_token_id} is outside the model's vocabulary (ids 0..{int(vocab) - 1})",
+                hint="fix model.mask_token_id in the recipe (LLaDA: 126336), or leave it unset to read it from the model",
+            )
         self.stop_token_ids = self._stop_ids()
         self._body, self._head = self._split()
 
@@ -577,13 +591,29 @@ class MaskPredictor:
         pos = attention_mask.long().cumsum(-1) - 1
         return pos.clamp_min(0)
 
+    # The precision every forward of this model runs in (dllm_align.precision); None: the weights' dtype.
+    precision: Optional["Precision"] = None
+
+    def set_precision(self, precision: Optional["Precision"]) -> None:
+        self.precision = precision
+
+    def _autocast(self, device_type: str):
+        from dllm_align.precision import autocast
+
+        return autocast(self.precision, device_type)
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        p = self.precision
+        return None if p is None or p.autocast is None or p.autocast == p.weights else p.autocast
+
     def _forward_args(self, input_ids, attention_mask, packed: Optional[torch.Tensor]) -> dict:
         """Keyword arguments of the network call: padded rows, or packed rows (:func:`packed_attention`)."""
         if packed is None:
             pos = self.position_ids(attention_mask, input_ids.shape, input_ids.device)
             return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None) or "sdpa"
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.compute_dtype or next(self.model.parameters()).dtype
         mask, extra = packed_attention(packed, impl, dtype)
         return dict(input_ids=input_ids, attention_mask=mask, position_ids=packed_positions(packed), **extra)
 
@@ -598,11 +628,13 @@ class MaskPredictor:
         """
         if not self.separable:
             raise RuntimeError("hidden() needs a model whose output head is separable")
-        out = self._body(**self._forward_args(input_ids, attention_mask, packed), use_cache=False)
+        with self._autocast(input_ids.device.type):
+            out = self._body(**self._forward_args(input_ids, attention_mask, packed), use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self._head(h)
+        with self._autocast(h.device.type):
+            return self._head(h)
 
     def logits(
         self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None
@@ -610,7 +642,8 @@ class MaskPredictor:
         """Full logits [B, T, V] (generation, tests)."""
         if self.separable:
             return self.head(self.hidden(input_ids, attention_mask, packed))
-        out = self.model(**self._forward_args(input_ids, attention_mask, packed))
+        with self._autocast(input_ids.device.type):
+            out = self.model(**self._forward_args(input_ids, attention_mask, packed))
         return out.logits if hasattr(out, "logits") else out[0]
 
     def target_logprobs(
@@ -632,7 +665,9 @@ class MaskPredictor:
             h = self.hidden(input_ids, attention_mask, packed)[rows, cols]  # [N, H]: only the scored positions
             w = self._plain_head_weight()
             if w is not None and self.head_chunk:
-                return chunked_target_logprobs(h, w, targets, self.head_chunk)
+                # The chunked head computes its matmul in the autocast dtype explicitly (an
+                # out= matmul escapes autocast): the same rounding as the Linear below.
+                return chunked_target_logprobs(h, w, targets, self.head_chunk, self.compute_dtype)
             logits = self.head(h)
         else:
             logits = self.logits(input_ids, attention_mask, packed)[rows, cols]
@@ -714,21 +749,28 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def _logits(hc, weight, buf):
-        """hc W^T into ``buf`` (fp32), without a temporary when the inputs are fp32 already."""
+    def _logits(hc, weight, buf, cd=None):
+        """hc W^T into ``buf`` (fp32), without a temporary when the inputs are fp32 already.
+
+        ``cd`` (the autocast dtype) rounds both operands and the product to it, as an
+        autocast Linear does; ``weight`` is then already in ``cd`` (cast once per call).
+        """
+        if cd is not None:
+            return buf.copy_(hc.to(cd) @ weight.t())
         if hc.dtype == torch.float32 and weight.dtype == torch.float32:
             return torch.mm(hc, weight.t(), out=buf)
         return buf.copy_(hc @ weight.t())
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):
+    def forward(ctx, h, weight, targets, chunk, cd=None):
         N = h.shape[0]
         out = torch.empty(N, dtype=torch.float32, device=h.device)
         lse = torch.empty(N, dtype=torch.float32, device=h.device)
         block = torch.empty(min(chunk, N), weight.shape[0], dtype=torch.float32, device=h.device)
+        wc = weight.to(cd) if cd is not None else weight
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
-            logits = _ChunkedTargetLogprob._logits(h[s:e], weight, block[: e - s])
+            logits = _ChunkedTargetLogprob._logits(h[s:e], wc, block[: e - s], cd)
             picked = logits.gather(-1, targets[s:e, None]).squeeze(-1)
             m = logits.amax(dim=-1, keepdim=True)
             # logsumexp in place: the block is scratch once the target logits are picked
@@ -736,6 +778,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             out[s:e] = picked - lse[s:e]
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.chunk = chunk
+        ctx.cd = cd
         return out
 
     @staticmethod
@@ -747,11 +790,14 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         chunk = ctx.chunk
         N = h.shape[0]
         block = torch.empty(min(chunk, N), weight.shape[0], dtype=torch.float32, device=h.device)
+        cd = ctx.cd
+        wc = weight.to(cd) if cd is not None else weight
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
             hc, t = h[s:e], targets[s:e]
             g = grad_out[s:e].float()[:, None]
-            p = _ChunkedTargetLogprob._logits(hc, weight, block[: e - s])
+            # the forward's softmax (same rounding of the logits); the gradient itself is taken in fp32
+            p = _ChunkedTargetLogprob._logits(hc, wc, block[: e - s], cd)
             p.sub_(lse[s:e, None]).exp_()  # softmax rows
             if need_h:
                 pw = p @ weight.float() if weight.dtype == torch.float32 else (p.to(weight.dtype) @ weight).float()
@@ -760,11 +806,17 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
                 gh = g * hc.float()
                 grad_w.addmm_(p.t(), gh, alpha=-1.0)
                 grad_w.index_add_(0, t, gh)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
 
-def chunked_target_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 128) -> torch.Tensor:
-    """fp32 log p(targets) for hidden states ``h`` [N, H] and head ``weight`` [V, H]."""
+def chunked_target_logprobs(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 128, compute_dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """fp32 log p(targets) for hidden states ``h`` [N, H] and head ``weight`` [V, H].
+
+    ``compute_dtype`` (bf16 under autocast) is the dtype the logits matmul runs in;
+    the log-softmax is always taken in fp32.
+    """
     if h.shape[0] == 0:
         return h.new_zeros(0, dtype=torch.float32) + 0 * weight.sum()
-    return _ChunkedTargetLogprob.apply(h, weight, targets, chunk)
+    return _ChunkedTargetLogprob.apply(h, weight, targets, chunk, compute_dtype)

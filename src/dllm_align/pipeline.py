@@ -34,6 +34,9 @@ def trained_model(recipe) -> Path:
     final = out / FINAL
     done = out / "train.done"
     if done.exists() and (final / "config.json").exists():
+        from dllm_align.runfolder import check_training_settings
+
+        check_training_settings(recipe, out)  # a finished model is reused only for the settings that made it
         console.info(f"train: reusing {final}")
         return final
     res = train(recipe, resume=True)

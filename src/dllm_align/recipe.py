@@ -27,7 +27,8 @@ from dllm_align.errors import UserError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `beta: .inf` or `lr: .nan` are valid YAML floats but never valid settings.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- model
@@ -175,13 +176,22 @@ class TrainSection(Section):
         25, ge=1, description="Steps per window of the falling-desirable-margin warning (SPEC.md section 4 caution)."
     )
     n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto",
+        description="Forward compute: bf16 autocast over fp32 master weights, or no (fp32); auto = bf16 on CUDA, no on CPU.",
+    )
     seed: int = 0
     save_every: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: end only).")
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(1, ge=1)
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     lora: LoraSection = Field(default_factory=LoraSection)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        # YAML 1.1 reads a bare `no` (in a file or in --set) as false: that spelling means "no".
+        return "no" if v is False else v
 
 
 # --------------------------------------------------------------------------- generate
@@ -425,15 +435,27 @@ def bundled_names() -> list[str]:
 
 
 def locate(name_or_path: str) -> Path:
-    """A bundled recipe name or a path to a YAML file."""
+    """A bundled recipe name or a path to a YAML file.
+
+    A bare name is a bundled recipe. A local *folder* of the same name (a run
+    folder called ``demo``) never hides it; a local *file* of that name is
+    ambiguous and refused, so the recipe used is never a silent guess.
+    """
     p = Path(name_or_path)
+    cand = bundled_dir() / f"{name_or_path}.yaml"
+    bare = p.suffix not in (".yaml", ".yml") and os.sep not in name_or_path and "/" not in name_or_path
+    if bare and cand.is_file():
+        if p.is_file():
+            raise UserError(
+                f"'{name_or_path}' is both a bundled recipe and a file here",
+                hint=f"write ./{name_or_path} for the file, or move it, to use the bundled recipe",
+            )
+        return cand
     if p.suffix in (".yaml", ".yml") or os.sep in name_or_path or p.exists():
         if not p.is_file():
-            raise UserError(f"recipe file not found: {name_or_path}", hint="`dllm-align recipes list` shows the bundled recipes")
+            what = "is a folder, not a recipe file" if p.is_dir() else "not found"
+            raise UserError(f"recipe file {what}: {name_or_path}", hint="`dllm-align recipes list` shows the bundled recipes")
         return p
-    cand = bundled_dir() / f"{name_or_path}.yaml"
-    if cand.is_file():
-        return cand
     names = bundled_names()
     close = difflib.get_close_matches(name_or_path, names, n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"bundled recipes: {', '.join(names)}"
@@ -456,11 +478,24 @@ def _fields_at(model_cls: type[BaseModel], path: tuple) -> list[str]:
     return list(getattr(cls, "model_fields", {}).keys())
 
 
-def format_errors(err: ValidationError, source: str) -> list[str]:
+def _blame(dotted: str, source: str, given: dict[str, str]) -> str:
+    """Who set the value an error is about: a flag or ``--set`` (``given``: dotted key ->
+    how the user gave it) rather than the recipe file, which may not even hold that key."""
+    for key, label in given.items():
+        if dotted == key or dotted.startswith(key + "."):
+            return label
+    near = [label for key, label in given.items() if key.startswith(dotted + ".")]
+    if near:  # a check across a section's fields, one of which came from the command line
+        return f"{source} with {', '.join(near)}"
+    return source
+
+
+def format_errors(err: ValidationError, source: str, given: Optional[dict[str, str]] = None) -> list[str]:
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
         dotted = ".".join(str(x) for x in loc) or "(top level)"
+        where = _blame(dotted, source, given or {})
         if e["type"] == "extra_forbidden":
             known = _fields_at(Recipe, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
@@ -474,7 +509,7 @@ def format_errors(err: ValidationError, source: str) -> list[str]:
             got = e.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:60]})"
             msg = f"{dotted}: {e['msg']}{got_s}"
-        lines.append(f"{source}: {msg}")
+        lines.append(f"{where}: {msg}")
     return lines
 
 
@@ -508,13 +543,40 @@ def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
     return problems
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one,
+    so a second `train:` section would silently replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: SafeLoader reports it
+                break
+            if dup:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict:
+    from dllm_align.io import note_input
+
+    note_input(path, "recipe")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
     try:
-        raw = yaml.safe_load(text)
+        loader = _UniqueKeyLoader(text)  # a SafeLoader: plain data only
+        try:
+            raw = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -557,20 +619,33 @@ def load_recipe(
     name_or_path: str | None,
     overrides: list[str] | None = None,
     output_dir: str | None = None,
+    labels: Optional[dict[str, str]] = None,
 ) -> Recipe:
-    """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2)."""
+    """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
+
+    ``labels`` maps an overridden dotted key to the flag that set it (``generate.gen_length``
+    -> ``--gen-length``), so that its errors name the flag; other overrides are named as
+    ``--set key=value``.
+    """
     if name_or_path is None:
         raw, source = {}, "(defaults)"
     else:
         path = locate(name_or_path)
         raw, source = read_with_extends(path), str(path)
     problems = apply_overrides(raw, overrides or [])
+    given: dict[str, str] = {}
+    for ov in overrides or []:
+        key, _, val = ov.partition("=")
+        key = ".".join(p for p in key.strip().split(".") if p)
+        flag = (labels or {}).get(key)
+        given[key] = f"{flag} {val}" if flag else f"--set {ov}"
     if output_dir is not None:
         raw["output_dir"] = output_dir
+        given["output_dir"] = f"-o {output_dir}"
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
-        problems += format_errors(e, source)
+        problems += format_errors(e, source, given)
         recipe = None
     if problems:
         n = len(problems)
@@ -613,18 +688,33 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def write_run_info(recipe: Recipe, out_dir: str | Path, command: str) -> Path:
-    """Write the fully resolved recipe plus versions and git revision into the run folder."""
+def write_run_info(recipe: Recipe, out_dir: str | Path, command: str, changes: Optional[list] = None) -> Path:
+    """Write the fully resolved recipe plus versions and git revision into the run folder.
+
+    Each command has its own record (``recipe.<command>.yaml``, ``run_info.<command>.json``),
+    so one command never replaces another's. ``changes`` (settings let through on a
+    resume) are added to those recorded before, so the record keeps the run's history.
+    """
     from dllm_align.io import atomic_write_text
+    from dllm_align.runfolder import recipe_record
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "recipe.resolved.yaml", to_yaml(recipe))
+    atomic_write_text(recipe_record(out, command), to_yaml(recipe))
+    info_path = out / f"run_info.{command}.json"
+    history: list = []
+    if info_path.is_file():
+        try:
+            history = list(json.loads(info_path.read_text(encoding="utf-8")).get("changes") or [])
+        except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
+            history = []
     info = {
         "command": command,
         "argv": sys.argv,
         "versions": library_versions(),
         "git_revision": git_revision(),
     }
-    atomic_write_text(out / f"run_info.{command}.json", json.dumps(info, indent=2))
+    if history or changes:
+        info["changes"] = history + list(changes or [])
+    atomic_write_text(info_path, json.dumps(info, indent=2))
     return out

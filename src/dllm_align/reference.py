@@ -58,6 +58,7 @@ STRICT_FIELDS = (
     "tokenizer",
     "mask_token_id",
     "reference_dtype",
+    "compute_dtype",
     "max_length",
     "padding",
     "truncation",
@@ -198,9 +199,12 @@ def fingerprint(
     Computable without loading the reference (training from a cache holds only
     the policy): the weights digest comes from the files (or, for the built-in
     model, from building it), the tokenizer is the one the examples were
-    tokenised with, and the dtype is the one the reference is loaded in.
+    tokenised with, and the weights / compute dtypes are the training
+    precision's (:func:`dllm_align.precision.precision_for`): a cache made in
+    fp32 does not serve a bf16-autocast run, nor the reverse.
     """
-    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, pick_dtype, resolve_model_path
+    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, resolve_model_path
+    from dllm_align.precision import precision_for
 
     name = reference_name(recipe)
     revision = recipe.model.revision
@@ -212,6 +216,7 @@ def fingerprint(
         weights, files = folder_weights_digest(Path(path), known)
     d = recipe.data
     r = recipe.reference
+    prec = precision_for(recipe, device)
     fields = {
         "format_version": FORMAT_VERSION,
         "reference_model": name,
@@ -219,7 +224,8 @@ def fingerprint(
         "reference_weights": weights,
         "tokenizer": tokenizer_digest(tokenizer),
         "mask_token_id": int(mask_token_id),
-        "reference_dtype": str(pick_dtype(recipe.model.dtype, device)).removeprefix("torch."),
+        "reference_dtype": prec.weights_label,
+        "compute_dtype": prec.compute_label,
         "max_length": d.max_length,
         "padding": d.padding,
         "truncation": d.truncation,
@@ -247,6 +253,7 @@ _FIELD_HINTS = {
     "end_of_turn": "data.end_of_turn",
     "reference_weights": "the reference model's weights (reference.model / model.name_or_path)",
     "reference_dtype": "model.dtype",
+    "compute_dtype": "train.mixed_precision (and the device: auto is bf16 on CUDA, no on CPU)",
     "tokenizer": "the tokenizer (model.tokenizer)",
     "mask_token_id": "model.mask_token_id",
     "format_version": "the cache format (made by another dllm-align version)",
@@ -270,6 +277,27 @@ def compare(cached: dict, wanted: dict, where: Path) -> None:
 
 
 # --------------------------------------------------------------------------- computing
+def load_reference(recipe, device):
+    """The frozen reference, loaded in the training precision (the policy's forward at step 0).
+
+    Used by the online reference and by precompute, so that a cached value and an
+    online one are the same function of the same weights as the policy before its
+    first update (:mod:`dllm_align.precision`).
+    """
+    from dllm_align.models import load_from_section
+    from dllm_align.precision import precision_for, prepare_reference
+
+    prec = precision_for(recipe, device)
+    section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
+    mp = load_from_section(section, device, name_or_path=reference_name(recipe))
+    prepare_reference(mp.model, prec)
+    mp.set_precision(prec)
+    mp.model.eval()
+    for p in mp.model.parameters():
+        p.requires_grad_(False)
+    return mp
+
+
 def draw_config(recipe, n_mc: Optional[int] = None):
     from dllm_align.elbo import DrawConfig
 
@@ -422,16 +450,19 @@ class PrecomputeReport:
         return n / self.seconds if self.seconds > 0 else float("nan")
 
 
-def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None) -> PrecomputeReport:
+def precompute(
+    recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None, overwrite: bool = False
+) -> PrecomputeReport:
     """Compute and cache every example's K reference draws (``dllm-align precompute-ref``).
 
     Sharded across processes (shard s goes to rank s mod world); finished shards
     whose contents, ids, token digests and fingerprint check out are kept, so a
-    rerun after an interruption only computes what is missing.
+    rerun after an interruption only computes what is missing. A cache (or a
+    shard) made with other settings is refused, naming every field that
+    differs, unless ``overwrite``: it is never silently replaced.
     """
     from dllm_align.console import info, progress, warn
     from dllm_align.io import atomic_write_json
-    from dllm_align.models import load_from_section
 
     rank = accelerator.process_index if accelerator else 0
     world = accelerator.num_processes if accelerator else 1
@@ -453,7 +484,11 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
         lock.__enter__()
     try:
         if ref_mp is None:
-            ref_mp = load_from_section(recipe.model, device, name_or_path=reference_name(recipe))
+            ref_mp = load_reference(recipe, device)
+        elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
+            from dllm_align.precision import precision_for
+
+            ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
         old = _read_manifest(out)
         fp = fingerprint(
@@ -471,19 +506,27 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
         mine = list(range(rank, n_shards, world))
         digests = [example_digest(ex) for ex in examples]
 
+        if old is not None and not overwrite:
+            was = old["fingerprint"]
+            _refuse_other_settings(out, [(k, was.get(k), fp.fields[k]) for k in (*STRICT_FIELDS, "dataset") if was.get(k) != fp.fields[k]])
+
         todo, reused = [], 0
-        for s in mine:
+        for s in range(n_shards):  # every process checks every shard, so all refuse together
             p = out / SHARD_FMT.format(s)
             lo, hi = s * size, min((s + 1) * size, len(examples))
             if p.exists():
                 try:
                     _, sids, sdig, sfp = read_shard(p)
                     if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
-                        reused += 1
+                        reused += s in mine
                         continue
+                    if not overwrite:
+                        _refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
                 except ShardError as e:
-                    warn(f"reference cache: {e}; computing it again")
-            todo.append(s)
+                    if s in mine:
+                        warn(f"reference cache: {e}; computing it again")
+            if s in mine:
+                todo.append(s)
         if is_main and old is not None:
             (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
 
@@ -548,6 +591,18 @@ def precompute(recipe, examples: Sequence, collate: Callable[[list], dict], acce
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
+
+
+def _refuse_other_settings(out: Path, diffs: list) -> None:
+    from dllm_align.runfolder import refuse_changes
+
+    if diffs:
+        refuse_changes(
+            f"reference cache {out} was made with other settings, and would be replaced",
+            [(_FIELD_HINTS.get(k, k) if k in _FIELD_HINTS else k, a, b) for k, a, b in diffs],
+            hint="run with the cache's settings, write to another folder (-o, or reference.cache), "
+            "or pass --overwrite to replace it",
+        )
 
 
 def _read_manifest(folder: Path) -> Optional[dict]:
@@ -662,25 +717,24 @@ class ReferenceCache:
         return self.manifest.get("weight_files") or []
 
 
-def run_precompute(recipe, accelerator=None):
+def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     """``precompute-ref`` as a library call: load the reference and the examples, fill the cache.
 
     Returns (PrecomputeReport, accelerator). Finished shards are reused.
     """
     from accelerate import Accelerator
 
-    from dllm_align.models import load_from_section
     from dllm_align.recipe import write_run_info
     from dllm_align.examples import load_training_examples, make_collate
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-    ref_mp = load_from_section(recipe.model, acc.device, name_or_path=reference_name(recipe))
+    ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
     if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
         from dllm_align.examples import planned_kl_examples
 
         examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
-    rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
+    rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")
     return rep, acc

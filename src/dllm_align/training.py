@@ -58,7 +58,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -190,10 +190,10 @@ def make_accelerator(recipe):
 
     from dllm_align.console import warn
 
+    from dllm_align.precision import resolve_mixed_precision
+
     cuda = torch.cuda.is_available()
-    mp = recipe.train.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    mp = resolve_mixed_precision(recipe.train.mixed_precision, "cuda" if cuda else "cpu")
     trackers = []
     for t in recipe.train.trackers:
         ok = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available}[t]()
@@ -292,6 +292,7 @@ class _Run:
         from dllm_align.console import info
         from dllm_align.elbo import DrawConfig
         from dllm_align.models import load_from_section
+        from dllm_align.precision import precision_for
 
         self.recipe = recipe
         self.acc = accelerator
@@ -313,6 +314,10 @@ class _Run:
         lora = self.t.lora
         src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
         self.mp = load_from_section(section, load_dev, name_or_path=src)
+        # One precision for the policy and the reference (dllm_align.precision): the
+        # policy's forward computes under it whatever wraps the module (DDP, FSDP).
+        self.precision = precision_for(recipe, accelerator.device)
+        self.mp.set_precision(self.precision)
         self.tokenizer = self.mp.tokenizer
         if lora.enabled:
             self._apply_lora(resume_from)
@@ -346,7 +351,9 @@ class _Run:
             from dllm_align.data import check_weight_ratio
 
             n_d = sum(1 for u in self.units if u[0].label)
-            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u)
+            # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
+            chosen = bool({"lambda_desirable", "lambda_undesirable"} & self.t.model_fields_set) or bool(recipe.data.weights_file)
+            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u, chosen=chosen)
 
         # -- draws: the policy uses the reference's masks (draws 0..K'-1 of the K-draw set)
         self.cfg = DrawConfig.from_reference(recipe.reference)
@@ -360,6 +367,13 @@ class _Run:
             self._setup_reference()
 
         # -- distributed wrapping, optimiser
+        if self.fsdp:
+            from dllm_align.precision import fsdp_mixed_precision
+
+            # accelerate's default casts parameters and buffers (the rotary frequencies) to
+            # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
+            plugin = accelerator.state.fsdp_plugin
+            plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
         scorer = PolicyScorer(self.mp)
         self.module = accelerator.prepare(scorer)
         self.policy = _ViaModule(self.module, self.mp.mask_token_id)
@@ -383,6 +397,12 @@ class _Run:
                 f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
                 f"mixed precision {accelerator.mixed_precision}"
             )
+            if self.t.objective != "sft":  # the step line's abbreviations, said once
+                info(
+                    "train: step lines show r+ / r- = mean reward margin (policy ELBO minus reference ELBO, nats) of "
+                    "the desirable / undesirable rows, b = the step's mean-margin baseline, sat = share of rows with a "
+                    "saturated sigmoid (no gradient)"
+                )
             if self.dropped_per_epoch:
                 info(f"train: {self.dropped_per_epoch} row(s) per epoch do not fill a global batch and are left out of that epoch")
             if accelerator.device.type == "cpu" and self.t.mixed_precision == "auto":
@@ -424,14 +444,10 @@ class _Run:
     def _setup_reference(self) -> None:
         from dllm_align import reference as ref
         from dllm_align.console import info
-        from dllm_align.models import load_from_section
 
         r = self.recipe.reference
         if r.mode == "online":
-            self.ref_mp = load_from_section(self.recipe.model, self.acc.device, name_or_path=ref.reference_name(self.recipe))
-            self.ref_mp.model.eval()
-            for p in self.ref_mp.model.parameters():
-                p.requires_grad_(False)
+            self.ref_mp = ref.load_reference(self.recipe, self.acc.device)
             if self.main:
                 info(f"train: reference computed online ({ref.reference_name(self.recipe)}, resident)")
             return
@@ -674,6 +690,25 @@ class _Run:
     def _load_state(self, folder: Path) -> None:
         checkpoint.load_state(self, folder)
 
+@torch.no_grad()
+def invariant_margins(run: "_Run", steps: int = 1) -> dict[str, float]:
+    """Per-row margins B_policy - B_ref of this process's rows in global steps 0..steps-1, before any update.
+
+    With the policy's weights equal to the reference's, each is 0: exactly when
+    the forward is fp32 and deterministic, within the bf16 tolerance under
+    autocast (tests/test_invariants.py derives it). Both sides go through the
+    training path (the wrapped policy module; the cache or the online reference).
+    """
+    out: dict[str, float] = {}
+    for step in range(steps):
+        for units in run.micro_batches(step):
+            rows = [ex for u in units for ex in u]
+            b = run._to_dev(run.collate(rows))
+            m = run.policy_elbo(b).float() - run.reference_elbo(b)
+            out.update(zip(b["ids"], m.tolist()))
+    return out
+
+
 def _status(m: dict, lr: float, tok_s: float) -> str:
     parts = [f"loss {m['loss']:.4f}"]
     if m.get("reward_desirable") is not None:
@@ -696,13 +731,16 @@ def train(
     overwrite: bool = False,
     examples: Optional[list] = None,
     accelerator=None,
+    allow_changes: Sequence[str] = (),
 ) -> TrainResult:
     """Train the policy as the recipe says (``dllm-align train``); returns where the model went.
 
     ``examples`` (tokenised :class:`dllm_align.tokenize.Example` s) replace
-    ``data.train`` when given (tests, the toy demo).
+    ``data.train`` when given (tests, the toy demo). ``resume`` refuses settings
+    that change the results unless their keys are in ``allow_changes``.
     """
     from dllm_align.io import DirLock, recover_jsonl
+    from dllm_align.runfolder import check_training_settings
 
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
@@ -715,9 +753,10 @@ def train(
         try:
             lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
             found = prepare_output(recipe, resume, overwrite)
+            changes = check_training_settings(recipe, out, allow_changes) if resume else []
             if resume:
                 recover_jsonl(out / METRICS)  # cut a torn last line; refuse a damaged middle
-            decision = [("ok", str(found) if found else None)]
+            decision = [("ok", str(found) if found else None, changes)]
         except UserError as e:
             decision = [("error", e.message, e.hint)]
     if acc.num_processes > 1:
@@ -728,7 +767,7 @@ def train(
         if decision[0][0] == "error":
             raise UserError(decision[0][1], hint=decision[0][2])
         resume_from = Path(decision[0][1]) if decision[0][1] else None
-        return _train(recipe, acc, out, resume, overwrite, resume_from, examples)
+        return _train(recipe, acc, out, resume, overwrite, resume_from, examples, decision[0][2])
     except UserError:
         # Refused before anything was written: leave no empty run folder behind.
         if acc.is_main_process and created and out.is_dir() and not any(out.iterdir()):
@@ -739,7 +778,7 @@ def train(
             lock.__exit__(None, None, None)
 
 
-def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples) -> TrainResult:
+def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples, changes=()) -> TrainResult:
     from dllm_align.console import info, progress, warn
     from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
     from dllm_align.recipe import write_run_info
@@ -758,7 +797,10 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
     if acc.is_main_process:
         if not resume and overwrite:
             _clear_previous(out)
-        write_run_info(recipe, out, "train")
+        if changes:  # let through on purpose (--allow-change): said now, and kept in the run's record
+            for k, was, now in changes:
+                warn(f"train: {k} changed on resume ({was!r} then, {now!r} now)")
+        write_run_info(recipe, out, "train", changes=[{"key": k, "was": a, "now": b, "at_step": run.step} for k, a, b in changes])
     history: list[dict] = []
     metrics_path = out / METRICS
     if acc.is_main_process:

@@ -65,7 +65,7 @@ def baseline(
         ov += [f"ablate.betas=[{','.join(str(b) for b in _floats(betas, '--betas'))}]", "ablate.pairs=null"]
     if lrs is not None:
         ov += [f"ablate.lrs=[{','.join(str(x) for x in _floats(lrs, '--lrs'))}]", "ablate.pairs=null"]
-    r = load_recipe(recipe, ov)
+    r = load_recipe(recipe, ov, labels={"ablate.betas": "--betas", "ablate.lrs": "--lrs"})
     out = Path(output_dir) if output_dir else Path(r.output_dir) / "ablate-baseline"
     rows = ablate.run_sweep(r, "baseline", ablate.baseline_settings(r), out)
     ablate.plot_baseline(rows, out / "baseline.png")
@@ -95,7 +95,7 @@ def imbalance(
         ov.append(f"ablate.ratios=[{','.join(str(x) for x in _floats(ratios, '--ratios'))}]")
     if subsample is not None:
         ov.append(f"ablate.subsample={subsample}")
-    r = load_recipe(recipe, ov)
+    r = load_recipe(recipe, ov, labels={"ablate.ratios": "--ratios", "ablate.subsample": "--subsample"})
     sides = ["desirable", "undesirable"] if r.ablate.subsample == "both" else [r.ablate.subsample]
     out = Path(output_dir) if output_dir else Path(r.output_dir) / "ablate-imbalance"
     rows = ablate.run_sweep(r, "imbalance", ablate.imbalance_settings(r, sides), out)

@@ -46,7 +46,9 @@ def handle_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from dllm_align.errors import DllmAlignError
+        from dllm_align.io import forget_inputs
 
+        forget_inputs()  # each command guards its own inputs (io.check_not_input)
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
@@ -71,6 +73,14 @@ def handle_errors(fn: Callable) -> Callable:
         except Exception as e:  # a bug, or a fault we did not foresee
             if _debug():
                 raise
+            if isinstance(e, OSError) and e.filename is not None:
+                # A write that failed outside our writers (a full disk under torch.save, ...):
+                # name the user's file, not our temporary one.
+                from dllm_align.io import user_path, writing_error
+
+                err = writing_error(user_path(e.filename), e, verb="access")
+                _error_line(err.message, err.hint)
+                raise typer.Exit(err.exit_code)
             _error_line(
                 f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__,
                 "set DLLM_ALIGN_DEBUG=1 for the full traceback",

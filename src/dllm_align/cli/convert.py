@@ -38,6 +38,9 @@ LabelOpt = Annotated[
 SkipOpt = Annotated[bool, typer.Option("--skip-invalid", help="Skip invalid rows (each is listed) instead of stopping.")]
 
 
+DEFAULT_NAME = "unpaired.jsonl"  # the file convert writes in its run folder
+
+
 def label_value(label: Optional[LabelChoice]) -> Optional[bool]:
     return None if label is None else label is LabelChoice.true
 
@@ -45,7 +48,12 @@ def label_value(label: Optional[LabelChoice]) -> Optional[bool]:
 @command("convert")
 def convert(
     input: InputArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output file: .jsonl, or .parquet.", show_default=False)],
+    output_dir: Annotated[
+        Optional[Path], typer.Option("--output-dir", "-o", help="Run folder; the rows go to DIR/unpaired.jsonl.", show_default=False)
+    ] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", help="The output file instead: .jsonl, or .parquet.", show_default=False)
+    ] = None,
     format: FormatOpt = FormatChoice.auto,
     split: SplitOpt = None,
     label: LabelOpt = None,
@@ -77,11 +85,22 @@ def convert(
 
     Examples:
 
-      dllm-align convert HuggingFaceH4/ultrafeedback_binarized --split train_prefs -o ufb.jsonl
+      dllm-align convert HuggingFaceH4/ultrafeedback_binarized --split train_prefs -o runs/ufb
 
-      dllm-align convert kto.jsonl -o kto-d10.jsonl --desirable-ratio 0.1 --balance-weights
+      dllm-align convert kto.jsonl --output kto-d10.jsonl --desirable-ratio 0.1 --balance-weights
     """
     from dllm_align.data import convert as run
+    from dllm_align.errors import UserError
+
+    if output_dir is not None and output_dir.suffix in (".jsonl", ".parquet", ".json"):
+        raise UserError(
+            f"-o {output_dir}: -o names the run folder (in every command), not the output file",
+            hint=f"write the file with --output {output_dir}",
+        )
+    if output is None:
+        if output_dir is None:
+            raise UserError("say where to write: -o DIR (writes DIR/unpaired.jsonl) or --output FILE")
+        output = output_dir / DEFAULT_NAME
 
     run(
         input,

@@ -90,7 +90,7 @@ def stats(
 
     Examples:
 
-      dllm-align data stats ../shared/data/kto-mix-14k-test
+      dllm-align data stats trl-lib/kto-mix-14k --split test
 
       dllm-align data stats ufb.jsonl --model GSAI-ML/LLaDA-8B-Instruct --max-length 4096 --json
     """

@@ -20,17 +20,20 @@ def demo(
 
     Prints the toy version of the paper's Table 1 (aligned, chosen target and
     rejected target vs the base model; adjusted win rate with a 90% bootstrap
-    interval) and writes DIR/results.json. A rerun reuses every finished stage.
+    interval), a few lines that explain it, and writes DIR/results.json, results.md
+    and demo.png (reward margins over training, AWR bars). A rerun reuses every
+    finished stage.
 
     Example: dllm-align demo --output-dir runs/demo
     """
     import json
 
-    from dllm_align.console import result
-    from dllm_align.demo import print_table, run_demo
+    from dllm_align.console import info, result
+    from dllm_align.demo import closing_line, print_table, run_demo
 
     res = run_demo(recipe, output_dir, set_)
     if json_out:
         result(json.dumps(res, indent=2))
     else:
         print_table(res)
+    info(closing_line(res))

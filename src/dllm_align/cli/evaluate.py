@@ -83,7 +83,8 @@ def evaluate(
         overrides.append(f"evaluate.apply_chat_template={str(apply_chat_template).lower()}")
     if allow_code_execution:
         overrides.append("evaluate.allow_code_execution=true")
-    rec = load_recipe(recipe, overrides, output_dir)
+    labels = {"evaluate.include_path": "--include-path", "evaluate.apply_chat_template": "--apply-chat-template"}
+    rec = load_recipe(recipe, overrides, output_dir, labels=labels)
     if os.environ.get("DLLM_ALIGN_DEBUG", "") in ("", "0"):
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
     if not progress_enabled():  # keep CI logs readable: no dataset-building bars

@@ -20,13 +20,13 @@ RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm
 @command("generate")
 def generate(
     recipe: RecipeArg,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSONL file to write (default: <output_dir>/gen.<split>.jsonl). Rerunning resumes it.")] = None,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir); the generations go to DIR/gen.<split>.jsonl.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", help="The JSONL file instead (default: <run folder>/gen.<split>.jsonl). Rerunning resumes it.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint folder or hub id (overrides model.name_or_path).")] = None,
     split: Annotated[Optional[str], typer.Option("--split", help="Which prompts of the recipe: 'test' (data.test) or 'train' (data.train).")] = None,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompt file/folder/hub dataset instead of the recipe's data (.txt: one prompt a line).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N prompts.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set generate.cfg=0.5 (repeatable).")] = None,
-    output_dir: Annotated[Optional[str], typer.Option("--output-dir", help="Override the recipe's output_dir.")] = None,
     gen_length: Annotated[Optional[int], typer.Option("--gen-length", help="Tokens to generate (paper: 512).")] = None,
     block_length: Annotated[Optional[int], typer.Option("--block-length", help="Semi-autoregressive block length (paper: 32).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Total denoising steps (paper: 512).")] = None,
@@ -40,6 +40,7 @@ def generate(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for temperature / random remasking (per prompt: hashed with its id).")] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; under accelerate/torchrun, the process's device).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the output afresh instead of resuming it.")] = False,
+    allow_long: Annotated[bool, typer.Option("--allow-long", help="Generate even when prompt + gen_length exceeds the model's positions.")] = False,
 ) -> None:
     """Generate completions for a recipe's prompts, resumably, on one or many devices.
 
@@ -49,7 +50,7 @@ def generate(
     other settings is refused. Under `accelerate launch` / `torchrun` the prompts
     are split across processes and the file is the same as a one-process run.
 
-    Example: dllm-align generate kto_mix_14k --split test --output runs/base/gen.jsonl
+    Example: dllm-align generate kto_mix_14k -o runs/kto --model runs/kto/final --output runs/kto/gen.aligned.jsonl
 
     Example: accelerate launch -m dllm_align generate kto_mix_14k --fast --limit 200
     """
@@ -58,6 +59,13 @@ def generate(
     from dllm_align.console import result
     from dllm_align.recipe import load_recipe
 
+    from dllm_align.errors import UserError
+
+    if output_dir is not None and Path(output_dir).suffix in (".jsonl", ".json"):
+        raise UserError(
+            f"-o {output_dir}: -o names the run folder (in every command), not the output file",
+            hint=f"write the file with --output {output_dir}",
+        )
     overrides = list(set_ or [])
     flags = {
         "gen_length": gen_length,
@@ -73,10 +81,13 @@ def generate(
         "split": split,
         "limit": limit,
     }
+    # Each flag is a --set override; its errors are blamed on the flag, not the recipe file.
+    labels = {f"generate.{k}": "--" + k.replace("_", "-") for k in flags}
     overrides += [f"generate.{k}={v}" for k, v in flags.items() if v is not None]
     if model is not None:
         overrides.append(f"model.name_or_path={model}")
-    rec = load_recipe(recipe, overrides, output_dir)
+        labels["model.name_or_path"] = "--model"
+    rec = load_recipe(recipe, overrides, output_dir, labels=labels)
     if fast:
         extra = []
         if cache is None and rec.generate.cache == "none":
@@ -84,28 +95,56 @@ def generate(
         if threshold is None and rec.generate.threshold is None:
             extra.append("generate.threshold=0.9")
         if extra:
-            rec = load_recipe(recipe, overrides + extra, output_dir)
-    out = run_generate(rec, output=output, prompts=prompts, device=device, overwrite=overwrite)
+            rec = load_recipe(recipe, overrides + extra, output_dir, labels=labels)
+    out = run_generate(rec, output=output, prompts=prompts, device=device, overwrite=overwrite, allow_long=allow_long)
     if int(os.environ.get("RANK", "0")) == 0:
         result(str(out))  # the output path on stdout, once
 
 
-def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] = None, device: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Generate for the recipe's prompts into a JSONL file (resumable; one or many processes)."""
-    import json
+def _device(device: Optional[str]):
+    """The torch device for ``--device``, refused in one line when it does not exist here."""
+    import torch
+
+    from dllm_align.errors import UserError
+
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device}: not a device name", hint="use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu, or leave --device out")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise UserError(f"--device {device}: not supported", hint="use cpu, cuda or cuda:N")
+    return dev
+
+
+def run_generate(
+    rec,
+    *,
+    output: Optional[Path] = None,
+    prompts: Optional[str] = None,
+    device: Optional[str] = None,
+    overwrite: bool = False,
+    allow_long: bool = False,
+) -> Path:
+    """Generate for the recipe's prompts into a JSONL file (resumable; one or many processes).
+
+    One writer per output file (a second run onto it is refused while the first
+    runs); a file made with other settings is refused, naming each setting."""
     import os
-    import time
 
     import torch
 
-    from dllm_align import console
     from dllm_align.data import load_prompts
     from dllm_align.errors import UserError
-    from dllm_align.generation import SamplerSettings, SamplerStats, encode_prompt, generate_batch, length_batches, row_seed
-    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.generation import SamplerSettings
+    from dllm_align.io import FileLock, check_not_input
     from dllm_align.models import load_from_section, pick_dtype
-    from dllm_align.recipe import write_run_info
-    from dllm_align.tokenize import fit
 
     g = rec.generate
     settings = SamplerSettings.from_section(g)
@@ -137,7 +176,7 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
         rank, world, dev = state.process_index, state.num_processes, state.device
     else:
         rank = 0
-        dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = _device(device)
 
     def barrier() -> None:
         if state is not None:
@@ -147,21 +186,65 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
         return sorted(out.parent.glob(out.name[: -len(".jsonl")] + ".part*.jsonl")) if out.parent.exists() else []
 
     rows = load_prompts(source, split=split_name, limit=g.limit, quiet=rank != 0)
+    for p in (out, sidecar):
+        check_not_input(p)  # the prompts (or the recipe) are never overwritten, --overwrite or not
     settings_record = {
         "model": rec.model.name_or_path,
+        "model_checksums": _model_digest(rec.model.name_or_path),
         "revision": rec.model.revision,
         "tokenizer": rec.model.tokenizer,
         "dtype": str(pick_dtype(rec.model.dtype, dev)).removeprefix("torch."),
         "prompts": str(source),
         "split": split_name,
+        "max_prompt_length": rec.data.max_prompt_length,
         "sampler": settings.to_dict(),
     }
 
+    # -- one writer per output file (rank 0 holds it for the whole run)
+    lock = FileLock(out, f"another `dllm-align generate` is writing to {out}") if rank == 0 else None
+    if lock is not None:
+        lock.__enter__()
+    try:
+        return _generate_into(
+            rec, out, sidecar, rows, source, settings, settings_record, dev, rank, world, barrier, part_files,
+            overwrite, allow_long, mp_loader=lambda: load_from_section(rec.model, device=dev),
+        )
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _model_digest(name: str) -> Optional[str]:
+    """The sha256 of a model folder's checksums.json (what dllm-align writes into checkpoints and
+    final/), so a retrained model behind the same path is told apart; None elsewhere."""
+    import hashlib
+
+    p = Path(name) / "checksums.json"
+    try:
+        return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+    except OSError:
+        return None
+
+
+def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, dev, rank, world, barrier, part_files,
+                   overwrite, allow_long, mp_loader) -> Path:
+    import json
+    import time
+
+    from dllm_align import console
+    from dllm_align.errors import UserError
+    from dllm_align.generation import SamplerStats, encode_prompt, generate_batch, length_batches, row_seed
+    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.recipe import write_run_info
+    from dllm_align.runfolder import differing, refuse_changes
+    from dllm_align.tokenize import fit
+
+    g = rec.generate
     # -- resume or refuse
     if overwrite and rank == 0:
         for p in [out, sidecar, *part_files()]:
             if p.exists():
-                p.unlink()
+                p.unlink() if p != out else p.write_bytes(b"")  # keep the locked file itself
     barrier()
     existing = out.exists() and out.stat().st_size > 0 or bool(part_files())
     if sidecar.exists():
@@ -169,13 +252,10 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
             old = json.loads(sidecar.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{sidecar}: not valid JSON", hint="delete it (and the output) or pass --overwrite") from None
-        if old != settings_record and existing:
-            diff = sorted(k for k in set(old) | set(settings_record) if old.get(k) != settings_record.get(k))
-            if "sampler" in diff:
-                a, b = old.get("sampler") or {}, settings_record["sampler"]
-                diff = [d for d in diff if d != "sampler"] + [f"sampler.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            raise UserError(
-                f"{out} was made with other settings ({', '.join(diff)} differ); refusing to mix them",
+        if existing and isinstance(old, dict):
+            refuse_changes(
+                f"{out} was made with other settings; refusing to mix them",
+                differing(old, settings_record),
                 hint="choose another --output, or pass --overwrite to start afresh",
             )
     elif existing:
@@ -196,12 +276,8 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
         console.info(f"generate: {len(rows):,} prompts from {source}{already}" + (f"; {world} processes" if world > 1 else ""))
 
     # The model is loaded (and a damaged one refused) before anything is written.
-    mp = load_from_section(rec.model, device=dev) if todo else None
-    if rank == 0:
-        atomic_write_json(sidecar, settings_record)
-        write_run_info(rec, out.parent, "generate")
-    barrier()
-
+    mp = mp_loader() if todo else None
+    ids: list = []
     if todo:
         mp.model.eval()
         ids = [encode_prompt(mp.tokenizer, r.messages) for r in todo]
@@ -214,8 +290,22 @@ def run_generate(rec, *, output: Optional[Path] = None, prompts: Optional[str] =
                 console.info(f"{cut:,} prompts lost their head to fit data.max_prompt_length {cap}")
         max_pos = getattr(mp.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in ids) + settings.gen_length
-        if rank == 0 and max_pos and longest > max_pos:
-            console.warn(f"prompt + gen_length reaches {longest} tokens, beyond the model's {max_pos} positions")
+        if max_pos and longest > max_pos:
+            # Checked before any decoding: beyond its positions a model gives garbage, slowly.
+            if not allow_long:
+                raise UserError(
+                    f"the longest prompt plus gen_length is {longest} tokens, beyond the model's {max_pos} positions",
+                    hint="lower --gen-length, set data.max_prompt_length, or pass --allow-long to generate anyway",
+                )
+            if rank == 0:
+                console.warn(f"prompt + gen_length reaches {longest} tokens, beyond the model's {max_pos} positions (--allow-long)")
+    # Everything is checked: only now does the run leave its settings and record behind.
+    if rank == 0:
+        atomic_write_json(sidecar, settings_record)
+        write_run_info(rec, out.parent, "generate")
+    barrier()
+
+    if todo:
         batches = length_batches([len(p) for p in ids], g.batch_size)
         mine = [b for j, b in enumerate(batches) if j % world == rank]
         target = out if world == 1 else out.with_name(out.name[: -len(".jsonl")] + f".part{rank}.jsonl")

@@ -33,7 +33,7 @@ def judge(
     b: Annotated[Path, typer.Argument(metavar="B.jsonl", help="Generations of model B (the base model), same ids and prompts.")],
     output: Annotated[
         Optional[Path],
-        typer.Option("--output", "-o", help="Output folder (results, outcomes, cache). Default: <A's folder>/judge_<B's folder>_<B's name>."),
+        typer.Option("--output-dir", "-o", help="Run folder for the results, outcomes and cache. Default: <A's folder>/judge_<B's folder>_<B's name>."),
     ] = None,
     judges: Annotated[
         Optional[list[str]],
@@ -109,6 +109,11 @@ def judge(
 
     if output is None:
         output = a.parent / f"judge_{b.parent.name or 'b'}_{b.stem}"
+    from dllm_align.io import note_input
+
+    for f in (a, b, template):  # never written over (io.check_not_input)
+        if f is not None:
+            note_input(f, "input")
     run = judge_files(a, b, output, settings, strict=strict)
     write_run_info(rec, output, "judge")
     if json_out:

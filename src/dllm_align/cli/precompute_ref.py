@@ -16,7 +16,14 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Overri
 
 
 @command("precompute-ref")
-def precompute_ref(recipe: RecipeArg, output_dir: OutputOpt = None, set_: SetOpt = None) -> None:
+def precompute_ref(
+    recipe: RecipeArg,
+    output_dir: OutputOpt = None,
+    set_: SetOpt = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace a cache in the folder that was made with other settings (refused otherwise).")
+    ] = False,
+) -> None:
     """Compute every training example's K reference ELBO draws once and cache them.
 
     The cache (safetensors shards + a fingerprinted manifest) is what `train`
@@ -32,7 +39,7 @@ def precompute_ref(recipe: RecipeArg, output_dir: OutputOpt = None, set_: SetOpt
     from dllm_align.recipe import load_recipe
 
     r = load_recipe(recipe, set_, output_dir)
-    rep, acc = ref.run_precompute(r)
+    rep, acc = ref.run_precompute(r, overwrite=overwrite)
     if acc.is_main_process:
         local = rep.n_examples * rep.computed_shards / max(rep.n_shards, 1)
         if rep.computed_shards:

@@ -20,12 +20,19 @@ def train(
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the run folder.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard a previous run's checkpoints, final model and metrics.")] = False,
+    allow_change: Annotated[
+        Optional[list[str]],
+        typer.Option("--allow-change", help="With --resume: let this recipe key differ from the recorded run (repeatable; 'all' for every key)."),
+    ] = None,
 ) -> None:
     """Train the policy; writes checkpoints/step-N/, final/ and metrics.jsonl in the run folder.
 
     The reference ELBO comes from `precompute-ref`'s cache (reference.mode: cached)
     or from a resident reference model (reference.mode: online). The same command
     runs on one CPU, one GPU, or many with `accelerate launch` / `torchrun`.
+
+    A resumed run refuses settings that change its results (every differing key
+    is named) unless each is let through with --allow-change KEY.
 
     Example: dllm-align train demo -o runs/demo
 
@@ -39,7 +46,7 @@ def train(
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other; pick one")
     r = load_recipe(recipe, set_, output_dir)
-    res = run_train(r, resume=resume, overwrite=overwrite)
+    res = run_train(r, resume=resume, overwrite=overwrite, allow_changes=allow_change or ())
     from accelerate.state import PartialState
 
     if PartialState().is_main_process:

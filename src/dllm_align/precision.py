@@ -1,0 +1,140 @@
+"""The one precision policy: what dtype weights are kept in and what dtype the forward computes in.
+
+Every forward that produces a number the loss compares - the policy during
+training, the online reference, the reference precompute behind the cache, the
+``doctor`` smoke steps - runs through :meth:`MaskPredictor.target_logprobs`
+under the same :class:`Precision`, so that before the first update the policy
+and the reference compute the same function and every margin is zero.
+
+The policy (any launch: 1 process, DDP, FSDP1, FSDP2)
+    fp32 master weights (``model.dtype: auto``); with ``train.mixed_precision:
+    bf16`` the forward runs under ``torch.autocast(bf16)``: matmuls in bf16,
+    the residual stream, norms, softmax and the rotary phases in fp32. Under
+    FSDP the parameters are *not* cast to bf16 (``param_dtype=None``): a bf16
+    cast would put the residual stream and the rotary ``cos``/``sin`` in bf16
+    and make FSDP compute a different function from DDP and from the cache.
+    Gradients are reduced in fp32 and buffers stay fp32. The cost: FSDP
+    all-gathers fp32 shards (twice the traffic of bf16 shards).
+
+The reference
+    The same weights dtype, with every ``nn.Linear`` stored in the compute
+    dtype when autocast is on. Autocast casts a Linear's fp32 weight to bf16
+    (round to nearest even) on every call; storing that rounding once gives
+    bit-identical matmuls at half the memory (an 8B reference: ~17 GB instead
+    of 32 GB).
+
+Rotary frequencies
+    ``inv_freq`` must stay fp32: in bf16 (8 mantissa bits) LLaDA's 64
+    frequencies at theta 5e5 are off by up to 2^-9 relative, i.e. a phase
+    error of ~3 rad at position 4,095. :func:`keep_fp32_buffers` recomputes
+    them in fp32 after any dtype cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Weights dtype (the policy's master copy) and autocast dtype (None: compute in the weights' dtype)."""
+
+    weights: torch.dtype = torch.float32
+    autocast: Optional[torch.dtype] = None
+
+    @property
+    def compute_label(self) -> str:
+        """What the forward computes in, as recorded in the reference cache fingerprint."""
+        w = _NAMES[self.weights]
+        return w if self.autocast is None or self.autocast == self.weights else f"{w}+autocast:{_NAMES[self.autocast]}"
+
+    @property
+    def weights_label(self) -> str:
+        return _NAMES[self.weights]
+
+
+def resolve_mixed_precision(mode: str, device) -> str:
+    """``train.mixed_precision`` with ``auto`` resolved: bf16 on a CUDA device that supports it, else no."""
+    if mode != "auto":
+        return mode
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def training_weights_dtype(model_dtype: str) -> torch.dtype:
+    """The policy's master weights: fp32 unless the recipe pins ``model.dtype``."""
+    if model_dtype == "auto":
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[model_dtype]
+
+
+def precision_for(recipe, device) -> Precision:
+    """The precision the recipe's training runs in on ``device`` (shared by policy, reference and precompute)."""
+    mode = resolve_mixed_precision(recipe.train.mixed_precision, device)
+    return Precision(training_weights_dtype(recipe.model.dtype), _AUTOCAST[mode])
+
+
+def autocast(precision: Optional[Precision], device_type: str):
+    """The forward's autocast context (a no-op without autocast)."""
+    if precision is None or precision.autocast is None or precision.autocast == precision.weights:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=precision.autocast)
+
+
+def keep_fp32_buffers(model: torch.nn.Module) -> int:
+    """Recompute every rotary ``inv_freq`` buffer in fp32 (after a cast to bf16/fp16 rounded it); returns how many.
+
+    A rotary module that knows how to rebuild its frequencies (transformers'
+    ``rope_init_fn`` / ``compute_default_rope_parameters``) is rebuilt exactly;
+    otherwise the buffer is upcast (exact only if it was never rounded).
+    """
+    n = 0
+    for mod in model.modules():
+        inv = getattr(mod, "inv_freq", None)
+        if not isinstance(inv, torch.Tensor) or inv.dtype == torch.float32:
+            continue
+        fresh = None
+        cfg = getattr(mod, "config", None)
+        init = getattr(mod, "rope_init_fn", None) or getattr(mod, "compute_default_rope_parameters", None)
+        if cfg is not None and init is not None:
+            try:
+                fresh = init(cfg)[0]
+            except Exception:  # another signature: fall back to the upcast
+                fresh = None
+        if fresh is None or fresh.shape != inv.shape:
+            fresh = inv.float()
+        fresh = fresh.to(device=inv.device, dtype=torch.float32)
+        mod.inv_freq = fresh  # registered buffer: assignment keeps it a buffer
+        if isinstance(getattr(mod, "original_inv_freq", None), torch.Tensor):
+            mod.original_inv_freq = fresh.clone()
+        n += 1
+    return n
+
+
+def prepare_reference(model: torch.nn.Module, precision: Precision) -> None:
+    """Store each Linear in the autocast dtype (bit-identical to autocast's per-call cast, half the memory)."""
+    if precision.autocast is None or precision.autocast == precision.weights:
+        return
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.to(precision.autocast)
+
+
+def fsdp_mixed_precision(fsdp_version: int):
+    """FSDP's policy for :class:`Precision`: no parameter cast, fp32 gradient reduction, fp32 buffers."""
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None)
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=None, reduce_dtype=torch.float32, buffer_dtype=torch.float32)

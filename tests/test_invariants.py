@@ -1,0 +1,206 @@
+"""Same numbers on every launch (issue 13): the step-0 invariant and the precision policy, on CPU.
+
+Before the first update the policy's weights equal the reference's, so every
+row's margin B_policy - B_ref is zero. Tolerance: on the CPU it is exactly 0,
+in fp32 and under bf16 autocast alike. Policy and reference run the same
+forward (``MaskPredictor.target_logprobs``) under the same
+:class:`dllm_align.precision.Precision`; the CPU kernels compute each row's
+reductions in an order that does not depend on the other rows of the batch,
+so the cache (made in batches of 16) and the training micro-batches (4) give
+bit-identical values. Any nonzero margin is a defect (issue 13 defect 2 gave
+-0.063 / +0.109 mean margins under bf16). On CUDA, kernels choose reduction
+orders by shape; ``doctor`` then allows ``dllm_align.precision.invariant_tolerance``.
+
+The multi-process launches (DDP, FSDP1, FSDP2 on gloo) are in
+``test_invariants_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_align.recipe import load_recipe
+
+from fixtures.sort_toy import write_pairs
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps one process-wide state; a test that changes mixed precision starts and ends clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inv")
+    return {"root": root, "data": write_pairs(root / "pairs.jsonl", n=16), "caches": {}}
+
+
+def recipe(toy, mp: str, *sets: str, out: str = "run"):
+    return load_recipe(
+        None,
+        [
+            f"data.train={toy['data']}", "data.format=paired", "data.max_length=64",
+            "reference.n_mc=4", "reference.shard_size=8", "reference.batch_size=16",
+            f"reference.cache={toy['root'] / ('cache-' + mp)}",
+            f"train.mixed_precision={mp}", "train.batch_size=4", "train.lr=1e-3", "train.warmup_ratio=0",
+            *sets,
+        ],
+        output_dir=str(toy["root"] / out),
+    )
+
+
+def cache_for(toy, mp: str):
+    """Precompute (the library path: the reference loaded in the training precision) once per precision."""
+    if mp not in toy["caches"]:
+        from dllm_align import reference as ref
+        from dllm_align.examples import load_training_examples, make_collate
+        from dllm_align.models import build_tiny_tokenizer
+
+        rec = recipe(toy, mp)
+        tok = build_tiny_tokenizer()
+        exs = load_training_examples(rec, tok, quiet=True)
+        ref.precompute(rec, exs, make_collate(rec, tok), None, None)
+        toy["caches"][mp] = exs
+    return toy["caches"][mp]
+
+
+@pytest.mark.parametrize("mp", ["no", "bf16"])
+@pytest.mark.parametrize("mode", ["cached", "online"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lora):
+    from dllm_align.training import _Run, invariant_margins, make_accelerator
+
+    exs = cache_for(toy, mp)
+    sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
+    rec = recipe(toy, mp, *sets)
+    run = _Run(rec, make_accelerator(rec), None, exs)
+    assert run.acc.mixed_precision == mp
+    margins = invariant_margins(run, steps=3)
+    assert len(margins) == 12
+    worst = max(abs(v) for v in margins.values())
+    assert worst == 0.0, (mp, mode, lora, worst)
+
+
+def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
+    """`train --set train.mixed_precision=bf16`: the first step's reward means are 0 for both classes."""
+    from dllm_align.training import train
+
+    exs = cache_for(toy, "bf16")
+    rec = recipe(toy, "bf16", "train.max_steps=2", out="bf16-train")
+    train(rec, examples=exs)
+    rows = [json.loads(x) for x in (Path(rec.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["reward_desirable"] == 0.0 and rows[0]["reward_undesirable"] == 0.0
+    assert rows[0]["loss"] == pytest.approx(0.5 * (1.0 + 0.0), abs=0.5)  # sanity: finite, in [0, 1]
+    assert rows[1]["reward_desirable"] != 0.0  # the step moved the policy: the check above could fail
+
+
+def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
+    """The cache fingerprint records the compute precision: an fp32 cache does not serve a bf16-autocast run."""
+    from dllm_align import reference as ref
+    from dllm_align.errors import UserError
+    from dllm_align.training import _Run, make_accelerator
+
+    exs = cache_for(toy, "no")
+    rec = recipe(toy, "bf16", f"reference.cache={toy['root'] / 'cache-no'}")
+    with pytest.raises(UserError, match="'compute_dtype'.*train.mixed_precision"):
+        _Run(rec, make_accelerator(rec), None, exs)
+    fp32 = ref.fingerprint(recipe(toy, "no"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
+    bf16 = ref.fingerprint(recipe(toy, "bf16"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
+    assert (fp32["compute_dtype"], bf16["compute_dtype"]) == ("float32", "float32+autocast:bfloat16")
+    assert fp32["reference_dtype"] == bf16["reference_dtype"] == "float32"
+
+
+def _tok():
+    from dllm_align.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+def test_mixed_precision_no_is_accepted_from_set_and_yaml(tmp_path):
+    """YAML reads a bare `no` as false; for train.mixed_precision it means "no"."""
+    assert load_recipe("demo", ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    p = tmp_path / "r.yaml"
+    p.write_text("name: r\nmodel: {name_or_path: 'builtin:tiny'}\ndata: {train: builtin:toy-sort}\ntrain: {mixed_precision: no}\n")
+    assert load_recipe(str(p), []).train.mixed_precision == "no"
+
+
+# --------------------------------------------------------------------------- the pieces
+def test_chunked_head_honours_autocast():
+    """Defect 2: the chunked head's out= matmul escaped autocast (fp32 head vs the reference's bf16 head)."""
+    from dllm_align.models import chunked_target_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 64, generator=g)
+    w = torch.randn(300, 64, generator=g) * 0.5
+    t = torch.randint(0, 300, (37,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.log_softmax(torch.nn.functional.linear(h, w).float(), -1).gather(-1, t[:, None]).squeeze(-1)
+    got = chunked_target_logprobs(h, w, t, chunk=8, compute_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # same bf16 logits; log-softmax summed in another order
+    fp32 = chunked_target_logprobs(h, w, t, chunk=8)
+    assert (fp32 - want).abs().max() > 1e-3  # the bf16 rounding is visible: the check has teeth
+
+
+def test_chunked_head_gradient_matches_autograd_under_bf16():
+    from dllm_align.models import chunked_target_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(20, 32, generator=g, requires_grad=True)
+    w = (torch.randn(50, 32, generator=g) * 0.3).requires_grad_()
+    t = torch.randint(0, 50, (20,), generator=g)
+    chunked_target_logprobs(h, w, t, chunk=7, compute_dtype=torch.bfloat16).sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    torch.log_softmax(h @ w.t(), -1).gather(-1, t[:, None]).sum().backward()
+    torch.testing.assert_close(gh, h.grad, atol=0.05, rtol=0.05)  # softmax from bf16-rounded logits
+    torch.testing.assert_close(gw, w.grad, atol=0.05, rtol=0.05)
+
+
+def test_rotary_frequencies_stay_fp32_after_a_bf16_load():
+    """Defect 1's root: a cast to bf16 rounds inv_freq; the loader rebuilds it in fp32 (exactly)."""
+    from dllm_align.models import load_model
+
+    fp32 = load_model("builtin:tiny").model.model.rotary_emb.inv_freq
+    mp = load_model("builtin:tiny", dtype="bfloat16")
+    rot = mp.model.model.rotary_emb
+    assert mp.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert rot.inv_freq.dtype == torch.float32 and torch.equal(rot.inv_freq, fp32)
+    assert not torch.equal(fp32.to(torch.bfloat16).float(), fp32)  # rounding would have changed them
+
+
+def test_bf16_rotary_phase_error_at_llada_scale():
+    """The figure behind defect 1: theta 5e5, head dim 128, position 4,095: bf16 inv_freq is off by radians."""
+    inv = 1.0 / (5e5 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    err = (4095 * (inv - inv.float().bfloat16().double())).abs()
+    assert err.max() > 1.0
+    err1000 = (1000 * (inv - inv.float().bfloat16().double())).abs()
+    assert int((err1000 > 0.1).sum()) >= 10
+
+
+def test_reference_linears_stored_in_bf16_compute_identically():
+    """prepare_reference stores each Linear in bf16: bit-identical to autocast's per-call cast of the fp32 weight."""
+    from dllm_align.models import load_model
+    from dllm_align.precision import Precision, prepare_reference
+
+    prec = Precision(torch.float32, torch.bfloat16)
+    a, b = load_model("builtin:tiny"), load_model("builtin:tiny")
+    prepare_reference(b.model, prec)
+    a.set_precision(prec)
+    b.set_precision(prec)
+    assert b.model.lm_head.weight.dtype == torch.bfloat16 and b.model.model.norm.weight.dtype == torch.float32
+    ids = torch.randint(0, 200, (3, 17), generator=torch.Generator().manual_seed(2))
+    rows, cols = torch.tensor([0, 1, 2, 2]), torch.tensor([3, 5, 0, 16])
+    tgt = torch.tensor([10, 20, 30, 40])
+    with torch.no_grad():
+        assert torch.equal(a.target_logprobs(ids, None, rows, cols, tgt), b.target_logprobs(ids, None, rows, cols, tgt))
