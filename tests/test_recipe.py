@@ -180,7 +180,8 @@ def test_defaults_are_uniform_batches():
 
 
 def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
-    """recipe.resolved.yaml and the cache fingerprint both carry the three choices."""
+    """The run's recipe record (recipe.<command>.yaml, formerly recipe.resolved.yaml) and the cache fingerprint
+    both carry the three choices."""
     import yaml
 
     from dllm_align import reference as ref
@@ -190,7 +191,9 @@ def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
     rec = load_recipe(None, ["data.group_by_length=true", "data.end_of_turn=none", "train.baseline=none"],
                       output_dir=str(tmp_path / "run"))
     write_run_info(rec, tmp_path / "run", "train")
-    resolved = yaml.safe_load((tmp_path / "run" / "recipe.resolved.yaml").read_text())
+    from dllm_align.runfolder import recipe_record
+
+    resolved = yaml.safe_load(recipe_record(tmp_path / "run", "train").read_text())
     assert resolved["data"]["group_by_length"] is True
     assert resolved["data"]["end_of_turn"] == "none"
     assert resolved["train"]["baseline"] == "none"
