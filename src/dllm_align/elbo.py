@@ -280,6 +280,9 @@ def elbo_draws(
     sequence, so no compute goes to padding. Every sequence sees exactly what
     it sees alone, so the values equal the padded ones up to float rounding.
     Needs right-padded rows with an ``attention_mask`` (``padding: none`` layout).
+    A family that scores position j from the output at j-1 (Dream's shifted
+    logits) stays inside the sequence: a scored (completion) position is never
+    a sequence's first, since the prompt comes before it.
     """
     nb = make_noisy_batch(input_ids, attention_mask, completion_mask, ids, cfg, mp.mask_token_id, draws)
     BK = nb.B * nb.K
