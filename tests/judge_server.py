@@ -18,6 +18,27 @@ prompt id and the order (which marker comes first) whatever the template.
   normal answers; with ``hold_after = N`` the server stops answering after N
   normal answers until ``release`` is set; with ``fail_after = N`` it answers
   503 to every request after N normal answers.
+* Transport faults (class 3 of the hostile-input round), also as chat actions:
+  "endless" (200, then a body that never ends, one byte every 50 ms), "huge"
+  (200, then 64 MiB of body as fast as it goes), "slowheaders" (a status line,
+  then header bytes one every 50 ms, never finished), "404" shows the path asked for.
+
+Files and batches (the Batch API), on the same server and key:
+
+* ``POST /v1/files`` (multipart upload, kept in ``uploads``), ``GET /v1/files``
+  (newest first, ``?purpose=``), ``GET /v1/files/ID/content``;
+* ``POST /v1/batches``, ``GET /v1/batches`` (newest first), ``GET /v1/batches/ID``.
+  A batch is ``validating`` when created, ``in_progress`` on the next retrieve,
+  and finishes on the ``batch_polls``-th retrieve: every line is answered like a
+  live request (same ``verdicts``), logged in ``batch_log``. ``batch_faults[(model,
+  id, order)]`` gives a line "error" (an error-file line), "garbage" (a reply
+  with no verdict) or "500" (a non-200 response line); ``expire_after = k``
+  answers only k lines and expires the batch (the rest: ``batch_expired`` in the
+  error file); ``fail_batches = n`` fails the next n batches at validation.
+* ``route_faults[ROUTE]`` (ROUTE = "files.create", "files.list",
+  "files.content", "batches.create", "batches.list", "batches.retrieve") is a
+  list of actions spent one per request: "429", "500", "drop", "act-then-hang"
+  (the server does what was asked, then never answers: the client times out).
 """
 
 from __future__ import annotations
@@ -56,10 +77,26 @@ class JudgeServer:
         self.lock = threading.Lock()
         self.paths: list[str] = []
         self.contents: list[str] = []
+        self.headers: list[dict] = []  # every chat request's headers
+        self.bodies: list[dict] = []   # and its JSON body
+        self.reasoning_models: set[str] = set()  # models that reject max_tokens and temperature, like o-series
+        # files and batches
+        self.files: dict[str, dict] = {}
+        self.uploads: list[tuple[str, bytes]] = []
+        self.batches: dict[str, dict] = {}
+        self.batch_log: list[tuple[str, str, str]] = []
+        self.api_log: list[tuple[str, str]] = []  # (route, action) of every files / batches request
+        self.route_faults: dict[str, list[str]] = {}
+        self.batch_faults: dict[tuple[str, str, str], list[str]] = {}
+        self.batch_polls = 2
+        self.expire_after: int | None = None
+        self.fail_batches = 0
+        self._n = 0
         srv = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            wbufsize = 1 << 16  # headers and body leave in one write (unbuffered, Nagle delays the body ~40 ms)
 
             def log_message(self, *a):  # keep test output clean
                 pass
@@ -78,9 +115,70 @@ class JudgeServer:
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True
 
+            def _drop(self) -> None:
+                """Close the connection without answering."""
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+            def _authorized(self) -> bool:
+                return srv.api_key is None or self.headers.get("Authorization") == f"Bearer {srv.api_key}"
+
+            def do_GET(self):
+                path, _, query = self.path.partition("?")
+                if path.startswith("/v1/files/") and path.endswith("/content"):
+                    return self._api("files.content", lambda: srv._file_content(path.split("/")[3]))
+                if path == "/v1/files":
+                    return self._api("files.list", lambda: srv._list(srv.files, query))
+                if path == "/v1/batches":
+                    return self._api("batches.list", lambda: srv._list(srv.batches, ""))
+                if path.startswith("/v1/batches/"):
+                    return self._api("batches.retrieve", lambda: srv._retrieve(path.split("/")[3]))
+                return self._send(404, {"error": {"message": f"no route {path}"}})
+
+            def _api(self, route: str, fn):
+                with srv.lock:
+                    queue = srv.route_faults.get(route, [])
+                    action = queue.pop(0) if queue else "ok"
+                    if not self._authorized():
+                        action = "401"
+                    srv.api_log.append((route, action))
+                if action == "401":
+                    return self._send(401, {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}})
+                if action == "429":
+                    return self._send(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.05"})
+                if action == "500":
+                    return self._send(500, {"error": {"message": "server error"}})
+                if action == "drop":
+                    return self._drop()
+                with srv.lock:
+                    status, obj = fn()
+                if action == "act-then-hang":  # the server acts, then the answer never comes
+                    srv.release.wait(30)
+                    self.close_connection = True
+                    return
+                if isinstance(obj, bytes):
+                    try:
+                        self.send_response(status)
+                        self.send_header("Content-Type", "application/octet-stream")
+                        self.send_header("Content-Length", str(len(obj)))
+                        self.end_headers()
+                        self.wfile.write(obj)
+                    except (BrokenPipeError, ConnectionResetError):
+                        self.close_connection = True
+                    return
+                return self._send(status, obj)
+
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
-                req = json.loads(self.rfile.read(n))
+                raw = self.rfile.read(n)
+                if self.path == "/v1/files":
+                    return self._api("files.create", lambda: srv._upload(self.headers.get("Content-Type", ""), raw))
+                if self.path == "/v1/batches":
+                    return self._api("batches.create", lambda: srv._create_batch(json.loads(raw), self.headers.get("Authorization")))
+                req = json.loads(raw)
                 model = req["model"]
                 content = req["messages"][-1]["content"]
                 marks = MARK_RE.findall(content)
@@ -91,6 +189,8 @@ class JudgeServer:
                 with srv.lock:
                     srv.paths.append(self.path)
                     srv.contents.append(content)
+                    srv.headers.append(dict(self.headers.items()))
+                    srv.bodies.append(req)
                     queue = srv.faults.get(key, [])
                     if queue and queue[0] == "forever-garbage":
                         action = "garbage"
@@ -125,14 +225,18 @@ class JudgeServer:
                 if action in ("500", "503"):
                     return self._send(int(action), {"error": {"message": "server error" + echo}})
                 if action == "drop":
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    return
+                    return self._drop()
+                if model in srv.reasoning_models:
+                    bad = "max_tokens" if "max_tokens" in req else "temperature" if "temperature" in req else None
+                    if bad:
+                        return self._send(400, {"error": {"message": f"Unsupported parameter: '{bad}' is not supported with this model.",
+                                                          "type": "invalid_request_error", "param": bad, "code": "unsupported_parameter"}})
                 if action == "badjson":
                     return self._send(200, b"<html>not json")
+                if action in ("endless", "huge"):
+                    return self._stream_forever(action)
+                if action == "slowheaders":
+                    return self._trickle_headers()
                 if action == "slow":
                     time.sleep(srv.slow_seconds)
                 if action == "garbage":
@@ -150,9 +254,152 @@ class JudgeServer:
                     "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5},
                 })
 
+            def _trickle_headers(self) -> None:
+                """A status line, then header bytes one every 50 ms, never finishing them."""
+                self.close_connection = True
+                try:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    self._trickle()
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    pass
+
+            def _trickle(self) -> None:
+                """One byte every 50 ms for up to a minute (or until the server is released)."""
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 60 and not srv.release.is_set():
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+
+            def _stream_forever(self, action: str) -> None:
+                """200 and headers, then a body that never ends ("endless": a byte every
+                50 ms) or is enormous ("huge": 64 MiB as fast as it goes)."""
+                self.close_connection = True
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(1 << 30))
+                    self.end_headers()
+                    self.wfile.write(b'{"id": "x", "choices": [{"message": {"content": "')
+                    if action == "huge":
+                        chunk = b"x" * (1 << 20)
+                        for _ in range(64):
+                            self.wfile.write(chunk)
+                    else:
+                        self._trickle()
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    pass
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    # ------------------------------------------------------------------ files and batches (called under self.lock)
+    def _new_id(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}-{self._n:04d}"
+
+    def _upload(self, content_type: str, raw: bytes):
+        boundary = content_type.partition("boundary=")[2].strip('"').encode()
+        fields: dict[str, tuple[str | None, bytes]] = {}
+        for part in raw.split(b"--" + boundary):
+            head, sep, body = part.partition(b"\r\n\r\n")
+            if not sep:
+                continue
+            m = re.search(rb'name="([^"]+)"', head)
+            fn = re.search(rb'filename="([^"]*)"', head)
+            if m:
+                fields[m.group(1).decode()] = (fn.group(1).decode() if fn else None, body[:-2] if body.endswith(b"\r\n") else body)
+        if "file" not in fields or "purpose" not in fields:
+            return 400, {"error": {"message": "file and purpose are required"}}
+        name, data = fields["file"]
+        fid = self._new_id("file")
+        self.files[fid] = {"id": fid, "object": "file", "bytes": len(data), "created_at": int(time.time()), "filename": name,
+                           "purpose": fields["purpose"][1].decode(), "status": "processed", "data": data}
+        self.uploads.append((name, data))
+        return 200, self._public(self.files[fid])
+
+    @staticmethod
+    def _public(obj: dict) -> dict:
+        return {k: v for k, v in obj.items() if k not in ("data", "polls", "lines", "auth")}
+
+    def _list(self, table: dict, query: str):
+        purpose = dict(p.partition("=")[::2] for p in query.split("&") if p).get("purpose")
+        items = [self._public(v) for v in reversed(list(table.values())) if purpose is None or v.get("purpose") == purpose]
+        return 200, {"object": "list", "data": items, "has_more": False}
+
+    def _file_content(self, fid: str):
+        if fid not in self.files:
+            return 404, {"error": {"message": f"no file {fid}"}}
+        return 200, self.files[fid]["data"]
+
+    def _create_batch(self, req: dict, auth: str | None = None):
+        fid = req.get("input_file_id")
+        if fid not in self.files:
+            return 400, {"error": {"message": f"no file {fid}"}}
+        bid = self._new_id("batch")
+        lines = [json.loads(x) for x in self.files[fid]["data"].decode().splitlines() if x.strip()]
+        status = "validating"
+        self.batches[bid] = {"id": bid, "object": "batch", "endpoint": req["endpoint"], "input_file_id": fid,
+                             "completion_window": req["completion_window"], "created_at": int(time.time()), "status": status,
+                             "metadata": req.get("metadata"), "output_file_id": None, "error_file_id": None, "errors": None,
+                             "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "polls": 0, "lines": lines,
+                             "auth": auth}
+        if self.fail_batches > 0:
+            self.fail_batches -= 1
+            self.batches[bid].update(status="failed", errors={"object": "list", "data": [
+                {"code": "invalid_request", "message": "the batch failed validation", "line": 1}]})
+        return 200, self._public(self.batches[bid])
+
+    def _retrieve(self, bid: str):
+        b = self.batches.get(bid)
+        if b is None:
+            return 404, {"error": {"message": f"no batch {bid}"}}
+        if b["status"] in ("validating", "in_progress"):
+            b["polls"] += 1
+            b["status"] = "in_progress"
+            if b["polls"] >= self.batch_polls:
+                self._finish(b)
+        return 200, self._public(b)
+
+    def _finish(self, b: dict) -> None:
+        out, err = [], []
+        for i, line in enumerate(b["lines"]):
+            body = line["body"]
+            content = body["messages"][-1]["content"]
+            marks = MARK_RE.findall(content)
+            key = (body["model"], marks[0][1] if marks else "?", (marks[0][0] + marks[1][0]) if len(marks) >= 2 else "?")
+            cid = line["custom_id"]
+            if self.expire_after is not None and i >= self.expire_after:
+                err.append({"id": f"req-{i}", "custom_id": cid, "response": None,
+                            "error": {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}})
+                continue
+            self.batch_log.append(key)
+            queue = self.batch_faults.get(key, [])
+            action = queue.pop(0) if queue else "ok"
+            if action == "error":
+                err.append({"id": f"req-{i}", "custom_id": cid, "response": None, "error": {"code": "server_error", "message": "internal error"}})
+                continue
+            if action == "500":
+                err.append({"id": f"req-{i}", "custom_id": cid, "response": {"status_code": 500, "body": {"error": {"message": "server error"}}}, "error": None})
+                continue
+            text = "Both have merit." if action == "garbage" else f"Comparison done. [[{self.verdicts.get(key, self.default_verdict)}]]"
+            if self.echo_auth:
+                text = f"(you sent {b['auth']}) " + text
+            out.append({"id": f"req-{i}", "custom_id": cid, "error": None, "response": {"status_code": 200, "request_id": f"r{i}", "body": {
+                "id": "chatcmpl-b", "object": "chat.completion", "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5}}}})
+        for rows, field in ((out, "output_file_id"), (err, "error_file_id")):
+            if rows:
+                fid = self._new_id("file")
+                data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                self.files[fid] = {"id": fid, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+                                   "filename": f"{b['id']}_{field}.jsonl", "purpose": "batch_output", "status": "processed", "data": data}
+                b[field] = fid
+        b["status"] = "expired" if self.expire_after is not None else "completed"
+        self.expire_after = None  # one batch expires, the next one runs
+        b["request_counts"] = {"total": len(b["lines"]), "completed": len(out), "failed": len(err)}
 
     @property
     def url(self) -> str:

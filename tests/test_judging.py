@@ -542,27 +542,35 @@ def test_summarize_outcomes_excludes_unfinished_prompts_per_judge_and_for_the_pa
     assert res["cohen_kappa"] == {"value": 1.0, "ci90": [1.0, 1.0], "n": 2}
 
 
-def test_ctrl_c_exits_130_at_once_and_keeps_the_cache(tmp_path, files):
-    a, b = files
+def interrupt_judge(args: list, ready, pause: float) -> tuple[int, str, float]:
+    """Run `dllm-align judge ARGS` in a real interpreter, wait until ``ready()``,
+    then ``pause`` seconds, send SIGINT; return (exit code, stderr, seconds to exit)."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OPENAI_API_KEY=KEY)
     env.pop("DLLM_ALIGN_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dllm_align", "judge", *[str(x) for x in args]],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(pause)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        return proc.returncode, err, time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_exits_130_at_once_and_keeps_the_cache(tmp_path, files):
+    a, b = files
     with JudgeServer(KEY) as srv:
         srv.hold_after = 3  # then every request hangs (the timeout is 60 s)
-        proc = subprocess.Popen([sys.executable, "-m", "dllm_align", "judge", str(a), str(b), "-o", str(tmp_path / "out"),
-                                 "--judge", "m", "--base-url", srv.url, "--timeout", "60", "--concurrency", "4"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert srv.held.wait(60)
-            time.sleep(0.3)
-            t = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=20)
-            elapsed = time.monotonic() - t
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        code, err, elapsed = interrupt_judge([a, b, "-o", tmp_path / "out", "--judge", "m", "--base-url", srv.url, "--timeout", "60",
+                                              "--concurrency", "4"], srv.held.is_set, 0.3)
         n_held = len(srv.requests_for(action="held"))
-    assert proc.returncode == 130 and "Interrupted" in err
+    assert code == 130 and "Interrupted" in err
     assert elapsed < 5  # requests in flight are cut, not waited for
     assert n_held <= 4  # no new request after Ctrl-C
     assert len((tmp_path / "out" / "cache.jsonl").read_text().splitlines()) == 3

@@ -2,7 +2,9 @@
 
 * A planted API key never reaches a file, a log line, a progress line or an
   error, whether the judge succeeds, fails, is killed or runs with
-  DLLM_ALIGN_DEBUG=1 - even when the server quotes the key back.
+  DLLM_ALIGN_DEBUG=1, live or through the Batch API (the request files
+  written and uploaded, the results downloaded) - even when the server quotes
+  the key back.
 * Nothing in src/ unpickles user files or evaluates text as code (an AST scan).
 * Recipes are read with a safe YAML loader.
 * A model's own code runs only when trust_remote_code is turned on, and the tool
@@ -75,6 +77,15 @@ def test_a_planted_key_never_leaves_the_environment(tmp_path):
         # 4. a run killed in the middle of writing a cache line
         runs.append(run_killed(base + url + ["-o", tmp_path / "killed"], "kill_mid_record:3", env=env))
         assert runs[-1].code == -9
+        # 7. through the Batch API (the results quote the key back), and a batch run killed after its create
+        batch = ["--batch", "--batch-poll", "0.01"]
+        runs.append(run_cli(base + url + batch + ["--judge", "m3", "-o", tmp_path / "batch"], env=env))
+        assert runs[-1].code == 0, runs[-1].err
+        assert "Bearer ***" in (tmp_path / "batch" / "batches" / "batch-0001.output.jsonl").read_text()
+        runs.append(run_killed(base + url + batch + ["--judge", "m4", "-o", tmp_path / "batch-killed"], "kill_at:batch_after_create", env=env))
+        assert runs[-1].code == -9
+        uploaded = [name + "\n" + data.decode("utf-8", "replace") for name, data in srv.uploads]
+        assert len(uploaded) == 3 and all("custom_id" in u for u in uploaded)  # one batch per judge (m, m3), one killed
     # 5. a server that rejects the key and quotes it in the 401
     with JudgeServer("sk-the-right-one", echo_auth=True) as srv:
         runs.append(run_cli(base + ["--base-url", srv.url, "-o", tmp_path / "rejected"], env=env))
@@ -83,8 +94,9 @@ def test_a_planted_key_never_leaves_the_environment(tmp_path):
     runs.append(run_cli(base + ["--base-url", "http://127.0.0.1:9/v1", "--max-retries", "0", "-o", tmp_path / "down"], env=env))
     assert runs[-1].code == 1
 
-    everything = _everything(tmp_path, *runs)
+    everything = _everything(tmp_path, *runs) + "\n".join(uploaded)  # what was written, and what was uploaded
     assert len(files_under(tmp_path)) > 15 and len(everything) > 10_000  # the grep had material to search
+    assert list((tmp_path / "batch" / "batches").glob("*.jsonl")) and list((tmp_path / "batch-killed" / "batches").glob("*.jsonl"))
     assert _leaks(everything) == []
 
 

@@ -11,6 +11,11 @@ the process SIGKILL itself at chosen points and check that a rerun (or
 ``kill_mid_record:N``
     in the middle of writing the N-th record: half of the log line is on disk
     (a torn line), or the shard's temporary file is written but not renamed;
+``kill_at:POINT``
+    at a named point: ``batch_before_upload``, ``batch_after_upload`` (the file is
+    on the server, its id not yet recorded), ``batch_after_create`` (the batch
+    exists, its id not yet recorded), ``batch_polling`` (after the second poll),
+    ``batch_downloading`` (results on disk, not yet cached);
 ``kill_after_step:N`` / ``kill_in_checkpoint:N`` / ``kill_in_final``
     training: after optimiser step N, halfway through writing checkpoint N,
     or after the final model folder is written but before it is renamed.
@@ -34,7 +39,7 @@ def _specs() -> set[str]:
     return {s.strip() for s in spec.split(",") if s.strip()} if spec else set()
 
 
-def armed(kind: str, n: int | None = None) -> bool:
+def armed(kind: str, n: int | str | None = None) -> bool:
     """Whether ``DLLM_ALIGN_FAULT`` asks for ``kind`` (at ``n``, when given)."""
     specs = _specs()
     return (kind if n is None else f"{kind}:{n}") in specs
@@ -45,7 +50,7 @@ def kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def at(kind: str, n: int | None = None) -> None:
+def at(kind: str, n: int | str | None = None) -> None:
     """SIGKILL this process if ``kind[:n]`` is armed."""
     if os.environ.get(ENV) and armed(kind, n):
         kill()

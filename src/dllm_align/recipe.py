@@ -261,13 +261,36 @@ class JudgeSection(Section):
     max_parse_retries: int = Field(2, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict.")
     bootstrap: int = Field(5000, ge=100, description="Bootstrap resamples of prompts for the 90% intervals (paper: 5,000).")
     seed: int = Field(0, description="Seed of the bootstrap resamples.")
-    temperature: float = Field(0.0, ge=0, description="Judge sampling temperature.")
-    max_tokens: int = Field(1024, ge=1, description="Cap on the judge's reply length.")
+    temperature: Optional[float] = Field(0.0, ge=0, description="Judge sampling temperature (null: not sent, for reasoning models).")
+    max_tokens: int = Field(1024, ge=1, description="Cap on the judge's reply length (sent as max_tokens).")
+    max_completion_tokens: Optional[int] = Field(
+        None, ge=1, description="Send this cap as max_completion_tokens instead of max_tokens (reasoning models reject max_tokens)."
+    )
+    allow_plain_http: bool = Field(False, description="Allow sending the key over plain http:// to a host that is not loopback.")
+    env_proxy: bool = Field(False, description="Use the proxy named by HTTP(S)_PROXY for base_url (off: the environment is ignored).")
+    batch: bool = Field(False, description="Use the Batch API (upload, create, poll, download) instead of live requests.")
+    batch_poll_interval: float = Field(15.0, gt=0, description="First wait between two polls of a batch, in seconds (grows 1.5x).")
+    batch_poll_max: float = Field(300.0, gt=0, description="Longest wait between two polls of a batch, in seconds.")
+    batch_failed: Literal["live", "batch"] = Field(
+        "live", description="Requests that failed inside a batch are retried live, or in new batches (up to batch_rounds)."
+    )
+    batch_rounds: int = Field(3, ge=1, description="With batch_failed: batch, the most batches one request is put into in a run.")
+    prices: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="USD per million prompt and completion tokens, per judge name or '*' for all; adds a cost to results.json.",
+    )
+    batch_price_factor: float = Field(0.5, ge=0, le=1, description="Price of batch tokens relative to live ones (OpenAI: half).")
+    length_threshold: float = Field(
+        0.1, ge=0, description="Mark the AWR when the two sides' mean answer lengths differ by more than this fraction."
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> "JudgeSection":
         if len(set(self.judges)) != len(self.judges):
             raise ValueError(f"judges: the same judge is listed twice ({self.judges[0]})")
+        bad = [k for k, (p_in, p_out) in self.prices.items() if not (0 <= p_in < float("inf") and 0 <= p_out < float("inf"))]
+        if bad:
+            raise ValueError(f"prices: {bad[0]}: prices are finite numbers >= 0 (USD per million tokens)")
         return self
 
 

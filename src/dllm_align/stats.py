@@ -258,3 +258,107 @@ def summarize(outcomes: Sequence[int] | np.ndarray, n_resamples: int = 5000, see
         return {**c, "awr": None, "ci90": None}
     low, high = awr_ci(outcomes, n_resamples=n_resamples, seed=seed, level=level)
     return {**c, "awr": awr(outcomes), "ci90": [low, high]}
+
+
+# --------------------------------------------------------------------------- length control
+# The length-controlled AWR (LC-AWR) answers "what would the AWR be if A's and B's
+# answers were equally long?". AlpacaEval 2's length-controlled win rate fits a GLM
+# of the judge's preference on tanh of the standardised length difference and
+# reads the win rate off at zero difference; ours does the same for the two-order
+# outcome, with one change found necessary by simulation (see README):
+#
+#   y_i = (o_i + 1) / 2 in {0, 0.5, 1},    x_i = tanh(d_i / sd(d)),   d_i = len(A_i) - len(B_i)
+#   logit P(y_i = 1) = theta0 + theta1 x_i, fitted by weighted maximum likelihood
+#   (fractional y, so a tie counts half a win), ridge penalty RIDGE * theta1^2 / 2,
+#   LC-AWR = sigmoid(theta0).
+#
+# The weights give the prompts where A is longer and those where B is longer the
+# same total weight (prompts of equal length keep weight 1). Without them, a judge
+# that only prefers the longer answer makes the two groups linearly separable,
+# and the intercept of a logistic fit is then set by the ratio of the group sizes
+# (about 0.5 ln(n_A-longer / n_B-longer)), not by anything the judge did: on the
+# README's example (200 prompts, A longer on 80%) the unweighted fit gives 0.73
+# for a judge that only likes length, the weighted one 0.53, and 0.43-0.57 over
+# ten such data sets (tests/test_judge_report.py).
+LC_RIDGE = 1.0
+_LC_ITERS = 60
+
+
+def _lc_weights(d: np.ndarray) -> np.ndarray:
+    pos, neg = d > 0, d < 0
+    n_pos, n_neg = pos.sum(-1, keepdims=True), neg.sum(-1, keepdims=True)
+    half = (n_pos + n_neg) / 2
+    w = np.where(pos, half / np.maximum(n_pos, 1), np.where(neg, half / np.maximum(n_neg, 1), 1.0))
+    # with one side empty there is nothing to balance
+    return np.where((n_pos == 0) | (n_neg == 0), 1.0, w)
+
+
+def _lc_fit(d: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """LC-AWR of each row of ``d``, ``y`` (shape (R, n)): damped Newton on the
+    penalised weighted log-likelihood (strictly concave in theta1; theta0 may run
+    off to +-inf when every outcome is a win or every one a loss, and then the
+    answer is 1 or 0 to float precision after the bounded iterations)."""
+    sd = d.std(axis=-1, keepdims=True)
+    x = np.tanh(np.divide(d, sd, out=np.zeros_like(d), where=sd > 0))
+    w = _lc_weights(d)
+    t0 = np.zeros(d.shape[0])
+    t1 = np.zeros(d.shape[0])
+    for _ in range(_LC_ITERS):
+        p = 1.0 / (1.0 + np.exp(-(t0[:, None] + t1[:, None] * x)))
+        r, h = w * (y - p), w * p * (1 - p)
+        g0, g1 = r.sum(-1), (r * x).sum(-1) - LC_RIDGE * t1
+        h00, h01, h11 = h.sum(-1), (h * x).sum(-1), (h * x * x).sum(-1) + LC_RIDGE
+        det = h00 * h11 - h01 * h01
+        ok = det > 1e-300
+        s0 = np.where(ok, (h11 * g0 - h01 * g1) / np.where(ok, det, 1.0), 0.0)
+        s1 = np.where(ok, (h00 * g1 - h01 * g0) / np.where(ok, det, 1.0), g1 / h11)
+        s0, s1 = np.clip(s0, -5, 5), np.clip(s1, -5, 5)  # damping: never a wild first step
+        t0, t1 = t0 + s0, t1 + s1
+        if max(np.abs(s0).max(), np.abs(s1).max()) < 1e-12:
+            break
+    return 1.0 / (1.0 + np.exp(-t0))
+
+
+def _lc_inputs(outcomes, len_a, len_b) -> tuple[np.ndarray, np.ndarray]:
+    o = as_outcomes(outcomes)
+    la, lb = np.asarray(len_a, dtype=np.float64), np.asarray(len_b, dtype=np.float64)
+    if la.shape != o.shape or lb.shape != o.shape:
+        raise ValueError(f"one length per prompt and side ({o.size} outcomes, {la.size} and {lb.size} lengths)")
+    return la - lb, (o.astype(np.float64) + 1) / 2
+
+
+def lc_awr(outcomes: Sequence[int] | np.ndarray, len_a: Sequence[float], len_b: Sequence[float]) -> float:
+    """Length-controlled AWR: the AWR a weighted logistic GLM of the outcome on
+    tanh(standardised length difference) predicts at zero length difference (see
+    the comment above :data:`LC_RIDGE`). Equal to the AWR when all differences are 0."""
+    d, y = _lc_inputs(outcomes, len_a, len_b)
+    if d.size == 0:
+        raise ValueError("LC-AWR of zero prompts is undefined")
+    return float(_lc_fit(d[None], y[None])[0])
+
+
+def lc_awr_ci(outcomes, len_a, len_b, n_resamples: int = 5000, seed: int = 0, level: float = 0.90,
+              chunk: int = 250) -> tuple[float, float]:
+    """Percentile bootstrap interval of :func:`lc_awr` over the same resamples of
+    prompts as :func:`awr_ci` (the same ``seed``); the fit is vectorised over ``chunk`` resamples."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    d, y = _lc_inputs(outcomes, len_a, len_b)
+    values, idx = [], []
+    for ix in bootstrap_indices(d.size, n_resamples, seed):
+        idx.append(ix)
+        if len(idx) == chunk:
+            values.append(_lc_fit(d[np.stack(idx)], y[np.stack(idx)]))
+            idx = []
+    if idx:
+        values.append(_lc_fit(d[np.stack(idx)], y[np.stack(idx)]))
+    low, high = np.percentile(np.concatenate(values), [50 - 50 * level, 50 + 50 * level])
+    return float(low), float(high)
+
+
+def length_summary(lengths: Sequence[float]) -> dict:
+    """``{"mean", "median"}`` of answer lengths (characters)."""
+    arr = np.asarray(lengths, dtype=np.float64)
+    if arr.size == 0:
+        return {"mean": None, "median": None}
+    return {"mean": float(arr.mean()), "median": float(np.median(arr))}

@@ -24,7 +24,32 @@ _FLAG_OF = {
     "seed": "--seed",
     "temperature": "--temperature",
     "max_tokens": "--max-tokens",
+    "max_completion_tokens": "--max-completion-tokens",
+    "allow_plain_http": "--allow-plain-http",
+    "env_proxy": "--env-proxy",
+    "batch": "--batch",
+    "batch_poll_interval": "--batch-poll",
+    "batch_failed": "--batch-failed",
+    "prices": "--price",
+    "length_threshold": "--length-threshold",
 }
+
+
+def _parse_prices(values: list[str]) -> dict:
+    """``--price [JUDGE=]IN,OUT`` (USD per million prompt / completion tokens) -> {judge or '*': (IN, OUT)}."""
+    from dllm_align.errors import UserError
+
+    prices = {}
+    for v in values:
+        judge, _, nums = v.rpartition("=") if "=" in v else ("*", "", v)
+        parts = nums.split(",")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            prices[judge or "*"] = (float(parts[0]), float(parts[1]))
+        except ValueError:
+            raise UserError(f"--price {v!r}: expected [JUDGE=]IN,OUT in USD per million prompt and completion tokens, e.g. 0.15,0.60")
+    return prices
 
 
 @command("judge")
@@ -56,16 +81,31 @@ def judge(
     seed: Annotated[Optional[int], typer.Option(help="Bootstrap seed.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Judge sampling temperature.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="Cap on the judge's reply length.")] = None,
+    max_completion_tokens: Annotated[
+        Optional[int], typer.Option(help="Send the cap as max_completion_tokens instead of max_tokens (reasoning models).")
+    ] = None,
+    no_temperature: Annotated[bool, typer.Option("--no-temperature", help="Send no temperature (reasoning models accept only their default).")] = False,
+    batch: Annotated[bool, typer.Option("--batch", help="Use the Batch API (about half the price; results within 24 h). Rerun the same command to continue.")] = False,
+    batch_poll: Annotated[Optional[float], typer.Option(help="First wait between polls of a batch, seconds (grows to 300).")] = None,
+    batch_failed: Annotated[Optional[str], typer.Option(help="Retry requests that failed in a batch 'live' or in a new 'batch'.")] = None,
+    price: Annotated[
+        Optional[list[str]], typer.Option("--price", help="[JUDGE=]IN,OUT: USD per million prompt and completion tokens, for a cost in results.json.")
+    ] = None,
+    length_threshold: Annotated[Optional[float], typer.Option(help="Mark the AWR when mean answer lengths differ by more than this fraction.")] = None,
+    allow_plain_http: Annotated[bool, typer.Option("--allow-plain-http", help="Allow the key over plain http:// to a host that is not loopback.")] = False,
+    env_proxy: Annotated[bool, typer.Option("--env-proxy", help="Use the proxy named by HTTP(S)_PROXY (ignored otherwise).")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.")] = False,
 ) -> None:
-    """Pairwise LLM or rule judging of A vs B: adjusted win rate, 90% CI, majority vote, kappa.
+    """Pairwise LLM or rule judging of A vs B: adjusted win rate and its length-controlled twin, 90% CIs, majority vote, kappa.
 
     Every prompt is judged with A's answer first and with B's first; A wins only if
     both orders prefer it. Two judges add the majority vote and Cohen's kappa.
+    LC-AWR is the AWR predicted at zero length difference between the answers.
 
     Finished judgements are cached in the output folder: rerunning the same command
-    resumes without repeating a request, and retries the ones that failed. Exit code 1
+    resumes without repeating a request, and retries the ones that failed; with
+    --batch it continues its batch from the stage it reached. Exit code 1
     when some judgements still failed (results are written without them).
 
     Example: dllm-align judge runs/kto/gen.jsonl runs/base/gen.jsonl --judge gpt-4o-mini --judge gpt-4.1-mini -o runs/kto/judge
@@ -94,8 +134,18 @@ def judge(
         "seed": seed,
         "temperature": temperature,
         "max_tokens": max_tokens,
+        "max_completion_tokens": max_completion_tokens,
+        "batch": True if batch else None,
+        "batch_poll_interval": batch_poll,
+        "batch_failed": batch_failed,
+        "prices": _parse_prices(price) if price else None,
+        "length_threshold": length_threshold,
+        "allow_plain_http": True if allow_plain_http else None,
+        "env_proxy": True if env_proxy else None,
     }
     merged = {**rec.judge.model_dump(), **{k: v for k, v in given.items() if v is not None}}
+    if no_temperature:
+        merged["temperature"] = None
     try:
         settings = JudgeSection.model_validate(merged)
     except ValidationError as e:

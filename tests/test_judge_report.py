@@ -1,0 +1,163 @@
+"""judge_report.py and the length-controlled AWR end to end: a judge that only
+likes length, a judge that likes A whatever its length, the length columns and
+marker, tokens and cost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dllm_align import judging, stats
+from dllm_align.judge_report import usage_report
+from dllm_align.recipe import JudgeSection
+from judge_server import JudgeServer
+from test_judging import J1, KEY, cli, fast, script, write_gen
+
+
+def length_biased_files(tmp: Path, n: int = 200, a_longer: float = 0.8, seed: int = 0) -> tuple[Path, Path]:
+    """A is longer than B on about ``a_longer`` of the prompts; the length gaps have
+    the same distribution on both sides (10-200 characters)."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    len_b = rng.integers(100, 400, n)
+    gap = rng.integers(10, 200, n) * np.where(rng.random(n) < a_longer, 1, -1)
+    for side, lengths in (("a", len_b + gap), ("b", len_b)):
+        p = tmp / f"{side}.jsonl"
+        p.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}?", "completion": f"{side.upper()}:" + "x" * int(k)}) + "\n"
+                             for i, k in enumerate(lengths)))
+        paths.append(p)
+    return paths[0], paths[1]
+
+
+@judging.register_rule("prefers-a-marker", replace=True)
+def _prefers_a(prompt, first, second):
+    """A wins whatever the lengths (the answers start with 'A:' or 'B:')."""
+    return "A" if first.startswith("A:") else "B"
+
+
+@judging.register_rule("mostly-a", replace=True)
+def _mostly_a(prompt, first, second):
+    """A better on ~85% of prompts, decided by a hash of the prompt (not by length); consistent in both orders."""
+    a_better = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 100 < 85
+    want = "A:" if a_better else "B:"
+    return "A" if first.startswith(want) else "B"
+
+
+def test_a_judge_that_only_likes_length_gets_a_high_awr_but_an_lc_awr_around_half(tmp_path):
+    a, b = length_biased_files(tmp_path, seed=1)
+    res = judging.judge_files(a, b, tmp_path / "out", JudgeSection(judges=["rule:longer"])).results
+    j = res["judges"]["rule:longer"]
+    assert j["awr"] > 0.75 and j["ci90"][0] > 0.7  # well above 0.5
+    lo, hi = j["lc_ci90"]
+    assert lo < 0.5 < hi  # the whole gain is length
+    assert abs(j["lc_awr"] - 0.5) < 0.07
+    assert res["lengths"]["beyond_threshold"] and res["lengths"]["relative_difference"] > 0.2
+
+
+def test_the_length_only_judge_over_ten_data_sets():
+    """The same judge on ten independently drawn data sets (seeds 0-9, 200 prompts,
+    A longer on ~80%). A judge whose verdict is a step function of the length
+    difference is the hardest case for any smooth model: the value at zero is an
+    extrapolation across the gap between the smallest differences on each side,
+    and the bootstrap sees only that sample's gap. Measured: AWR 0.755-0.83,
+    LC-AWR 0.43-0.57, the 90% interval holding 0.5 in 8 of the 10."""
+    holds, lcs = 0, []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        len_b = rng.integers(100, 400, 200)
+        len_a = len_b + rng.integers(10, 200, 200) * np.where(rng.random(200) < 0.8, 1, -1)
+        o = np.sign(len_a - len_b)  # the longer answer wins in both orders
+        assert stats.awr(o) > 0.75
+        lc = stats.lc_awr(o, len_a, len_b)
+        lo, hi = stats.lc_awr_ci(o, len_a, len_b, n_resamples=1000, seed=0)
+        lcs.append(lc)
+        holds += lo < 0.5 < hi
+    assert max(abs(x - 0.5) for x in lcs) < 0.075 and abs(np.mean(lcs) - 0.5) < 0.02
+    assert holds >= 7
+
+
+def test_a_judge_that_prefers_a_whatever_the_length_keeps_both_high(tmp_path):
+    a, b = length_biased_files(tmp_path)
+    res = judging.judge_files(a, b, tmp_path / "out", JudgeSection(judges=["rule:prefers-a-marker", "rule:mostly-a"])).results
+    sure, mostly = res["judges"]["rule:prefers-a-marker"], res["judges"]["rule:mostly-a"]
+    assert sure["awr"] == 1.0 and sure["lc_awr"] > 0.99 and sure["lc_ci90"][0] > 0.99
+    assert 0.78 < mostly["awr"] < 0.92
+    assert abs(mostly["lc_awr"] - mostly["awr"]) < 0.05 and mostly["lc_ci90"][0] > 0.7
+    mv = res["majority_vote"]
+    assert mv["lc_awr"] > 0.75 and "lc_ci90" in mv
+
+
+def test_the_length_columns_and_marker_in_the_table_and_results(tmp_path):
+    a, b = length_biased_files(tmp_path, n=60)
+    r = cli([a, b, "-o", tmp_path / "out", "--judge", "rule:longer", "--bootstrap", "500"], key=None)
+    assert r.exit_code == 0, r.stderr
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    ln = res["lengths"]
+    assert set(ln) == {"unit", "a", "b", "relative_difference", "threshold", "beyond_threshold"}
+    assert ln["a"]["mean"] > ln["b"]["mean"] and ln["threshold"] == 0.1 and ln["beyond_threshold"]
+    row = next(x for x in r.stdout.splitlines() if x.startswith("│ rule:longer"))
+    assert "†" in row and "LC-AWR (%)" in r.stdout and "longer on average" in r.stdout
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| Judge | AWR (%) | 90% CI | LC-AWR (%) | LC 90% CI |" in md and "†" in md
+    first = json.loads((tmp_path / "out" / "outcomes.jsonl").read_text().splitlines()[0])
+    assert {"length_a", "length_b"} <= set(first)
+    # a looser threshold: no marker
+    r = cli([a, b, "-o", tmp_path / "o2", "--judge", "rule:longer", "--bootstrap", "500", "--length-threshold", "5"], key=None)
+    assert r.exit_code == 0 and "†" not in r.stdout
+
+
+def test_equal_lengths_give_lc_awr_equal_to_awr():
+    out = [1, 1, -1, 0, 0, 1, -1, 0]
+    same = [10] * 8
+    assert stats.lc_awr(out, same, same) == pytest.approx(stats.awr(out), abs=1e-12)
+    lo, hi = stats.lc_awr_ci(out, same, same, n_resamples=300, seed=3)
+    assert (lo, hi) == pytest.approx(stats.awr_ci(out, n_resamples=300, seed=3), abs=1e-9)
+
+
+def test_a_mirror_image_length_judge_gives_exactly_one_half():
+    # A longer by 5 on three prompts and wins them, shorter by 5 on one and loses it: with
+    # the A-longer and B-longer groups weighted equally the fit is symmetric, theta0 = 0.
+    assert stats.lc_awr([1, 1, 1, -1], [15, 15, 15, 10], [10, 10, 10, 15]) == pytest.approx(0.5, abs=1e-12)
+    assert stats.awr([1, 1, 1, -1]) == 0.75
+
+
+# --------------------------------------------------------------------------- tokens and cost
+def test_tokens_and_cost_per_judge(tmp_path):
+    a, b = write_gen(tmp_path, model="A"), write_gen(tmp_path, model="B")
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.faults = {("judge-1", "p4", "BA"): ["garbage"]}  # a re-asked judgement: both replies are paid for
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *fast(srv), "--price", "0.15,0.60", "--price", "other=1,2"])
+        assert r.exit_code == 0, r.stderr
+        expect_prompt = sum(len(c) // 4 for c in srv.contents)  # the fake server's usage: len/4 prompt, 5 completion tokens
+        n_requests = len(srv.contents)
+    u = json.loads((out / "results.json").read_text())["usage"]["judge-1"]
+    assert n_requests == 17
+    assert (u["judgements"], u["live"], u["batch"]) == (16, 16, 0)
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (expect_prompt, 5 * 17)
+    assert u["price_per_mtok"] == [0.15, 0.60]
+    assert u["cost_usd"] == pytest.approx((expect_prompt * 0.15 + 85 * 0.60) / 1e6, rel=1e-12)
+    assert "Tokens: judge-1: 16 judgements" in (out / "results.md").read_text()
+    assert "completion tokens, $" in r.stderr
+
+
+def test_batch_tokens_are_charged_at_the_batch_factor():
+    rows = [{"judge": "j", "mode": "batch", "usage": {"prompt_tokens": 1000, "completion_tokens": 100}},
+            {"judge": "j", "mode": "live", "usage": {"prompt_tokens": 1000, "completion_tokens": 100}}]
+    u = usage_report(rows, {"j": (2.0, 8.0)}, 0.5)["j"]
+    # live 1000 * 2 + 100 * 8 = 2800; batch half of that = 1400; per million
+    assert u["cost_usd"] == pytest.approx(4200 / 1e6)
+    assert usage_report(rows, {}, 0.5)["j"].get("cost_usd") is None
+
+
+def test_bad_prices_are_refused(tmp_path):
+    a, b = write_gen(tmp_path, model="A"), write_gen(tmp_path, model="B")
+    r = cli([a, b, "-o", tmp_path / "o", "--judge", "m", "--price", "cheap"])
+    assert r.exit_code == 2 and "--price 'cheap'" in r.stderr
+    r = cli([a, b, "-o", tmp_path / "o", "--judge", "m", "--price", "-1,2"])
+    assert r.exit_code == 2 and "prices" in r.stderr
