@@ -188,7 +188,9 @@ def test_precompute_on_two_processes_matches_one(toy, tmp_path):
 
     one, two = ReferenceCache.open(toy["root"] / "ref_cache"), ReferenceCache.open(tmp_path / "c2")
     assert one.manifest["fingerprint"] == two.manifest["fingerprint"]
-    assert len(two.manifest["shards"]) == 4  # 32 rows in shards of 8: ranks 0 and 1 wrote two each
+    assert len(two.manifest["shards"]) == 4  # 32 rows in shards of 8
+    # rows are dealt out interleaved within each shard (no process idles for a whole shard)
+    assert "the rows of each shard dealt out over 2 processes" in p.stderr
     ids = sorted(one._values)
     torch.testing.assert_close(two.lookup(ids, 4), one.lookup(ids, 4), atol=1e-4, rtol=1e-5)
 
@@ -198,12 +200,16 @@ def test_shipped_accelerate_configs_load():
 
     folder = REPO / "recipes" / "accelerate"
     names = sorted(p.name for p in folder.glob("*.yaml"))
-    assert names == ["ddp_8gpu.yaml", "fsdp_8gpu.yaml", "single_gpu.yaml"]
+    assert names == ["ddp_8gpu.yaml", "fsdp1_8gpu.yaml", "fsdp_8gpu.yaml", "single_gpu.yaml"]
+    # the shipped FSDP setup is FSDP2; FSDP1 stays as a fallback (both run by test_invariants_distributed)
     fsdp = load_config_from_file(str(folder / "fsdp_8gpu.yaml"))
     assert fsdp.distributed_type == "FSDP" and fsdp.num_processes == 8 and fsdp.mixed_precision == "bf16"
+    assert fsdp.fsdp_config["fsdp_version"] == 2
     assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     assert fsdp.fsdp_config["fsdp_activation_checkpointing"] is True
-    assert fsdp.fsdp_config["fsdp_reshard_after_forward"] == "FULL_SHARD"
+    assert fsdp.fsdp_config["fsdp_reshard_after_forward"] is True
+    fsdp1 = load_config_from_file(str(folder / "fsdp1_8gpu.yaml"))
+    assert fsdp1.fsdp_config["fsdp_version"] == 1 and fsdp1.fsdp_config["fsdp_reshard_after_forward"] == "FULL_SHARD"
     ddp = load_config_from_file(str(folder / "ddp_8gpu.yaml"))
     assert ddp.distributed_type == "MULTI_GPU" and ddp.num_processes == 8
     single = load_config_from_file(str(folder / "single_gpu.yaml"))

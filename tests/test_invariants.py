@@ -183,9 +183,9 @@ def test_bf16_rotary_phase_error_at_llada_scale():
     """The figure behind defect 1: theta 5e5, head dim 128, position 4,095: bf16 inv_freq is off by radians."""
     inv = 1.0 / (5e5 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     err = (4095 * (inv - inv.float().bfloat16().double())).abs()
-    assert err.max() > 1.0
+    assert 7.0 < float(err.max()) < 7.5  # radians, unwrapped
     err1000 = (1000 * (inv - inv.float().bfloat16().double())).abs()
-    assert int((err1000 > 0.1).sum()) >= 10
+    assert int((err1000 > 0.1).sum()) == 12  # of 64 frequency pairs
 
 
 def test_reference_linears_stored_in_bf16_compute_identically():
@@ -204,3 +204,68 @@ def test_reference_linears_stored_in_bf16_compute_identically():
     tgt = torch.tensor([10, 20, 30, 40])
     with torch.no_grad():
         assert torch.equal(a.target_logprobs(ids, None, rows, cols, tgt), b.target_logprobs(ids, None, rows, cols, tgt))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, fresh_accelerate, dropout):
+    """Defect 8: the no-grad baseline pass and the gradient pass must draw the same LoRA dropout masks.
+
+    The step's no-grad pass (for the baseline) and its gradient pass run a micro-batch under
+    the same seed: the margins are identical; an unseeded pass draws other masks.
+    """
+    from dllm_align.training import train
+
+    exs = cache_for(toy, "no")
+    rec = recipe(toy, "no", "train.batch_size=2", "train.grad_accum=2", "train.max_steps=2", "train.lora.enabled=true",
+                 "train.lora.r=4", f"train.lora.dropout={dropout}", out=f"dropout-{dropout}")
+    train(rec, examples=exs)  # the accumulation path runs with dropout
+    # exact check through the library: the same step's two passes give the same margins
+    from dllm_align.training import _Run, make_accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    run = _Run(rec.model_copy(update={"output_dir": str(toy["root"] / f"dropout-run-{dropout}")}), make_accelerator(rec), None, exs)
+    for p in run.params:  # adapters away from zero, so dropout matters
+        p.data.normal_(0, 0.2)
+    b = run._to_dev(run.collate([ex for u in run.micro_batches(0)[1] for ex in u]))
+    with torch.no_grad(), run._same_dropout(1):
+        first = run.policy_elbo(b)
+    with run._same_dropout(1):
+        second = run.policy_elbo(b)
+    with torch.no_grad():
+        other = run.policy_elbo(b)  # unseeded: a fresh draw
+    assert torch.equal(first, second.detach())
+    if dropout:
+        assert not torch.equal(first, other)
+
+
+def test_process_group_timeout_reaches_accelerate():
+    """Defect 4: torch's 10-minute NCCL default applied; every launch now passes the recipe's timeout (default 60)."""
+    from datetime import timedelta
+
+    from accelerate.utils import AutocastKwargs, InitProcessGroupKwargs
+
+    from dllm_align.precision import accelerator_kwargs
+
+    for sets, minutes in (([], 60), (["train.process_group_timeout_minutes=180"], 180)):
+        kw = accelerator_kwargs(load_recipe("kto_mix_14k", sets))
+        pg = next(k for k in kw if isinstance(k, InitProcessGroupKwargs))
+        assert pg.timeout == timedelta(minutes=minutes)
+        assert next(k for k in kw if isinstance(k, AutocastKwargs)).cache_enabled is False
+
+
+def test_mixed_precisions_would_break_the_invariant(toy):
+    """The invariant tests have teeth: an fp32 reference against a bf16-autocast policy (defect 2) is far from 0."""
+    from dllm_align.elbo import DrawConfig, elbo_draws
+    from dllm_align.examples import make_collate
+    from dllm_align.models import load_model
+    from dllm_align.precision import Precision
+
+    exs = cache_for(toy, "no")
+    policy, reference = load_model("builtin:tiny"), load_model("builtin:tiny")
+    policy.set_precision(Precision(torch.float32, torch.bfloat16))
+    b = make_collate(recipe(toy, "no"), policy.tokenizer)(exs[:8])
+    args = (b["input_ids"], b["attention_mask"], b["completion_mask"], b["ids"], DrawConfig(n_mc=4))
+    with torch.no_grad():
+        margins = elbo_draws(policy, *args).mean(1) - elbo_draws(reference, *args).mean(1)
+    assert float(margins.abs().max()) > 1e-3, margins  # measured 5.8e-3 nats on these short rows (random tiny model)

@@ -324,3 +324,54 @@ def test_chunked_head_fp32_gradients_close_to_float64():
     gh, gw = torch.autograd.grad((chunked_target_logprobs(a, b, t, 128) * up).sum(), [a, b])
     assert float((gh.double() - rh).norm() / rh.norm()) < 1.5e-7
     assert float((gw.double() - rw).norm() / rw.norm()) < 1.5e-7
+
+
+# --------------------------------------------------------------------------- issue 13: attention kernel, qkv biases
+def test_llada_attn_implementation_is_honoured_or_refused_by_name(tmp_path):
+    import importlib.util
+
+    _write_llada(tmp_path / "llada")
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    sdpa = load_model(str(tmp_path / "llada"))
+    assert sdpa.model.config._attn_implementation == "sdpa"
+    eager = load_model(str(tmp_path / "llada"), attn_implementation="eager")
+    assert eager.model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(eager.logits(ids), sdpa.logits(ids), atol=1e-5, rtol=1e-5)
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(UserError, match="model.attn_implementation: flash_attention_2 is not available"):
+            load_model(str(tmp_path / "llada"), attn_implementation="flash_attention_2")
+
+
+def test_llada_include_qkv_bias_loads_with_biases_on_q_k_v_only(tmp_path):
+    """Defect 8: include_qkv_bias was refused with a misleading 'missing o_proj.bias'."""
+    tok = build_tiny_tokenizer()
+    cfg = _llada_config(len(tok))
+    sd = _llada_state(cfg)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(cfg))
+    tok.save_pretrained(plain)
+    save_file(sd, str(plain / "model.safetensors"))
+    biased = tmp_path / "biased"
+    biased.mkdir()
+    (biased / "config.json").write_text(json.dumps(dict(cfg, include_qkv_bias=True)))
+    tok.save_pretrained(biased)
+    g = torch.Generator().manual_seed(3)
+    bsd = dict(sd)
+    for i in range(cfg["n_layers"]):
+        for n in ("q_proj", "k_proj", "v_proj"):
+            bsd[f"model.transformer.blocks.{i}.{n}.bias"] = torch.zeros(cfg["d_model"])
+    bsd["model.transformer.blocks.0.v_proj.bias"] = torch.randn(cfg["d_model"], generator=g) * 0.1
+    save_file(bsd, str(biased / "model.safetensors"))
+    a, b = load_model(str(plain)), load_model(str(biased))
+    attn = b.model.model.layers[0].self_attn
+    assert attn.o_proj.bias is None and attn.q_proj.bias is not None
+    torch.testing.assert_close(attn.v_proj.bias, bsd["model.transformer.blocks.0.v_proj.bias"])
+    ids = torch.randint(0, 200, (1, 7), generator=g)
+    with torch.no_grad():
+        la, lb = a.logits(ids), b.logits(ids)
+    assert (la - lb).abs().max() > 1e-4  # the v bias is used ...
+    attn.v_proj.bias.data.zero_()
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(ids), la, atol=1e-5, rtol=1e-5)  # ... and nothing else differs

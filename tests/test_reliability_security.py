@@ -284,10 +284,10 @@ def test_model_code_does_not_run_by_default(custom_code_model, tmp_path):
 def test_trust_remote_code_is_said_on_stderr(tiny_dir, tmp_path):
     _gens(tmp_path)
     r = run_cli(["generate", "demo", "--model", tiny_dir, "--set", "model.trust_remote_code=true", "--limit", "1",
-                 "--prompts", tmp_path / "a.jsonl", "-o", tmp_path / "g.jsonl", "--gen-length", "8"], cwd=SRC.parents[1])
+                 "--prompts", tmp_path / "a.jsonl", "--output", tmp_path / "g.jsonl", "--gen-length", "8"], cwd=SRC.parents[1])
     assert r.code == 0, r.err
     assert f"Warning: trust_remote_code is on: running Python code shipped with {tiny_dir}" in r.err
     r = run_cli(["generate", "demo", "--model", tiny_dir, "--limit", "1", "--prompts", tmp_path / "a.jsonl",
-                 "-o", tmp_path / "g2.jsonl", "--gen-length", "8"], cwd=SRC.parents[1])
+                 "--output", tmp_path / "g2.jsonl", "--gen-length", "8"], cwd=SRC.parents[1])
     assert r.code == 0 and "Warning: trust_remote_code" not in r.err
     assert os.environ.get("DLLM_ALIGN_DEBUG") is None

@@ -113,9 +113,45 @@ def find_checkpoint(output_dir: Path) -> Optional[Path]:
     return best
 
 
+def _local_tensors(obj):
+    """FSDP2's optimiser state holds DTensors (not loadable with weights_only): keep each rank's shard."""
+    if hasattr(obj, "to_local"):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_local_tensors(v) for v in obj]
+    return obj
+
+
+def _reshard_optimizer_state(optimizer) -> None:
+    """After loading local shards into an FSDP2 optimiser, give them back their parameter's layout."""
+    for p, st in optimizer.state.items():
+        if not hasattr(p, "device_mesh"):
+            continue
+        from torch.distributed.tensor import DTensor
+
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False)
+
+
 def state_dict_of(run) -> dict:
-    sd = run.acc.get_state_dict(run.module)  # full weights on the main process (FSDP gathers)
-    return {k: v for k, v in sd.items()} if sd is not None else {}
+    if run.fsdp and not getattr(run.acc, "is_fsdp2", False) and run.acc.device.type == "cpu":
+        # FSDP1's offload_to_cpu (accelerate's choice) crashes when the shards already live on
+        # the CPU (gloo); there the gathered tensors are CPU tensors anyway.
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(run.module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+            sd = run.module.state_dict()
+    else:
+        sd = run.acc.get_state_dict(run.module)  # full weights on the main process (FSDP gathers)
+    if sd is None:
+        return {}
+    # FSDP2 can hand back sharded DTensors (seen with gloo on CPU): gather them here; every
+    # rank calls this, so the collective is matched.
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
 def export(run, folder: Path, sd: dict, final: bool = False) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""
@@ -147,7 +183,7 @@ def save_checkpoint(run, history: list) -> Path:
             (tmp / "adapter_config.json").write_text(json.dumps(run.t.lora.model_dump(), indent=2))
     if run.main:
         faults.at("kill_in_checkpoint", run.step)
-    opt_sd = run.optimizer.state_dict()
+    opt_sd = _local_tensors(run.optimizer.state_dict())
     if run.fsdp:
         torch.save(opt_sd, tmp / f"optimizer-rank{run.rank}.pt")
     elif run.main:
@@ -224,6 +260,7 @@ def load_state(run, folder: Path) -> None:
     name = f"optimizer-rank{run.rank}.pt" if run.fsdp else "optimizer.pt"
     opt_sd = torch.load(folder / name, map_location="cpu", weights_only=True)
     run.optimizer.load_state_dict(opt_sd)
+    _reshard_optimizer_state(run.optimizer)
     rng_file = folder / f"rng-rank{run.rank}.safetensors"
     if not rng_file.exists():
         rng_file = folder / "rng-rank0.safetensors"

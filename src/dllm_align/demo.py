@@ -63,10 +63,11 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
         "rows": rows,
         "sorts": {k: sort_counts(files[k]) for k in ("base", "aligned")},
     }
-    atomic_write_json(out / "results.json", results)
-    atomic_write_text(out / "results.md", markdown(results) + "\n" + "\n".join(explain(results)) + "\n")
     figure = plot(results, out / "metrics.jsonl", out / "demo.png")
+    # results.json says what the demo wrote, so `--json` and the file are the same object
     results["written"] = [str(out / w) for w in ["results.json", "results.md"] + (["demo.png"] if figure else [])]
+    atomic_write_text(out / "results.md", markdown(results) + "\n" + "\n".join(explain(results)) + "\n")
+    atomic_write_json(out / "results.json", results)
     return results
 
 
@@ -132,7 +133,7 @@ def plot(results: dict, metrics: Path, path: Path) -> Optional[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        console.info("demo: no figure (matplotlib is not installed: pip install 'dllm-align[plot]')")
+        console.info("demo: no figure (matplotlib is not installed: pip install matplotlib, or the 'plot' extra)")
         return None
     from dllm_align.io import atomic_path
 

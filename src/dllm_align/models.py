@@ -301,6 +301,11 @@ def load_llada_native(folder: Path, dtype: torch.dtype):
     llama_cfg = llada_config_to_llama(cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_cfg)
+    if llama_cfg.attention_bias:
+        # LLaDA's include_qkv_bias puts biases on q, k and v only; Llama's attention_bias would
+        # add one to o_proj too (and then ask the checkpoint for it).
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.register_parameter("bias", None)
     state: dict[str, torch.Tensor] = {}
     unknown = []
     for f in _safetensors_files(folder):
@@ -375,6 +380,23 @@ def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> Pat
     if looks_like_path:
         raise UserError(f"model folder not found: {name_or_path}")
     return _hub_snapshot(name_or_path, revision)
+
+
+def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Path:
+    """A model's config.json without fetching its weights (``doctor`` estimates before any download)."""
+    p = Path(name_or_path).expanduser()
+    if name_or_path.startswith("builtin:") or p.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        return Path(resolve_model_path(name_or_path, revision)) / "config.json"
+    from huggingface_hub import hf_hub_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    try:
+        return Path(hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=offline, etag_timeout=10))
+    except Exception as e:
+        raise UserError(
+            f"could not read the config.json of '{name_or_path}' ({type(e).__name__})",
+            hint="pass a local model folder, or check the name and your network (only config.json is fetched)",
+        ) from None
 
 
 def pick_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -473,12 +495,25 @@ def load_model(
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code)
+    if attn_implementation and (isinstance(path, str) or cfg.get("model_type") == "llada") and not trust_remote_code:
+        _set_attention(model, attn_implementation)  # the other loads passed it to from_pretrained
     model.to(device)
     from dllm_align.precision import keep_fp32_buffers
 
     keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
     return MaskPredictor(model, tok, mask_token_id=mask_token_id)
+
+
+def _set_attention(model, impl: str) -> None:
+    """Switch a loaded model's attention kernel, or refuse the setting by name."""
+    try:
+        model.set_attn_implementation(impl)
+    except (ImportError, ValueError) as e:
+        raise UserError(
+            f"model.attn_implementation: {impl} is not available here ({_one_line(e, 120)})",
+            hint="use sdpa (always available), or install the kernel's package on a CUDA machine",
+        ) from None
 
 
 def _one_line(e: BaseException, n: int = 200) -> str:

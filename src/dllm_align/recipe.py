@@ -47,7 +47,7 @@ class ModelSection(Section):
     )
     mask_token_id: Optional[int] = Field(None, ge=0, description="Override the mask token id read from the model.")
     gradient_checkpointing: bool = False
-    attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2"]] = None
+    attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2", "flex_attention"]] = None
 
 
 # --------------------------------------------------------------------------- data
@@ -124,8 +124,8 @@ class LoraSection(Section):
         0.0,
         ge=0,
         lt=1,
-        description="LoRA dropout. 0 by default: with gradient accumulation the baseline comes from a no-grad pass "
-        "that must see the same function as the gradient pass.",
+        description="LoRA dropout (0 by default, as in the paper). With gradient accumulation the baseline's no-grad pass "
+        "and the gradient pass draw the same dropout masks (seeded per step and micro-batch).",
     )
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     merge_on_export: bool = Field(
@@ -181,6 +181,11 @@ class TrainSection(Section):
         description="Forward compute: bf16 autocast over fp32 master weights, or no (fp32); auto = bf16 on CUDA, no on CPU.",
     )
     seed: int = 0
+    process_group_timeout_minutes: float = Field(
+        60.0, gt=0,
+        description="How long a process waits for the others in a collective (NCCL/gloo) before the run fails. "
+        "torch's NCCL default is 10; rank 0 alone gathers, writes and hashes a checkpoint (an 8B model: minutes).",
+    )
     save_every: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: end only).")
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(1, ge=1)

@@ -37,6 +37,7 @@ TRAIN_NEUTRAL = (
     "train.batch_size",
     "train.grad_accum",
     "train.margin_watch_window",
+    "train.process_group_timeout_minutes",
     "model.gradient_checkpointing",
     "reference.batch_size",
     "reference.draws_per_forward",
@@ -140,6 +141,11 @@ def recorded_recipe(out_dir: str | Path, command: str) -> Optional[dict]:
     return None
 
 
+def _fixed_lr(raw: dict) -> bool:
+    t = raw.get("train") or {}
+    return t.get("scheduler") == "constant" and not t.get("warmup_ratio")
+
+
 def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
     """Refuse to continue (or reuse) the training run in ``out_dir`` with settings that change its
     numbers; returns the changes the user let through (empty when nothing changed)."""
@@ -147,7 +153,11 @@ def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = 
     if old is None:
         return []
     new = recipe.model_dump(mode="json")
-    diffs = differing(old, new, TRAIN_NEUTRAL)
+    neutral = TRAIN_NEUTRAL
+    if all(_fixed_lr(r) for r in (old, new)):
+        # a constant lr without warm-up does not depend on the run's length: extending it is exact
+        neutral = neutral + ("train.max_steps", "train.epochs")
+    diffs = differing(old, new, neutral)
     return refuse_changes(
         f"cannot continue the training run in {out_dir}",
         diffs,

@@ -201,9 +201,12 @@ def make_accelerator(recipe):
             trackers.append(t)
         else:
             warn(f"train.trackers: {t} is not installed; not logging to it (pip install {t})")
+    from dllm_align.precision import accelerator_kwargs
+
     return Accelerator(
         cpu=not cuda,
         mixed_precision=mp,
+        kwargs_handlers=accelerator_kwargs(recipe),
         log_with=trackers or None,
         project_dir=recipe.output_dir,
     )
@@ -282,6 +285,57 @@ def build_optimizer(named_parameters, t, *, fused_ok: bool = True) -> torch.opti
         eps=t.adam_eps,
         fused=fused or None,
     )
+
+
+@contextlib.contextmanager
+def _seeded_rng(key: tuple, device):
+    import hashlib
+
+    seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
+    devices = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def clip_global_grad_norm(params: list, max_norm: float, *, sharded: bool, device) -> float:
+    """Clip by the norm of the whole gradient, the same on every rank; returns that norm.
+
+    Under FSDP each rank holds a disjoint shard of every gradient (FSDP1 views
+    on the flat shard, FSDP2 DTensor shards): the squared norms are summed over
+    the ranks, so every rank gets the true global norm, clips by the same
+    factor and sees the same non-finite value (a NaN or inf anywhere reaches
+    all ranks through the sum). The per-shard fallback accelerate uses when
+    not given every parameter (LoRA: only the adapters train) clipped each rank
+    by its own shard's norm (issue 13, defect 3). Under DDP and on one process
+    the gradients are whole and identical on every rank.
+    """
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        grads.append(g.to_local() if hasattr(g, "to_local") else g)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if g.numel():
+            sq += g.detach().double().pow(2).sum().to(device)
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if dist and sharded:
+        torch.distributed.all_reduce(sq, op=torch.distributed.ReduceOp.SUM)
+    elif dist:
+        # Whole gradients are equal on every rank after DDP's all-reduce; the decision to stop
+        # is still made together (one flag), so no rank can raise while another waits.
+        bad = torch.tensor(0.0 if torch.isfinite(sq) else 1.0, device=device)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item():
+            sq = torch.full_like(sq, float("nan"))
+    norm = float(sq.sqrt())
+    if math.isfinite(norm) and math.isfinite(max_norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.detach().mul_(coef)
+    return norm
 
 
 # --------------------------------------------------------------------------- the loop
@@ -375,10 +429,16 @@ class _Run:
             plugin = accelerator.state.fsdp_plugin
             plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
         scorer = PolicyScorer(self.mp)
-        self.module = accelerator.prepare(scorer)
+        if getattr(accelerator, "is_fsdp2", False):
+            # FSDP2 swaps the parameters for sharded DTensors: the optimiser is built on the
+            # originals and handed over with the model, which accelerate then remaps.
+            opt = build_optimizer(scorer.named_parameters(), self.t, fused_ok=False)
+            self.module, self.optimizer = accelerator.prepare(scorer, opt)
+        else:
+            self.module = accelerator.prepare(scorer)
+            opt = build_optimizer(self.module.named_parameters(), self.t, fused_ok=not self.fsdp)
+            self.optimizer = accelerator.prepare(opt)
         self.policy = _ViaModule(self.module, self.mp.mask_token_id)
-        opt = build_optimizer(self.module.named_parameters(), self.t, fused_ok=not self.fsdp)
-        self.optimizer = accelerator.prepare(opt)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
         # -- state to continue
@@ -580,6 +640,19 @@ class _Run:
         return allv.double().mean().float()
 
     # ---------------------------------------------------------------- one optimiser step
+    def _same_dropout(self, micro: int):
+        """Seed the RNG per (step, rank, micro-batch) when LoRA dropout is on.
+
+        With gradient accumulation the baseline comes from a no-grad pass over the
+        step's micro-batches before the gradient pass; both passes draw their dropout
+        masks from this seed, so the baseline is the mean of exactly the margins the
+        gradient pass differentiates (issue 13, defect 8). The global RNG is restored
+        afterwards, so nothing else changes.
+        """
+        if not (self.t.lora.enabled and self.t.lora.dropout > 0):
+            return contextlib.nullcontext()
+        return _seeded_rng((self.t.seed, self.step, self.rank, micro), self.acc.device)
+
     def _sync(self, last: bool):
         return contextlib.nullcontext() if last or self.world == 1 else self.acc.no_sync(self.module)
 
@@ -608,11 +681,14 @@ class _Run:
             elif self.t.baseline == "kl":
                 baseline = self.kl_baseline(kl_micro)
             elif A > 1:
+                margins = []
                 with torch.no_grad():  # every margin of the step before any backward
-                    r = torch.cat([self.policy_elbo(b).float() - rf for b, rf in zip(batches, refs)])
-                baseline = self._global_mean(r)
+                    for a, (b, rf) in enumerate(zip(batches, refs)):
+                        with self._same_dropout(a):
+                            margins.append(self.policy_elbo(b).float() - rf)
+                baseline = self._global_mean(torch.cat(margins))
             for a, (b, rf) in enumerate(zip(batches, refs)):
-                with self._sync(a == A - 1):
+                with self._sync(a == A - 1), self._same_dropout(a):
                     pol = self.policy_elbo(b)
                     if baseline is None:
                         baseline = self._global_mean(pol.detach().float() - rf)
@@ -656,6 +732,34 @@ class _Run:
                 acc["saturated"] += m["saturated"]
                 acc["accuracy"] += m["accuracy_sum"]
         return acc
+
+    def step_once(self, last_ckpt: Optional[Path] = None) -> tuple[float, dict, float]:
+        """One optimiser step: forward/backward, global clip, the rank-agreed finite check, update.
+
+        Returns (lr, reduced metrics, gradient norm before clipping).
+        """
+        t = self.t
+        lr = lr_at(self.step, self.total, t.lr, t.warmup_ratio, t.scheduler)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        kl_micro = self.kl_micro_batches(self.step) if self.kl else None
+        m = self.reduce(self.run_step(self.micro_batches(self.step), kl_micro))
+        clip = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+        self.acc.unscale_gradients()  # fp16 loss scaling (a no-op otherwise)
+        grad_norm = clip_global_grad_norm(self.params, clip, sharded=self.fsdp, device=self.acc.device)
+        human_step = self.step + 1
+        # Both numbers are the same on every rank (reduced / all-reduced): all stop together.
+        if not math.isfinite(m["loss"]) or not math.isfinite(grad_norm):
+            what = f"loss {m['loss']}" if not math.isfinite(m["loss"]) else f"gradient norm {grad_norm}"
+            keep_msg = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
+            raise RunFailure(
+                f"non-finite {what} at step {human_step}; stopped before applying it ({keep_msg})",
+                hint="lower train.lr, check the data, or resume from the checkpoint with other settings",
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = human_step
+        return lr, m, grad_norm
 
     def reduce(self, acc: dict) -> dict:
         keys = ["loss_sum", "n", "n_d", "n_u", "r_d", "r_u", "saturated", "accuracy", "tokens"]
@@ -823,25 +927,7 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
                 bar.advance(0)
             while run.step < run.total:
                 t0 = time.perf_counter()
-                lr = lr_at(run.step, run.total, t.lr, t.warmup_ratio, t.scheduler)
-                for g in run.optimizer.param_groups:
-                    g["lr"] = lr
-                micro = run.micro_batches(run.step)
-                acc_m = run.run_step(micro, run.kl_micro_batches(run.step) if run.kl else None)
-                m = run.reduce(acc_m)
-                clip = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
-                grad_norm = float(acc.clip_grad_norm_(run.params, clip))
-                human_step = run.step + 1
-                if not math.isfinite(m["loss"]) or not math.isfinite(grad_norm):
-                    what = f"loss {m['loss']}" if not math.isfinite(m["loss"]) else f"gradient norm {grad_norm}"
-                    keep_msg = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
-                    raise RunFailure(
-                        f"non-finite {what} at step {human_step}; stopped before applying it ({keep_msg})",
-                        hint="lower train.lr, check the data, or resume from the checkpoint with other settings",
-                    )
-                run.optimizer.step()
-                run.optimizer.zero_grad(set_to_none=True)
-                run.step = human_step
+                lr, m, grad_norm = run.step_once(last_ckpt)
                 dt = time.perf_counter() - t0
                 run.elapsed += dt
                 run.examples_seen += step_examples

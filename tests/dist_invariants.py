@@ -1,0 +1,208 @@
+"""One 2-process gloo launch that checks several launch configurations (used by test_invariants_distributed.py).
+
+    torchrun --standalone --nproc_per_node 2 tests/dist_invariants.py SPEC.json
+
+SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
+"margins": [[launch, mixed_precision, reference_mode, lora], ...],
+"train": [[launch, lora, run_dir], ...], "resume": [[launch, run_dir], ...],
+"raw_fsdp1_default_policy": bool}
+
+launch is ddp, fsdp1 or fsdp2. accelerate turns FSDP on only for GPU
+backends, so on CPU the accelerator is created for gloo and its state is then
+switched to FSDP with the plugin accelerate would build from
+recipes/accelerate/fsdp_8gpu.yaml (including accelerate's default bf16
+mixed-precision policy, which dllm-align replaces). Rank 0 writes
+``out/results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DLLM_ALIGN_NO_PROGRESS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_accelerator(launch: str, mp: str):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, mixed_precision=mp)
+    if launch.startswith("fsdp"):
+        import yaml
+
+        # the shipped config for this FSDP version, translated as `accelerate launch` does
+        name = {"fsdp1": "fsdp1_8gpu.yaml", "fsdp2": "fsdp_8gpu.yaml"}[launch]
+        raw = yaml.safe_load((REPO / "recipes" / "accelerate" / name).read_text())["fsdp_config"]
+        version = int(raw["fsdp_version"])
+        assert version == int(launch[-1]), (name, version)
+        keys = {"fsdp_reshard_after_forward": "reshard_after_forward", "fsdp_auto_wrap_policy": "auto_wrap_policy",
+                "fsdp_backward_prefetch": "backward_prefetch", "fsdp_forward_prefetch": "forward_prefetch",
+                "fsdp_state_dict_type": "state_dict_type", "fsdp_use_orig_params": "use_orig_params",
+                "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+                "fsdp_activation_checkpointing": "activation_checkpointing"}
+        kw = {keys[k]: v for k, v in raw.items() if k in keys}
+        kw["auto_wrap_policy"] = str(kw["auto_wrap_policy"]).lower()
+        kw.update(fsdp_version=version, transformer_cls_names_to_wrap=[raw["fsdp_transformer_layer_cls_to_wrap"]])
+        kw["cpu_offload"] = bool(raw.get("fsdp_offload_params", False))
+        if version == 1:
+            kw["sync_module_states"] = False  # True needs a GPU to initialise on; every rank loads the same weights
+        plugin = FullyShardedDataParallelPlugin(**kw)
+        if mp != "no":
+            plugin.set_mixed_precision(mp)  # what accelerate does for an FSDP launch (param/reduce/buffer bf16)
+        acc.state.fsdp_plugin = plugin
+        acc.state.distributed_type = DistributedType.FSDP
+        # every later AcceleratorState() (autocast set-up under bf16 makes one) copies PartialState's
+        # fields over its own: switch both, or a bf16 launch quietly falls back to DDP
+        PartialState().distributed_type = DistributedType.FSDP
+        if version == 1:
+            # FSDP1 on CPU computes on "cpu" and refuses the indexed device_id ("cpu:0") accelerate passes.
+            acc.state.device = PartialState().device = torch.device("cpu")
+    return acc
+
+
+def recipe(spec, mp, mode, lora, out, *more):
+    from dllm_align.recipe import load_recipe
+
+    sets = [
+        f"data.train={spec['data']}", "data.format=paired", "data.max_length=64",
+        "reference.n_mc=4", "reference.shard_size=8", "reference.batch_size=16",
+        f"reference.cache={spec['caches'][mp]}", f"reference.mode={mode}",
+        f"train.mixed_precision={mp}", "train.batch_size=2", "train.global_batch_size=4",
+        "train.lr=1e-3", "train.warmup_ratio=0", "train.scheduler=constant",
+    ]
+    if lora:
+        sets += ["train.lora.enabled=true", "train.lora.r=4", "train.lora.target_modules=[q_proj,v_proj,gate_proj]"]
+    return load_recipe(None, sets + list(more), output_dir=out)
+
+
+def rotary_probe(model):
+    """Record the dtype (and values) of every rotary inv_freq as the forward uses it."""
+    seen = []
+
+    def hook(mod, args):
+        seen.append((str(mod.inv_freq.dtype), mod.inv_freq.detach().float().clone()))
+
+    for m in model.modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            m.register_forward_pre_hook(hook)
+    return seen
+
+
+def grad_norm_probe(run) -> dict:
+    """One backward on this rank's rows: each rank's shard-local gradient norm and the global one."""
+    from dllm_align.training import clip_global_grad_norm
+
+    units = run.micro_batches(0)[0]
+    b = run._to_dev(run.collate([ex for u in units for ex in u]))
+    run.policy_elbo(b).sum().backward()
+    grads = [p.grad for p in run.params if p.grad is not None]
+    local = float(sum((g.to_local() if hasattr(g, "to_local") else g).double().pow(2).sum() for g in grads) ** 0.5)
+    locals_ = [None] * run.world
+    torch.distributed.all_gather_object(locals_, local)
+    norm = clip_global_grad_norm(run.params, float("inf"), sharded=run.fsdp, device=run.acc.device)
+    norms = [None] * run.world
+    torch.distributed.all_gather_object(norms, norm)
+    # a NaN in one rank's shard only: every rank must see a non-finite norm (or one raises while the other waits)
+    if run.rank == 1:  # on the local shard: a DTensor op here would be a collective only this rank enters
+        shards = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        next(x for x in shards if x.numel()).view(-1)[:1] = float("nan")
+    bad = clip_global_grad_norm(run.params, 1.0, sharded=run.fsdp, device=run.acc.device)
+    finite = [None] * run.world
+    torch.distributed.all_gather_object(finite, bool(bad == bad and abs(bad) != float("inf")))
+    run.optimizer.zero_grad(set_to_none=True)
+    return {"local": locals_, "global": norms, "finite_after_nan_on_rank1": finite}
+
+
+def main() -> None:
+    from dllm_align.examples import load_training_examples
+    from dllm_align.models import build_tiny_model, build_tiny_tokenizer
+    from dllm_align.training import _Run, invariant_margins, train
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    tok = build_tiny_tokenizer()
+    exs = load_training_examples(recipe(spec, "no", "cached", False, str(out / "x")), tok, quiet=True)
+    fp32_freq = build_tiny_model(tok).model.rotary_emb.inv_freq.float()
+    results: dict = {"margins": {}, "train": {}}
+
+    for launch, mp, mode, lora in spec.get("margins", []):
+        acc = make_accelerator(launch, mp)
+        rec = recipe(spec, mp, mode, lora, str(out / f"m-{launch}-{mp}-{mode}-{lora}"))
+        torch.manual_seed(rec.train.seed)  # as train() does: the same LoRA init on every rank and launch
+        run = _Run(rec, acc, None, exs)
+        seen = rotary_probe(run.mp.model)
+        local = invariant_margins(run, steps=2)
+        gathered = [None] * acc.num_processes
+        torch.distributed.all_gather_object(gathered, local)
+        allm = {k: v for d in gathered for k, v in d.items()}
+        key = f"{launch}/{mp}/{mode}/lora={lora}"
+        if lora and mp == "no" and mode == "online":
+            results.setdefault("grad_norms", {})[launch] = grad_norm_probe(run)
+        results["margins"][key] = {
+            "fsdp": run.fsdp,
+            "module": type(run.module).__name__,
+            "mixed_precision": acc.mixed_precision,
+            "rows": len(allm),
+            "max_abs_margin": max(abs(v) for v in allm.values()),
+            "rotary_dtypes": sorted({d for d, _ in seen}),
+            "rotary_equal_fp32": all(torch.equal(v, fp32_freq) for _, v in seen),
+            "fsdp_policy": repr(getattr(getattr(acc.state, "fsdp_plugin", None), "mixed_precision_policy", None)),
+        }
+        del run
+        acc.free_memory()
+
+    for launch, lora, run_dir in spec.get("train", []):
+        acc = make_accelerator(launch, "no")
+        rec = recipe(spec, "no", "cached", lora, run_dir, "train.max_steps=3", f"train.max_grad_norm={spec['clip']}")
+        res = train(rec, examples=exs, accelerator=acc)
+        results["train"][f"{launch}/lora={lora}"] = {"dir": run_dir, "metrics": res.last_metrics}
+        acc.free_memory()
+
+    for launch, run_dir in spec.get("resume", []):
+        # 3 steps with a checkpoint at step 2; final/ removed; resumed: the same weights as without the stop
+        import shutil
+
+        acc = make_accelerator(launch, "no")
+        rec = recipe(spec, "no", "cached", False, run_dir, "train.max_steps=3", "train.save_every=2", f"train.max_grad_norm={spec['clip']}")
+        train(rec, examples=exs, accelerator=acc)
+        if torch.distributed.get_rank() == 0:
+            shutil.copytree(Path(run_dir) / "final", Path(run_dir + "-uninterrupted"))
+            shutil.rmtree(Path(run_dir) / "final")
+        torch.distributed.barrier()
+        acc = make_accelerator(launch, "no")
+        train(rec, examples=exs, accelerator=acc, resume=True)
+        results.setdefault("resume", {})[launch] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
+
+    if spec.get("raw_fsdp1_default_policy"):
+        # The defect as accelerate's default FSDP policy produces it: buffers cast to bf16.
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+        m = build_tiny_model(tok)
+        seen = rotary_probe(m)
+        w = FSDP(m, mixed_precision=MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16), device_id=torch.device("cpu"))
+        with torch.no_grad():
+            w(input_ids=torch.tensor([[1, 2, 3]]))
+        results["raw_fsdp1_default_policy"] = {"rotary_dtypes": sorted({d for d, _ in seen}),
+                                               "max_freq_error": max(float((v - fp32_freq).abs().max()) for _, v in seen)}
+
+    if torch.distributed.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""`dllm-align doctor`: memory estimate from config.json alone, verdicts, exit codes, and a smoke run on the demo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dllm_align.cli.app import app
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+# LLaDA-8B-Instruct's shape (its config.json fields; no weights are needed)
+LLADA_8B = {
+    "model_type": "llada", "d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32,
+    "mlp_hidden_size": 12288, "vocab_size": 126464, "embedding_size": 126464, "weight_tying": False,
+    "rope_theta": 500000.0, "max_sequence_length": 4096, "mask_token_id": 126336, "block_type": "llama",
+    "activation_type": "silu", "layer_norm_type": "rms", "include_qkv_bias": False,
+}
+# 32 x (4 d^2 + 3 d m + 2 d) + 2 V d + d, d = 4096, m = 12288, V = 126464
+LLADA_8B_PARAMS = 32 * (4 * 4096**2 + 3 * 4096 * 12288 + 2 * 4096) + 2 * 126464 * 4096 + 4096
+
+
+@pytest.fixture(scope="module")
+def llada_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("llada8b")
+    (d / "config.json").write_text(json.dumps(LLADA_8B))
+    return d
+
+
+def _doctor(llada_dir, tmp_path, config, *extra):
+    return runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / config),
+                               "--set", f"model.name_or_path={llada_dir}", "-o", str(tmp_path / "run"), "--json", *extra])
+
+
+def test_fsdp_8gpu_estimate_for_llada_8b(llada_dir, tmp_path):
+    res = _doctor(llada_dir, tmp_path, "fsdp_8gpu.yaml")
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    est = mem["estimate"]
+    assert mem["model"]["params"] == est["params"] == LLADA_8B_PARAMS == 8_015_581_184
+    assert mem["launch"]["type"] == "FSDP" and mem["launch"]["processes"] == 8 and mem["launch"]["activation_checkpointing"]
+    assert mem["tokens_per_forward"] == 8 * 4096  # micro-batch 1 x K = 8 draws x 4,096 tokens
+    lines = est["lines"]
+    # fp32 weights, gradients and AdamW moments: 16 bytes per parameter, sharded 8 ways
+    assert lines["weights"] + lines["gradients"] + lines["optimizer (AdamW)"] == pytest.approx(16 * LLADA_8B_PARAMS / 8, rel=1e-6)
+    assert lines["activations (checkpointed layer inputs)"] == 32 * 8 * 4096 * 4096 * 4  # fp32 residual per layer
+    # An independent estimate for this setting is ~43-47 GB; ours adds fp32 gathering of the root
+    # unit and two layers (~5.5 GiB; bf16 gathering would be half) and a 2 GiB runtime reserve.
+    assert 45e9 < est["total"] < 55e9, est["total"]
+    assert est["total_without_checkpointing"] > 3 * est["total_with_checkpointing"]
+    assert mem["fits"] and mem["verdict"] == "fits" and "80 GB H100" in mem["capacity_source"]
+
+
+def test_ddp_8gpu_does_not_fit_and_exits_1(llada_dir, tmp_path):
+    res = _doctor(llada_dir, tmp_path, "ddp_8gpu.yaml")
+    assert res.exit_code == 1
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["verdict"] == "does not fit" and not mem["fits"]
+    assert mem["estimate"]["total"] > 16 * LLADA_8B_PARAMS  # unsharded fp32 weights + grads + AdamW: 128 GB alone
+    assert any("FSDP" in a for a in mem["advice"])
+    assert "Error: doctor: memory" in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_human_report_shows_breakdown_and_verdict(llada_dir, tmp_path):
+    res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes/accelerate/fsdp_8gpu.yaml"),
+                              "--set", f"model.name_or_path={llada_dir}", "-o", str(tmp_path / "run")])
+    assert res.exit_code == 0, res.output
+    for needle in ("optimizer (AdamW)", "checkpointed layer inputs", "verdict: fits", "attention:", "host RAM"):
+        assert needle in res.stdout, needle
+
+
+def test_lora_fits_even_on_ddp(llada_dir, tmp_path):
+    res = _doctor(llada_dir, tmp_path, "ddp_8gpu.yaml", "--set", "train.lora.enabled=true")
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["estimate"]["trainable"] < 0.01 * LLADA_8B_PARAMS
+    assert res.exit_code == 0 and mem["fits"], mem["estimate"]["lines_gib"]
+
+
+def test_bad_accelerate_config_is_one_error_line(tmp_path):
+    res = runner.invoke(app, ["doctor", "demo", "--config", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and res.stderr.startswith("Error: accelerate config not found")
+
+
+def test_demo_smoke(tmp_path):
+    """`doctor demo --smoke 2`: real steps, step-0 max |margin| exactly 0 (fp32), timings; the run folder untouched."""
+    run_dir = tmp_path / "run"
+    res = runner.invoke(app, ["doctor", "demo", "--smoke", "2", "--json", "-o", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)["smoke"]
+    assert s["invariant"]["max_abs_margin"] == 0.0 and s["invariant"]["ok"] and s["invariant"]["rows"] == 16
+    assert s["invariant"]["reference"] == "online"  # no cache in a fresh run folder: said so
+    assert len(s["step_seconds"]) == 2 and s["seconds_per_step"] > 0
+    x = s["extrapolated"]
+    assert x["total_steps"] == 200 and x["training_seconds"] == pytest.approx(200 * s["seconds_per_step"])
+    assert x["precompute_seconds"] > 0 and x["generation_prompts"] == 200 and x["generation_seconds"] > 0
+    assert s["peak_memory_bytes"] > 0 and s["estimated_peak_bytes"] > 0
+    assert not run_dir.exists()
+
+
+def test_failed_invariant_exits_1(monkeypatch, tmp_path):
+    from dllm_align import doctor as d
+
+    def fake_smoke(recipe, steps, launch):
+        return {"steps": steps, "processes": 1, "invariant": {"rows": 4, "max_abs_margin": 0.1, "tolerance": 0.0,
+                "reference": "cached", "ok": False, "note": None}, "peak_memory_bytes": 1, "peak_memory_kind": "rss",
+                "seconds_per_step": 1.0, "step_seconds": [1.0], "extrapolated": {}}
+
+    monkeypatch.setattr(d, "smoke", fake_smoke)
+    res = runner.invoke(app, ["doctor", "demo", "--smoke", "1", "--json", "-o", str(tmp_path / "r")])
+    assert res.exit_code == 1 and "step-0 invariant: max |margin| 0.1 > tolerance 0" in res.stderr
