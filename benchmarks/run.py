@@ -50,6 +50,17 @@ BENCHMARKS = [
      lambda r: _pair(r.get("throughput_train_ours_ex_per_s"), r.get("throughput_train_straightforward_ex_per_s"), ".2f", "ex/s")),
     ("throughput", "precompute_speedup", "same, no grad", ">= 3x", lambda v, r: v >= 3.0,
      lambda r: _pair(r.get("throughput_precompute_ours_ex_per_s"), r.get("throughput_precompute_straightforward_ex_per_s"), ".2f", "ex/s")),
+    ("packing", "packing_positions_ratio", "uniform batches padded to their longest row", "<= 1.05 x real tokens",
+     lambda v, r: v <= 1.05,
+     lambda r: _pair(_get(r, "packing_figures", "packed_uniform", "positions_fed"),
+                     _get(r, "packing_figures", "padded_uniform", "positions_fed"), ",", "positions")),
+    ("packing", "packing_train_vs_grouped", "length-grouped batches, padded (train, body-heavy model)", ">= 0.9x",
+     lambda v, r: v >= 0.9,
+     lambda r: _pair(_get(r, "packing_figures", "packed_uniform", "train_ex_per_s_body"),
+                     _get(r, "packing_figures", "grouped", "train_ex_per_s_body"), ".2f", "ex/s")),
+    ("packing", "packing_precompute_vs_padded", "uniform rows padded to their longest (precompute, body-heavy)", "reported", None,
+     lambda r: _pair(_get(r, "packing_figures", "packed_uniform", "precompute_ex_per_s_body"),
+                     _get(r, "packing_figures", "padded_uniform", "precompute_ex_per_s_body"), ".2f", "ex/s")),
     ("generation", "generate_exact_speedup", "one full forward per step (SPEC 7)", ">= 1.0x, identical tokens (fp32)",
      lambda v, r: v >= 1.0 and (r.get("generate_exact_identical") is True or _get(r, "generation_settings", "dtype") != "float32"),
      lambda r: _pair(_get(r, "generation_figures", "exact", "tokens_per_s"),
@@ -90,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write the ratios, settings and machine as JSON")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--only", nargs="*", metavar="NAME",
-                    help="run only these modules (memory padding throughput generation variance)")
+                    help="run only these modules (memory padding throughput packing generation variance)")
     ap.add_argument("--no-assert", action="store_true", help="report only; exit 0 even if a target is missed")
     ap.add_argument("--threads", type=int, metavar="N",
                     help="torch / OpenMP threads here and in child processes (1 is steadier on a busy machine)")

@@ -196,6 +196,18 @@ def test_loglikelihood_is_reproducible_and_unbiased(tiny):
     assert abs(est - exact) < 5 * se + 1e-4, (est, exact, se)
 
 
+def test_loglikelihood_packed_equals_padded(tiny):
+    """evaluate.packing (on by default): a forward's noisy sequences share rows of max_length, same values."""
+    Req = lm_eval.api.instance.Instance
+    reqs = [Req("loglikelihood", {}, (c, x), i) for i, (c, x) in enumerate(
+        [("The cat sat on the", " mat"), ("A much longer context, so that rows are padded:", " yes"), ("Q:", " an answer")])]
+    packed = make_lm(tiny, mc_num=4, batch_size=8, max_length=128)
+    padded = make_lm(tiny, mc_num=4, batch_size=8, max_length=128, packing=False)
+    assert packed.packing and not padded.packing
+    a, b = packed.loglikelihood(reqs), padded.loglikelihood(reqs)
+    assert [x[0] for x in a] == pytest.approx([x[0] for x in b], abs=5e-5)
+
+
 def test_greedy_check_and_rolling(tiny):
     Req = lm_eval.api.instance.Instance
     lm = make_lm(tiny, greedy_check=True)

@@ -108,3 +108,28 @@ def test_vrpo_hand_derived():
 def test_sft_is_negative_elbo_per_token():
     out = sft_loss(torch.tensor([-10.0, -6.0]), torch.tensor([5, 2]))
     assert float(out.loss) == pytest.approx((2.0 + 3.0) / 2)
+
+
+def test_kl_reference_point_hand_derived():
+    """KTO's z0 = max(0, mean margin of the mismatched pairs).
+
+    Margins [1.0, -0.5, 0.25, 0.75]: mean 0.375. Margins [-1.0, 0.5]: mean -0.25, clamped to 0.
+    Totals from two processes (1.0 - 0.5 | 0.25 + 0.75) give the one-process mean.
+    """
+    from dllm_align.losses import baseline_of, kl_reference_point
+
+    m = torch.tensor([1.0, -0.5, 0.25, 0.75])
+    assert float(kl_reference_point(m.sum(), 4)) == 0.375
+    assert float(kl_reference_point(torch.tensor(-0.5), 2)) == 0.0
+    assert float(kl_reference_point(torch.tensor(0.5) + torch.tensor(1.0), 2 + 2)) == 0.375
+    z = kl_reference_point(torch.tensor(1.5, requires_grad=True), 4)
+    assert not z.requires_grad  # stop-gradient
+    with pytest.raises(ValueError):
+        kl_reference_point(torch.tensor(0.0), 0)
+    with pytest.raises(ValueError, match="mismatched pairs"):
+        baseline_of(m, "kl")
+    # with z0 as the baseline the loss is the global-mean formula with b = z0
+    policy, ref, d = _inputs()
+    a = elbo_kto_loss(policy, ref, d, beta=0.1, baseline=kl_reference_point(m.sum(), 4))
+    b = elbo_kto_loss(policy, ref, d, beta=0.1, baseline=torch.tensor(0.375, dtype=torch.float64))
+    assert float(a.loss) == pytest.approx(float(b.loss), abs=1e-7)

@@ -67,7 +67,7 @@ def test_cached_values_are_the_per_draw_elbos(setup):
     assert {s["file"] for s in manifest["shards"]} == {f"shard-{i:05d}.safetensors" for i in range(4)}
     for key in ("reference_weights", "tokenizer", "dataset", "max_length", "padding", "truncation", "n_mc", "seed",
                 "estimator", "stratified", "reference_model", "reference_revision", "mask_token_id", "reference_dtype",
-                "compute_dtype"):
+                "compute_dtype", "end_of_turn", "group_by_length", "baseline"):
         assert key in manifest["fingerprint"], key
     cache.check(_fp(setup["rec"], mp, exs, cache), exs, 4)  # its own run: accepted
     # no pickle anywhere: shards are safetensors, ids live in their JSON metadata
@@ -84,6 +84,7 @@ def test_cached_values_are_the_per_draw_elbos(setup):
         ("reference.estimator=t", "estimator"),
         ("reference.stratified=true", "stratified"),
         ("data.truncation=prompt_left", "truncation"),
+        ("data.end_of_turn=none", "end_of_turn"),
         ("train.mixed_precision=bf16", "compute_dtype"),
     ],
 )

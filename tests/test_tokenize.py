@@ -51,6 +51,19 @@ def test_layout_and_completion_mask_cover_exactly_the_completion(tok):
         assert idx == list(range(len(ex.prompt_ids), ex.length))
 
 
+def test_end_of_turn_none_scores_only_the_completion(tok):
+    """data.end_of_turn: none (the paper's code): no end-of-turn token, so nothing but the reply is masked or scored."""
+    rows = [row("1 2 3"), row("3 2 1", label=False, id="r2")]
+    scored = tokenize_rows(rows, tok, DataSection())
+    plain = tokenize_rows(rows, tok, DataSection(end_of_turn="none"))
+    for a, b in zip(scored, plain):
+        assert a.prompt_ids == b.prompt_ids
+        assert b.completion_ids == a.completion_ids[:-1] == tok("1 2 3" if b.label else "3 2 1", add_special_tokens=False)["input_ids"]
+        assert end_of_turn_id(tok) not in b.completion_ids
+    (pc, pr), = tokenize_pairs([PairRow("p", USER, "1 2 3", "3 2 1")], tok, DataSection(end_of_turn="none"))
+    assert pc.completion_ids == plain[0].completion_ids and pr.completion_ids == plain[1].completion_ids
+
+
 def test_special_token_text_inside_a_completion_stays_text(tok):
     (ex,) = tokenize_rows([row("say <|eot_id|> twice")], tok, DataSection())
     eot = end_of_turn_id(tok)

@@ -102,6 +102,8 @@ def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list
     shared.output_dir = str(out_dir)
     cache = Path(recipe.reference.cache or out_dir / "ref_cache")
     shared.reference.cache = str(cache)
+    if any(s.overrides.get("train.baseline") == "kl" for s in settings):
+        shared.train.baseline = "kl"  # the cache then also holds the mismatched pairs (a superset of the rows)
     base_gen: Optional[Path] = None
     rows = []
     by_overrides: dict[str, dict] = {}  # settings that train the same thing (e.g. ratio 1 of both sweeps) run once
@@ -209,7 +211,7 @@ def plot_imbalance(rows: list[dict], path: Path) -> Optional[Path]:
 
 
 def plot_baseline(rows: list[dict], path: Path) -> Optional[Path]:
-    """AWR per (beta, lr) with and without the global-mean baseline (the paper's Table 3 as bars)."""
+    """AWR per (beta, lr) for each reference point: none, global mean, KTO's kl (the paper's Table 3 as bars)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -220,7 +222,8 @@ def plot_baseline(rows: list[dict], path: Path) -> Optional[Path]:
         k = (r["beta"], r["lr"])
         if k not in keys:
             keys.append(k)
-    bases = [b for b in ("none", "global_mean") if any(r["baseline"] == b for r in rows)]
+    names = {"none": "no baseline", "global_mean": "global mean", "kl": "KTO's z0 (kl)"}
+    bases = [b for b in names if any(r["baseline"] == b for r in rows)]
     fig, ax = plt.subplots(figsize=(1.6 + 1.6 * len(keys), 3.4))
     width = 0.8 / max(len(bases), 1)
     for j, b in enumerate(bases):
@@ -233,7 +236,7 @@ def plot_baseline(rows: list[dict], path: Path) -> Optional[Path]:
             ys.append(100 * r["awr"])
             lo.append(100 * (r["awr"] - r["ci90_low"]))
             hi.append(100 * (r["ci90_high"] - r["awr"]))
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label="no baseline" if b == "none" else "global mean")
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=names[b])
     ax.axhline(50, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels([f"beta {b:g}\nlr {lr:g}" for b, lr in keys])

@@ -7,6 +7,10 @@ Padding (``data.padding``)
     ELBO, so the reference and the policy must use the same choice.
     ``none``: rows are padded only to the longest row of the batch, and the pads
     are hidden (attention 0), so a row scores exactly as it would alone.
+    ``packed``: collated as ``none``; the ELBO code then packs the noisy copies
+    of the rows into as few ``max_length`` rows as fit, with block-diagonal
+    attention (:func:`dllm_align.elbo.elbo_draws`), so uniform batches cost no
+    padding either.
 
 The batch plan
     Training draws *global* batches: the rows of one optimiser step across all
@@ -18,7 +22,10 @@ The batch plan
     each process its micro-batches of each global batch. 1 x 8, 2 x 4 and 4 x 2
     processes see the same global batches.
 
-    With ``group_by_length`` the rows are shuffled, cut into "megabatches" of
+    By default the rows are shuffled and cut into global batches in order: the
+    uniform mini-batches the paper's analysis assumes (its section 3.2; the
+    baseline is a statistic of the batch). With ``group_by_length`` (an opt-in
+    departure) the rows are shuffled, cut into "megabatches" of
     ``megabatch_factor`` global batches, sorted by length inside each megabatch,
     and cut into global batches whose order is then shuffled. Rows of similar
     length meet in a batch (little padding with ``padding: none``) while batches
@@ -35,7 +42,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-PADDINGS = ("paper", "none")
+PADDINGS = ("paper", "none", "packed")
 
 
 def collate(examples: Sequence, padding: str, max_length: int, pad_id: int) -> dict:
@@ -54,7 +61,7 @@ def collate(examples: Sequence, padding: str, max_length: int, pad_id: int) -> d
     if max(lengths) > max_length:
         worst = examples[int(np.argmax(lengths))]
         raise ValueError(f"example {worst.id} has {max(lengths)} tokens, more than max_length {max_length}")
-    T = max_length if padding == "paper" else max(lengths)
+    T = max_length if padding == "paper" else max(lengths)  # "packed" collates like "none"; elbo_draws packs
     B = len(examples)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.ones((B, T), dtype=torch.long) if padding == "paper" else torch.zeros((B, T), dtype=torch.long)
@@ -87,7 +94,7 @@ def plan_batches(
     global_batch_size: int,
     seed: int,
     epoch: int = 0,
-    group_by_length: bool = True,
+    group_by_length: bool = False,
     *,
     drop_last: bool = False,
     megabatch_factor: int = 50,
@@ -148,12 +155,28 @@ def micro_batches(batches: Sequence[Sequence[int]], micro_batch_size: int) -> li
     return out
 
 
-def tokens_fed(lengths: Sequence[int], micro: Sequence[Sequence[int]], padding: str, max_length: int) -> int:
-    """Token positions the model processes for these micro-batches under a padding choice."""
+def tokens_fed(lengths: Sequence[int], micro: Sequence[Sequence[int]], padding: str, max_length: int, k: int = 1) -> int:
+    """Token positions the model processes for these micro-batches under a padding choice, with ``k`` noisy copies per row.
+
+    ``packed``: each micro-batch's ``k`` copies of its rows packed into rows of
+    ``max_length`` (:func:`dllm_align.elbo.pack_sequences`), each packed call as
+    wide as its fullest row.
+    """
     if padding == "paper":
-        return sum(len(m) for m in micro) * max_length
+        return k * sum(len(m) for m in micro) * max_length
     if padding == "none":
-        return sum(len(m) * max(lengths[i] for i in m) for m in micro if m)
+        return k * sum(len(m) * max(lengths[i] for i in m) for m in micro if m)
+    if padding == "packed":
+        from dllm_align.elbo import pack_sequences
+
+        total = 0
+        for m in micro:
+            if not m:
+                continue
+            seqs = [lengths[i] for i in m for _ in range(k)]
+            bins = pack_sequences(seqs, max_length)
+            total += len(bins) * max(sum(seqs[j] for j in b) for b in bins)
+        return total
     raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
 
 
@@ -163,16 +186,22 @@ def padding_costs(
     micro_batch_size: int,
     global_batch_size: Optional[int] = None,
     seed: int = 0,
+    n_mc: int = 8,
 ) -> dict[str, int]:
     """Tokens fed per epoch under each padding choice, for ``data stats``.
 
     ``real``: the sum of row lengths (no padding at all); ``paper``: rows x
     max_length; ``none_grouped`` / ``none_random``: padding to each
-    micro-batch's longest row, with and without length grouping.
+    micro-batch's longest row, with and without length grouping;
+    ``packed_random``: uniform batches, packed; the ``n_mc`` noisy copies of a
+    micro-batch's rows share the packed rows (as in training), and the count
+    is per copy, comparable with the others.
     """
     G = global_batch_size or micro_batch_size
     out = {"real": int(sum(lengths)), "paper": len(lengths) * max_length}
     for name, grouped in (("none_grouped", True), ("none_random", False)):
         plan = plan_batches(lengths, G, seed, 0, grouped)
         out[name] = tokens_fed(lengths, micro_batches(plan, micro_batch_size), "none", max_length)
+    plan = plan_batches(lengths, G, seed, 0, False)
+    out["packed_random"] = round(tokens_fed(lengths, micro_batches(plan, micro_batch_size), "packed", max_length, k=n_mc) / n_mc)
     return out

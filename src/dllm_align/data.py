@@ -1482,7 +1482,10 @@ def dataset_stats(
     from dllm_align.tokenize import fit, tokenize_with_report
 
     raw, _ = tokenize_with_report(
-        rows, tokenizer, SimpleNamespace(max_length=1 << 62, max_prompt_length=None, truncation="completion")
+        rows, tokenizer, SimpleNamespace(
+            max_length=1 << 62, max_prompt_length=None, truncation="completion",
+            end_of_turn=getattr(data_section, "end_of_turn", "scored"),
+        )
     )
     bos = tokenizer.bos_token_id
     fitted = []

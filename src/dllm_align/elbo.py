@@ -178,6 +178,84 @@ def make_noisy_batch(
     )
 
 
+def _first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        L = int(lengths[i])
+        for b, r in enumerate(room):
+            if L <= r:
+                bins[b].append(i)
+                room[b] -= L
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - L)
+    return bins
+
+
+def pack_sequences(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of sequence indices whose lengths sum to at most ``capacity``: as few bins as first fit
+    (longest first) finds, then as even as possible.
+
+    A packed call is as wide as its fullest row, so after first fit fixes the
+    number of rows R, the capacity is lowered towards total / R while R rows
+    still suffice: the rows come out nearly equally full and the call wastes
+    little on its tail. Deterministic (ties keep index order). A sequence longer
+    than ``capacity`` gets a bin of its own.
+    """
+    bins = _first_fit(lengths, capacity)
+    R = len(bins)
+    if R <= 1:
+        return bins
+    longest = max(int(x) for x in lengths)
+    lo = max(longest, -(-sum(int(x) for x in lengths) // R))
+    if lo >= capacity:
+        return bins
+    step = max(1, (capacity - lo) // 16)
+    for c in range(lo, capacity, step):
+        even = _first_fit(lengths, c)
+        if len(even) <= R:
+            return even
+    return bins
+
+
+@dataclass
+class PackedRows:
+    """Noisy sequences packed into rows (block-diagonal attention, positions restarting per sequence)."""
+
+    input_ids: torch.Tensor  # [R, C]
+    layout: torch.Tensor  # [R, C] sequence index within the row; -1 on the unused tail
+    row_of: torch.Tensor  # [S] packed row of each sequence
+    offset: torch.Tensor  # [S] its first column there
+
+
+def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int], capacity: int) -> PackedRows:
+    """Pack the first ``lengths[s]`` tokens of each row ``s`` of ``input_ids`` into as few rows of ``capacity`` as fit.
+
+    The packed width is the fullest row's fill (at most ``capacity``). Tail
+    positions hold token 0 and layout -1: they form their own block, which no
+    real token sees.
+    """
+    bins = pack_sequences(lengths, capacity)
+    S = len(lengths)
+    width = max(sum(int(lengths[i]) for i in b) for b in bins) if bins else 0
+    ids = torch.zeros(len(bins), width, dtype=input_ids.dtype)
+    layout = torch.full((len(bins), width), -1, dtype=torch.long)
+    row_of = torch.empty(S, dtype=torch.long)
+    offset = torch.empty(S, dtype=torch.long)
+    src = input_ids.cpu()
+    for r, b in enumerate(bins):
+        o = 0
+        for j, s in enumerate(b):
+            L = int(lengths[s])
+            ids[r, o : o + L] = src[s, :L]
+            layout[r, o : o + L] = j
+            row_of[s], offset[s] = r, o
+            o += L
+    return PackedRows(ids, layout, row_of, offset)
+
+
 def elbo_draws(
     mp,
     input_ids: torch.Tensor,
@@ -187,6 +265,7 @@ def elbo_draws(
     cfg: DrawConfig,
     max_rows_per_forward: Optional[int] = None,
     draws: Optional[Sequence[int]] = None,
+    pack_length: Optional[int] = None,
 ) -> torch.Tensor:
     """Per-draw ELBO values [B, K] (fp32, differentiable through ``mp``).
 
@@ -194,24 +273,46 @@ def elbo_draws(
     log p(y_i | masked sequence). Logits are computed only at masked positions
     (``MaskPredictor.target_logprobs``). Rows (B*K noisy sequences) are run in
     forward calls of at most ``max_rows_per_forward`` rows (default: all).
+
+    ``pack_length`` (``data.padding: packed``): the noisy sequences of each
+    forward call are packed into as few rows of that many tokens as fit, with
+    block-diagonal bidirectional attention and positions restarting per
+    sequence, so no compute goes to padding. Every sequence sees exactly what
+    it sees alone, so the values equal the padded ones up to float rounding.
+    Needs right-padded rows with an ``attention_mask`` (``padding: none`` layout).
+    A family that scores position j from the output at j-1 (Dream's shifted
+    logits) stays inside the sequence: a scored (completion) position is never
+    a sequence's first, since the prompt comes before it.
     """
     nb = make_noisy_batch(input_ids, attention_mask, completion_mask, ids, cfg, mp.mask_token_id, draws)
     BK = nb.B * nb.K
     chunk = max_rows_per_forward or BK
+    if pack_length is not None:
+        if nb.attention_mask is None:
+            raise ValueError("packing needs the attention mask of right-padded rows")
+        seq_len = nb.attention_mask.sum(dim=1).tolist()
     sums = []
     for start in range(0, BK, chunk):
         stop = min(start + chunk, BK)
         sel = (nb.rows >= start) & (nb.rows < stop)
         r, c, tgt = nb.rows[sel] - start, nb.cols[sel], nb.targets[sel]
-        am = None if nb.attention_mask is None else nb.attention_mask[start:stop]
-        lp = mp.target_logprobs(nb.input_ids[start:stop], am, r, c, tgt)  # [n] fp32
+        if pack_length is None:
+            am = None if nb.attention_mask is None else nb.attention_mask[start:stop]
+            lp = mp.target_logprobs(nb.input_ids[start:stop], am, r, c, tgt)  # [n] fp32
+        else:
+            p = pack_rows(nb.input_ids[start:stop], seq_len[start:stop], pack_length)
+            dev = nb.input_ids.device
+            pr, pc = p.row_of.to(dev)[r], p.offset.to(dev)[r] + c
+            lp = mp.target_logprobs(p.input_ids.to(dev), None, pr, pc, tgt, packed=p.layout.to(dev))
         s = torch.zeros(stop - start, dtype=torch.float32, device=lp.device)
         sums.append(s.index_add(0, r, lp))
     total = torch.cat(sums)  # [B*K]
     return (total.double() * nb.weight).float().view(nb.B, nb.K)
 
 
-def elbo(mp, batch: dict, cfg: DrawConfig, max_rows_per_forward: Optional[int] = None) -> torch.Tensor:
+def elbo(
+    mp, batch: dict, cfg: DrawConfig, max_rows_per_forward: Optional[int] = None, pack_length: Optional[int] = None
+) -> torch.Tensor:
     """B_hat [B]: the mean of the K draws for each row of a collated batch."""
     return elbo_draws(
         mp,
@@ -221,6 +322,7 @@ def elbo(mp, batch: dict, cfg: DrawConfig, max_rows_per_forward: Optional[int] =
         batch["ids"],
         cfg,
         max_rows_per_forward,
+        pack_length=pack_length,
     ).mean(dim=1)
 
 

@@ -121,7 +121,7 @@ def eval_device() -> torch.device:
 # --------------------------------------------------------------------------- the harness model
 _ARG_NAMES = (
     "pretrained", "revision", "tokenizer", "dtype", "device", "trust_remote_code", "mask_token_id",
-    "batch_size", "mc_num", "mc_seed", "stratified", "greedy_check", "max_length",
+    "batch_size", "mc_num", "mc_seed", "stratified", "greedy_check", "max_length", "packing",
     "gen_length", "block_length", "steps", "remasking", "temperature", "cfg", "cache", "threshold", "seed",
 )
 
@@ -153,6 +153,7 @@ class DiffusionLM(LM):
         stratified: bool = True,
         greedy_check: bool = False,
         max_length: Optional[int] = None,
+        packing: bool = True,
         gen_length: int = 512,
         block_length: int = 32,
         steps: int = 512,
@@ -189,6 +190,7 @@ class DiffusionLM(LM):
         self.pretrained = str(pretrained)
         self._device = predictor.device
         self._max_length = max_length
+        self.packing = packing if isinstance(packing, bool) else str(packing).lower() in ("1", "true", "yes")
         self._warned: set[str] = set()
         self.configure(
             batch_size=batch_size, mc_num=mc_num, mc_seed=mc_seed, stratified=stratified, greedy_check=greedy_check,
@@ -290,6 +292,7 @@ class DiffusionLM(LM):
             "mc_seed": self.mc_seed,
             "stratified": self.stratified,
             "greedy_check": self.greedy_check,
+            "packing": self.packing,
             "world_size": self.world_size,
         }
 
@@ -394,7 +397,9 @@ class DiffusionLM(LM):
         Rows of similar length are batched (right-padded, attention-masked: a
         padded row computes what it computes alone); one call holds
         ``batch_size // mc_num`` requests (at least one), and its noisy
-        sequences go through the model ``batch_size`` at a time.
+        sequences go through the model ``batch_size`` at a time, packed into
+        rows of ``max_length`` with block-diagonal attention when ``packing``
+        is on (``elbo_draws``: the same values, no compute on padding).
         """
         from dllm_align.console import progress
         from dllm_align.elbo import elbo_draws
@@ -424,7 +429,10 @@ class DiffusionLM(LM):
                     ids[b, :n] = torch.tensor(ctx + cont)
                     attn[b, :n] = 1
                     cm[b, len(ctx) : n] = True
-                draws = elbo_draws(self.mp, ids.to(dev), attn.to(dev), cm.to(dev), chunk, cfg, self.batch_size)
+                draws = elbo_draws(
+                    self.mp, ids.to(dev), attn.to(dev), cm.to(dev), chunk, cfg, self.batch_size,
+                    pack_length=self.max_length if self.packing else None,
+                )
                 for k, v in zip(chunk, draws.mean(dim=1).tolist()):
                     value[k] = float(v)
                 if not disable_progress and self.rank == 0:
@@ -780,7 +788,7 @@ def make_lm(recipe, name_or_path: str) -> DiffusionLM:
     g = recipe.generate
     return DiffusionLM(
         pretrained=name_or_path, predictor=mp, batch_size=ev.batch_size, mc_num=ev.mc_num, mc_seed=ev.mc_seed,
-        stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length,
+        stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length, packing=ev.packing,
         gen_length=g.gen_length, block_length=g.block_length, steps=g.steps, remasking=g.remasking,
         temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed,
     )

@@ -27,7 +27,26 @@ def baseline_of(margins: torch.Tensor, kind: str) -> torch.Tensor:
         return margins.detach().mean()
     if kind == "none":
         return margins.new_zeros(())
+    if kind == "kl":
+        raise ValueError("baseline 'kl' comes from the mismatched pairs: use kl_reference_point")
     raise ValueError(f"unknown baseline {kind!r}")
+
+
+def kl_reference_point(margin_sum, count) -> torch.Tensor:
+    """KTO's z0 (``train.baseline: kl``): max(0, mean margin of the step's mismatched pairs), stop-gradient.
+
+    z0 = max(0, (1/n) sum_j [B_pol(y_j' | x_j) - B_ref(y_j' | x_j)]), where (x_j, y_j')
+    pairs a prompt of the step batch with another row's completion
+    (:func:`dllm_align.examples.kl_examples`). ``margin_sum`` and ``count`` are
+    totals over every process and micro-batch of the step, so the mean is the
+    whole step's, as with ``global_mean``. The clamp is KTO's (and TRL's):
+    KL is never negative, so a negative estimate is noise.
+    """
+    s = torch.as_tensor(margin_sum, dtype=torch.float64).detach()
+    n = float(count)
+    if n <= 0:
+        raise ValueError("the kl reference point needs at least one mismatched pair")
+    return (s / n).clamp_min(0.0).float()
 
 
 def elbo_kto_loss(

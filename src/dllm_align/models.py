@@ -518,25 +518,43 @@ class MaskPredictor:
         p = self.precision
         return None if p is None or p.autocast is None or p.autocast == p.weights else p.autocast
 
-    def hidden(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final hidden states [B, T, H] (after the last norm)."""
+    def _forward_args(self, input_ids, attention_mask, packed: Optional[torch.Tensor]) -> dict:
+        """Keyword arguments of the network call: padded rows, or packed rows (:func:`packed_attention`)."""
+        if packed is None:
+            pos = self.position_ids(attention_mask, input_ids.shape, input_ids.device)
+            return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None) or "sdpa"
+        dtype = self.compute_dtype or next(self.model.parameters()).dtype
+        mask, extra = packed_attention(packed, impl, dtype)
+        return dict(input_ids=input_ids, attention_mask=mask, position_ids=packed_positions(packed), **extra)
+
+    def hidden(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Final hidden states [B, T, H] (after the last norm).
+
+        ``packed`` [B, T]: the index of the sequence each position belongs to in
+        packed rows (-1 for an unused tail); see :func:`packed_attention`. It
+        replaces ``attention_mask``.
+        """
         if not self.separable:
             raise RuntimeError("hidden() needs a model whose output head is separable")
-        pos = self.position_ids(attention_mask, input_ids.shape, input_ids.device)
         with self._autocast(input_ids.device.type):
-            out = self._body(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+            out = self._body(**self._forward_args(input_ids, attention_mask, packed), use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         with self._autocast(h.device.type):
             return self._head(h)
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Full logits [B, T, V] (generation, tests)."""
         if self.separable:
-            return self.family.align_logits(self.head(self.hidden(input_ids, attention_mask)))
+            return self.family.align_logits(self.head(self.hidden(input_ids, attention_mask, packed)))
         with self._autocast(input_ids.device.type):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+            out = self.model(**self._forward_args(input_ids, attention_mask, packed))
         return self.family.align_logits(out.logits if hasattr(out, "logits") else out[0])
 
     def target_logprobs(
@@ -546,15 +564,19 @@ class MaskPredictor:
         rows: torch.Tensor,
         cols: torch.Tensor,
         targets: torch.Tensor,
+        packed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """log p(targets) at positions (rows, cols), in fp32, computing logits only there.
 
         ``rows``, ``cols`` and ``targets`` are 1-D of equal length N; returns [N].
-        For a shifted family the hidden state gathered for position j is j - 1's.
+        ``packed``: the sequence layout of packed rows (:meth:`hidden`); ``cols``
+        are then columns of the packed row. For a shifted family the hidden state
+        gathered for position j is j - 1's (a packed sequence's first position is a
+        prompt token, never scored, so reading across the boundary never happens).
         """
         if self.separable:
             src = self.family.source_positions(cols)
-            h = self.hidden(input_ids, attention_mask)[rows, src]  # [N, H]: only the scored positions
+            h = self.hidden(input_ids, attention_mask, packed)[rows, src]  # [N, H]: only the scored positions
             w = self._plain_head_weight()
             if w is not None and self.head_chunk:
                 # The chunked head computes its matmul in the autocast dtype explicitly (an
@@ -562,7 +584,7 @@ class MaskPredictor:
                 return chunked_target_logprobs(h, w, targets, self.head_chunk, self.compute_dtype)
             logits = self.head(h)
         else:
-            logits = self.logits(input_ids, attention_mask)[rows, cols]
+            logits = self.logits(input_ids, attention_mask, packed)[rows, cols]
         logits = logits.float()
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -581,6 +603,47 @@ class MaskPredictor:
         if head._forward_hooks or head._forward_pre_hooks:  # e.g. PEFT or FSDP hooks: respect them
             return None
         return w
+
+
+# --------------------------------------------------------------------------- packed rows
+def packed_positions(packed: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 at the start of every sequence of a packed row."""
+    T = packed.shape[1]
+    idx = torch.arange(T, device=packed.device).expand_as(packed)
+    start = torch.ones_like(packed, dtype=torch.bool)
+    start[:, 1:] = packed[:, 1:] != packed[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def packed_attention(packed: torch.Tensor, impl: str, dtype: torch.dtype) -> tuple[Any, dict]:
+    """The block-diagonal bidirectional mask of packed rows, in the form ``impl`` takes; plus extra call kwargs.
+
+    ``packed`` [B, T] gives each position's sequence index within its row (an
+    unused tail is one more "sequence", -1, that attends only to itself, so no
+    query row is fully masked). A token attends to every token of its own
+    sequence and to nothing else:
+
+    * ``flash_attention_*``: no mask; transformers reads the sequence starts off
+      the restarting position ids and calls the variable-length kernel, told
+      ``is_causal=False``;
+    * ``flex_attention``: a BlockMask with a document mask (fully masked blocks skipped);
+    * ``sdpa``: a [B, 1, T, T] boolean mask; ``eager``: the same as an additive float mask.
+    """
+    if impl.startswith("flash") or "flash" in impl:
+        return None, {"is_causal": False}
+    if impl == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_sequence(b, h, q, kv):
+            return packed[b, q] == packed[b, kv]
+
+        B, T = packed.shape
+        return create_block_mask(same_sequence, B, None, T, T, device=packed.device), {}
+    same = packed[:, None, :, None] == packed[:, None, None, :]  # [B, 1, T, T]
+    if impl == "sdpa":
+        return same, {}
+    return torch.zeros(same.shape, dtype=dtype, device=packed.device).masked_fill_(~same, torch.finfo(dtype).min), {}
 
 
 # --------------------------------------------------------------------------- chunked head

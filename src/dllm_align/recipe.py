@@ -67,11 +67,22 @@ class DataSection(Section):
     truncation: Literal["completion", "prompt_left"] = Field(
         "completion", description="What gives way when a row is too long: the completion's tail or the prompt's head."
     )
-    padding: Literal["paper", "none"] = Field(
-        "none",
-        description="'paper': right-pad with EOS to max_length (visible, never scored); 'none': no tail, attention-masked batches.",
+    padding: Literal["paper", "none", "packed"] = Field(
+        "packed",
+        description="'paper': right-pad with EOS to max_length (visible, never scored; the paper's code); 'none': no tail, "
+        "attention-masked batches padded to their longest row; 'packed': no tail, and the noisy sequences of a forward packed "
+        "into as few max_length rows as fit, with block-diagonal attention (the values of 'none', without the padding).",
     )
-    group_by_length: bool = Field(True, description="Bucket rows of similar length into batches (less padding).")
+    group_by_length: bool = Field(
+        False,
+        description="Bucket rows of similar length into one global batch (an opt-in departure from the paper, which samples "
+        "mini-batches uniformly: the baseline is a batch statistic, so grouping changes the method).",
+    )
+    end_of_turn: Literal["scored", "none"] = Field(
+        "scored",
+        description="'scored': append the chat template's end-of-turn token to every completion and mask and score it "
+        "like a completion token (the model learns to stop); 'none': score only the completion's own tokens (the paper's code).",
+    )
     desirable_ratio: float = Field(
         1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
     )
@@ -127,8 +138,11 @@ class LoraSection(Section):
 class TrainSection(Section):
     objective: Literal["elbo_kto", "sft", "vrpo"] = "elbo_kto"
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
-    baseline: Literal["global_mean", "none"] = Field(
-        "global_mean", description="Reference point: stop-gradient mean margin over the optimiser-step batch, or 0."
+    baseline: Literal["global_mean", "none", "kl"] = Field(
+        "global_mean",
+        description="Reference point: stop-gradient mean margin over the optimiser-step batch (the paper), 0, or 'kl': "
+        "KTO's z0, the policy-vs-reference margin on mismatched (prompt, another row's completion) pairs of the step "
+        "batch, clamped at 0 (one extra no-grad policy pass per step).",
     )
     lambda_desirable: float = Field(1.0, gt=0)
     lambda_undesirable: float = Field(1.0, gt=0)
@@ -308,8 +322,8 @@ class AblateSection(Section):
     pairs: Optional[list[tuple[float, float]]] = Field(
         None, description="ablate baseline: explicit (beta, lr) settings instead of the betas x lrs grid (Table 3 uses three)."
     )
-    baselines: list[Literal["global_mean", "none"]] = Field(
-        default_factory=lambda: ["none", "global_mean"], description="ablate baseline: the reference points compared."
+    baselines: list[Literal["global_mean", "none", "kl"]] = Field(
+        default_factory=lambda: ["none", "global_mean", "kl"], description="ablate baseline: the reference points compared."
     )
     ratios: list[float] = Field(
         default_factory=lambda: [0.1, 0.5, 1.0], description="ablate imbalance: fractions of the subsampled class kept."
@@ -367,6 +381,11 @@ class EvaluateSection(Section):
     batch_size: int = Field(8, ge=1, description="Noisy sequences per forward (loglikelihood) / prompts per batch (generation).")
     max_length: Optional[int] = Field(
         None, ge=8, description="Cap on prompt + continuation tokens; the prompt's head gives way (default: the model's context size)."
+    )
+    packing: bool = Field(
+        True,
+        description="Pack each forward's noisy sequences into rows of max_length with block-diagonal attention "
+        "(the same ELBO values as padded rows up to float rounding, no compute on padding).",
     )
     apply_chat_template: bool = Field(False, description="Wrap prompts in the model's chat template (instruct models).")
     fewshot_as_multiturn: bool = Field(True, description="With the chat template: few-shot examples as separate turns.")

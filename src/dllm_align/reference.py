@@ -20,10 +20,12 @@ precompute keeps its finished shards and skips them when run again.
 
 The fingerprint names everything that changes the numbers: the reference
 weights (a content digest), its config, the tokenizer, the mask token, the
-dtype, max_length / padding / truncation, n_mc, the mask seed, the estimator
-and stratification. The dataset is checked per example (id and token digest),
-so a cache made on the full set also serves a subsampled run (the class-ratio
-ablations), while a changed row is refused by name.
+dtype, max_length / padding / truncation / end-of-turn scoring, n_mc, the mask
+seed, the estimator and stratification. It also records, without comparing them,
+the batch grouping and the baseline kind of the recipe that made it. The dataset
+is checked per example (id and token digest), so a cache made on the full set
+also serves a subsampled run (the class-ratio ablations), while a changed row is
+refused by name.
 """
 
 from __future__ import annotations
@@ -64,8 +66,12 @@ STRICT_FIELDS = (
     "seed",
     "estimator",
     "stratified",
+    "end_of_turn",
 )
-RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples")
+# Recorded for the reader, not compared: they do not change any cached value.
+# (A kl baseline needs the mismatched pairs of its own batch plan; those are
+# checked per example id like every other row.)
+RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples", "group_by_length", "baseline")
 
 _HEX64 = set("0123456789abcdef")
 
@@ -227,6 +233,9 @@ def fingerprint(
         "seed": r.seed,
         "estimator": r.estimator,
         "stratified": r.stratified,
+        "end_of_turn": d.end_of_turn,
+        "group_by_length": d.group_by_length,
+        "baseline": recipe.train.baseline,
         "dataset": dataset_digest(examples),
         "n_examples": len(examples),
     }
@@ -241,6 +250,7 @@ _FIELD_HINTS = {
     "max_length": "data.max_length",
     "padding": "data.padding",
     "truncation": "data.truncation",
+    "end_of_turn": "data.end_of_turn",
     "reference_weights": "the reference model's weights (reference.model / model.name_or_path)",
     "reference_dtype": "model.dtype",
     "compute_dtype": "train.mixed_precision (and the device: auto is bf16 on CUDA, no on CPU)",
@@ -304,11 +314,13 @@ def reference_values(
     rows_per_forward: Optional[int] = None,
     draws: Optional[Sequence[int]] = None,
     on_batch: Optional[Callable[[int], None]] = None,
+    pack_length: Optional[int] = None,
 ) -> np.ndarray:
     """Per-draw reference ELBO values [n, K] (float32) for ``examples``, in their order.
 
     Examples are batched longest first (less padding); each value depends only on
-    its own example's tokens and masks.
+    its own example's tokens and masks. ``pack_length``: pack the noisy
+    sequences of each forward into rows of that length (``data.padding: packed``).
     """
     from dllm_align.elbo import elbo_draws
 
@@ -328,6 +340,7 @@ def reference_values(
             cfg,
             max_rows_per_forward=rows_per_forward,
             draws=draws,
+            pack_length=pack_length,
         )
         out[idx] = vals.float().cpu().numpy()
         if on_batch is not None:
@@ -540,6 +553,7 @@ def precompute(
                 vals = reference_values(
                     ref_mp, [examples[i] for i in mine], collate, cfg, recipe.reference.batch_size, rows,
                     on_batch=(lambda n: bar.advance(n * world)) if is_main else None,
+                    pack_length=recipe.data.max_length if recipe.data.padding == "packed" else None,
                 )
                 problem = elbo_range_problem(vals, [ids[i] for i in mine])
                 parts = [(mine, vals, problem)]
@@ -736,6 +750,10 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
+    if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
+        from dllm_align.examples import planned_kl_examples
+
+        examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")

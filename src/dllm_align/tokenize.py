@@ -4,7 +4,8 @@ SPEC.md section 2 (tokenisation, length). For a row (prompt messages x,
 completion text y):
 
     prompt_ids     = tokens of chat_template(x, add_generation_prompt=True)
-    completion_ids = tokens of y.strip() + [end-of-turn]
+    completion_ids = tokens of y.strip() + [end-of-turn]   (data.end_of_turn: scored)
+    completion_ids = tokens of y.strip()                   (data.end_of_turn: none, the paper's code)
 
 The completion is stripped because chat templates (LLaDA's included) trim every
 message they render, so this is the text the model sees as an assistant turn.
@@ -12,7 +13,10 @@ Special-token strings inside the completion text stay plain text
 (``split_special_tokens``): a reply that quotes ``<|eot_id|>`` must not end the turn.
 The end-of-turn token is read off the tokenizer's own chat template (the first
 special token after an assistant reply: ``<|eot_id|>`` for LLaDA, id 126348, and
-for the built-in tiny tokenizer), falling back to EOS.
+for the built-in tiny tokenizer), falling back to EOS. Appended, it is masked and
+scored like any completion token, which teaches the model to stop; the paper's
+code scores only the completion's own tokens (followed by its visible, unscored
+EOS padding), so the paper recipes set ``end_of_turn: none``.
 
 Only completion positions are ever masked or scored (the prompt is always
 visible); :mod:`dllm_align.batching` builds that ``completion_mask``.
@@ -194,13 +198,21 @@ def _prompt_ids(tokenizer, prompts: Iterable) -> dict[str, list[int]]:
     return dict(zip(keys, _encode(tokenizer, texts, plain=False)))
 
 
-def _completion_ids(tokenizer, texts: list[str], eot: int) -> list[list[int]]:
-    return [ids + [eot] for ids in _encode(tokenizer, [t.strip() for t in texts], plain=True)]
+def _completion_ids(tokenizer, texts: list[str], eot: Optional[int]) -> list[list[int]]:
+    tail = [] if eot is None else [eot]
+    return [ids + tail for ids in _encode(tokenizer, [t.strip() for t in texts], plain=True)]
+
+
+def scored_end_of_turn(tokenizer, data_section) -> Optional[int]:
+    """The end-of-turn id appended to completions, or None (``data.end_of_turn: none``, the paper's code)."""
+    if getattr(data_section, "end_of_turn", "scored") == "none":
+        return None
+    return end_of_turn_id(tokenizer)
 
 
 def tokenize_with_report(rows: Sequence, tokenizer, data_section) -> tuple[list[Example], TokenizeReport]:
     """:func:`tokenize_rows` plus what truncation did."""
-    eot = end_of_turn_id(tokenizer)
+    eot = scored_end_of_turn(tokenizer, data_section)
     bos = tokenizer.bos_token_id
     max_len, max_p, rule = data_section.max_length, data_section.max_prompt_length, data_section.truncation
     prompts = _prompt_ids(tokenizer, (r.prompt for r in rows))
@@ -257,7 +269,7 @@ def tokenize_pairs(pairs: Sequence, tokenizer, data_section, *, quiet: bool = Fa
     masks (seeded by id) match between the paired and unpaired views. Both share
     the same (possibly cut) prompt.
     """
-    eot = end_of_turn_id(tokenizer)
+    eot = scored_end_of_turn(tokenizer, data_section)
     bos = tokenizer.bos_token_id
     max_len, max_p, rule = data_section.max_length, data_section.max_prompt_length, data_section.truncation
     prompts = _prompt_ids(tokenizer, (p.prompt for p in pairs))

@@ -68,7 +68,7 @@ from dllm_align.checkpoint import (
     FINAL, METRICS, TMP_FINAL, _clear_previous, prepare_output,
 )
 from dllm_align.errors import RunFailure, UserError
-from dllm_align.examples import load_training_examples, make_collate, make_units
+from dllm_align.examples import kl_examples, load_training_examples, make_collate, make_units, step_count
 
 
 
@@ -101,8 +101,8 @@ class PolicyScorer(torch.nn.Module):
         self.model = mp.model
         self.__dict__["_mp"] = mp  # not a submodule: it only holds references
 
-    def forward(self, input_ids, attention_mask, rows, cols, targets):
-        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets)
+    def forward(self, input_ids, attention_mask, rows, cols, targets, packed=None):
+        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets, packed=packed)
 
 
 class _ViaModule:
@@ -112,8 +112,8 @@ class _ViaModule:
         self.module = module
         self.mask_token_id = mask_token_id
 
-    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets):
-        return self.module(input_ids, attention_mask, rows, cols, targets)
+    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None):
+        return self.module(input_ids, attention_mask, rows, cols, targets, packed)
 
 
 # --------------------------------------------------------------------------- margin watch
@@ -403,6 +403,7 @@ class _Run:
         self.units = make_units(examples, self.t.objective, self.t.sft_rows)
         self.rows_per_unit = 2 if self.t.objective == "vrpo" else 1
         self.collate = make_collate(recipe, self.tokenizer)
+        self.pack_length = recipe.data.max_length if recipe.data.padding == "packed" else None
         self.accum = grad_accum_for(self.t, self.world)
         self.G = self.t.batch_size * self.accum * self.world
         if len(self.units) < self.G:
@@ -412,8 +413,10 @@ class _Run:
                 f"(train.batch_size {self.t.batch_size} x grad_accum {self.accum} x {self.world} process(es) = {self.G})"
             )
         self.lengths = [sum(ex.length for ex in u) for u in self.units]
-        self.steps_per_epoch = len(self.units) // self.G
-        self.total = self.t.max_steps or max(1, math.ceil(self.t.epochs * self.steps_per_epoch))
+        self.steps_per_epoch, self.total = step_count(self.t, len(self.units), self.G)
+        self.kl = self.t.objective == "elbo_kto" and self.t.baseline == "kl"
+        if self.kl and self.G < 2:
+            raise UserError("train.baseline kl needs a global batch of at least 2 rows (each prompt is paired with another row's completion)")
         self.dropped_per_epoch = len(self.units) - self.steps_per_epoch * self.G
         self._plans: dict[int, list[list[int]]] = {}
         self.lambda_d, self.lambda_u = class_weights(recipe)
@@ -539,6 +542,22 @@ class _Run:
             known_files=cache.weight_files(),
         )
         used = [ex for u in self.units for ex in u]
+        if self.kl:
+            from dllm_align.examples import planned_batches
+
+            pairs = {}
+            for batch in planned_batches(self.recipe, self.lengths, self.G, self.total):
+                for ex in kl_examples([self.units[i][0] for i in batch], self.recipe.data.max_length):
+                    pairs.setdefault(ex.id, ex)
+            missing = next((i for i in pairs if i not in cache._digests), None)
+            if missing is not None:
+                raise UserError(
+                    f"reference cache {folder} holds no reference ELBOs for the kl baseline's mismatched pairs "
+                    f"(e.g. '{missing}'; the cache was made with train.baseline {cache.manifest['fingerprint'].get('baseline')!r})",
+                    hint="run `dllm-align precompute-ref` with this recipe: train.baseline kl and the same "
+                    "train.global_batch_size, train.seed, data.group_by_length and step count",
+                )
+            used += list(pairs.values())
         cache.check(fp, used, self.k)
         self.cache = cache
         if self.main:
@@ -566,6 +585,30 @@ class _Run:
         assert len(mine) == self.accum, (len(mine), self.accum)
         return [[self.units[i] for i in m] for m in mine]
 
+    def kl_micro_batches(self, step: int) -> list[list]:
+        """This process's mismatched pairs of step ``step`` (``train.baseline: kl``): pair i goes where row i goes."""
+        from dllm_align.batching import shard
+
+        epoch, j = divmod(step, self.steps_per_epoch)
+        batch = self.plan(epoch)[j]
+        pairs = kl_examples([self.units[i][0] for i in batch], self.recipe.data.max_length)
+        return [[pairs[p] for p in m] for m in shard(list(range(len(batch))), self.rank, self.world, self.t.batch_size)]
+
+    @torch.no_grad()
+    def kl_baseline(self, kl_micro: list[list]) -> torch.Tensor:
+        """z0 of the step (:func:`dllm_align.losses.kl_reference_point`): every process's pairs, every micro-batch."""
+        from dllm_align.losses import kl_reference_point
+
+        total = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
+        for exs in kl_micro:
+            b = self._to_dev(self.collate(exs))
+            r = self.policy_elbo(b).float() - self.reference_elbo(b)
+            total[0] += r.double().sum()
+            total[1] += r.numel()
+        if self.world > 1:
+            total = self.acc.reduce(total, reduction="sum")
+        return kl_reference_point(total[0], total[1]).to(self.acc.device)
+
     # ---------------------------------------------------------------- ELBO values
     def _to_dev(self, batch: dict) -> dict:
         dev = self.acc.device
@@ -588,6 +631,7 @@ class _Run:
             self.cfg,
             max_rows_per_forward=self.t.rows_per_forward,
             draws=self.draws,
+            pack_length=self.pack_length,
         )
         return v.mean(dim=1)
 
@@ -607,6 +651,7 @@ class _Run:
             self.cfg,
             max_rows_per_forward=self.t.rows_per_forward,
             draws=self.draws,
+            pack_length=self.pack_length,
         )
         return v.float().mean(dim=1)
 
@@ -631,8 +676,11 @@ class _Run:
     def _sync(self, last: bool):
         return contextlib.nullcontext() if last or self.world == 1 else self.acc.no_sync(self.module)
 
-    def run_step(self, micro: list[list[tuple]]) -> dict:
-        """Forward/backward over this process's micro-batches; returns summed metrics (local)."""
+    def run_step(self, micro: list[list[tuple]], kl_micro: Optional[list[list]] = None) -> dict:
+        """Forward/backward over this process's micro-batches; returns summed metrics (local).
+
+        ``kl_micro``: this process's mismatched pairs (``train.baseline: kl``).
+        """
         from dllm_align.losses import elbo_kto_loss, sft_loss, vrpo_loss
 
         batches = []
@@ -650,6 +698,8 @@ class _Run:
             baseline = None
             if self.t.baseline == "none":
                 baseline = torch.zeros((), device=self.acc.device)
+            elif self.t.baseline == "kl":
+                baseline = self.kl_baseline(kl_micro)
             elif A > 1:
                 margins = []
                 with torch.no_grad():  # every margin of the step before any backward
@@ -712,7 +762,8 @@ class _Run:
         lr = lr_at(self.step, self.total, t.lr, t.warmup_ratio, t.scheduler)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        m = self.reduce(self.run_step(self.micro_batches(self.step)))
+        kl_micro = self.kl_micro_batches(self.step) if self.kl else None
+        m = self.reduce(self.run_step(self.micro_batches(self.step), kl_micro))
         clip = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
         self.acc.unscale_gradients()  # fp16 loss scaling (a no-op otherwise)
         grad_norm = clip_global_grad_norm(self.params, clip, sharded=self.fsdp, device=self.acc.device)

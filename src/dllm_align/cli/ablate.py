@@ -51,7 +51,7 @@ def baseline(
     set_: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """ELBO-KTO with and without the global-mean baseline over a (beta, lr) grid (paper Table 3).
+    """ELBO-KTO with each reference point of ablate.baselines (none, global mean, KTO's kl) over a (beta, lr) grid (paper Table 3).
 
     Example: dllm-align ablate baseline demo --betas 0.1,0.2 --lrs 1e-5,3e-5
     """

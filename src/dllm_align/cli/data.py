@@ -54,7 +54,10 @@ def stats_table(s: dict, model: str) -> str:
             ("paper", f"paper: EOS to {s['max_length']:,}"),
             ("none_grouped", f"none, length-grouped ({grouping})"),
             ("none_random", "none, random batches"),
+            ("packed_random", "packed (8 noisy copies), random batches"),
         ):
+            if key not in c:
+                continue
             fed = c[key]
             waste = 1 - real / fed if fed else 0.0
             lines.append(f"{name:<42}{fed:>14,}{waste:>9.1%}{fed / real:>8.2f}")

@@ -1,0 +1,150 @@
+"""Packed rows (``data.padding: packed``): the noisy sequences of a forward share rows of max_length,
+with block-diagonal bidirectional attention and positions restarting per sequence.
+
+Tolerance: the ELBO draws are fp32 sums of O(100) over masked positions; packed
+and padded rows reach them through matrices of other shapes (other summation
+orders), so values are compared to 5e-5 absolute (measured ~8e-6) and
+parameter gradients (entries up to ~1) to 5e-5 absolute + 1e-4 relative
+(measured 3e-5 at most).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dllm_align.batching import collate
+from dllm_align.elbo import DrawConfig, elbo_draws, pack_rows, pack_sequences
+from dllm_align.models import packed_attention, packed_positions
+from dllm_align.tokenize import Example
+
+
+def _examples(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(3, 12, (), generator=g))
+        c = int(torch.randint(2, 20, (), generator=g))
+        out.append(Example(f"e{i}", torch.randint(0, 250, (p,), generator=g).tolist(),
+                           torch.randint(0, 250, (c,), generator=g).tolist(), i % 2 == 0))
+    return out
+
+
+@pytest.fixture()
+def policy(tiny):
+    """The tiny model moved off its random init (std 0.02), so that gradients are not all alike."""
+    mp = copy.deepcopy(tiny)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for prm in mp.model.parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * 0.02)
+    return mp
+
+
+def test_packing_by_hand():
+    # 5, 3, 4, 2 into rows of 8: first fit (longest first) needs 2 rows; the 14 tokens then fit rows of 7:
+    # 5 opens row 0, 4 opens row 1, 3 joins row 1 (room 3), 2 joins row 0 (room 2)
+    assert pack_sequences([5, 3, 4, 2], 8) == [[0, 3], [2, 1]]
+    assert pack_sequences([8, 8, 1], 8) == [[0], [1], [2]]
+    assert pack_sequences([9, 1], 8) == [[0], [1]]  # too long for a row: a row of its own
+    # 5, 3, 4: two rows; rows of 6 would need three, rows of 7 hold [5] and [4, 3]
+    assert pack_sequences([5, 3, 4], 8) == [[0], [2, 1]]
+    p = pack_rows(torch.arange(40).view(4, 10), [5, 3, 4, 2], 8)
+    assert p.input_ids.tolist() == [[0, 1, 2, 3, 4, 30, 31], [20, 21, 22, 23, 10, 11, 12]]
+    assert p.layout.tolist() == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1]]
+    assert p.row_of.tolist() == [0, 1, 1, 0] and p.offset.tolist() == [0, 4, 0, 5]
+    assert packed_positions(p.layout).tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
+    q = pack_rows(torch.arange(30).view(3, 10), [5, 3, 4], 8)
+    assert q.input_ids.tolist() == [[0, 1, 2, 3, 4, 0, 0], [20, 21, 22, 23, 10, 11, 12]]
+    assert q.layout.tolist() == [[0, 0, 0, 0, 0, -1, -1], [0, 0, 0, 0, 1, 1, 1]]  # the tail: its own block
+    assert packed_positions(q.layout).tolist() == [[0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2]]
+
+
+def test_block_diagonal_masks_by_hand():
+    layout = torch.tensor([[0, 0, 1, -1]])
+    m, extra = packed_attention(layout, "sdpa", torch.float32)
+    want = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    assert m.shape == (1, 1, 4, 4) and torch.equal(m[0, 0], want) and extra == {}
+    e, _ = packed_attention(layout, "eager", torch.float32)
+    assert torch.equal(e[0, 0] == 0, want) and float(e.min()) == torch.finfo(torch.float32).min
+    f, extra = packed_attention(layout, "flash_attention_2", torch.bfloat16)
+    assert f is None and extra == {"is_causal": False}  # the varlen kernel reads the restarting positions
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_values_and_gradients_equal_padded(policy, impl):
+    mp = policy
+    mp.model.config._attn_implementation = impl
+    exs = _examples()
+    b = collate(exs, "none", 64, mp.tokenizer.pad_token_id)
+    cfg = DrawConfig(n_mc=4, seed=3)
+    params = list(mp.model.parameters())
+    args = (b["input_ids"], b["attention_mask"], b["completion_mask"], b["ids"], cfg)
+    padded = elbo_draws(mp, *args)
+    g_padded = torch.autograd.grad(padded.sum(), params)
+    packed = elbo_draws(mp, *args, pack_length=64)
+    g_packed = torch.autograd.grad(packed.sum(), params)
+    torch.testing.assert_close(packed, padded, atol=5e-5, rtol=0)  # per draw
+    for a, c in zip(g_packed, g_padded):
+        torch.testing.assert_close(a, c, atol=5e-5, rtol=1e-4)
+    # the packing really shares rows: 24 noisy sequences of 5..31 tokens fit in fewer than 24 rows of 64
+    lengths = b["attention_mask"].sum(1).repeat_interleave(4).tolist()
+    assert len(pack_sequences(lengths, 64)) < 12
+    # and chunked forwards (train.rows_per_forward) pack each chunk on its own, to the same values
+    torch.testing.assert_close(elbo_draws(mp, *args, max_rows_per_forward=5, pack_length=64).detach(), padded.detach(),
+                               atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "flex_attention"])
+def test_no_token_attends_across_sequences(policy, impl):
+    """Changing every token of one packed sequence leaves the others' log-probabilities as they were."""
+    mp = policy
+    mp.model.config._attn_implementation = impl
+    ids = torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(4))
+    layout = torch.tensor([[0] * 10 + [1] * 12 + [2] * 5 + [-1] * 3])
+    other = ids.clone()
+    other[0, 10:22] = (other[0, 10:22] + 7) % 250
+    rows = torch.zeros(15, dtype=torch.long)
+    cols = torch.tensor(list(range(10)) + list(range(22, 27)))
+    tg = ids[0, cols]
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        a = mp.target_logprobs(ids, None, rows, cols, tg, packed=layout)
+        b = mp.target_logprobs(other, None, rows, cols, tg, packed=layout)
+        # and each sequence scores as it does alone (positions restart at 0)
+        alone = mp.target_logprobs(ids[:, 22:27], None, torch.zeros(5, dtype=torch.long), torch.arange(5), tg[10:])
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a[10:], alone, atol=1e-5, rtol=0)
+    # the test has teeth: without the layout the change does reach them
+    with torch.no_grad():
+        c = mp.target_logprobs(ids, None, rows, cols, tg)
+        d = mp.target_logprobs(other, None, rows, cols, tg)
+    assert float((c - d).abs().max()) > 1e-4
+
+
+def test_training_packed_equals_padded(tmp_path):
+    """One recipe trained with padding none and packed (online reference): same losses, baselines, parameters."""
+    from fixtures.sort_toy import write_pairs
+    from test_training import assert_same_params, final_params, metrics
+
+    from dllm_align.recipe import load_recipe
+    from dllm_align.training import train
+
+    data = write_pairs(tmp_path / "pairs.jsonl", n=8)
+    runs = {}
+    for padding in ("none", "packed"):
+        rec = load_recipe(None, [
+            f"data.train={data}", "data.format=paired", "data.max_length=64", f"data.padding={padding}",
+            "reference.n_mc=4", "reference.mode=online", "train.lr=1e-3", "train.warmup_ratio=0",
+            "train.scheduler=constant", "train.batch_size=4", "train.max_steps=2",
+        ], output_dir=str(tmp_path / padding))
+        train(rec)
+        runs[padding] = (metrics(rec.output_dir), final_params(rec.output_dir))
+    (ma, pa), (mb, pb) = runs["none"], runs["packed"]
+    assert ma[0]["loss"] == pytest.approx(0.5, abs=1e-5)  # margins are zero before the first update
+    for x, y in zip(ma, mb):
+        for key in ("loss", "grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4), key
+        assert y["baseline"] == pytest.approx(x["baseline"], abs=1e-4)
+    assert_same_params(pa, pb, atol=1e-5)
