@@ -113,3 +113,37 @@ def test_failed_invariant_exits_1(monkeypatch, tmp_path):
     monkeypatch.setattr(d, "smoke", fake_smoke)
     res = runner.invoke(app, ["doctor", "demo", "--smoke", "1", "--json", "-o", str(tmp_path / "r")])
     assert res.exit_code == 1 and "step-0 invariant: max |margin| 0.1 > tolerance 0" in res.stderr
+
+
+# --------------------------------------------------------------------------- families
+@pytest.mark.parametrize("name", ["builtin:tiny", "builtin:small", "builtin:tiny-dream", "builtin:small-dream"])
+def test_builtin_shapes_count_the_parameters_each_family_builds(name):
+    """The estimate's parameter count is the built model's (Dream's tiny model has GQA and its own specials)."""
+    from types import SimpleNamespace
+
+    from dllm_align.memory import model_shape
+    from dllm_align.models import load_model
+
+    real = sum(p.numel() for p in load_model(name).model.parameters())
+    est = model_shape(SimpleNamespace(model=SimpleNamespace(name_or_path=name, revision=None))).params
+    assert abs(est - real) / real < 0.01, (est, real)  # Qwen2's q/k/v biases are left out
+
+
+def test_mixture_of_experts_shape_counts_every_expert_and_activates_top_k(tmp_path):
+    """LLaDA-MoE's config (published layout, shrunk): all experts are stored, top-k run per token."""
+    from fixtures.family_checkpoints import lladamoe_config, lladamoe_state, write_checkpoint
+
+    from dllm_align.memory import shape_from_config
+    from dllm_align.models import build_tiny_tokenizer, load_model
+
+    tok = build_tiny_tokenizer()
+    cfg = lladamoe_config(tok, layers=3)
+    folder = write_checkpoint(tmp_path / "moe", cfg, lladamoe_state(cfg), tok, 1)
+    real = sum(p.numel() for p in load_model(str(folder)).model.parameters())
+    shape = shape_from_config(cfg)
+    assert (shape.experts, shape.active_experts, shape.moe_layers) == (8, 2, 2)
+    assert abs(shape.params - real) / real < 0.01, (shape.params, real)
+    # A dense reading (one MLP of the dense width per layer) would be far off.
+    dense = shape_from_config({k: v for k, v in cfg.items() if k != "num_experts"} | {"intermediate_size": 48})
+    assert abs(dense.params - real) / real > 0.1
+    assert shape.active_intermediate == max(48, 2 * 16)

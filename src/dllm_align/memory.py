@@ -56,35 +56,74 @@ class ModelShape:
     intermediate: int
     tied: bool = False
     source: str = ""
+    # Mixture-of-experts bodies (LLaDA-MoE, Qwen3-MoE layouts): ``moe_layers`` of the
+    # ``layers`` hold ``experts`` SwiGLU experts of width ``expert_intermediate`` and a
+    # router; each token runs ``active_experts`` of them. The rest are dense.
+    experts: int = 0
+    active_experts: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
         d, kv = self.hidden, self.kv_heads * self.head_dim
-        return 2 * d * d + 2 * d * kv + 3 * d * self.intermediate + 2 * d
+        return 2 * d * d + 2 * d * kv
+
+    @property
+    def layer_params(self) -> int:
+        """A dense layer (attention, SwiGLU, two norms)."""
+        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def moe_layer_params(self) -> int:
+        """A mixture-of-experts layer (attention, router, every expert, norms incl. per-head q/k)."""
+        d = self.hidden
+        return self.attention_params + d * self.experts + self.experts * 3 * d * self.expert_intermediate + 2 * d + 2 * self.head_dim
+
+    @property
+    def largest_layer_params(self) -> int:
+        return max(self.layer_params if self.moe_layers < self.layers else 0, self.moe_layer_params if self.moe_layers else 0)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The widest per-token MLP activation: the dense width, or the active experts' summed width."""
+        dense = self.intermediate if self.moe_layers < self.layers else 0
+        return max(dense, self.active_experts * self.expert_intermediate if self.moe_layers else 0)
 
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     @property
+    def body_params(self) -> int:
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_params + (self.moe_layers * self.moe_layer_params if self.moe_layers else 0)
+
+    @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.hidden
+        return self.body_params + self.embedding_params + self.hidden
 
     @property
     def linear_params(self) -> int:
         """Parameters inside nn.Linear modules (stored in bf16 by an autocast reference)."""
         d = self.hidden
-        return self.layers * (self.layer_params - 2 * d) + (0 if self.tied else self.vocab * d)
+        norms = self.layers * 2 * d + (self.moe_layers * 2 * self.head_dim if self.moe_layers else 0)
+        return self.body_params - norms + (0 if self.tied else self.vocab * d)
 
     def lora_params(self, r: int, targets: list[str]) -> int:
         d, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
-        shapes = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
-                  "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
-        return self.layers * sum(r * (a + b) for t, (a, b) in shapes.items() if t in targets)
+        attn = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
+        mlp = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+        ei = self.expert_intermediate
+        expert_mlp = {"gate_proj": (d, ei), "up_proj": (d, ei), "down_proj": (ei, d)}
+        a = sum(r * (x + y) for t, (x, y) in attn.items() if t in targets)
+        dense = sum(r * (x + y) for t, (x, y) in mlp.items() if t in targets)
+        moe = self.experts * sum(r * (x + y) for t, (x, y) in expert_mlp.items() if t in targets)
+        return self.layers * a + (self.layers - self.moe_layers) * dense + self.moe_layers * moe
 
 
 def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
@@ -100,28 +139,49 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
 
     d = int(pick("hidden_size", "d_model"))
     heads = int(pick("num_attention_heads", "n_heads"))
-    mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
+    layers = int(pick("num_hidden_layers", "n_layers"))
+    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    moe = {}
+    if experts:
+        # LLaDA-MoE: expert_intermediate_size, dense_intermediate_size and a per-layer
+        # moe_layer_freq list (0 = dense); Qwen3-MoE: moe_intermediate_size,
+        # decoder_sparse_step and mlp_only_layers.
+        ei = int(pick("expert_intermediate_size", "moe_intermediate_size"))
+        freq = cfg.get("moe_layer_freq")
+        if isinstance(freq, list):
+            moe_layers = sum(1 for f in freq[:layers] if f)
+        else:
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense_only = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for j in range(layers) if j not in dense_only and (j + 1) % step == 0)
+        moe = dict(experts=experts, active_experts=int(pick("num_experts_per_tok", "moe_topk")),
+                   expert_intermediate=ei, moe_layers=moe_layers)
+        mlp = cfg.get("dense_intermediate_size") or cfg.get("intermediate_size") or ei
+    else:
+        mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
     return ModelShape(
         vocab=int(pick("embedding_size", "vocab_size")),
         hidden=d,
-        layers=int(pick("num_hidden_layers", "n_layers")),
+        layers=layers,
         heads=heads,
         kv_heads=int(pick("num_key_value_heads", "n_kv_heads", default=heads)),
         intermediate=int(mlp),
         tied=bool(cfg.get("tie_word_embeddings", cfg.get("weight_tying", False))),
         source=source,
+        **moe,
     )
 
 
 def model_shape(recipe) -> ModelShape:
     """The recipe model's shape from its config.json only (built-in models: from their spec)."""
     from dllm_align.errors import UserError
-    from dllm_align.models import BUILTIN_SPECS, SPECIAL_TOKENS, resolve_config_file
+    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, resolve_config_file
 
     name = recipe.model.name_or_path
     if name in BUILTIN_SPECS:
-        s = BUILTIN_SPECS[name]
-        return ModelShape(256 + len(SPECIAL_TOKENS), s.hidden_size, s.layers, s.heads, s.heads, s.intermediate_size, False, name)
+        # Built (tiny, milliseconds) rather than read off the spec: each family's tiny model
+        # has its own tokenizer specials and attention layout.
+        return shape_from_config(build_tiny_model(spec=BUILTIN_SPECS[name]).config.to_dict(), name)
     path = resolve_config_file(name, recipe.model.revision)
     try:
         cfg = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -203,7 +263,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     T = shape.lora_params(t.lora.r, list(t.lora.target_modules)) if t.lora.enabled else P
     n = launch.processes if launch.fsdp else 1
     wbytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
-    d, i, L = shape.hidden, shape.intermediate, shape.layers
+    d, i, L = shape.hidden, shape.active_intermediate, shape.layers
     k = recipe.train_n_mc()
     rows = t.batch_size * (2 if t.objective == "vrpo" else 1) * k
     if t.rows_per_forward:
@@ -214,7 +274,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["gradients"] = T * 4 // n
     lines["optimizer (AdamW)"] = T * 8 // n
     if launch.fsdp:
-        lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden + 2 * shape.layer_params) * wbytes
+        lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden + 2 * shape.largest_layer_params) * wbytes
     if t.objective != "sft" and recipe.reference.mode == "online":
         lin = shape.linear_params
         lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
