@@ -186,3 +186,10 @@ def rebuild_rotary(model) -> None:
     if rot is None:
         return
     model.model.rotary_emb = type(rot)(config=model.config)
+
+
+def transformers_key(key: str) -> Optional[str]:
+    """Weight names already in transformers' layout (Dream on Qwen2, LLaDA-MoE on Qwen3-MoE); anything else is unknown."""
+    if key == "lm_head.weight" or key.startswith("model."):
+        return key
+    return None

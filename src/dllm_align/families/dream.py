@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from dllm_align.families.base import Family, byte_level_tokenizer, load_mapped, refuse
+from dllm_align.families.base import Family, byte_level_tokenizer, load_mapped, refuse, transformers_key
 
 # Specials of the built-in Dream-format tokenizer, named as in Dream's (Qwen2.5) tokenizer.
 DREAM_EOS = "<|endoftext|>"
@@ -81,17 +81,11 @@ def dream_config_to_qwen2(cfg: dict):
     return q
 
 
-def dream_key(key: str) -> Optional[str]:
-    """Dream's weight names are Qwen2's; anything else is unknown."""
-    if key == "lm_head.weight" or key.startswith("model."):
-        return key
-    return None
-
 
 def load_dream_native(folder: Path, cfg: dict, dtype: torch.dtype):
     from transformers import Qwen2ForCausalLM
 
-    return load_mapped(folder, Qwen2ForCausalLM, dream_config_to_qwen2(cfg), dtype, dream_key, "Dream")
+    return load_mapped(folder, Qwen2ForCausalLM, dream_config_to_qwen2(cfg), dtype, transformers_key, "Dream")
 
 
 def fix_dream_tokenizer(tok, path: Path):

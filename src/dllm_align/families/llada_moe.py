@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from dllm_align.families.base import Family, load_mapped, refuse
+from dllm_align.families.base import Family, load_mapped, refuse, transformers_key
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -89,11 +89,6 @@ def lladamoe_config_to_qwen3moe(cfg: dict):
     return q
 
 
-def lladamoe_key(key: str) -> Optional[str]:
-    if key == "lm_head.weight" or key.startswith("model."):
-        return key
-    return None
-
 
 def stack_experts(state: dict) -> dict:
     """Per-expert gate/up/down matrices -> Qwen3-MoE's stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
@@ -118,7 +113,7 @@ def stack_experts(state: dict) -> dict:
 def load_lladamoe_native(folder: Path, cfg: dict, dtype: torch.dtype):
     from transformers import Qwen3MoeForCausalLM
 
-    return load_mapped(folder, Qwen3MoeForCausalLM, lladamoe_config_to_qwen3moe(cfg), dtype, lladamoe_key,
+    return load_mapped(folder, Qwen3MoeForCausalLM, lladamoe_config_to_qwen3moe(cfg), dtype, transformers_key,
                        "LLaDA-MoE", combine=stack_experts)
 
 
