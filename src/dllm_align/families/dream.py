@@ -19,7 +19,6 @@ Facts from the published config and code (SPEC.md section 11):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
