@@ -154,11 +154,31 @@ def _usage_error(e: Exception) -> Optional[int]:
     return code
 
 
+def _close_process_group() -> None:
+    """Tear down a torch.distributed group the command opened (torchrun / accelerate launches).
+
+    Left to the interpreter's exit, gloo's worker threads are destroyed while still
+    joinable and a rank can abort ("terminate called without an active exception")
+    after its work is done, failing the whole launch.
+    """
+    dist = sys.modules.get("torch.distributed")  # never import torch here (--help stays fast)
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit; the command's result stands
+        pass
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """The ``dllm-align`` console script (and ``python -m dllm_align``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        rv = app(args=argv, prog_name="dllm-align", standalone_mode=False)
+        try:
+            rv = app(args=argv, prog_name="dllm-align", standalone_mode=False)
+        finally:
+            _close_process_group()
     except KeyboardInterrupt:  # Ctrl-C outside a command body (e.g. while parsing)
         sys.stderr.write("\nInterrupted.\n")
         sys.exit(130)
