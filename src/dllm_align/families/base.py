@@ -193,3 +193,16 @@ def transformers_key(key: str) -> Optional[str]:
     if key == "lm_head.weight" or key.startswith("model."):
         return key
     return None
+
+
+def special_ids(cfg: dict) -> dict:
+    """The published config's bos/eos/pad ids and the bidirectional switch, for any translated config."""
+    return {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+            "pad_token_id": cfg.get("pad_token_id"), "is_causal": False}
+
+
+def tag_config(config, cfg: dict, family: str, default_mask_id: int):
+    """Record the mask id and family on a translated config (saved with every export)."""
+    config.mask_token_id = cfg.get("mask_token_id", default_mask_id)
+    config.dllm_align_family = family
+    return config

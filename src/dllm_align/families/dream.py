@@ -22,7 +22,15 @@ from pathlib import Path
 
 import torch
 
-from dllm_align.families.base import Family, byte_level_tokenizer, load_mapped, refuse, transformers_key
+from dllm_align.families.base import (
+    Family,
+    byte_level_tokenizer,
+    load_mapped,
+    refuse,
+    special_ids,
+    tag_config,
+    transformers_key,
+)
 
 # Specials of the built-in Dream-format tokenizer, named as in Dream's (Qwen2.5) tokenizer.
 DREAM_EOS = "<|endoftext|>"
@@ -70,14 +78,9 @@ def dream_config_to_qwen2(cfg: dict):
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         use_sliding_window=False,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"),
-        is_causal=False,
+        **special_ids(cfg),
     )
-    q.mask_token_id = cfg.get("mask_token_id", 151666)
-    q.dllm_align_family = "dream"
-    return q
+    return tag_config(q, cfg, "dream", 151666)
 
 
 

@@ -15,7 +15,13 @@ from typing import Optional
 
 import torch
 
-from dllm_align.families.base import Family, load_mapped, refuse
+from dllm_align.families.base import (
+    Family,
+    load_mapped,
+    refuse,
+    special_ids,
+    tag_config,
+)
 
 LLADA_RENAMES = [
     # (LLaDA suffix, Llama suffix) for the weights inside each block
@@ -76,14 +82,9 @@ def llada_config_to_llama(cfg: dict):
         rope_parameters={"rope_type": "default", "rope_theta": theta},
         tie_word_embeddings=bool(cfg.get("weight_tying", False)),
         attention_bias=bool(cfg.get("include_qkv_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"),
-        is_causal=False,
+        **special_ids(cfg),
     )
-    llama.mask_token_id = cfg.get("mask_token_id", 126336)
-    llama.dllm_align_family = "llada"
-    return llama
+    return tag_config(llama, cfg, "llada", 126336)
 
 
 def llada_key_to_llama(key: str) -> Optional[str]:

@@ -30,7 +30,14 @@ from pathlib import Path
 
 import torch
 
-from dllm_align.families.base import Family, load_mapped, refuse, transformers_key
+from dllm_align.families.base import (
+    Family,
+    load_mapped,
+    refuse,
+    special_ids,
+    tag_config,
+    transformers_key,
+)
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -78,14 +85,9 @@ def lladamoe_config_to_qwen3moe(cfg: dict):
         mlp_only_layers=[i for i, f in enumerate(freq) if not f],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         use_sliding_window=False,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id"),
-        pad_token_id=cfg.get("pad_token_id"),
-        is_causal=False,
+        **special_ids(cfg),
     )
-    q.mask_token_id = cfg.get("mask_token_id", 156895)
-    q.dllm_align_family = "llada_moe"
-    return q
+    return tag_config(q, cfg, "llada_moe", 156895)
 
 
 
