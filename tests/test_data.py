@@ -1,4 +1,4 @@
-"""Reading, layouts, validation, unpairing and the class-imbalance tools (dllm_align.data)."""
+"""Reading, layouts, validation, unpairing and the class-imbalance tools (dllm_align.data.rows)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm_align import data as D
-from dllm_align.data import (
+from dllm_align.data import rows as D
+from dllm_align.data.rows import (
     PairRow,
     Row,
     balance_weights,
@@ -24,7 +24,7 @@ from dllm_align.data import (
     subsample,
     unpair,
 )
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -482,7 +482,7 @@ def test_weights_file(tmp_path):
 
 
 def test_rows_from_section(tmp_path):
-    from dllm_align.recipe import DataSection
+    from dllm_align.config.recipe import DataSection
 
     f = write_jsonl(tmp_path / "k.jsonl", kto_rows(20, 20))
     sec = DataSection(train=str(f), desirable_ratio=0.5, seed=3)

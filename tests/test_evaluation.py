@@ -24,9 +24,9 @@ from dllm_align.cli.app import app
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from dllm_align import evaluation as E  # noqa: E402
-from dllm_align.elbo import DrawConfig, elbo_draws, exact_elbo  # noqa: E402
-from dllm_align.generation import SamplerSettings, encode_prompt, generate, row_seed  # noqa: E402
+from dllm_align.evaluate import harness as E  # noqa: E402
+from dllm_align.objective.elbo import DrawConfig, elbo_draws, exact_elbo  # noqa: E402
+from dllm_align.generate.sampler import SamplerSettings, encode_prompt, generate, row_seed  # noqa: E402
 
 runner = CliRunner()
 
@@ -232,7 +232,7 @@ def test_greedy_check_and_rolling(tiny):
 
 
 def test_unknown_model_argument_is_named(tiny):
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     with pytest.raises(UserError, match="unknown dllm_align model argument 'gen_lenght' \\(did you mean 'gen_length'\\?\\)"):
         E.DiffusionLM(predictor=tiny, gen_lenght=8)
@@ -269,7 +269,7 @@ def _recipe(tmp_path: Path, tasks: dict, **evaluate) -> Path:
 @pytest.fixture
 def spy(monkeypatch):
     """Records the settings of every sampler call (and still decodes)."""
-    import dllm_align.generation as G
+    import dllm_align.generate.sampler as G
 
     calls = []
     real = G.generate
@@ -319,7 +319,7 @@ def test_per_task_settings_reach_the_sampler(tiny, tmp_path, spy):
 
 
 def test_compare_two_models_side_by_side(tiny, tmp_path):
-    from dllm_align.models import TinySpec, save_tiny
+    from dllm_align.models.load import TinySpec, save_tiny
 
     other = save_tiny(tmp_path / "other" / "model", TinySpec(seed=1))
     texts = direct_texts(tiny, GEN_QUESTIONS, chat=False)
@@ -370,7 +370,7 @@ def test_code_tasks_need_consent(tmp_path):
 
 # --------------------------------------------------------------------------- recipes and bundled tasks
 def test_table4_recipe_has_the_papers_settings():
-    from dllm_align.recipe import load_recipe
+    from dllm_align.config.recipe import load_recipe
 
     plans = {p.key: p for p in E.plan_tasks(load_recipe("table4_downstream"))}
     got = {k: (p.sampler.gen_length, p.sampler.block_length, p.sampler.steps, p.num_fewshot) for k, p in plans.items()}
@@ -386,8 +386,8 @@ def test_table4_recipe_has_the_papers_settings():
 
 
 def test_bad_task_settings_are_recipe_errors(tmp_path):
-    from dllm_align.errors import UserError
-    from dllm_align.recipe import load_recipe
+    from dllm_align.core.errors import UserError
+    from dllm_align.config.recipe import load_recipe
 
     p = tmp_path / "r.yaml"
     p.write_text("evaluate:\n  tasks:\n    gsm8k: {gen_length: 10, block_length: 4}\n    mmlu:\n")
@@ -450,7 +450,7 @@ def test_two_processes_give_the_single_process_result(tiny, tmp_path):
 # --------------------------------------------------------------------------- another family
 @pytest.fixture(scope="module")
 def tiny_dream():
-    from dllm_align.models import load_model
+    from dllm_align.models.load import load_model
 
     return load_model("builtin:tiny-dream")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_align import reference as ref
-from dllm_align.errors import UserError
-from dllm_align.recipe import load_recipe
+from dllm_align.training import reference as ref
+from dllm_align.core.errors import UserError
+from dllm_align.config.recipe import load_recipe
 
 from fixtures.sort_toy import write_pairs
 
@@ -29,8 +29,8 @@ def _recipe(tmp: Path, data: Path, *sets: str):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from dllm_align.models import load_model
-    from dllm_align.examples import load_training_examples, make_collate
+    from dllm_align.models.load import load_model
+    from dllm_align.data.examples import load_training_examples, make_collate
 
     tmp = tmp_path_factory.mktemp("ref")
     data = write_pairs(tmp / "pairs.jsonl", n=8)
@@ -50,7 +50,7 @@ def _fp(rec, mp, exs, cache=None):
 
 
 def test_cached_values_are_the_per_draw_elbos(setup):
-    from dllm_align.elbo import DrawConfig, elbo_draws
+    from dllm_align.objective.elbo import DrawConfig, elbo_draws
 
     rep, exs, mp = setup["report"], setup["examples"], setup["mp"]
     assert rep.n_examples == 16 and rep.n_shards == 4 and rep.computed_shards == 4  # 16 rows, shards of 5
@@ -98,8 +98,8 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, override, field):
 
 
 def test_other_dataset_or_model_is_refused(setup, tmp_path):
-    from dllm_align.models import TinySpec, save_tiny
-    from dllm_align.tokenize import Example
+    from dllm_align.models.load import TinySpec, save_tiny
+    from dllm_align.data.tokenize import Example
 
     cache = ref.ReferenceCache.open(setup["report"].cache)
     exs = setup["examples"]

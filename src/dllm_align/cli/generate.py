@@ -1,7 +1,7 @@
 """``dllm-align generate``: completions for a prompt set with the LLaDA sampler (SPEC.md §7).
 
 Thin: resolve the recipe (flags are ``--set generate.*`` overrides, validated
-the same way), read the prompts, and hand them to :mod:`dllm_align.generation`.
+the same way), read the prompts, and hand them to :mod:`dllm_align.generate.sampler`.
 The resumable, multi-process output logic lives in :func:`run_generate`.
 """
 
@@ -63,10 +63,10 @@ def generate(
     """
     import os
 
-    from dllm_align.console import result
-    from dllm_align.recipe import load_recipe
+    from dllm_align.core.console import result
+    from dllm_align.config.recipe import load_recipe
 
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     if output_dir is not None and Path(output_dir).suffix in (".jsonl", ".json"):
         raise UserError(
@@ -117,7 +117,7 @@ def _device(device: Optional[str]):
     """The torch device for ``--device``, refused in one line when it does not exist here."""
     import torch
 
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     if not device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -152,11 +152,11 @@ def run_generate(
 
     import torch
 
-    from dllm_align.data import load_prompts
-    from dllm_align.errors import UserError
-    from dllm_align.generation import SamplerSettings
-    from dllm_align.io import FileLock, check_not_input
-    from dllm_align.models import load_from_section, pick_dtype
+    from dllm_align.data.rows import load_prompts
+    from dllm_align.core.errors import UserError
+    from dllm_align.generate.sampler import SamplerSettings
+    from dllm_align.core.io import FileLock, check_not_input
+    from dllm_align.models.load import load_from_section, pick_dtype
 
     g = rec.generate
     settings = SamplerSettings.from_section(g)
@@ -243,13 +243,13 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
     import json
     import time
 
-    from dllm_align import console
-    from dllm_align.errors import UserError
-    from dllm_align.generation import SamplerStats, encode_prompt, generate_batch, length_batches, row_seed
-    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
-    from dllm_align.recipe import write_run_info
-    from dllm_align.runfolder import differing, refuse_changes
-    from dllm_align.tokenize import fit
+    from dllm_align.core import console
+    from dllm_align.core.errors import UserError
+    from dllm_align.generate.sampler import SamplerStats, encode_prompt, generate_batch, length_batches, row_seed
+    from dllm_align.core.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.config.recipe import write_run_info
+    from dllm_align.core.runfolder import differing, refuse_changes
+    from dllm_align.data.tokenize import fit
 
     g = rec.generate
     # -- resume or refuse

@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 
 class Section(BaseModel):
@@ -201,7 +201,7 @@ class TrainSection(Section):
 
 # --------------------------------------------------------------------------- generate
 class GenerateSection(Section):
-    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generation / dream_sampler."""
+    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generate.sampler / dream_sampler."""
 
     sampler: Literal["auto", "llada", "dream"] = Field(
         "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, or Dream's diffusion_generate."
@@ -469,7 +469,7 @@ def bundled_dir() -> Path:
             return p
     except (ModuleNotFoundError, TypeError):
         pass
-    return Path(__file__).resolve().parents[2] / "recipes"
+    return Path(__file__).resolve().parents[3] / "recipes"
 
 
 def bundled_names() -> list[str]:
@@ -606,7 +606,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def read_yaml(path: Path) -> dict:
-    from dllm_align.io import note_input
+    from dllm_align.core.io import note_input
 
     note_input(path, "recipe")
     try:
@@ -737,8 +737,8 @@ def write_run_info(recipe: Recipe, out_dir: str | Path, command: str, changes: O
     so one command never replaces another's. ``changes`` (settings let through on a
     resume) are added to those recorded before, so the record keeps the run's history.
     """
-    from dllm_align.io import atomic_write_text
-    from dllm_align.runfolder import recipe_record
+    from dllm_align.core.io import atomic_write_text
+    from dllm_align.core.runfolder import recipe_record
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

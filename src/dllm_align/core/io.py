@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dllm_align import faults
+from dllm_align.core import faults
 
 
 def _umask() -> int:
@@ -122,7 +122,7 @@ def check_not_input(target: str | Path) -> None:
     what = _INPUTS.get(key)
     if what is None:
         return
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     raise UserError(
         f"{target} is one of this command's inputs ({what}); refusing to overwrite the input",
@@ -134,7 +134,7 @@ def writing_error(target: str | Path, e: OSError, verb: str = "write"):
     """One clear error naming the user's path (never our temporary file) for a failed write."""
     import errno
 
-    from dllm_align.errors import RunFailure, UserError
+    from dllm_align.core.errors import RunFailure, UserError
 
     target = Path(target)
     if isinstance(e, IsADirectoryError) or (target.is_dir() and not isinstance(e, FileNotFoundError)):
@@ -242,7 +242,7 @@ def recover_jsonl(path: str | Path) -> list[dict]:
     good line after them (a crash can leave zero bytes at the end of a file). A
     damaged line with good lines after it means the file was edited or corrupted
     otherwise; cutting there would drop the good records, so it is refused
-    (:class:`~dllm_align.errors.UserError` naming the line).
+    (:class:`~dllm_align.core.errors.UserError` naming the line).
     """
     path = Path(path)
     if not path.exists():
@@ -263,7 +263,7 @@ def recover_jsonl(path: str | Path) -> list[dict]:
                 rows.append(_parse_line(line))
             except ValueError:
                 if _any_good_line(data[nl + 1:]):
-                    from dllm_align.errors import UserError
+                    from dllm_align.core.errors import UserError
 
                     raise UserError(
                         f"{path}:{lineno}: damaged line in the middle of an append-only log (good lines follow it)",
@@ -367,11 +367,11 @@ def write_checksums(folder: str | Path) -> Path:
 def verify_checksums(folder: str | Path, *, what: str = "folder", required: bool = True, hint: str | None = None) -> bool:
     """Check every file listed in ``folder/checksums.json`` (size, then sha256).
 
-    Raises :class:`~dllm_align.errors.UserError` naming the first file that is
+    Raises :class:`~dllm_align.core.errors.UserError` naming the first file that is
     missing, truncated or modified. Returns False when there is no checksums
     file and ``required`` is off (a folder written by another tool).
     """
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     folder = Path(folder)
     path = folder / CHECKSUMS
@@ -427,7 +427,7 @@ class DirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            from dllm_align.errors import UserError
+            from dllm_align.core.errors import UserError
 
             raise UserError(self.message) from None
         except OSError:  # the filesystem does not support locks: carry on unlocked
@@ -472,7 +472,7 @@ class FileLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            from dllm_align.errors import UserError
+            from dllm_align.core.errors import UserError
 
             raise UserError(self.message, hint="wait for the other run to finish, or write to another file") from None
         except OSError:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 # Recipe keys that do not change a training run's numbers: where things are
 # written, how often, how progress is shown, how work is chunked (the chunking

@@ -9,7 +9,7 @@ Padding (``data.padding``)
     are hidden (attention 0), so a row scores exactly as it would alone.
     ``packed``: collated as ``none``; the ELBO code then packs the noisy copies
     of the rows into as few ``max_length`` rows as fit, with block-diagonal
-    attention (:func:`dllm_align.elbo.elbo_draws`), so uniform batches cost no
+    attention (:func:`dllm_align.objective.elbo.elbo_draws`), so uniform batches cost no
     padding either.
 
 The batch plan
@@ -46,7 +46,7 @@ PADDINGS = ("paper", "none", "packed")
 
 
 def collate(examples: Sequence, padding: str, max_length: int, pad_id: int) -> dict:
-    """Stack :class:`dllm_align.tokenize.Example` s into a batch (CONTRIBUTING.md, shared data structures).
+    """Stack :class:`dllm_align.data.tokenize.Example` s into a batch (CONTRIBUTING.md, shared data structures).
 
     Each row is ``prompt_ids + completion_ids``, right-padded with ``pad_id``:
     to ``max_length`` with visible pads (``paper``) or to the batch's longest row
@@ -159,7 +159,7 @@ def tokens_fed(lengths: Sequence[int], micro: Sequence[Sequence[int]], padding: 
     """Token positions the model processes for these micro-batches under a padding choice, with ``k`` noisy copies per row.
 
     ``packed``: each micro-batch's ``k`` copies of its rows packed into rows of
-    ``max_length`` (:func:`dllm_align.elbo.pack_sequences`), each packed call as
+    ``max_length`` (:func:`dllm_align.objective.elbo.pack_sequences`), each packed call as
     wide as its fullest row.
     """
     if padding == "paper":
@@ -167,7 +167,7 @@ def tokens_fed(lengths: Sequence[int], micro: Sequence[Sequence[int]], padding: 
     if padding == "none":
         return k * sum(len(m) * max(lengths[i] for i in m) for m in micro if m)
     if padding == "packed":
-        from dllm_align.elbo import pack_sequences
+        from dllm_align.objective.elbo import pack_sequences
 
         total = 0
         for m in micro:

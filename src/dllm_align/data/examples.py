@@ -22,20 +22,20 @@ import hashlib
 import math
 from typing import Callable, Sequence
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 def load_training_examples(recipe, tokenizer, *, quiet: bool = False) -> list:
     """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation)."""
-    from dllm_align.data import rows_from_section
-    from dllm_align.tokenize import tokenize_rows
+    from dllm_align.data.rows import rows_from_section
+    from dllm_align.data.tokenize import tokenize_rows
 
     rows = rows_from_section(recipe.data, "train", quiet=quiet)
     return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet)
 
 
 def make_collate(recipe, tokenizer) -> Callable[[list], dict]:
-    from dllm_align.batching import collate
-    from dllm_align.tokenize import pad_token_id
+    from dllm_align.data.batching import collate
+    from dllm_align.data.tokenize import pad_token_id
 
     return functools.partial(
         collate, padding=recipe.data.padding, max_length=recipe.data.max_length, pad_id=pad_token_id(tokenizer)
@@ -73,7 +73,7 @@ def make_units(examples: Sequence, objective: str, sft_rows: str = "all") -> lis
         else:
             broken.append(pid)
     if broken:
-        from dllm_align.console import warn
+        from dllm_align.core.console import warn
 
         warn(f"vrpo: {len(broken)} pair id(s) without exactly one chosen and one rejected row are skipped (e.g. '{broken[0]}')")
     if not units:
@@ -106,7 +106,7 @@ def kl_examples(batch: Sequence, max_length: int) -> list:
     (``truncation: completion``). Pairs are in the batch's row order, so pair
     i belongs with row i on whichever process holds it.
     """
-    from dllm_align.tokenize import Example
+    from dllm_align.data.tokenize import Example
 
     n = len(batch)
     if n < 2:
@@ -121,7 +121,7 @@ def kl_examples(batch: Sequence, max_length: int) -> list:
 
 def planned_batches(recipe, lengths: Sequence[int], G: int, total: int) -> list[list[int]]:
     """The global batches of every step of the run, in order (the plan of each epoch it reaches)."""
-    from dllm_align.batching import plan_batches
+    from dllm_align.data.batching import plan_batches
 
     out: list[list[int]] = []
     epoch = 0

@@ -63,7 +63,7 @@ def pair_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def _write(folder: Path, chosen: list[dict], rejected: list[dict]) -> None:
-    from dllm_align.io import atomic_write_text
+    from dllm_align.core.io import atomic_write_text
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, rows in zip(FILES, (chosen, rejected)):
@@ -73,7 +73,7 @@ def _write(folder: Path, chosen: list[dict], rejected: list[dict]) -> None:
 def fetch(folder: Optional[Path] = None) -> Path:
     """Load the split through ``datasets`` (its cache first) and write the two files."""
     folder = folder or cache_folder()
-    from dllm_align.data import _hub_reachable
+    from dllm_align.data.rows import _hub_reachable
 
     import datasets
 
@@ -102,7 +102,7 @@ def kto_mix_test(repo: Optional[Path] = None, allow_download: bool = True, timeo
         if _complete(Path(env_dir)):
             return Path(env_dir)
         raise Unavailable(f"DLLM_ALIGN_KTO_MIX_TEST={env_dir} does not hold {' and '.join(FILES)}")
-    repo = repo or Path(__file__).resolve().parents[2]
+    repo = repo or Path(__file__).resolve().parents[3]
     for folder in (repo.parent / "shared" / "data" / FOLDER, cache_folder()):
         if _complete(folder):
             return folder
@@ -113,7 +113,7 @@ def kto_mix_test(repo: Optional[Path] = None, allow_download: bool = True, timeo
         env.pop(k, None)
     if os.environ.get("DLLM_ALIGN_TEST_OFFLINE"):  # keep the caller's choice to stay off the network
         env["HF_DATASETS_OFFLINE"] = env["HF_HUB_OFFLINE"] = "1"
-    code = "from dllm_align.public_data import fetch, Unavailable\ntry:\n    print(fetch())\nexcept Unavailable as e:\n    print('UNAVAILABLE', e)\n"
+    code = "from dllm_align.data.public import fetch, Unavailable\ntry:\n    print(fetch())\nexcept Unavailable as e:\n    print('UNAVAILABLE', e)\n"
     try:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 from urllib.parse import urlparse
 
-from dllm_align import console
-from dllm_align.errors import UserError
+from dllm_align.core import console
+from dllm_align.core.errors import UserError
 
 Messages = list[dict[str, str]]
 Format = Literal["auto", "unpaired", "paired"]
@@ -352,7 +352,7 @@ def _lone_surrogate(obj: Any) -> bool:
 
 
 def _read_file(path: Path, kind: str, allow_txt: bool) -> Table:
-    from dllm_align.io import note_input
+    from dllm_align.core.io import note_input
 
     note_input(path, "input data")
     if kind == "txt" and not allow_txt:
@@ -508,7 +508,7 @@ def _read_builtin(name: str, split: Optional[str]) -> Table:
     """Data sets built from code (no files, no network): the demo's toy sorting task."""
     if name not in BUILTIN_DATA:
         raise UserError(f"unknown built-in data set '{name}'", hint=f"built-in data sets: {', '.join(BUILTIN_DATA)}")
-    from dllm_align import toy
+    from dllm_align.data import toy
 
     split = split or "train"
     prompts = toy.splits()
@@ -1330,7 +1330,7 @@ def rows_from_section(section, split: Literal["train", "test"] = "train", *, qui
 # --------------------------------------------------------------------------- writing
 def write_rows(rows: Sequence[Row], output: str | Path) -> Path:
     """Write rows atomically as JSONL, or Parquet when the name ends in ``.parquet``."""
-    from dllm_align.io import atomic_path, atomic_write_bytes
+    from dllm_align.core.io import atomic_path, atomic_write_bytes
 
     out = Path(output)
     if out.suffix == ".parquet":
@@ -1394,7 +1394,7 @@ def convert(
     out = Path(output)
     if out.suffix not in (".jsonl", ".parquet"):
         raise UserError(f"{out}: output must end in .jsonl or .parquet")
-    from dllm_align.io import check_not_input, note_input
+    from dllm_align.core.io import check_not_input, note_input
 
     src = Path(str(source)).expanduser()
     if src.is_file():  # refused before reading; files found inside a folder are guarded as they are read
@@ -1422,7 +1422,7 @@ def convert(
     console.info(f"wrote {out}: {len(rows):,} rows ({n_d:,} desirable, {n_u:,} undesirable)")
     wfile = None
     if weights is not None:
-        from dllm_align.io import atomic_write_json
+        from dllm_align.core.io import atomic_write_json
 
         wfile = weights_path_for(out)
         atomic_write_json(
@@ -1478,8 +1478,8 @@ def dataset_stats(
     """
     from types import SimpleNamespace
 
-    from dllm_align.batching import padding_costs
-    from dllm_align.tokenize import fit, tokenize_with_report
+    from dllm_align.data.batching import padding_costs
+    from dllm_align.data.tokenize import fit, tokenize_with_report
 
     raw, _ = tokenize_with_report(
         rows, tokenizer, SimpleNamespace(

@@ -19,7 +19,7 @@ code scores only the completion's own tokens (followed by its visible, unscored
 EOS padding), so the paper recipes set ``end_of_turn: none``.
 
 Only completion positions are ever masked or scored (the prompt is always
-visible); :mod:`dllm_align.batching` builds that ``completion_mask``.
+visible); :mod:`dllm_align.data.batching` builds that ``completion_mask``.
 
 Truncation (recorded in the recipe: ``data.max_length``,
 ``data.max_prompt_length``, ``data.truncation``), applied in this order:
@@ -44,8 +44,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from dllm_align import console
-from dllm_align.errors import UserError
+from dllm_align.core import console
+from dllm_align.core.errors import UserError
 
 _PROBE_REPLY = "zq"  # a reply that no template touches, to find what follows it
 
@@ -244,7 +244,7 @@ def _log(rep: TokenizeReport, max_length: int, rows_word: str = "rows") -> None:
 
 
 def tokenize_rows(rows: Sequence, tokenizer, data_section, *, quiet: bool = False) -> list[Example]:
-    """Tokenise unpaired rows (:class:`dllm_align.data.Row`) into :class:`Example` s.
+    """Tokenise unpaired rows (:class:`dllm_align.data.rows.Row`) into :class:`Example` s.
 
     ``data_section`` is the recipe's ``data`` section (``max_length``,
     ``max_prompt_length``, ``truncation``). Truncations are reported on stderr;
@@ -262,10 +262,10 @@ def tokenize_rows(rows: Sequence, tokenizer, data_section, *, quiet: bool = Fals
 
 
 def tokenize_pairs(pairs: Sequence, tokenizer, data_section, *, quiet: bool = False) -> list[tuple[Example, Example]]:
-    """Tokenise pairs (:class:`dllm_align.data.PairRow`) for VRPO: (chosen, rejected) per pair.
+    """Tokenise pairs (:class:`dllm_align.data.rows.PairRow`) for VRPO: (chosen, rejected) per pair.
 
     The examples are ``ID:chosen`` (label true) and ``ID:rejected`` (label false)
-    with pair id ``ID``, the same ids :func:`dllm_align.data.unpair` gives, so the
+    with pair id ``ID``, the same ids :func:`dllm_align.data.rows.unpair` gives, so the
     masks (seeded by id) match between the paired and unpaired views. Both share
     the same (possibly cut) prompt.
     """

@@ -124,7 +124,7 @@ def unpaired_rows(prompts: list[str], split: str, seed: int = 0, both: bool = Tr
 
 def _register() -> None:
     """Make ``--judge rule:sort`` available (judging imports this module for unknown rules)."""
-    from dllm_align.judging import register_rule
+    from dllm_align.judge.run import register_rule
 
     register_rule("sort", rule_verdict)
 
@@ -144,7 +144,7 @@ def install_base(folder: str, name: str = "toy_sort_base") -> str:
     if name not in ("toy_sort_base", "toy_sort_base_dream"):
         raise SystemExit(f"unknown packaged base {name!r} (toy_sort_base or toy_sort_base_dream)")
     src = Path(folder)
-    dst = Path(__file__).resolve().parent / "assets" / name
+    dst = Path(__file__).resolve().parents[1] / "assets" / name
     dst.mkdir(parents=True, exist_ok=True)
     for f in ASSET_FILES:
         if (src / f).exists():
@@ -159,5 +159,5 @@ if __name__ == "__main__":
     if len(args) in (2, 4) and args[0] == "install-base" and (len(args) == 2 or args[2] == "--name"):
         print(install_base(args[1], *(args[3:4])))
     else:
-        sys.stderr.write("usage: python -m dllm_align.toy install-base RUN/final [--name toy_sort_base_dream]\n")
+        sys.stderr.write("usage: python -m dllm_align.data.toy install-base RUN/final [--name toy_sort_base_dream]\n")
         sys.exit(2)

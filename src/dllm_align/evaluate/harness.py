@@ -21,7 +21,7 @@ types for a masked diffusion LM:
   disjoint rolling windows (each window conditioned on the tokens before it).
   Perplexities computed from it are upper bounds.
 * ``generate_until(context, gen_kwargs)``: the project's LLaDA sampler
-  (:mod:`dllm_align.generation`) with this LM's settings (gen length, block,
+  (:mod:`dllm_align.generate.sampler`) with this LM's settings (gen length, block,
   steps, ... set per task by the ``evaluate`` command), the text cut at the
   first of the task's ``until`` strings. The task's ``max_gen_toks``,
   ``do_sample`` and ``temperature`` are not used: a diffusion sampler's
@@ -56,15 +56,15 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 HARNESS_NAME = "dllm_align"
-log = logging.getLogger("dllm_align.evaluation")
+log = logging.getLogger("dllm_align.evaluate.harness")
 
 
 def bundled_task_dir() -> Path:
     """The bundled task YAMLs (generative HellaSwag for the paper's Table 4), beside the recipes."""
-    from dllm_align.recipe import bundled_dir
+    from dllm_align.config.recipe import bundled_dir
 
     return bundled_dir() / "tasks"
 
@@ -132,7 +132,7 @@ class DiffusionLM(LM):
 
     From the harness: ``lm_eval.simple_evaluate(model="dllm_align",
     model_args="pretrained=GSAI-ML/LLaDA-8B-Instruct,gen_length=256,block_length=8,steps=256")``
-    after ``import dllm_align.evaluation``. From Python with a loaded model:
+    after ``import dllm_align.evaluate.harness``. From Python with a loaded model:
     ``DiffusionLM(predictor=mp, ...)``.
     """
 
@@ -178,7 +178,7 @@ class DiffusionLM(LM):
         if self._state is not None:
             self._rank, self._world_size = self._state.process_index, self._state.num_processes
         if predictor is None:
-            from dllm_align.models import load_model
+            from dllm_align.models.load import load_model
 
             dev = torch.device(device) if device and self._state is None else eval_device()
             predictor = load_model(
@@ -195,7 +195,7 @@ class DiffusionLM(LM):
         self.configure(
             batch_size=batch_size, mc_num=mc_num, mc_seed=mc_seed, stratified=stratified, greedy_check=greedy_check,
         )
-        from dllm_align.generation import SamplerSettings
+        from dllm_align.generate.sampler import SamplerSettings
 
         self.configure(
             sampler=SamplerSettings(
@@ -231,7 +231,7 @@ class DiffusionLM(LM):
             self.greedy_check = bool(greedy_check)
 
     def draw_config(self):
-        from dllm_align.elbo import DrawConfig
+        from dllm_align.objective.elbo import DrawConfig
 
         return DrawConfig(n_mc=self.mc_num, seed=self.mc_seed, estimator="l", stratified=self.stratified)
 
@@ -349,7 +349,7 @@ class DiffusionLM(LM):
         if len(ctx) > room:
             if "truncate" not in self._warned:
                 self._warned.add("truncate")
-                from dllm_align.console import warn
+                from dllm_align.core.console import warn
 
                 warn(f"prompts longer than {room} tokens lose their head to fit max_length {self.max_length}")
             ctx = ctx[-room:]
@@ -401,8 +401,8 @@ class DiffusionLM(LM):
         rows of ``max_length`` with block-diagonal attention when ``packing``
         is on (``elbo_draws``: the same values, no compute on padding).
         """
-        from dllm_align.console import progress
-        from dllm_align.elbo import elbo_draws
+        from dllm_align.core.console import progress
+        from dllm_align.objective.elbo import elbo_draws
 
         cfg = self.draw_config()
         unique: dict[str, tuple[list[int], list[int]]] = {}
@@ -443,7 +443,7 @@ class DiffusionLM(LM):
     def _greedy(self, unique: dict[str, tuple[list[int], list[int]]]) -> dict[str, bool]:
         """Whether decoding the continuation one token per step (low-confidence order, temperature 0)
         reproduces it: the sampler with gen_length = block_length = steps = L."""
-        from dllm_align.generation import SamplerSettings, generate
+        from dllm_align.generate.sampler import SamplerSettings, generate
 
         by_len: dict[int, list[str]] = {}
         for k, (_, cont) in unique.items():
@@ -463,8 +463,8 @@ class DiffusionLM(LM):
     # -- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode each context with the LLaDA sampler (SPEC.md §7) and cut at the task's stop strings."""
-        from dllm_align.console import progress
-        from dllm_align.generation import generate, row_seed
+        from dllm_align.core.console import progress
+        from dllm_align.generate.sampler import generate, row_seed
 
         st = self.sampler
         deterministic = st.temperature == 0 and st.remasking == "low_confidence"
@@ -549,8 +549,8 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     ``generate`` section; ``limit`` (the command line) wins over the task's and
     the section's.
     """
-    from dllm_align.generation import SamplerSettings
-    from dllm_align.recipe import EvalTask
+    from dllm_align.generate.sampler import SamplerSettings
+    from dllm_align.config.recipe import EvalTask
 
     ev = recipe.evaluate
     if keys is None:
@@ -714,8 +714,8 @@ def evaluate_model(
     comparison against the same base, resumes). The model is loaded only if a
     task has to run.
     """
-    from dllm_align.console import info as _info
-    from dllm_align.io import atomic_write_json, atomic_write_text
+    from dllm_align.core.console import info as _info
+    from dllm_align.core.io import atomic_write_json, atomic_write_text
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
@@ -781,7 +781,7 @@ def evaluate_model(
 
 def make_lm(recipe, name_or_path: str) -> DiffusionLM:
     """Load ``name_or_path`` as the recipe's model section describes and wrap it for the harness."""
-    from dllm_align.models import load_from_section
+    from dllm_align.models.load import load_from_section
 
     ev = recipe.evaluate
     mp = load_from_section(recipe.model, device=eval_device(), name_or_path=name_or_path)

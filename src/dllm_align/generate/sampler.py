@@ -77,7 +77,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 REMASKING = ("low_confidence", "random")
 SAMPLERS = ("auto", "llada", "dream")  # auto: the model family's published rule
@@ -100,7 +100,7 @@ class SamplerSettings:
     cache: str = "none"
     threshold: Optional[float] = None
     seed: int = 0
-    # Which rule decodes: "llada" (this module), "dream" (dllm_align.dream_sampler), or "auto":
+    # Which rule decodes: "llada" (this module), "dream" (dllm_align.generate.dream), or "auto":
     # the model family's own. The fields below belong to the Dream rule (published defaults).
     sampler: str = "auto"
     alg: str = "origin"
@@ -166,7 +166,7 @@ class SamplerSettings:
         return out
 
     def _rule_problems(self) -> list[str]:
-        from dllm_align.dream_sampler import ALGS
+        from dllm_align.generate.dream import ALGS
 
         out = []
         if self.sampler not in SAMPLERS:
@@ -263,7 +263,7 @@ def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Prompt ids: the chat template with the generation prompt added (SPEC.md §2).
 
     Rendered to text and encoded without extra special tokens, exactly as
-    :mod:`dllm_align.tokenize` encodes training prompts, so a prompt decodes
+    :mod:`dllm_align.data.tokenize` encodes training prompts, so a prompt decodes
     from the very tokens it was trained behind.
     """
     if not getattr(tokenizer, "chat_template", None):
@@ -377,7 +377,7 @@ def _kv_forward_for(mp) -> Optional[_KVForward]:
     why = _KVForward.unsupported(mp.model) if mp.separable else "the model's output head is not separable"
     if why is not None:
         if why not in _WARNED:
-            from dllm_align.console import warn
+            from dllm_align.core.console import warn
 
             warn(f"fast mode cache is not available ({why}); recomputing the whole sequence at every step")
             _WARNED.add(why)
@@ -427,8 +427,8 @@ def _completion(mp, gen: torch.Tensor, stops: torch.Tensor, forwards: int, stats
 
 
 def _generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
-    """One batch under Dream's rule (:mod:`dllm_align.dream_sampler` denoises the canvas)."""
-    from dllm_align.dream_sampler import denoise
+    """One batch under Dream's rule (:mod:`dllm_align.generate.dream` denoises the canvas)."""
+    from dllm_align.generate.dream import denoise
 
     x, attn = _canvas(mp, prompts, settings.gen_length)
     P = x.shape[1] - settings.gen_length
@@ -459,7 +459,7 @@ def generate_batch(
     ``seeds``: one per prompt (default: :func:`row_seed` of ``settings.seed`` and
     the prompt's index in this call; the CLI passes the prompt ids instead).
     A family whose rule is Dream's (``settings.sampler`` auto or dream) is decoded
-    by :func:`dllm_align.dream_sampler.generate_batch_dream`.
+    by :func:`dllm_align.generate.dream.generate_batch_dream`.
     """
     settings = settings.for_model(mp)
     settings.check()

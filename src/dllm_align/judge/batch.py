@@ -26,10 +26,10 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from dllm_align import faults
-from dllm_align.errors import RunFailure
-from dllm_align.judge_cache import CacheWriter, Task
-from dllm_align.judge_client import Cancelled, ChatClient
+from dllm_align.core import faults
+from dllm_align.core.errors import RunFailure
+from dllm_align.judge.cache import CacheWriter, Task
+from dllm_align.judge.client import Cancelled, ChatClient
 
 STATE = "batch_state.json"
 FOLDER = "batches"
@@ -69,7 +69,7 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ state
     def _load_state(self) -> dict:
-        from dllm_align.errors import UserError
+        from dllm_align.core.errors import UserError
 
         if not self.state_path.exists():
             return {"version": 1, "batches": []}
@@ -82,7 +82,7 @@ class BatchRunner:
         return state
 
     def _save(self) -> None:
-        from dllm_align.io import atomic_write_json
+        from dllm_align.core.io import atomic_write_json
 
         atomic_write_json(self.state_path, self.state)
 
@@ -95,7 +95,7 @@ class BatchRunner:
         why: dict[str, str] = {}
         for b in self.state["batches"]:
             if b["status"] != "done":
-                from dllm_align.console import info
+                from dllm_align.core.console import info
 
                 info(f"Continuing {b['name']} ({len(b['keys'])} requests, stage: {b['status']})")
                 why.update(self._drive(b))
@@ -127,7 +127,7 @@ class BatchRunner:
 
     def _write(self, tasks: list[Task]) -> dict:
         """Stage ``written``: the request file on disk, recorded in the state."""
-        from dllm_align.io import atomic_write_text
+        from dllm_align.core.io import atomic_write_text
 
         self.folder.mkdir(parents=True, exist_ok=True)
         text = "".join(json.dumps(request_line(t, self.params), ensure_ascii=False) + "\n" for t in tasks)
@@ -143,7 +143,7 @@ class BatchRunner:
         return b
 
     def _drive(self, b: dict) -> dict[str, str]:
-        from dllm_align.console import info
+        from dllm_align.core.console import info
 
         c = self.client
         # Each attempt of an upload or a create first looks for what an earlier attempt
@@ -202,7 +202,7 @@ class BatchRunner:
         return None
 
     def _poll(self, b: dict):
-        from dllm_align.console import info, progress
+        from dllm_align.core.console import info, progress
 
         delay, last_status, polls = self.poll_interval, None, 0
         with progress(f"{b['name']}", len(b["keys"]), unit="requests") as bar:
@@ -231,7 +231,7 @@ class BatchRunner:
     def _download(self, b: dict, file_id: Optional[str], kind: str) -> list[dict]:
         """The lines of a result file, kept under DIR/batches (scrubbed) so a rerun
         after a kill does not download it again."""
-        from dllm_align.io import atomic_write_text
+        from dllm_align.core.io import atomic_write_text
 
         if not file_id:
             return []
@@ -299,7 +299,7 @@ class BatchRunner:
                 why[key] = reason
         b.update(status="done", server_status=batch.status, answered=ok, failed=len(why))
         self._save()
-        from dllm_align.console import info, warn
+        from dllm_align.core.console import info, warn
 
         (warn if why else info)(f"{b['name']} {batch.status}: {ok} judgement(s) cached, {len(why)} failed")
         return why

@@ -4,7 +4,7 @@ A judgement is keyed by a hash of everything that shapes its request (judge,
 template, prompt, the two answers in their shown order, sampling parameters),
 so a rerun, a resumed run or a batch never asks for it again. Lines are
 appended and fsynced one at a time by the main thread only; a torn last line
-(a kill mid-write) is dropped on reading (:func:`dllm_align.io.recover_jsonl`).
+(a kill mid-write) is dropped on reading (:func:`dllm_align.core.io.recover_jsonl`).
 The file is created with its first line, never empty.
 """
 
@@ -54,7 +54,7 @@ def judgement_key(judge: str, template: str, prompt: str, first: str, second: st
 
 def load_cache(path: Path) -> dict[str, dict]:
     """``{key: row}`` of the finished judgements in ``path`` (first line per key wins)."""
-    from dllm_align.io import recover_jsonl
+    from dllm_align.core.io import recover_jsonl
 
     cache: dict[str, dict] = {}
     for row in recover_jsonl(path):
@@ -77,7 +77,7 @@ class CacheWriter:
         if row["key"] in self.cache:
             return False
         if self._appender is None:
-            from dllm_align.io import JsonlAppender
+            from dllm_align.core.io import JsonlAppender
 
             self._appender = JsonlAppender(self.path)
         self._appender.write(row)

@@ -48,7 +48,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlsplit
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 # A judge's reply is a few kB; a batch output file can be hundreds of MB.
 MAX_RESPONSE_BYTES = 8 << 20

@@ -1,6 +1,6 @@
 """What a judge run reports: statistics per judge, answer lengths, tokens and cost,
 and the results table (terminal and results.md). Pure functions of the
-per-prompt outcomes and of the cache rows; see :mod:`dllm_align.stats` for the
+per-prompt outcomes and of the cache rows; see :mod:`dllm_align.judge.stats` for the
 maths."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
     """
     import numpy as np
 
-    from dllm_align import stats
+    from dllm_align.judge import stats
 
     la = np.asarray(lengths[0], dtype=np.float64) if lengths is not None else None
     lb = np.asarray(lengths[1], dtype=np.float64) if lengths is not None else None
@@ -64,7 +64,7 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
 def length_report(len_a: Sequence[int], len_b: Sequence[int], threshold: float) -> dict:
     """Mean and median answer length of each side, and whether the means differ by
     more than ``threshold`` (relative to the shorter side's mean)."""
-    from dllm_align import stats
+    from dllm_align.judge import stats
 
     a, b = stats.length_summary(len_a), stats.length_summary(len_b)
     rel = None

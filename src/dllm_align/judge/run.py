@@ -4,20 +4,20 @@ For every prompt, the completion of model A (the tuned model) and of model B
 (the base model) are shown to a judge twice, A first and B first. The verdicts
 become per-prompt outcomes, adjusted win rates with bootstrap intervals, their
 length-controlled twins, and with two judges a majority vote and Cohen's kappa
-(:mod:`dllm_align.stats`, :mod:`dllm_align.judge_report`).
+(:mod:`dllm_align.judge.stats`, :mod:`dllm_align.judge.report`).
 
 Judges:
 
 * any OpenAI-compatible chat-completions endpoint (OpenAI, vLLM, SGLang, ...),
-  through the ``openai`` SDK (:mod:`dllm_align.judge_client`: only --base-url,
+  through the ``openai`` SDK (:mod:`dllm_align.judge.client`: only --base-url,
   bounded concurrency, deadlines, retries), live or with ``--batch`` through
-  the Batch API (:mod:`dllm_align.judge_batch`);
+  the Batch API (:mod:`dllm_align.judge.batch`);
 * ``rule:NAME`` judges for tasks whose preference is computable, from a small
   registry (:func:`register_rule`, :func:`register_scorer`), or
   ``rule:package.module:function`` for a function of the user's own.
 
 Every finished API judgement is appended to ``DIR/cache.jsonl`` under a hash of
-everything that determines the request (:mod:`dllm_align.judge_cache`), so a
+everything that determines the request (:mod:`dllm_align.judge.cache`), so a
 rerun, a resumed run or a batch never sends a request twice. Rule judgements
 are cheap and always recomputed (a cached rule verdict would go stale when the
 rule's code changes).
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from dllm_align.errors import RunFailure, UserError
-from dllm_align.judge_inputs import (  # noqa: F401  (re-exported: the library's judging API)
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's judging API)
     DEFAULT_TEMPLATE,
     ORDERS,
     PLACEHOLDERS,
@@ -69,7 +69,7 @@ _RULES: dict[str, RuleFn] = {}
 _RULE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 # Modules that register rules of their own when imported (looked up on demand, so
 # importing this module stays light).
-_RULE_MODULES = ("dllm_align.toy",)
+_RULE_MODULES = ("dllm_align.data.toy",)
 
 
 def _check_rule_name(name: str, replace: bool) -> None:
@@ -157,7 +157,7 @@ def get_rule(name: str) -> RuleFn:
             ) from None
         except ValueError:  # no signature to read (some builtins): its first call will tell
             pass
-        from dllm_align.console import warn
+        from dllm_align.core.console import warn
 
         # Code named by a flag or a recipe runs here: say whose.
         warn(f"rule:{name}: running your function {attr}() from {getattr(mod, '__file__', None) or mod_name}")
@@ -197,8 +197,8 @@ def _exact_match(prompt: str, answer: str, reference: Optional[str]) -> float:
 # =========================================================================== the run
 # The transport, the cache, the batch flow and the report live in their own
 # modules; these names stay importable from here for users of the library.
-from dllm_align.judge_cache import Task, judgement_key, load_cache  # noqa: E402
-from dllm_align.judge_client import (  # noqa: E402
+from dllm_align.judge.cache import Task, judgement_key, load_cache  # noqa: E402
+from dllm_align.judge.client import (  # noqa: E402
     Cancelled,
     ChatClient,
     FatalApiError,
@@ -208,7 +208,7 @@ from dllm_align.judge_client import (  # noqa: E402
     _retry_after,
     read_api_key,
 )
-from dllm_align.judge_report import print_table, results_markdown, summarize_outcomes, table_rows  # noqa: E402
+from dllm_align.judge.report import print_table, results_markdown, summarize_outcomes, table_rows  # noqa: E402
 
 __all__ = [
     "ChatClient", "Scrubber", "Task", "judge_files", "judge_pairs", "judgement_key", "load_cache", "parse_verdict",
@@ -230,7 +230,7 @@ class JudgeRunResult:
 
 
 def _settings_dict(settings) -> dict:
-    from dllm_align.recipe import JudgeSection
+    from dllm_align.config.recipe import JudgeSection
 
     if isinstance(settings, JudgeSection):
         return settings.model_dump()
@@ -266,17 +266,17 @@ def judge_pairs(
     labels: tuple[str, str] = ("A", "B"),
 ) -> JudgeRunResult:
     """Judge every pair in both orders with every judge of ``settings`` (a
-    :class:`dllm_align.recipe.JudgeSection`), and write ``results.json``,
+    :class:`dllm_align.config.recipe.JudgeSection`), and write ``results.json``,
     ``results.md`` and ``outcomes.jsonl`` into ``output``.
 
     Returns the results; ``failed`` > 0 means some judgements are missing (their
     prompts are excluded for that judge, see the module docstring).
     """
-    from dllm_align import stats
-    from dllm_align.console import info
-    from dllm_align.io import DirLock, atomic_write_json, atomic_write_text
-    from dllm_align.judge_cache import CacheWriter
-    from dllm_align.judge_report import length_report, usage_lines, usage_report
+    from dllm_align.judge import stats
+    from dllm_align.core.console import info
+    from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
+    from dllm_align.judge.cache import CacheWriter
+    from dllm_align.judge.report import length_report, usage_lines, usage_report
 
     s = _settings_dict(settings)
     judges: list[str] = list(s["judges"])
@@ -417,9 +417,9 @@ def _obtain(tasks: dict[str, Task], client: ChatClient, s: dict, params: dict, o
     """Get the judgements of ``tasks`` live or through the Batch API (failed batch
     requests are retried live, or in new batches with ``batch_failed: batch``).
     Returns a fatal error if one stopped the run."""
-    from dllm_align.console import info
+    from dllm_align.core.console import info
 
-    from dllm_align.judge_batch import BatchRunner, pending_batches
+    from dllm_align.judge.batch import BatchRunner, pending_batches
 
     if not s["batch"]:
         busy = {name: n for name, keys in pending_batches(out).items() if (n := len(set(keys) & set(tasks)))}
@@ -452,9 +452,9 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
               already: int) -> Optional[FatalApiError]:
     """Run the API judgements on a bounded pool of daemon threads; the main thread
     appends each finished one to the cache, so lines never interleave."""
-    from dllm_align.console import info, progress, progress_enabled, warn
-    from dllm_align.judge_cache import add_usage
-    from dllm_align.judge_client import run_pool
+    from dllm_align.core.console import info, progress, progress_enabled, warn
+    from dllm_align.judge.cache import add_usage
+    from dllm_align.judge.client import run_pool
 
     max_parse = s["max_parse_retries"]
 

@@ -5,7 +5,7 @@ Three kinds of model load the same way (:func:`load_model`):
 * ``builtin:tiny`` - a tiny bidirectional transformer (Llama architecture with
   ``is_causal = False``) and a byte-level tokenizer, both built from code with
   no network. Used by tests, the demo and CI.
-* Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.families``)
+* Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.models.families``)
   - mapped onto a native bidirectional transformers model; no
   ``trust_remote_code`` needed, and the result supports gradient checkpointing,
   SDPA / flash attention and KV caches (SPEC.md sections 10 and 11).
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 if TYPE_CHECKING:
-    from dllm_align.precision import Precision
+    from dllm_align.models.precision import Precision
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -104,10 +104,10 @@ def build_tiny_tokenizer(family: str = "llada"):
     Dream's special tokens and chat template instead.
     """
     if family == "dream":
-        from dllm_align.families.dream import build_dream_tokenizer
+        from dllm_align.models.families.dream import build_dream_tokenizer
 
         return build_dream_tokenizer()
-    from dllm_align.families.base import byte_level_tokenizer
+    from dllm_align.models.families.base import byte_level_tokenizer
 
     return byte_level_tokenizer(SPECIAL_TOKENS, bos=BOS, eos=EOS, mask=MASK, extra=[START_HEADER, END_HEADER, EOT],
                                 chat_template=CHAT_TEMPLATE)
@@ -120,7 +120,7 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
     _quiet_transformers()
     tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
     if spec.family == "dream":
-        from dllm_align.families.dream import build_dream_model
+        from dllm_align.models.families.dream import build_dream_model
 
         return build_dream_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
                                  spec.max_position_embeddings, spec.seed)
@@ -155,7 +155,7 @@ def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     import shutil
     import tempfile
 
-    from dllm_align.io import fsync_tree
+    from dllm_align.core.io import fsync_tree
 
     tok = build_tiny_tokenizer(spec.family)
     model = build_tiny_model(tok, spec)
@@ -205,7 +205,7 @@ def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> Pat
         if name_or_path in BUILTIN_SPECS:
             return name_or_path
         if name_or_path in BUILTIN_ASSETS:
-            folder = Path(__file__).resolve().parent / "assets" / BUILTIN_ASSETS[name_or_path]
+            folder = Path(__file__).resolve().parents[1] / "assets" / BUILTIN_ASSETS[name_or_path]
             if not (folder / "config.json").is_file():
                 raise UserError(
                     f"the packaged model '{name_or_path}' is missing from {folder}",
@@ -295,7 +295,7 @@ def load_model(
     tokenizer: Optional[str] = None,
 ) -> "MaskPredictor":
     """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
-    from dllm_align.console import warn
+    from dllm_align.core.console import warn
 
     _quiet_transformers()
     path = resolve_model_path(name_or_path, revision)
@@ -305,7 +305,7 @@ def load_model(
         tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
-        from dllm_align.io import verify_checksums
+        from dllm_align.core.io import verify_checksums
 
         path = Path(path)
         try:
@@ -321,7 +321,7 @@ def load_model(
                          hint="the folder was damaged after it was written; use an earlier checkpoint")
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
-        from dllm_align.families import family_for_config, native_family
+        from dllm_align.models.families import family_for_config, native_family
 
         family = family_for_config(cfg)
         native = None if trust_remote_code else native_family(cfg)
@@ -366,7 +366,7 @@ def load_model(
     if attn_implementation and (isinstance(path, str) or native is not None):
         _set_attention(model, attn_implementation)  # the other loads passed it to from_pretrained
     model.to(device)
-    from dllm_align.precision import keep_fp32_buffers
+    from dllm_align.models.precision import keep_fp32_buffers
 
     keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
@@ -415,14 +415,14 @@ class MaskPredictor:
     positions they score. Models whose head cannot be separated fall back to
     full logits transparently.
 
-    The model's family (``dllm_align.families``) says how outputs line up with
+    The model's family (``dllm_align.models.families``) says how outputs line up with
     positions: :meth:`logits` and :meth:`target_logprobs` always return the
     prediction *for* position j, reading output j - shift for a shifted family
     (Dream), so the estimator and the sampler never see the difference.
     """
 
     def __init__(self, model, tokenizer, mask_token_id: Optional[int] = None):
-        from dllm_align.families import family_of
+        from dllm_align.models.families import family_of
 
         self.model = model
         self.tokenizer = tokenizer
@@ -502,14 +502,14 @@ class MaskPredictor:
         pos = attention_mask.long().cumsum(-1) - 1
         return pos.clamp_min(0)
 
-    # The precision every forward of this model runs in (dllm_align.precision); None: the weights' dtype.
+    # The precision every forward of this model runs in (dllm_align.models.precision); None: the weights' dtype.
     precision: Optional["Precision"] = None
 
     def set_precision(self, precision: Optional["Precision"]) -> None:
         self.precision = precision
 
     def _autocast(self, device_type: str):
-        from dllm_align.precision import autocast
+        from dllm_align.models.precision import autocast
 
         return autocast(self.precision, device_type)
 

@@ -37,7 +37,7 @@ def kl_reference_point(margin_sum, count) -> torch.Tensor:
 
     z0 = max(0, (1/n) sum_j [B_pol(y_j' | x_j) - B_ref(y_j' | x_j)]), where (x_j, y_j')
     pairs a prompt of the step batch with another row's completion
-    (:func:`dllm_align.examples.kl_examples`). ``margin_sum`` and ``count`` are
+    (:func:`dllm_align.data.examples.kl_examples`). ``margin_sum`` and ``count`` are
     totals over every process and micro-batch of the step, so the mean is the
     whole step's, as with ``global_mean``. The clamp is KTO's (and TRL's):
     KL is never negative, so a negative estimate is noise.

@@ -3,7 +3,7 @@
 ``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout, the
 optimiser and RNG state and ``trainer_state.json``; ``checksums.json`` is
 written last, so a folder whose checksums verify is complete (see the
-:mod:`dllm_align.training` docstring). The functions taking ``run`` read the
+:mod:`dllm_align.training.loop` docstring). The functions taking ``run`` read the
 training loop's state object (``training._Run``).
 """
 
@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from dllm_align import faults
-from dllm_align.errors import UserError
-from dllm_align.examples import units_digest
+from dllm_align.core import faults
+from dllm_align.core.errors import UserError
+from dllm_align.data.examples import units_digest
 
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
@@ -215,7 +215,7 @@ def save_checkpoint(run, history: list) -> Path:
             "margin_watch": run.margin_watch.state(),
             "last_metrics": history[-1] if history else None,
         }
-        from dllm_align.io import _fsync_dir, fsync_tree, write_checksums
+        from dllm_align.core.io import _fsync_dir, fsync_tree, write_checksums
 
         (tmp / STATE).write_text(json.dumps(state, indent=2))
         write_checksums(tmp)  # last: a folder whose checksums verify is complete
@@ -236,7 +236,7 @@ def save_checkpoint(run, history: list) -> Path:
 def load_state(run, folder: Path) -> None:
     from safetensors.torch import load_file
 
-    from dllm_align.console import info
+    from dllm_align.core.console import info
 
     st = read_state(folder)
     checks = [
@@ -281,7 +281,7 @@ def load_state(run, folder: Path) -> None:
 
 def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
     """Check the run folder; returns the checkpoint to resume from (or None)."""
-    from dllm_align.console import info
+    from dllm_align.core.console import info
 
     out = Path(recipe.output_dir)
     ckpt = find_checkpoint(out)
@@ -333,7 +333,7 @@ def read_state(folder: Path) -> dict:
 
 def verify_checkpoint(folder: Path) -> dict:
     """Refuse a checkpoint whose files do not match their checksums; returns its state."""
-    from dllm_align.io import verify_checksums
+    from dllm_align.core.io import verify_checksums
 
     older = sorted(
         (p for p in folder.parent.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit() and p != folder),
@@ -355,8 +355,8 @@ def _remove_partial_checkpoints(out: Path) -> None:
 
 def _finish_interrupted_export(out: Path) -> None:
     """A ``.tmp-final`` whose checksums verify was complete when the run was killed: move it into place."""
-    from dllm_align.console import info
-    from dllm_align.io import _fsync_dir, verify_checksums
+    from dllm_align.core.console import info
+    from dllm_align.core.io import _fsync_dir, verify_checksums
 
     tmp = out / TMP_FINAL
     if not tmp.is_dir():

@@ -4,7 +4,7 @@ Three parts, each a function returning plain data (the CLI prints it):
 
 * :func:`environment` - devices, bf16, attention backends, NCCL, free disk
   for the cache and checkpoints (sized from the recipe), host RAM for loading;
-* :func:`memory_report` - the per-device estimate of :mod:`dllm_align.memory`
+* :func:`memory_report` - the per-device estimate of :mod:`dllm_align.training.memory`
   from ``config.json`` alone, and a verdict against the device's memory;
 * :func:`smoke` - N real optimiser steps on the real model and data, in a
   temporary folder (nothing is written in the run folder): the step-0
@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from dllm_align.memory import GiB, Launch, advice, estimate, model_shape
+from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
 
 H100_BYTES = 81559 * 1024**2  # what torch reports for an 80 GB H100
 
@@ -63,7 +63,7 @@ def environment(recipe, launch: Launch, shape) -> dict:
     """Devices, bf16, attention backends, NCCL, disk and host RAM against what the recipe needs."""
     import importlib.util
 
-    from dllm_align.reference import cache_dir
+    from dllm_align.training.reference import cache_dir
 
     env: dict = {"torch": torch.__version__}
     cuda = torch.cuda.is_available()
@@ -184,9 +184,9 @@ def _peak_rss() -> int:
 
 def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
-    from dllm_align.console import info
-    from dllm_align.reference import cache_dir
-    from dllm_align.training import _Run, invariant_margins, make_accelerator
+    from dllm_align.core.console import info
+    from dllm_align.training.reference import cache_dir
+    from dllm_align.training.loop import _Run, invariant_margins, make_accelerator
 
     tmp = Path(tempfile.mkdtemp(prefix="dllm-align-doctor-"))
     try:
@@ -266,8 +266,8 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
 
 
 def _count_prompts(rec) -> Optional[int]:
-    from dllm_align.data import load_prompts
-    from dllm_align.errors import UserError
+    from dllm_align.data.rows import load_prompts
+    from dllm_align.core.errors import UserError
 
     g = rec.generate
     source = rec.data.test if g.split == "test" else rec.data.train

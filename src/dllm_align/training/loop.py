@@ -9,7 +9,7 @@ accumulation, checkpoints, logging - is this one loop, run under
 The optimiser step's batch and the baseline (SPEC.md section 4)
     A step consumes one *global batch* of ``G = batch_size x grad_accum x
     processes`` units, planned from (seed, epoch) alone
-    (:func:`dllm_align.batching.plan_batches`), so the plan does not depend on
+    (:func:`dllm_align.data.batching.plan_batches`), so the plan does not depend on
     how the work is split. ELBO-KTO's baseline b is the mean margin over the
     whole global batch. With one micro-batch per process the margins are
     all-gathered between the forward and the backward. With gradient
@@ -41,7 +41,7 @@ Checkpoints
     ``final/`` is written the same way; an export killed after it was complete
     but before the rename is finished by the next ``--resume``.
 
-Test hooks (:mod:`dllm_align.faults`)
+Test hooks (:mod:`dllm_align.core.faults`)
     ``DLLM_ALIGN_FAULT=kill_after_step:N``, ``kill_in_checkpoint:N`` or
     ``kill_in_final`` makes the main process SIGKILL itself after optimiser
     step N, halfway through writing checkpoint N, or with ``final/`` written
@@ -63,12 +63,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dllm_align import checkpoint
-from dllm_align.checkpoint import (
+from dllm_align.training import checkpoint
+from dllm_align.training.checkpoint import (
     FINAL, METRICS, TMP_FINAL, _clear_previous, prepare_output,
 )
-from dllm_align.errors import RunFailure, UserError
-from dllm_align.examples import kl_examples, load_training_examples, make_collate, make_units, step_count
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.data.examples import kl_examples, load_training_examples, make_collate, make_units, step_count
 
 
 
@@ -179,7 +179,7 @@ class TrainResult:
 
 
 def _fault(kind: str, step: Optional[int] = None) -> None:
-    from dllm_align import faults
+    from dllm_align.core import faults
 
     faults.at(kind, step)
 
@@ -188,9 +188,9 @@ def make_accelerator(recipe):
     from accelerate import Accelerator
     from accelerate.utils import is_tensorboard_available, is_wandb_available
 
-    from dllm_align.console import warn
+    from dllm_align.core.console import warn
 
-    from dllm_align.precision import resolve_mixed_precision
+    from dllm_align.models.precision import resolve_mixed_precision
 
     cuda = torch.cuda.is_available()
     mp = resolve_mixed_precision(recipe.train.mixed_precision, "cuda" if cuda else "cpu")
@@ -201,7 +201,7 @@ def make_accelerator(recipe):
             trackers.append(t)
         else:
             warn(f"train.trackers: {t} is not installed; not logging to it (pip install {t})")
-    from dllm_align.precision import accelerator_kwargs
+    from dllm_align.models.precision import accelerator_kwargs
 
     return Accelerator(
         cpu=not cuda,
@@ -234,7 +234,7 @@ def fsdp_wrap_family_layer(plugin, model) -> None:
     accelerate would stop on a class it cannot find. A config that names classes
     the model has is left as it is.
     """
-    from dllm_align.families.base import Family
+    from dllm_align.models.families.base import Family
 
     cls = Family.decoder_layer_class(model)
     if cls is None:
@@ -266,8 +266,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def class_weights(recipe) -> tuple[float, float]:
     if recipe.data.weights_file:
-        from dllm_align.console import info
-        from dllm_align.data import read_weights_file
+        from dllm_align.core.console import info
+        from dllm_align.data.rows import read_weights_file
 
         ld, lu = read_weights_file(recipe.data.weights_file)
         info(f"class weights from {recipe.data.weights_file}: lambda_D {ld:g}, lambda_U {lu:g}")
@@ -362,10 +362,10 @@ class _Run:
     """State of one training run; :func:`train` is its readable driver."""
 
     def __init__(self, recipe, accelerator, resume_from: Optional[Path], examples: Optional[list]):
-        from dllm_align.console import info
-        from dllm_align.elbo import DrawConfig
-        from dllm_align.models import load_from_section
-        from dllm_align.precision import precision_for
+        from dllm_align.core.console import info
+        from dllm_align.objective.elbo import DrawConfig
+        from dllm_align.models.load import load_from_section
+        from dllm_align.models.precision import precision_for
 
         self.recipe = recipe
         self.acc = accelerator
@@ -387,7 +387,7 @@ class _Run:
         lora = self.t.lora
         src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
         self.mp = load_from_section(section, load_dev, name_or_path=src)
-        # One precision for the policy and the reference (dllm_align.precision): the
+        # One precision for the policy and the reference (dllm_align.models.precision): the
         # policy's forward computes under it whatever wraps the module (DDP, FSDP).
         self.precision = precision_for(recipe, accelerator.device)
         self.mp.set_precision(self.precision)
@@ -421,7 +421,7 @@ class _Run:
         self._plans: dict[int, list[list[int]]] = {}
         self.lambda_d, self.lambda_u = class_weights(recipe)
         if self.t.objective == "elbo_kto" and self.main:
-            from dllm_align.data import check_weight_ratio
+            from dllm_align.data.rows import check_weight_ratio
 
             n_d = sum(1 for u in self.units if u[0].label)
             # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
@@ -441,7 +441,7 @@ class _Run:
 
         # -- distributed wrapping, optimiser
         if self.fsdp:
-            from dllm_align.precision import fsdp_mixed_precision
+            from dllm_align.models.precision import fsdp_mixed_precision
 
             # accelerate's default casts parameters and buffers (the rotary frequencies) to
             # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
@@ -522,8 +522,8 @@ class _Run:
                 named[k].data.copy_(v)
 
     def _setup_reference(self) -> None:
-        from dllm_align import reference as ref
-        from dllm_align.console import info
+        from dllm_align.training import reference as ref
+        from dllm_align.core.console import info
 
         r = self.recipe.reference
         if r.mode == "online":
@@ -543,7 +543,7 @@ class _Run:
         )
         used = [ex for u in self.units for ex in u]
         if self.kl:
-            from dllm_align.examples import planned_batches
+            from dllm_align.data.examples import planned_batches
 
             pairs = {}
             for batch in planned_batches(self.recipe, self.lengths, self.G, self.total):
@@ -565,7 +565,7 @@ class _Run:
 
     # ---------------------------------------------------------------- data order
     def plan(self, epoch: int) -> list[list[int]]:
-        from dllm_align.batching import plan_batches
+        from dllm_align.data.batching import plan_batches
 
         if epoch not in self._plans:
             self._plans = {
@@ -577,7 +577,7 @@ class _Run:
 
     def micro_batches(self, step: int) -> list[list[tuple]]:
         """This process's micro-batches of global step ``step`` (lists of units)."""
-        from dllm_align.batching import shard
+        from dllm_align.data.batching import shard
 
         epoch, j = divmod(step, self.steps_per_epoch)
         batch = self.plan(epoch)[j]
@@ -587,7 +587,7 @@ class _Run:
 
     def kl_micro_batches(self, step: int) -> list[list]:
         """This process's mismatched pairs of step ``step`` (``train.baseline: kl``): pair i goes where row i goes."""
-        from dllm_align.batching import shard
+        from dllm_align.data.batching import shard
 
         epoch, j = divmod(step, self.steps_per_epoch)
         batch = self.plan(epoch)[j]
@@ -596,8 +596,8 @@ class _Run:
 
     @torch.no_grad()
     def kl_baseline(self, kl_micro: list[list]) -> torch.Tensor:
-        """z0 of the step (:func:`dllm_align.losses.kl_reference_point`): every process's pairs, every micro-batch."""
-        from dllm_align.losses import kl_reference_point
+        """z0 of the step (:func:`dllm_align.objective.losses.kl_reference_point`): every process's pairs, every micro-batch."""
+        from dllm_align.objective.losses import kl_reference_point
 
         total = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
         for exs in kl_micro:
@@ -620,7 +620,7 @@ class _Run:
 
     def policy_elbo(self, batch: dict) -> torch.Tensor:
         """B_hat_policy [B] (mean of draws 0..K'-1), differentiable when grad is on."""
-        from dllm_align.elbo import elbo_draws
+        from dllm_align.objective.elbo import elbo_draws
 
         v = elbo_draws(
             self.policy,
@@ -640,7 +640,7 @@ class _Run:
         """B_hat_ref [B] with the same draws, from the cache or the resident reference."""
         if self.cache is not None:
             return self.cache.lookup(batch["ids"], self.k).mean(dim=1).to(self.acc.device)
-        from dllm_align.elbo import elbo_draws
+        from dllm_align.objective.elbo import elbo_draws
 
         v = elbo_draws(
             self.ref_mp,
@@ -681,7 +681,7 @@ class _Run:
 
         ``kl_micro``: this process's mismatched pairs (``train.baseline: kl``).
         """
-        from dllm_align.losses import elbo_kto_loss, sft_loss, vrpo_loss
+        from dllm_align.objective.losses import elbo_kto_loss, sft_loss, vrpo_loss
 
         batches = []
         for units in micro:
@@ -859,12 +859,12 @@ def train(
 ) -> TrainResult:
     """Train the policy as the recipe says (``dllm-align train``); returns where the model went.
 
-    ``examples`` (tokenised :class:`dllm_align.tokenize.Example` s) replace
+    ``examples`` (tokenised :class:`dllm_align.data.tokenize.Example` s) replace
     ``data.train`` when given (tests, the toy demo). ``resume`` refuses settings
     that change the results unless their keys are in ``allow_changes``.
     """
-    from dllm_align.io import DirLock, recover_jsonl
-    from dllm_align.runfolder import check_training_settings
+    from dllm_align.core.io import DirLock, recover_jsonl
+    from dllm_align.core.runfolder import check_training_settings
 
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
@@ -903,9 +903,9 @@ def train(
 
 
 def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples, changes=()) -> TrainResult:
-    from dllm_align.console import info, progress, warn
-    from dllm_align.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
-    from dllm_align.recipe import write_run_info
+    from dllm_align.core.console import info, progress, warn
+    from dllm_align.core.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
+    from dllm_align.config.recipe import write_run_info
 
     torch.manual_seed(recipe.train.seed)
     run = _Run(recipe, acc, resume_from, examples)  # loads and checks everything before the run folder changes
@@ -1008,7 +1008,7 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
                 "last_metrics": history[-1] if history else None,
             }
             atomic_write_json(tmp / "training_summary.json", summary)
-            from dllm_align.io import _fsync_dir, fsync_tree, write_checksums
+            from dllm_align.core.io import _fsync_dir, fsync_tree, write_checksums
 
             write_checksums(tmp)
             fsync_tree(tmp)
@@ -1029,6 +1029,6 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
 
 
 def _bar_on() -> bool:
-    from dllm_align.console import progress_enabled
+    from dllm_align.core.console import progress_enabled
 
     return progress_enabled()

@@ -10,7 +10,7 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   parameters: all, or the LoRA adapters);
 * FSDP working copies: the root unit (embeddings, head, final norm) and two
   decoder layers (one computing, one prefetched) gathered in full, fp32 (the
-  precision policy gathers fp32 shards: :mod:`dllm_align.precision`);
+  precision policy gathers fp32 shards: :mod:`dllm_align.models.precision`);
 * an online reference: resident and unsharded (its Linears in bf16 under
   autocast);
 * activations for one forward of ``tokens = rows x max_length`` (rows = the
@@ -174,8 +174,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
 
 def model_shape(recipe) -> ModelShape:
     """The recipe model's shape from its config.json only (built-in models: from their spec)."""
-    from dllm_align.errors import UserError
-    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, resolve_config_file
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_config_file
 
     name = recipe.model.name_or_path
     if name in BUILTIN_SPECS:
@@ -210,7 +210,7 @@ class Launch:
 def read_launch(path: Optional[str]) -> Launch:
     import yaml
 
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     if path is None:
         return Launch()

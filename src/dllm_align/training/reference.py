@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -78,7 +78,7 @@ _HEX64 = set("0123456789abcdef")
 
 # --------------------------------------------------------------------------- digests
 def _sha256_file(path: Path) -> str:
-    from dllm_align.io import sha256_file
+    from dllm_align.core.io import sha256_file
 
     return sha256_file(path)
 
@@ -200,11 +200,11 @@ def fingerprint(
     the policy): the weights digest comes from the files (or, for the built-in
     model, from building it), the tokenizer is the one the examples were
     tokenised with, and the weights / compute dtypes are the training
-    precision's (:func:`dllm_align.precision.precision_for`): a cache made in
+    precision's (:func:`dllm_align.models.precision.precision_for`): a cache made in
     fp32 does not serve a bf16-autocast run, nor the reverse.
     """
-    from dllm_align.models import BUILTIN_SPECS, build_tiny_model, resolve_model_path
-    from dllm_align.precision import precision_for
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_model_path
+    from dllm_align.models.precision import precision_for
 
     name = reference_name(recipe)
     revision = recipe.model.revision
@@ -282,10 +282,10 @@ def load_reference(recipe, device):
 
     Used by the online reference and by precompute, so that a cached value and an
     online one are the same function of the same weights as the policy before its
-    first update (:mod:`dllm_align.precision`).
+    first update (:mod:`dllm_align.models.precision`).
     """
-    from dllm_align.models import load_from_section
-    from dllm_align.precision import precision_for, prepare_reference
+    from dllm_align.models.load import load_from_section
+    from dllm_align.models.precision import precision_for, prepare_reference
 
     prec = precision_for(recipe, device)
     section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
@@ -299,7 +299,7 @@ def load_reference(recipe, device):
 
 
 def draw_config(recipe, n_mc: Optional[int] = None):
-    from dllm_align.elbo import DrawConfig
+    from dllm_align.objective.elbo import DrawConfig
 
     return DrawConfig.from_reference(recipe.reference, n_mc)
 
@@ -322,7 +322,7 @@ def reference_values(
     its own example's tokens and masks. ``pack_length``: pack the noisy
     sequences of each forward into rows of that length (``data.padding: packed``).
     """
-    from dllm_align.elbo import elbo_draws
+    from dllm_align.objective.elbo import elbo_draws
 
     K = cfg.n_mc if draws is None else len(draws)
     out = np.zeros((len(examples), K), dtype=np.float32)
@@ -386,8 +386,8 @@ def write_shard(path: Path, elbo: np.ndarray, ids: list[str], digests: list[str]
         "contents_sha256": _contents_sha(elbo, ids, digests),
     }
     data = save({"elbo": torch.from_numpy(np.ascontiguousarray(elbo, dtype=np.float32))}, metadata=meta)
-    from dllm_align import faults
-    from dllm_align.io import atomic_path
+    from dllm_align.core import faults
+    from dllm_align.core.io import atomic_path
 
     n = faults.next_record()
     with atomic_path(path) as tmp:
@@ -461,8 +461,8 @@ def precompute(
     shard) made with other settings is refused, naming every field that
     differs, unless ``overwrite``: it is never silently replaced.
     """
-    from dllm_align.console import info, progress, warn
-    from dllm_align.io import atomic_write_json
+    from dllm_align.core.console import info, progress, warn
+    from dllm_align.core.io import atomic_write_json
 
     rank = accelerator.process_index if accelerator else 0
     world = accelerator.num_processes if accelerator else 1
@@ -477,7 +477,7 @@ def precompute(
 
     out = cache_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
-    from dllm_align.io import DirLock
+    from dllm_align.core.io import DirLock
 
     lock = DirLock(out, f"another `dllm-align precompute-ref` is writing to {out}") if is_main else None
     if lock is not None:
@@ -486,7 +486,7 @@ def precompute(
         if ref_mp is None:
             ref_mp = load_reference(recipe, device)
         elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
-            from dllm_align.precision import precision_for
+            from dllm_align.models.precision import precision_for
 
             ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
@@ -562,7 +562,7 @@ def precompute(
                     torch.distributed.all_gather_object(parts, (mine, vals, problem))
                 problem = next((p for _, _, p in parts if p), None)
                 if problem:  # every process sees it and stops together
-                    from dllm_align.errors import RunFailure
+                    from dllm_align.core.errors import RunFailure
 
                     raise RunFailure(
                         f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
@@ -583,12 +583,12 @@ def precompute(
                 try:
                     _, sids, sdig, sfp = read_shard(p)
                 except (ShardError, FileNotFoundError) as e:
-                    from dllm_align.errors import RunFailure
+                    from dllm_align.core.errors import RunFailure
 
                     raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
                 lo, hi = s * size, min((s + 1) * size, len(examples))
                 if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
-                    from dllm_align.errors import RunFailure
+                    from dllm_align.core.errors import RunFailure
 
                     raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
                 shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
@@ -612,7 +612,7 @@ def precompute(
 
 
 def _refuse_other_settings(out: Path, diffs: list) -> None:
-    from dllm_align.runfolder import refuse_changes
+    from dllm_align.core.runfolder import refuse_changes
 
     if diffs:
         refuse_changes(
@@ -742,16 +742,16 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     """
     from accelerate import Accelerator
 
-    from dllm_align.recipe import write_run_info
-    from dllm_align.examples import load_training_examples, make_collate
+    from dllm_align.config.recipe import write_run_info
+    from dllm_align.data.examples import load_training_examples, make_collate
 
-    from dllm_align.precision import accelerator_kwargs
+    from dllm_align.models.precision import accelerator_kwargs
 
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
     if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
-        from dllm_align.examples import planned_kl_examples
+        from dllm_align.data.examples import planned_kl_examples
 
         examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dllm_align import console, pipeline
+from dllm_align.core import console
+
+from dllm_align.workflows import pipeline
 
 
 @dataclass
@@ -51,7 +53,7 @@ def baseline_settings(recipe) -> list[Setting]:
 
 
 def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
-    from dllm_align.data import balance_weights, class_counts, rows_from_section
+    from dllm_align.data.rows import balance_weights, class_counts, rows_from_section
 
     a = recipe.ablate
     out = []
@@ -82,7 +84,7 @@ def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
 
 
 def _setting_recipe(recipe, setting: Setting, folder: Path, cache: Path):
-    from dllm_align.recipe import Recipe
+    from dllm_align.config.recipe import Recipe
 
     raw = recipe.model_dump(mode="python")
     for dotted, value in setting.overrides.items():
@@ -95,7 +97,7 @@ def _setting_recipe(recipe, setting: Setting, folder: Path, cache: Path):
 
 def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list[dict]:
     """Run every setting (skipping finished ones); returns one row per setting."""
-    from dllm_align.io import atomic_write_json
+    from dllm_align.core.io import atomic_write_json
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = recipe.model_copy(deep=True)
@@ -143,7 +145,7 @@ def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list
 
 
 def write_tables(rows: list[dict], out_dir: Path) -> None:
-    from dllm_align.io import atomic_write_text
+    from dllm_align.core.io import atomic_write_text
 
     cols = list(rows[0].keys()) if rows else []
     buf = io.StringIO()
@@ -185,7 +187,7 @@ def plot_imbalance(rows: list[dict], path: Path) -> Optional[Path]:
     plt = _pyplot()
     if plt is None:
         return None
-    from dllm_align.io import atomic_path
+    from dllm_align.core.io import atomic_path
 
     sides = [s for s in ("desirable", "undesirable") if any(r["subsampled"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(sides), figsize=(4.2 * len(sides), 3.4), sharey=True, squeeze=False)
@@ -215,7 +217,7 @@ def plot_baseline(rows: list[dict], path: Path) -> Optional[Path]:
     plt = _pyplot()
     if plt is None:
         return None
-    from dllm_align.io import atomic_path
+    from dllm_align.core.io import atomic_path
 
     keys = []
     for r in rows:

@@ -1,6 +1,6 @@
 """``dllm-align demo``: the whole method on a CPU in minutes, offline.
 
-The toy task (:mod:`dllm_align.toy`): sort five digits; ascending is desirable,
+The toy task (:mod:`dllm_align.data.toy`): sort five digits; ascending is desirable,
 descending undesirable. The base model (``builtin:toy-sort-base``, shipped in
 the package; rebuilt by the ``toy_sort_base`` recipe) was trained by
 masked-diffusion SFT on both, so it answers either way. The demo then runs
@@ -18,15 +18,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from dllm_align import console, pipeline
+from dllm_align.core import console
+
+from dllm_align.workflows import pipeline
 
 ROWS = (("aligned", "ELBO-KTO (aligned)"), ("chosen", "chosen target"), ("rejected", "rejected target"))
 
 
 def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overrides: Optional[list[str]] = None) -> dict:
     """Run (or finish) the demo in ``output_dir``; returns the content of results.json."""
-    from dllm_align.io import atomic_write_json, atomic_write_text
-    from dllm_align.recipe import load_recipe
+    from dllm_align.core.io import atomic_write_json, atomic_write_text
+    from dllm_align.config.recipe import load_recipe
 
     rec = load_recipe(recipe_name, overrides, output_dir)
     out = Path(rec.output_dir)
@@ -85,7 +87,7 @@ def sort_counts(path: Path) -> dict:
     sort, or something else (the toy task's two labelled behaviours)."""
     import json
 
-    from dllm_align import toy
+    from dllm_align.data import toy
 
     counts = {"n": 0, "ascending": 0, "descending": 0, "other": 0}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
@@ -135,7 +137,7 @@ def plot(results: dict, metrics: Path, path: Path) -> Optional[Path]:
     except ImportError:
         console.info("demo: no figure (matplotlib is not installed: pip install matplotlib, or the 'plot' extra)")
         return None
-    from dllm_align.io import atomic_path
+    from dllm_align.core.io import atomic_path
 
     steps = [json.loads(x) for x in metrics.read_text(encoding="utf-8").splitlines() if x.strip()] if metrics.exists() else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -206,6 +208,6 @@ def print_table(results: dict) -> None:
             lo, hi = r["ci90"]
             t.add_row(label, f"{100 * r['awr']:.1f}", f"[{100 * lo:.1f}, {100 * hi:.1f}]", str(r["wins"]), str(r["losses"]), str(r["ties"]), str(r["n"]))
     Console(highlight=False).print(t)
-    from dllm_align.console import result
+    from dllm_align.core.console import result
 
     result("\n".join(explain(results)))

@@ -13,28 +13,28 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from dllm_align import console
+from dllm_align.core import console
 
 
 def reference(recipe) -> None:
     """Fill the reference cache (finished shards are reused) unless the recipe computes it online."""
     if recipe.train.objective == "sft" or recipe.reference.mode == "online":
         return
-    from dllm_align.reference import run_precompute
+    from dllm_align.training.reference import run_precompute
 
     run_precompute(recipe)
 
 
 def trained_model(recipe) -> Path:
     """Train (or resume, or reuse) the policy of ``recipe``; returns its final model folder."""
-    from dllm_align.checkpoint import FINAL
-    from dllm_align.training import train
+    from dllm_align.training.checkpoint import FINAL
+    from dllm_align.training.loop import train
 
     out = Path(recipe.output_dir)
     final = out / FINAL
     done = out / "train.done"
     if done.exists() and (final / "config.json").exists():
-        from dllm_align.runfolder import check_training_settings
+        from dllm_align.core.runfolder import check_training_settings
 
         check_training_settings(recipe, out)  # a finished model is reused only for the settings that made it
         console.info(f"train: reusing {final}")
@@ -59,9 +59,9 @@ def generations(recipe, model: str | Path, out: Path, split: Optional[str] = Non
 def targets(recipe, out_dir: Path) -> dict[str, Path]:
     """The test split's own chosen and rejected completions as generation files (the paper's
     'chosen target' and 'rejected target' rows); empty when the test data is not paired."""
-    from dllm_align.data import load_paired
-    from dllm_align.errors import UserError
-    from dllm_align.io import atomic_write_text
+    from dllm_align.data.rows import load_paired
+    from dllm_align.core.errors import UserError
+    from dllm_align.core.io import atomic_write_text
 
     d = recipe.data
     try:
@@ -86,8 +86,8 @@ def targets(recipe, out_dir: Path) -> dict[str, Path]:
 
 def judged(recipe, a: Path, b: Path, out: Path) -> dict:
     """Judge ``a`` against ``b`` with the recipe's judges; returns results.json's content."""
-    from dllm_align.errors import RunFailure
-    from dllm_align.judging import judge_files
+    from dllm_align.core.errors import RunFailure
+    from dllm_align.judge.run import judge_files
 
     res = judge_files(a, b, out, recipe.judge)
     if res.failed:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from dllm_align.families.base import Family
-from dllm_align.families.dream import DREAM
-from dllm_align.families.llada import LLADA
-from dllm_align.families.llada_moe import LLADA_MOE
+from dllm_align.models.families.base import Family
+from dllm_align.models.families.dream import DREAM
+from dllm_align.models.families.llada import LLADA
+from dllm_align.models.families.llada_moe import LLADA_MOE
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, LLADA_MOE)}
 # Older folders written by dllm-align name the built-in models' family "tiny": LLaDA's manners.
@@ -25,7 +25,7 @@ _ALIASES = {"tiny": "llada"}
 def get_family(name: str) -> Family:
     name = _ALIASES.get(name, name)
     if name not in FAMILIES:
-        from dllm_align.errors import UserError
+        from dllm_align.core.errors import UserError
 
         raise UserError(f"unknown model family '{name}'", hint=f"known: {', '.join(FAMILIES)}")
     return FAMILIES[name]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 

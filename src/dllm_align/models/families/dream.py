@@ -11,7 +11,7 @@ Facts from the published config and code (SPEC.md section 11):
   logits[:, :-1]])`` in the published sampler and likelihood code);
 * mask id 151666 ``<|mask|>`` (config.json), bos = eos = pad = 151643
   ``<|endoftext|>``, a turn ends with ``<|im_end|>``;
-* its own decoding rule (``diffusion_generate``): see ``dllm_align.dream_sampler``;
+* its own decoding rule (``diffusion_generate``): see ``dllm_align.generate.dream``;
 * rotary frequencies are computed here in fp32 from the config (the published
   code leaves ``inv_freq`` uninitialised under transformers 5).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dllm_align.families.base import (
+from dllm_align.models.families.base import (
     Family,
     byte_level_tokenizer,
     load_mapped,

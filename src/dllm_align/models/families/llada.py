@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from dllm_align.families.base import (
+from dllm_align.models.families.base import (
     Family,
     load_mapped,
     refuse,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dllm_align.families.base import (
+from dllm_align.models.families.base import (
     Family,
     load_mapped,
     refuse,
