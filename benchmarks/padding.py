@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _lengths(folder: Path, tokenize) -> list[int]:
-    from dllm_align.data.rows import load_unpaired
+    from dllm_align.data.load import load_unpaired
 
     rows = load_unpaired(str(folder / "chosen.jsonl"), label=True, quiet=True) + load_unpaired(
         str(folder / "rejected.jsonl"), label=False, quiet=True

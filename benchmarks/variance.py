@@ -19,7 +19,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-
 
 
 def _examples(tok, n_rows: int):
-    from dllm_align.data.rows import load_unpaired
+    from dllm_align.data.load import load_unpaired
     from dllm_align.config.recipe import DataSection
     from dllm_align.data.tokenize import tokenize_rows
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
-from dllm_align.data.rows import load_unpaired
+from dllm_align.data.load import load_unpaired
 
 runner = CliRunner()
 
@@ -117,7 +117,7 @@ def test_balance_weights_sidecar(tmp_path):
     assert (w["n_desirable"], w["n_undesirable"]) == (75, 750)
     assert w["lambda_desirable"] * w["n_desirable"] == w["lambda_undesirable"] * w["n_undesirable"]
     assert "outside" not in r.stderr
-    from dllm_align.data.rows import read_weights_file
+    from dllm_align.data.imbalance import read_weights_file
 
     assert read_weights_file(tmp_path / "d10.weights.json") == (10.0, 1.0)
 

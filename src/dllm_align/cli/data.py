@@ -97,7 +97,8 @@ def stats(
     import json
 
     from dllm_align.core.console import result
-    from dllm_align.data.rows import dataset_stats, load_unpaired
+    from dllm_align.data.stats import dataset_stats
+    from dllm_align.data.load import load_unpaired
     from dllm_align.core.errors import UserError
     from dllm_align.models.load import load_tokenizer, resolve_model_path
     from dllm_align.config.recipe import DataSection
@@ -127,7 +128,8 @@ def check(
     Example: dllm-align data check ultrafeedback.jsonl
     """
     from dllm_align.core.console import result
-    from dllm_align.data.rows import class_counts, load_unpaired
+    from dllm_align.data.imbalance import class_counts
+    from dllm_align.data.load import load_unpaired
 
     rows = load_unpaired(input, split=split, format=format.value, label=label_value(label))
     n_d, n_u = class_counts(rows)

@@ -152,7 +152,7 @@ def run_generate(
 
     import torch
 
-    from dllm_align.data.rows import load_prompts
+    from dllm_align.data.load import load_prompts
     from dllm_align.core.errors import UserError
     from dllm_align.generate.sampler import SamplerSettings
     from dllm_align.core.io import FileLock, check_not_input

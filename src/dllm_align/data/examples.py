@@ -26,7 +26,7 @@ from dllm_align.core.errors import UserError
 
 def load_training_examples(recipe, tokenizer, *, quiet: bool = False) -> list:
     """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation)."""
-    from dllm_align.data.rows import rows_from_section
+    from dllm_align.data.load import rows_from_section
     from dllm_align.data.tokenize import tokenize_rows
 
     rows = rows_from_section(recipe.data, "train", quiet=quiet)

@@ -73,7 +73,7 @@ def _write(folder: Path, chosen: list[dict], rejected: list[dict]) -> None:
 def fetch(folder: Optional[Path] = None) -> Path:
     """Load the split through ``datasets`` (its cache first) and write the two files."""
     folder = folder or cache_folder()
-    from dllm_align.data.rows import _hub_reachable
+    from dllm_align.data.read import _hub_reachable
 
     import datasets
 

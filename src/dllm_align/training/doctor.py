@@ -266,7 +266,7 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
 
 
 def _count_prompts(rec) -> Optional[int]:
-    from dllm_align.data.rows import load_prompts
+    from dllm_align.data.load import load_prompts
     from dllm_align.core.errors import UserError
 
     g = rec.generate

@@ -267,7 +267,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def class_weights(recipe) -> tuple[float, float]:
     if recipe.data.weights_file:
         from dllm_align.core.console import info
-        from dllm_align.data.rows import read_weights_file
+        from dllm_align.data.imbalance import read_weights_file
 
         ld, lu = read_weights_file(recipe.data.weights_file)
         info(f"class weights from {recipe.data.weights_file}: lambda_D {ld:g}, lambda_U {lu:g}")
@@ -421,7 +421,7 @@ class _Run:
         self._plans: dict[int, list[list[int]]] = {}
         self.lambda_d, self.lambda_u = class_weights(recipe)
         if self.t.objective == "elbo_kto" and self.main:
-            from dllm_align.data.rows import check_weight_ratio
+            from dllm_align.data.imbalance import check_weight_ratio
 
             n_d = sum(1 for u in self.units if u[0].label)
             # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.

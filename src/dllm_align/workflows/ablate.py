@@ -53,7 +53,8 @@ def baseline_settings(recipe) -> list[Setting]:
 
 
 def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
-    from dllm_align.data.rows import balance_weights, class_counts, rows_from_section
+    from dllm_align.data.imbalance import balance_weights, class_counts
+    from dllm_align.data.load import rows_from_section
 
     a = recipe.ablate
     out = []

@@ -59,7 +59,7 @@ def generations(recipe, model: str | Path, out: Path, split: Optional[str] = Non
 def targets(recipe, out_dir: Path) -> dict[str, Path]:
     """The test split's own chosen and rejected completions as generation files (the paper's
     'chosen target' and 'rejected target' rows); empty when the test data is not paired."""
-    from dllm_align.data.rows import load_paired
+    from dllm_align.data.load import load_paired
     from dllm_align.core.errors import UserError
     from dllm_align.core.io import atomic_write_text
 
