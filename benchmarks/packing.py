@@ -104,7 +104,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.core.console import info
     from dllm_align.data.examples import make_collate
     from dllm_align.models.load import load_model
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

@@ -190,7 +190,7 @@ def straightforward_train(model, examples, collate, batch: int, cfg, ref: dict, 
 
     from dllm_align.data.batching import plan_batches
     from dllm_align.objective.losses import elbo_kto_loss
-    from dllm_align.training.loop import build_optimizer
+    from dllm_align.training.setup import build_optimizer
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=False, drop_last=True)
     opt = build_optimizer(model.named_parameters(), train_section)
@@ -324,7 +324,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.objective.elbo import DrawConfig
     from dllm_align.models.load import load_model
     from dllm_align.data.examples import make_collate
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

@@ -79,7 +79,8 @@ def cache_for(toy, mp: str):
 @pytest.mark.parametrize("mode", ["cached", "online"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lora):
-    from dllm_align.training.loop import _Run, invariant_margins, make_accelerator
+    from dllm_align.training.loop import _Run, invariant_margins
+    from dllm_align.training.setup import make_accelerator
 
     exs = cache_for(toy, mp)
     sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
@@ -94,7 +95,7 @@ def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lor
 
 def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
     """`train --set train.mixed_precision=bf16`: the first step's reward means are 0 for both classes."""
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     exs = cache_for(toy, "bf16")
     rec = recipe(toy, "bf16", "train.max_steps=2", out="bf16-train")
@@ -109,7 +110,8 @@ def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     """The cache fingerprint records the compute precision: an fp32 cache does not serve a bf16-autocast run."""
     from dllm_align.training import reference as ref
     from dllm_align.core.errors import UserError
-    from dllm_align.training.loop import _Run, make_accelerator
+    from dllm_align.training.loop import _Run
+    from dllm_align.training.setup import make_accelerator
 
     exs = cache_for(toy, "no")
     rec = recipe(toy, "bf16", f"reference.cache={toy['root'] / 'cache-no'}")
@@ -213,14 +215,15 @@ def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, 
     The step's no-grad pass (for the baseline) and its gradient pass run a micro-batch under
     the same seed: the margins are identical; an unseeded pass draws other masks.
     """
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     exs = cache_for(toy, "no")
     rec = recipe(toy, "no", "train.batch_size=2", "train.grad_accum=2", "train.max_steps=2", "train.lora.enabled=true",
                  "train.lora.r=4", f"train.lora.dropout={dropout}", out=f"dropout-{dropout}")
     train(rec, examples=exs)  # the accumulation path runs with dropout
     # exact check through the library: the same step's two passes give the same margins
-    from dllm_align.training.loop import _Run, make_accelerator
+    from dllm_align.training.loop import _Run
+    from dllm_align.training.setup import make_accelerator
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)

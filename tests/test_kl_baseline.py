@@ -55,7 +55,7 @@ def kl_toy(tmp_path_factory):
 
 
 def _run(kl_toy, out, *sets):
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     rec = recipe_for(kl_toy["root"], kl_toy["data"], kl_toy["cache"], "train.baseline=kl", "train.max_steps=3", *sets, out=out)
     train(rec, examples=kl_toy["examples"])
@@ -110,7 +110,7 @@ def test_cache_without_the_pairs_is_refused(kl_toy, tmp_path):
     from dllm_align.training import reference as ref
     from dllm_align.data.examples import make_collate
     from dllm_align.models.load import load_model
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     cache = tmp_path / "plain"
     plain = recipe_for(kl_toy["root"], kl_toy["data"], cache, "train.global_batch_size=4")

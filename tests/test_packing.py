@@ -129,7 +129,7 @@ def test_training_packed_equals_padded(tmp_path):
     from test_training import assert_same_params, final_params, metrics
 
     from dllm_align.config.recipe import load_recipe
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     data = write_pairs(tmp_path / "pairs.jsonl", n=8)
     runs = {}

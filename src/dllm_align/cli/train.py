@@ -41,7 +41,7 @@ def train(
     from dllm_align.core.console import info, result
     from dllm_align.core.errors import UserError
     from dllm_align.config.recipe import load_recipe
-    from dllm_align.training.loop import train as run_train
+    from dllm_align.training.train import train as run_train
 
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other; pick one")

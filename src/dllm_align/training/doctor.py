@@ -186,7 +186,8 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
     from dllm_align.core.console import info
     from dllm_align.training.reference import cache_dir
-    from dllm_align.training.loop import _Run, invariant_margins, make_accelerator
+    from dllm_align.training.loop import _Run, invariant_margins
+    from dllm_align.training.setup import make_accelerator
 
     tmp = Path(tempfile.mkdtemp(prefix="dllm-align-doctor-"))
     try:

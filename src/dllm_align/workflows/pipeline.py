@@ -28,7 +28,7 @@ def reference(recipe) -> None:
 def trained_model(recipe) -> Path:
     """Train (or resume, or reuse) the policy of ``recipe``; returns its final model folder."""
     from dllm_align.training.checkpoint import FINAL
-    from dllm_align.training.loop import train
+    from dllm_align.training.train import train
 
     out = Path(recipe.output_dir)
     final = out / FINAL
