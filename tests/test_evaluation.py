@@ -25,6 +25,7 @@ from dllm_align.cli.app import app
 lm_eval = pytest.importorskip("lm_eval")
 
 from dllm_align.evaluate import harness as E  # noqa: E402
+from dllm_align.evaluate import run as R  # noqa: E402
 from dllm_align.objective.elbo import DrawConfig, elbo_draws, exact_elbo  # noqa: E402
 from dllm_align.generate.sampler import SamplerSettings, encode_prompt, generate, row_seed  # noqa: E402
 
@@ -137,7 +138,7 @@ def make_lm(mp, **kw) -> E.DiffusionLM:
 
 
 def run_harness(lm, folder: Path, task: str, **kw) -> dict:
-    tm = E.task_manager([task], str(folder))
+    tm = R.task_manager([task], str(folder))
     return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, bootstrap_iters=0, **kw)
 
 
@@ -247,7 +248,7 @@ def test_registered_with_the_harness(tiny, tmp_path):
     write_mc_task(tmp_path, [max(range(3), key=v.__getitem__) for v in direct[:2]] + [0] * 4)
     res = lm_eval.simple_evaluate(
         model="dllm_align", model_args="pretrained=builtin:tiny,mc_num=4,gen_length=8,block_length=4,steps=4",
-        tasks=["toy_mc"], task_manager=E.task_manager(["toy_mc"], str(tmp_path)), batch_size=4, limit=2, bootstrap_iters=0,
+        tasks=["toy_mc"], task_manager=R.task_manager(["toy_mc"], str(tmp_path)), batch_size=4, limit=2, bootstrap_iters=0,
     )
     assert res["results"]["toy_mc"]["acc,none"] == 1.0
     assert res["config"]["mc_num"] == 4 and res["config"]["sampler"]["gen_length"] == 8
@@ -372,7 +373,7 @@ def test_code_tasks_need_consent(tmp_path):
 def test_table4_recipe_has_the_papers_settings():
     from dllm_align.config.recipe import load_recipe
 
-    plans = {p.key: p for p in E.plan_tasks(load_recipe("table4_downstream"))}
+    plans = {p.key: p for p in R.plan_tasks(load_recipe("table4_downstream"))}
     got = {k: (p.sampler.gen_length, p.sampler.block_length, p.sampler.steps, p.num_fewshot) for k, p in plans.items()}
     assert got == {  # SPEC.md §9 / the paper's eval-config table
         "gsm8k": (256, 8, 256, 5),

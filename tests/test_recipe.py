@@ -120,7 +120,7 @@ def test_every_bundled_recipe_dry_runs(name):
     assert r.data.train is not None or r.evaluate.tasks  # something to train on, or to evaluate
     assert baseline_settings(r)  # the sweep expands
     if r.evaluate.tasks:
-        from dllm_align.evaluate.harness import plan_tasks
+        from dllm_align.evaluate.run import plan_tasks
 
         plans = plan_tasks(r)
         assert len(plans) == len(r.evaluate.tasks)

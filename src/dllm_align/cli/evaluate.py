@@ -70,7 +70,7 @@ def evaluate(
     _require_harness()
     import logging
 
-    from dllm_align.evaluate import harness as E
+    from dllm_align.evaluate import run as E
     from dllm_align.core.console import info, progress_enabled, result
     from dllm_align.core.errors import UserError
     from dllm_align.core.io import atomic_write_json, atomic_write_text
