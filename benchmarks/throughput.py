@@ -80,7 +80,7 @@ def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
 
     from dllm_align.data.load import load_unpaired
     from dllm_align.models.load import build_tiny_tokenizer
-    from dllm_align.config.recipe import DataSection
+    from dllm_align.config.schema import DataSection
     from dllm_align.data.tokenize import Example, end_of_turn_id, tokenize_rows
 
     if not (SHARED / "chosen.jsonl").exists():

@@ -20,7 +20,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-
 
 def _examples(tok, n_rows: int):
     from dllm_align.data.load import load_unpaired
-    from dllm_align.config.recipe import DataSection
+    from dllm_align.config.schema import DataSection
     from dllm_align.data.tokenize import tokenize_rows
 
     rows = load_unpaired(str(SHARED / "chosen.jsonl"), label=True, quiet=True)[:n_rows]

@@ -475,7 +475,7 @@ def test_weights_file(tmp_path):
 
 
 def test_rows_from_section(tmp_path):
-    from dllm_align.config.recipe import DataSection
+    from dllm_align.config.schema import DataSection
 
     f = write_jsonl(tmp_path / "k.jsonl", kto_rows(20, 20))
     sec = DataSection(train=str(f), desirable_ratio=0.5, seed=3)

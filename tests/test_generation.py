@@ -81,7 +81,7 @@ def test_invalid_settings_are_user_errors(tiny, kw, msg):
 
 
 def test_settings_from_recipe_section():
-    from dllm_align.config.recipe import GenerateSection
+    from dllm_align.config.schema import GenerateSection
 
     st = SamplerSettings.from_section(GenerateSection())
     assert (st.gen_length, st.block_length, st.steps, st.temperature, st.cfg) == (512, 32, 512, 0.0, 0.0)
@@ -92,7 +92,7 @@ def test_encode_prompt_matches_training_tokenisation(tiny, shared_data):
     import json
 
     from dllm_align.data.rows import Row
-    from dllm_align.config.recipe import DataSection
+    from dllm_align.config.schema import DataSection
     from dllm_align.data.tokenize import tokenize_rows
 
     lines = (shared_data / "chosen.jsonl").read_text(encoding="utf-8").splitlines()[:5]

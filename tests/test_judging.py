@@ -23,7 +23,7 @@ from dllm_align.judge import run as judging
 
 from dllm_align.judge import stats
 from dllm_align.cli.app import app
-from dllm_align.config.recipe import JudgeSection
+from dllm_align.config.schema import JudgeSection
 from judge_server import JudgeServer, answer
 
 runner = CliRunner()

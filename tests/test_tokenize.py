@@ -7,7 +7,7 @@ import pytest
 from dllm_align.data.batching import collate
 from dllm_align.data.rows import PairRow, Row
 from dllm_align.models.load import build_tiny_tokenizer
-from dllm_align.config.recipe import DataSection
+from dllm_align.config.schema import DataSection
 from dllm_align.data.tokenize import (
     end_of_turn_id,
     fit,

@@ -90,7 +90,7 @@ def test_lora_merge_matches_peft():
     from peft import LoraConfig, get_peft_model
 
     from dllm_align.models.load import build_tiny_model
-    from dllm_align.config.recipe import LoraSection
+    from dllm_align.config.schema import LoraSection
 
     model = build_tiny_model()
     base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -368,7 +368,7 @@ def test_lora_unmerged_export_is_a_peft_adapter(toy):
 
 def test_fused_optimizer_gives_the_loop_update():
     """build_optimizer's fused AdamW (CPU) makes the per-tensor loop's updates, decay groups included."""
-    from dllm_align.config.recipe import TrainSection
+    from dllm_align.config.schema import TrainSection
     from dllm_align.training.setup import build_optimizer
 
     t = TrainSection(lr=1e-2, weight_decay=0.1)

@@ -101,7 +101,7 @@ def stats(
     from dllm_align.data.load import load_unpaired
     from dllm_align.core.errors import UserError
     from dllm_align.models.load import load_tokenizer, resolve_model_path
-    from dllm_align.config.recipe import DataSection
+    from dllm_align.config.schema import DataSection
 
     if truncation not in ("completion", "prompt_left"):
         raise UserError(f"--truncation must be 'completion' or 'prompt_left', got '{truncation}'")

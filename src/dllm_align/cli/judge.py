@@ -117,7 +117,8 @@ def judge(
     from dllm_align.core.console import info, result
     from dllm_align.core.errors import RunFailure, UserError
     from dllm_align.judge.run import judge_files, print_table
-    from dllm_align.config.recipe import JudgeSection, load_recipe, write_run_info
+    from dllm_align.config.schema import JudgeSection
+    from dllm_align.config.recipe import load_recipe, write_run_info
 
     rec = load_recipe(recipe)
     given = {

@@ -55,7 +55,7 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     the section's.
     """
     from dllm_align.generate.sampler import SamplerSettings
-    from dllm_align.config.recipe import EvalTask
+    from dllm_align.config.schema import EvalTask
 
     ev = recipe.evaluate
     if keys is None:

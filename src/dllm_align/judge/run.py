@@ -230,7 +230,7 @@ class JudgeRunResult:
 
 
 def _settings_dict(settings) -> dict:
-    from dllm_align.config.recipe import JudgeSection
+    from dllm_align.config.schema import JudgeSection
 
     if isinstance(settings, JudgeSection):
         return settings.model_dump()

@@ -85,7 +85,7 @@ def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
 
 
 def _setting_recipe(recipe, setting: Setting, folder: Path, cache: Path):
-    from dllm_align.config.recipe import Recipe
+    from dllm_align.config.schema import Recipe
 
     raw = recipe.model_dump(mode="python")
     for dotted, value in setting.overrides.items():
