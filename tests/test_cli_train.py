@@ -184,7 +184,7 @@ def test_precompute_on_two_processes_matches_one(toy, tmp_path):
            "precompute-ref", str(toy["recipe"]), "-o", str(tmp_path), "--set", f"reference.cache={tmp_path / 'c2'}"]
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    from dllm_align.training.reference import ReferenceCache
+    from dllm_align.training.cache import ReferenceCache
 
     one, two = ReferenceCache.open(toy["root"] / "ref_cache"), ReferenceCache.open(tmp_path / "c2")
     assert one.manifest["fingerprint"] == two.manifest["fingerprint"]

@@ -108,7 +108,7 @@ def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
 
 def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     """The cache fingerprint records the compute precision: an fp32 cache does not serve a bf16-autocast run."""
-    from dllm_align.training import reference as ref
+    from dllm_align.training import cache as refcache
     from dllm_align.core.errors import UserError
     from dllm_align.training.loop import _Run
     from dllm_align.training.setup import make_accelerator
@@ -117,8 +117,8 @@ def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     rec = recipe(toy, "bf16", f"reference.cache={toy['root'] / 'cache-no'}")
     with pytest.raises(UserError, match="'compute_dtype'.*train.mixed_precision"):
         _Run(rec, make_accelerator(rec), None, exs)
-    fp32 = ref.fingerprint(recipe(toy, "no"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
-    bf16 = ref.fingerprint(recipe(toy, "bf16"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
+    fp32 = refcache.fingerprint(recipe(toy, "no"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
+    bf16 = refcache.fingerprint(recipe(toy, "bf16"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
     assert (fp32["compute_dtype"], bf16["compute_dtype"]) == ("float32", "float32+autocast:bfloat16")
     assert fp32["reference_dtype"] == bf16["reference_dtype"] == "float32"
 

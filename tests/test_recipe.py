@@ -184,7 +184,7 @@ def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
     both carry the three choices."""
     import yaml
 
-    from dllm_align.training import reference as ref
+    from dllm_align.training import cache as refcache
     from dllm_align.models.load import load_model
     from dllm_align.data.tokenize import Example
 
@@ -199,9 +199,9 @@ def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
     assert resolved["train"]["baseline"] == "none"
     mp = load_model("builtin:tiny")
     exs = [Example("a", [1, 2], [3, 4], True)]
-    fp = ref.fingerprint(rec, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
+    fp = refcache.fingerprint(rec, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
     assert (fp.fields["group_by_length"], fp.fields["end_of_turn"], fp.fields["baseline"]) == (True, "none", "none")
     assert "end_of_turn" in fp.strict()  # changes the tokens scored: a cache must match it
     other = load_recipe(None, ["data.group_by_length=true", "train.baseline=none"])
-    fp2 = ref.fingerprint(other, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
+    fp2 = refcache.fingerprint(other, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
     assert fp2.digest() != fp.digest()

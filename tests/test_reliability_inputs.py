@@ -141,7 +141,7 @@ def _rewrite_shard(cache: Path, name: str, change: Callable[[np.ndarray], None])
     """Change a shard's values but keep it self-consistent (its own checksum and the manifest's sha256 recomputed),
     as a careless edit or a buggy tool would: only the range check can catch it."""
     from dllm_align.core.io import sha256_file
-    from dllm_align.training.reference import _contents_sha
+    from dllm_align.training.cache import _contents_sha
     from safetensors import safe_open
     from safetensors.torch import save_file
 

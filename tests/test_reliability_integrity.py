@@ -185,7 +185,7 @@ def test_precompute_reports_an_out_of_range_reference_and_writes_nothing(toy, tm
 
 
 def test_elbo_range_check_by_hand():
-    from dllm_align.training.reference import elbo_range_problem
+    from dllm_align.training.cache import elbo_range_problem
 
     ids = ["a", "b", "c"]
     assert elbo_range_problem(np.array([[-1.0, -0.0], [-3.5, -2.0], [0.0, -1e30]]), ids) is None  # 0 is allowed: log 1

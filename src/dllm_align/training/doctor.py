@@ -63,7 +63,7 @@ def environment(recipe, launch: Launch, shape) -> dict:
     """Devices, bf16, attention backends, NCCL, disk and host RAM against what the recipe needs."""
     import importlib.util
 
-    from dllm_align.training.reference import cache_dir
+    from dllm_align.training.cache import cache_dir
 
     env: dict = {"torch": torch.__version__}
     cuda = torch.cuda.is_available()
@@ -185,7 +185,7 @@ def _peak_rss() -> int:
 def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
     from dllm_align.core.console import info
-    from dllm_align.training.reference import cache_dir
+    from dllm_align.training.cache import cache_dir
     from dllm_align.training.loop import _Run, invariant_margins
     from dllm_align.training.setup import make_accelerator
 

@@ -229,17 +229,18 @@ class _Run:
 
     def _setup_reference(self) -> None:
         from dllm_align.training import reference as ref
+        from dllm_align.training import cache as refcache
         from dllm_align.core.console import info
 
         r = self.recipe.reference
         if r.mode == "online":
             self.ref_mp = ref.load_reference(self.recipe, self.acc.device)
             if self.main:
-                info(f"train: reference computed online ({ref.reference_name(self.recipe)}, resident)")
+                info(f"train: reference computed online ({refcache.reference_name(self.recipe)}, resident)")
             return
-        folder = ref.cache_dir(self.recipe)
-        cache = ref.ReferenceCache.open(folder)
-        fp = ref.fingerprint(
+        folder = refcache.cache_dir(self.recipe)
+        cache = refcache.ReferenceCache.open(folder)
+        fp = refcache.fingerprint(
             self.recipe,
             tokenizer=self.tokenizer,
             mask_token_id=self.mp.mask_token_id,
