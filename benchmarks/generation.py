@@ -59,7 +59,8 @@ def straightforward(mp, prompt, gen_length, block_length, steps):
 
 
 def _tiny(device):
-    from dllm_align.models.load import MaskPredictor, TinySpec, build_tiny_model, build_tiny_tokenizer
+    from dllm_align.models.predictor import MaskPredictor
+    from dllm_align.models.load import TinySpec, build_tiny_model, build_tiny_tokenizer
 
     spec = TinySpec(hidden_size=256, layers=4, heads=4, intermediate_size=512)
     tok = build_tiny_tokenizer()

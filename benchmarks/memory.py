@@ -24,7 +24,8 @@ def _setup(device: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models.load import MaskPredictor, build_tiny_tokenizer
+    from dllm_align.models.predictor import MaskPredictor
+    from dllm_align.models.load import build_tiny_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

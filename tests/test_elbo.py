@@ -220,7 +220,7 @@ def test_shared_masks_zero_margin_and_lower_variance(tiny):
 
 
 def test_chunked_head_equals_plain_head_values_and_grads():
-    from dllm_align.models.load import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)

@@ -18,7 +18,8 @@ from dllm_align.generate.sampler import (
     row_seed,
     transfer_schedule,
 )
-from dllm_align.models.load import MaskPredictor, build_tiny_model, build_tiny_tokenizer
+from dllm_align.models.predictor import MaskPredictor
+from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
 
 
 

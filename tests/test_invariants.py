@@ -140,7 +140,7 @@ def test_mixed_precision_no_is_accepted_from_set_and_yaml(tmp_path):
 # --------------------------------------------------------------------------- the pieces
 def test_chunked_head_honours_autocast():
     """Defect 2: the chunked head's out= matmul escaped autocast (fp32 head vs the reference's bf16 head)."""
-    from dllm_align.models.load import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 64, generator=g)
@@ -155,7 +155,7 @@ def test_chunked_head_honours_autocast():
 
 
 def test_chunked_head_gradient_matches_autograd_under_bf16():
-    from dllm_align.models.load import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(20, 32, generator=g, requires_grad=True)

@@ -17,7 +17,7 @@ import torch
 
 from dllm_align.data.batching import collate
 from dllm_align.objective.elbo import DrawConfig, elbo_draws, pack_rows, pack_sequences
-from dllm_align.models.load import packed_attention, packed_positions
+from dllm_align.models.predictor import packed_attention, packed_positions
 from dllm_align.data.tokenize import Example
 
 
