@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dllm_align.generate.sampler import SamplerSettings, encode_prompt, generate, generate_batch
+from dllm_align.generate.settings import SamplerSettings, encode_prompt
+from dllm_align.generate.sampler import generate, generate_batch
 from dllm_align.models.load import build_tiny_tokenizer, load_model
 
 from fixtures.family_checkpoints import dream_config, dream_state, write_checkpoint

@@ -27,7 +27,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from dllm_align.evaluate import harness as E  # noqa: E402
 from dllm_align.evaluate import run as R  # noqa: E402
 from dllm_align.objective.elbo import DrawConfig, elbo_draws, exact_elbo  # noqa: E402
-from dllm_align.generate.sampler import SamplerSettings, encode_prompt, generate, row_seed  # noqa: E402
+from dllm_align.generate.settings import SamplerSettings, encode_prompt, row_seed  # noqa: E402
+from dllm_align.generate.sampler import generate
 
 runner = CliRunner()
 

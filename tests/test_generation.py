@@ -7,17 +7,8 @@ import torch
 
 from _gen_reference import reference_generate
 from dllm_align.core.errors import UserError
-from dllm_align.generate.sampler import (
-    SamplerSettings,
-    SamplerStats,
-    _KVForward,
-    encode_prompt,
-    generate,
-    generate_batch,
-    length_batches,
-    row_seed,
-    transfer_schedule,
-)
+from dllm_align.generate.settings import SamplerSettings, SamplerStats, encode_prompt, length_batches, row_seed, transfer_schedule
+from dllm_align.generate.sampler import _KVForward, generate, generate_batch
 from dllm_align.models.predictor import MaskPredictor
 from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
 

@@ -112,7 +112,7 @@ def test_every_bundled_recipe_loads(name):
 def test_every_bundled_recipe_dry_runs(name):
     """Each shipped recipe passes the checks its commands make before loading any model or data."""
     from dllm_align.workflows.ablate import baseline_settings
-    from dllm_align.generate.sampler import SamplerSettings
+    from dllm_align.generate.settings import SamplerSettings
 
     r = load_recipe(name)
     SamplerSettings.from_section(r.generate).check()

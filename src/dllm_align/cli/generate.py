@@ -154,7 +154,7 @@ def run_generate(
 
     from dllm_align.data.load import load_prompts
     from dllm_align.core.errors import UserError
-    from dllm_align.generate.sampler import SamplerSettings
+    from dllm_align.generate.settings import SamplerSettings
     from dllm_align.core.io import FileLock, check_not_input
     from dllm_align.models.load import load_from_section, pick_dtype
 
@@ -245,7 +245,8 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
 
     from dllm_align.core import console
     from dllm_align.core.errors import UserError
-    from dllm_align.generate.sampler import SamplerStats, encode_prompt, generate_batch, length_batches, row_seed
+    from dllm_align.generate.settings import SamplerStats, encode_prompt, length_batches, row_seed
+    from dllm_align.generate.sampler import generate_batch
     from dllm_align.core.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
     from dllm_align.config.recipe import write_run_info
     from dllm_align.core.runfolder import differing, refuse_changes

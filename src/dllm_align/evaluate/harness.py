@@ -192,7 +192,7 @@ class DiffusionLM(LM):
         self.configure(
             batch_size=batch_size, mc_num=mc_num, mc_seed=mc_seed, stratified=stratified, greedy_check=greedy_check,
         )
-        from dllm_align.generate.sampler import SamplerSettings
+        from dllm_align.generate.settings import SamplerSettings
 
         self.configure(
             sampler=SamplerSettings(
@@ -440,7 +440,8 @@ class DiffusionLM(LM):
     def _greedy(self, unique: dict[str, tuple[list[int], list[int]]]) -> dict[str, bool]:
         """Whether decoding the continuation one token per step (low-confidence order, temperature 0)
         reproduces it: the sampler with gen_length = block_length = steps = L."""
-        from dllm_align.generate.sampler import SamplerSettings, generate
+        from dllm_align.generate.settings import SamplerSettings
+        from dllm_align.generate.sampler import generate
 
         by_len: dict[int, list[str]] = {}
         for k, (_, cont) in unique.items():
@@ -461,7 +462,8 @@ class DiffusionLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode each context with the LLaDA sampler (SPEC.md §7) and cut at the task's stop strings."""
         from dllm_align.core.console import progress
-        from dllm_align.generate.sampler import generate, row_seed
+        from dllm_align.generate.sampler import generate
+        from dllm_align.generate.settings import row_seed
 
         st = self.sampler
         deterministic = st.temperature == 0 and st.remasking == "low_confidence"

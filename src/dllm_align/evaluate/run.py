@@ -54,7 +54,7 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     ``generate`` section; ``limit`` (the command line) wins over the task's and
     the section's.
     """
-    from dllm_align.generate.sampler import SamplerSettings
+    from dllm_align.generate.settings import SamplerSettings
     from dllm_align.config.schema import EvalTask
 
     ev = recipe.evaluate
