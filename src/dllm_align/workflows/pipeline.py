@@ -46,7 +46,7 @@ def trained_model(recipe) -> Path:
 
 def generations(recipe, model: str | Path, out: Path, split: Optional[str] = None) -> Path:
     """Generate for the recipe's test prompts with ``model`` into ``out`` (ids already there are kept)."""
-    from dllm_align.cli.generate import run_generate
+    from dllm_align.generate.run import run_generate
 
     rec = recipe.model_copy(deep=True)
     rec.model.name_or_path = str(model)
