@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dllm_align.data.batching import collate
-from dllm_align.objective.elbo import DrawConfig, elbo_draws, pack_rows, pack_sequences
+from dllm_align.data.batching import pack_rows, pack_sequences
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
 from dllm_align.models.predictor import packed_attention, packed_positions
 from dllm_align.data.tokenize import Example
 

@@ -37,6 +37,7 @@ The batch plan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -159,7 +160,7 @@ def tokens_fed(lengths: Sequence[int], micro: Sequence[Sequence[int]], padding: 
     """Token positions the model processes for these micro-batches under a padding choice, with ``k`` noisy copies per row.
 
     ``packed``: each micro-batch's ``k`` copies of its rows packed into rows of
-    ``max_length`` (:func:`dllm_align.objective.elbo.pack_sequences`), each packed call as
+    ``max_length`` (:func:`pack_sequences`), each packed call as
     wide as its fullest row.
     """
     if padding == "paper":
@@ -167,7 +168,6 @@ def tokens_fed(lengths: Sequence[int], micro: Sequence[Sequence[int]], padding: 
     if padding == "none":
         return k * sum(len(m) * max(lengths[i] for i in m) for m in micro if m)
     if padding == "packed":
-        from dllm_align.objective.elbo import pack_sequences
 
         total = 0
         for m in micro:
@@ -205,3 +205,82 @@ def padding_costs(
     plan = plan_batches(lengths, G, seed, 0, False)
     out["packed_random"] = round(tokens_fed(lengths, micro_batches(plan, micro_batch_size), "packed", max_length, k=n_mc) / n_mc)
     return out
+
+
+# --------------------------------------------------------------------------- packing
+def _first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        L = int(lengths[i])
+        for b, r in enumerate(room):
+            if L <= r:
+                bins[b].append(i)
+                room[b] -= L
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - L)
+    return bins
+
+
+def pack_sequences(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of sequence indices whose lengths sum to at most ``capacity``: as few bins as first fit
+    (longest first) finds, then as even as possible.
+
+    A packed call is as wide as its fullest row, so after first fit fixes the
+    number of rows R, the capacity is lowered towards total / R while R rows
+    still suffice: the rows come out nearly equally full and the call wastes
+    little on its tail. Deterministic (ties keep index order). A sequence longer
+    than ``capacity`` gets a bin of its own.
+    """
+    bins = _first_fit(lengths, capacity)
+    R = len(bins)
+    if R <= 1:
+        return bins
+    longest = max(int(x) for x in lengths)
+    lo = max(longest, -(-sum(int(x) for x in lengths) // R))
+    if lo >= capacity:
+        return bins
+    step = max(1, (capacity - lo) // 16)
+    for c in range(lo, capacity, step):
+        even = _first_fit(lengths, c)
+        if len(even) <= R:
+            return even
+    return bins
+
+
+@dataclass
+class PackedRows:
+    """Noisy sequences packed into rows (block-diagonal attention, positions restarting per sequence)."""
+
+    input_ids: torch.Tensor  # [R, C]
+    layout: torch.Tensor  # [R, C] sequence index within the row; -1 on the unused tail
+    row_of: torch.Tensor  # [S] packed row of each sequence
+    offset: torch.Tensor  # [S] its first column there
+
+
+def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int], capacity: int) -> PackedRows:
+    """Pack the first ``lengths[s]`` tokens of each row ``s`` of ``input_ids`` into as few rows of ``capacity`` as fit.
+
+    The packed width is the fullest row's fill (at most ``capacity``). Tail
+    positions hold token 0 and layout -1: they form their own block, which no
+    real token sees.
+    """
+    bins = pack_sequences(lengths, capacity)
+    S = len(lengths)
+    width = max(sum(int(lengths[i]) for i in b) for b in bins) if bins else 0
+    ids = torch.zeros(len(bins), width, dtype=input_ids.dtype)
+    layout = torch.full((len(bins), width), -1, dtype=torch.long)
+    row_of = torch.empty(S, dtype=torch.long)
+    offset = torch.empty(S, dtype=torch.long)
+    src = input_ids.cpu()
+    for r, b in enumerate(bins):
+        o = 0
+        for j, s in enumerate(b):
+            L = int(lengths[s])
+            ids[r, o : o + L] = src[s, :L]
+            layout[r, o : o + L] = j
+            row_of[s], offset[s] = r, o
+            o += L
+    return PackedRows(ids, layout, row_of, offset)

@@ -31,6 +31,9 @@ does not:
   ``Retry-After`` / ``retry-after-ms``.
 * **Errors name the URL actually requested** (from the request object), and
   every message is scrubbed of the key.
+
+Size: about 600 lines, kept whole: the guarded transport, the SDK client built on it and the retry
+loop share one request state (URL, key scrubbing, limits), and splitting them would export that state.
 """
 
 from __future__ import annotations

@@ -67,9 +67,9 @@ from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's
 RuleFn = Callable[[str, str, str, Optional[str]], str]
 _RULES: dict[str, RuleFn] = {}
 _RULE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
-# Modules that register rules of their own when imported (looked up on demand, so
-# importing this module stays light).
-_RULE_MODULES = ("dllm_align.data.toy",)
+# Built-in rules that live with their task, registered on first use (so importing this module stays
+# light, and the task's module needs to know nothing of judging): name -> (module, function).
+_BUILTIN_RULES = {"sort": ("dllm_align.data.toy", "rule_verdict")}
 
 
 def _check_rule_name(name: str, replace: bool) -> None:
@@ -124,12 +124,9 @@ def rule_names() -> list[str]:
 def _load_rule_modules() -> None:
     import importlib
 
-    for mod in _RULE_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:  # the module exists but something it imports does not
-                raise
+    for name, (mod, fn) in _BUILTIN_RULES.items():
+        if name not in _RULES:
+            register_rule(name, getattr(importlib.import_module(mod), fn))
 
 
 def get_rule(name: str) -> RuleFn:

@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dllm_align.data.batching import pack_rows
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -176,84 +178,6 @@ def make_noisy_batch(
     return NoisyBatch(
         noisy.to(dev), am, rows_t.to(dev), cols_t.to(dev), targets.to(dev), weight.to(dev), B, K
     )
-
-
-def _first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        L = int(lengths[i])
-        for b, r in enumerate(room):
-            if L <= r:
-                bins[b].append(i)
-                room[b] -= L
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - L)
-    return bins
-
-
-def pack_sequences(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of sequence indices whose lengths sum to at most ``capacity``: as few bins as first fit
-    (longest first) finds, then as even as possible.
-
-    A packed call is as wide as its fullest row, so after first fit fixes the
-    number of rows R, the capacity is lowered towards total / R while R rows
-    still suffice: the rows come out nearly equally full and the call wastes
-    little on its tail. Deterministic (ties keep index order). A sequence longer
-    than ``capacity`` gets a bin of its own.
-    """
-    bins = _first_fit(lengths, capacity)
-    R = len(bins)
-    if R <= 1:
-        return bins
-    longest = max(int(x) for x in lengths)
-    lo = max(longest, -(-sum(int(x) for x in lengths) // R))
-    if lo >= capacity:
-        return bins
-    step = max(1, (capacity - lo) // 16)
-    for c in range(lo, capacity, step):
-        even = _first_fit(lengths, c)
-        if len(even) <= R:
-            return even
-    return bins
-
-
-@dataclass
-class PackedRows:
-    """Noisy sequences packed into rows (block-diagonal attention, positions restarting per sequence)."""
-
-    input_ids: torch.Tensor  # [R, C]
-    layout: torch.Tensor  # [R, C] sequence index within the row; -1 on the unused tail
-    row_of: torch.Tensor  # [S] packed row of each sequence
-    offset: torch.Tensor  # [S] its first column there
-
-
-def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int], capacity: int) -> PackedRows:
-    """Pack the first ``lengths[s]`` tokens of each row ``s`` of ``input_ids`` into as few rows of ``capacity`` as fit.
-
-    The packed width is the fullest row's fill (at most ``capacity``). Tail
-    positions hold token 0 and layout -1: they form their own block, which no
-    real token sees.
-    """
-    bins = pack_sequences(lengths, capacity)
-    S = len(lengths)
-    width = max(sum(int(lengths[i]) for i in b) for b in bins) if bins else 0
-    ids = torch.zeros(len(bins), width, dtype=input_ids.dtype)
-    layout = torch.full((len(bins), width), -1, dtype=torch.long)
-    row_of = torch.empty(S, dtype=torch.long)
-    offset = torch.empty(S, dtype=torch.long)
-    src = input_ids.cpu()
-    for r, b in enumerate(bins):
-        o = 0
-        for j, s in enumerate(b):
-            L = int(lengths[s])
-            ids[r, o : o + L] = src[s, :L]
-            layout[r, o : o + L] = j
-            row_of[s], offset[s] = r, o
-            o += L
-    return PackedRows(ids, layout, row_of, offset)
 
 
 def elbo_draws(
