@@ -1,4 +1,6 @@
-"""Shared fixtures. Tests never touch the network: the hub is switched off here."""
+"""Shared fixtures. Tests never download models: the hub is switched off here for everything but the
+one public data set some tests read (the kto-mix-14k test split, fetched once when it is neither beside the
+checkout nor cached; ``DLLM_ALIGN_TEST_OFFLINE=1`` keeps that off the network too, and those tests skip)."""
 
 from __future__ import annotations
 
