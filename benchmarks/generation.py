@@ -59,7 +59,8 @@ def straightforward(mp, prompt, gen_length, block_length, steps):
 
 
 def _tiny(device):
-    from dllm_align.models import MaskPredictor, TinySpec, build_tiny_model, build_tiny_tokenizer
+    from dllm_align.models.predictor import MaskPredictor
+    from dllm_align.models.load import TinySpec, build_tiny_model, build_tiny_tokenizer
 
     spec = TinySpec(hidden_size=256, layers=4, heads=4, intermediate_size=512)
     tok = build_tiny_tokenizer()
@@ -77,7 +78,8 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 1, threads: int
         raise RuntimeError("--device cuda: no CUDA device is visible")
     if threads is not None:
         torch.set_num_threads(threads)
-    from dllm_align.generation import FAST_CACHE, FAST_THRESHOLD, SamplerSettings, SamplerStats, encode_prompt, generate_batch
+    from dllm_align.generate.settings import FAST_CACHE, FAST_THRESHOLD, SamplerSettings, SamplerStats, encode_prompt
+    from dllm_align.generate.sampler import generate_batch
 
     mp, spec = _tiny(device)
     prompt = encode_prompt(mp.tokenizer, [{"role": "user", "content": PROMPT}])

@@ -24,7 +24,8 @@ def _setup(device: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models import MaskPredictor, build_tiny_tokenizer
+    from dllm_align.models.predictor import MaskPredictor
+    from dllm_align.models.load import build_tiny_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -44,7 +45,7 @@ def _child(variant: str, device: str) -> dict:
     import resource
 
     torch, mp, ids, cm = _setup(device)
-    from dllm_align.elbo import DrawConfig, elbo_draws, make_noisy_batch
+    from dllm_align.objective.elbo import DrawConfig, elbo_draws, make_noisy_batch
 
     cfg = DrawConfig(n_mc=K, seed=0)
     if device == "cuda":

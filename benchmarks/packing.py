@@ -60,7 +60,7 @@ def save_body_model(folder: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models import _quiet_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import _quiet_transformers, build_tiny_tokenizer
 
     _quiet_transformers()
     tok = build_tiny_tokenizer()
@@ -76,7 +76,7 @@ def save_body_model(folder: Path):
 
 
 def _recipe(folder: Path, root: Path, name: str, device: str, batch: int, max_length: int):
-    from dllm_align.recipe import load_recipe
+    from dllm_align.config.recipe import load_recipe
 
     padding, grouped = CONFIGS[name]
     return load_recipe(None, [
@@ -99,12 +99,12 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from dllm_align import reference
-    from dllm_align.batching import micro_batches, plan_batches, tokens_fed
-    from dllm_align.console import info
-    from dllm_align.examples import make_collate
-    from dllm_align.models import load_model
-    from dllm_align.training import train
+    from dllm_align.training import reference
+    from dllm_align.data.batching import micro_batches, plan_batches, tokens_fed
+    from dllm_align.core.console import info
+    from dllm_align.data.examples import make_collate
+    from dllm_align.models.load import load_model
+    from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _lengths(folder: Path, tokenize) -> list[int]:
-    from dllm_align.data import load_unpaired
+    from dllm_align.data.load import load_unpaired
 
     rows = load_unpaired(str(folder / "chosen.jsonl"), label=True, quiet=True) + load_unpaired(
         str(folder / "rejected.jsonl"), label=False, quiet=True
@@ -32,9 +32,9 @@ def _lengths(folder: Path, tokenize) -> list[int]:
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict:
-    from dllm_align.batching import padding_costs
-    from dllm_align.models import build_tiny_tokenizer
-    from dllm_align.public_data import Unavailable, kto_mix_test
+    from dllm_align.data.batching import padding_costs
+    from dllm_align.models.load import build_tiny_tokenizer
+    from dllm_align.data.public import Unavailable, kto_mix_test
 
     try:
         # ../shared beside the checkout, a cached copy, or the hub through `datasets`

@@ -78,10 +78,10 @@ def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
 
     import numpy as np
 
-    from dllm_align.data import load_unpaired
-    from dllm_align.models import build_tiny_tokenizer
-    from dllm_align.recipe import DataSection
-    from dllm_align.tokenize import Example, end_of_turn_id, tokenize_rows
+    from dllm_align.data.load import load_unpaired
+    from dllm_align.models.load import build_tiny_tokenizer
+    from dllm_align.config.schema import DataSection
+    from dllm_align.data.tokenize import Example, end_of_turn_id, tokenize_rows
 
     if not (SHARED / "chosen.jsonl").exists():
         raise FileNotFoundError(f"shared rows not found at {SHARED}")
@@ -111,7 +111,7 @@ def save_model(folder: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models import _quiet_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import _quiet_transformers, build_tiny_tokenizer
 
     _quiet_transformers()
     tok = build_tiny_tokenizer()
@@ -135,7 +135,7 @@ def straightforward_draws(model, batch: dict, cfg, mask_token_id: int):
     """
     import torch
 
-    from dllm_align.elbo import draw_masks
+    from dllm_align.objective.elbo import draw_masks
 
     ids, am, cm = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     B, T = ids.shape
@@ -188,9 +188,9 @@ def straightforward_train(model, examples, collate, batch: int, cfg, ref: dict, 
     """
     import torch
 
-    from dllm_align.batching import plan_batches
-    from dllm_align.losses import elbo_kto_loss
-    from dllm_align.training import build_optimizer
+    from dllm_align.data.batching import plan_batches
+    from dllm_align.objective.losses import elbo_kto_loss
+    from dllm_align.training.setup import build_optimizer
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=False, drop_last=True)
     opt = build_optimizer(model.named_parameters(), train_section)
@@ -218,7 +218,7 @@ def straightforward_precompute(model, examples, collate, batch: int, cfg, device
     """Time the straightforward reference pass (no grad) over random batches; returns values too."""
     import torch
 
-    from dllm_align.batching import plan_batches
+    from dllm_align.data.batching import plan_batches
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=False)
     model.eval()
@@ -247,9 +247,9 @@ def check_equal(mp, examples, collate, cfg, batch: int, device: str) -> dict:
     """
     import torch
 
-    from dllm_align.batching import plan_batches
-    from dllm_align.elbo import elbo_draws
-    from dllm_align.losses import elbo_kto_loss
+    from dllm_align.data.batching import plan_batches
+    from dllm_align.objective.elbo import elbo_draws
+    from dllm_align.objective.losses import elbo_kto_loss
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=True, drop_last=True)
     b = _to(collate([examples[i] for i in plan[0]]), device)
@@ -287,7 +287,7 @@ def check_equal(mp, examples, collate, cfg, batch: int, device: str) -> dict:
 
 # --------------------------------------------------------------------------- ours
 def _recipe(folder: Path, root: Path, device: str, batch: int, max_length: int):
-    from dllm_align.recipe import load_recipe
+    from dllm_align.config.recipe import load_recipe
 
     return load_recipe(None, [
         f"model.name_or_path={folder}",
@@ -307,7 +307,7 @@ def _recipe(folder: Path, root: Path, device: str, batch: int, max_length: int):
 
 def _positions(examples, plan, cfg) -> dict:
     """Positions fed to the body (rows x padded length x K) and scored by the head, for a batch plan."""
-    from dllm_align.elbo import draw_masks
+    from dllm_align.objective.elbo import draw_masks
 
     body = sum(len(b) * max(examples[i].length for i in b) * cfg.n_mc for b in plan)
     scored = sum(int(draw_masks(examples[i].id, len(examples[i].completion_ids), cfg)[0].sum()) for b in plan for i in b)
@@ -318,13 +318,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from dllm_align import reference
-    from dllm_align.batching import plan_batches
-    from dllm_align.console import info
-    from dllm_align.elbo import DrawConfig
-    from dllm_align.models import load_model
-    from dllm_align.examples import make_collate
-    from dllm_align.training import train
+    from dllm_align.training import reference
+    from dllm_align.data.batching import plan_batches
+    from dllm_align.core.console import info
+    from dllm_align.objective.elbo import DrawConfig
+    from dllm_align.models.load import load_model
+    from dllm_align.data.examples import make_collate
+    from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

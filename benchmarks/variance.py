@@ -19,9 +19,9 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-
 
 
 def _examples(tok, n_rows: int):
-    from dllm_align.data import load_unpaired
-    from dllm_align.recipe import DataSection
-    from dllm_align.tokenize import tokenize_rows
+    from dllm_align.data.load import load_unpaired
+    from dllm_align.config.schema import DataSection
+    from dllm_align.data.tokenize import tokenize_rows
 
     rows = load_unpaired(str(SHARED / "chosen.jsonl"), label=True, quiet=True)[:n_rows]
     section = DataSection(max_length=160, truncation="prompt_left", max_prompt_length=96)
@@ -32,9 +32,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     import numpy as np
     import torch
 
-    from dllm_align.batching import collate
-    from dllm_align.elbo import DrawConfig, elbo_draws
-    from dllm_align.models import load_model
+    from dllm_align.data.batching import collate
+    from dllm_align.objective.elbo import DrawConfig, elbo_draws
+    from dllm_align.models.load import load_model
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")

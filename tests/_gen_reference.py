@@ -2,7 +2,7 @@
 
 One prompt at a time, no padding, one full forward per step (two with CFG),
 logits over the whole sequence, candidates scored and ranked with plain Python.
-It follows the reproducibility conventions documented in dllm_align.generation
+It follows the reproducibility conventions documented in dllm_align.generate.sampler
 (per-prompt generator; per step Gumbel uniforms [c, V] then remasking uniforms [c];
 score ties to the leftmost position; steps that commit nothing are skipped).
 """

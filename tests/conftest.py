@@ -1,4 +1,6 @@
-"""Shared fixtures. Tests never touch the network: the hub is switched off here."""
+"""Shared fixtures. Tests never download models: the hub is switched off here for everything but the
+one public data set some tests read (the kto-mix-14k test split, fetched once when it is neither beside the
+checkout nor cached; ``DLLM_ALIGN_TEST_OFFLINE=1`` keeps that off the network too, and those tests skip)."""
 
 from __future__ import annotations
 
@@ -41,9 +43,9 @@ _KTO_MIX: list = []  # (folder, None) or (None, reason), found once per session
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The public kto-mix-14k test split as chosen.jsonl + rejected.jsonl: ../shared beside the
-    checkout, a cached copy, or the hub through `datasets` (dllm_align.public_data); a skip
+    checkout, a cached copy, or the hub through `datasets` (dllm_align.data.public); a skip
     with a one-line reason only when none of them can be had."""
-    from dllm_align.public_data import Unavailable, kto_mix_test
+    from dllm_align.data.public import Unavailable, kto_mix_test
 
     if not _KTO_MIX:
         try:
@@ -59,7 +61,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny():
     """The built-in tiny model as a MaskPredictor (fp32, CPU)."""
-    from dllm_align.models import load_model
+    from dllm_align.models.load import load_model
 
     return load_model("builtin:tiny")
 
@@ -67,6 +69,6 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """The built-in tiny model saved to a folder (save_pretrained format)."""
-    from dllm_align.models import save_tiny
+    from dllm_align.models.load import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model")

@@ -75,7 +75,7 @@ def make_accelerator(launch: str, mp: str):
 
 
 def recipe(spec, mp, mode, lora, out, *more):
-    from dllm_align.recipe import load_recipe
+    from dllm_align.config.recipe import load_recipe
 
     sets = [
         f"data.train={spec['data']}", "data.format=paired", "data.max_length=64",
@@ -104,7 +104,7 @@ def rotary_probe(model):
 
 def grad_norm_probe(run) -> dict:
     """One backward on this rank's rows: each rank's shard-local gradient norm and the global one."""
-    from dllm_align.training import clip_global_grad_norm
+    from dllm_align.training.setup import clip_global_grad_norm
 
     units = run.micro_batches(0)[0]
     b = run._to_dev(run.collate([ex for u in units for ex in u]))
@@ -128,9 +128,10 @@ def grad_norm_probe(run) -> dict:
 
 
 def main() -> None:
-    from dllm_align.examples import load_training_examples
-    from dllm_align.models import build_tiny_model, build_tiny_tokenizer
-    from dllm_align.training import _Run, invariant_margins, train
+    from dllm_align.data.examples import load_training_examples
+    from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
+    from dllm_align.training.loop import _Run, invariant_margins
+    from dllm_align.training.train import train
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dllm_align.batching import collate, micro_batches, padding_costs, plan_batches, shard, tokens_fed
-from dllm_align.tokenize import Example
+from dllm_align.data.batching import collate, micro_batches, padding_costs, plan_batches, shard, tokens_fed
+from dllm_align.data.tokenize import Example
 
 PAD = 0
 

@@ -73,9 +73,9 @@ def test_straightforward_elbo_equals_the_library(bench_path, tiny):
     """K full-logit forwards with padding to the longest row give elbo_draws' values and gradients."""
     import throughput
 
-    from dllm_align.batching import collate
-    from dllm_align.elbo import DrawConfig, elbo_draws
-    from dllm_align.tokenize import Example
+    from dllm_align.data.batching import collate
+    from dllm_align.objective.elbo import DrawConfig, elbo_draws
+    from dllm_align.data.tokenize import Example
 
     exs = [
         Example("a", [1, 2, 3], [4, 5, 6, 7, 8, 9], True),

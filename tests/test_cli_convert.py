@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
-from dllm_align.data import load_unpaired
+from dllm_align.data.load import load_unpaired
 
 runner = CliRunner()
 
@@ -117,7 +117,7 @@ def test_balance_weights_sidecar(tmp_path):
     assert (w["n_desirable"], w["n_undesirable"]) == (75, 750)
     assert w["lambda_desirable"] * w["n_desirable"] == w["lambda_undesirable"] * w["n_undesirable"]
     assert "outside" not in r.stderr
-    from dllm_align.data import read_weights_file
+    from dllm_align.data.imbalance import read_weights_file
 
     assert read_weights_file(tmp_path / "d10.weights.json") == (10.0, 1.0)
 
@@ -189,7 +189,7 @@ def test_data_stats_small_file_by_hand(tmp_path):
     r = runner.invoke(app, ["data", "stats", str(src), "--json", "--batch-size", "2", "--max-length", "64"])
     assert r.exit_code == 0, r.stderr
     s = json.loads(r.stdout)
-    from dllm_align.models import build_tiny_tokenizer
+    from dllm_align.models.load import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": "q"}], add_generation_prompt=True, tokenize=False)

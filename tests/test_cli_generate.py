@@ -91,7 +91,8 @@ def test_generate_writes_rows_settings_and_run_info(tmp_path):
 
 
 def test_completions_match_the_library_sampler(tmp_path, tiny):
-    from dllm_align.generation import SamplerSettings, encode_prompt, generate_batch, row_seed
+    from dllm_align.generate.settings import SamplerSettings, encode_prompt, row_seed
+    from dllm_align.generate.sampler import generate_batch
 
     recipe = write_setup(tmp_path, {"temperature": 0.5, "remasking": "random", "seed": 4})
     out = tmp_path / "o.jsonl"

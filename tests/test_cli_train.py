@@ -142,7 +142,7 @@ def test_two_processes_equal_one_process_with_batch_two(toy, tmp_path):
         for key in ("loss", "grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-4), (x["step"], key)
     a, b = _params(one / "final"), _params(two / "final")
-    from dllm_align.models import build_tiny_model
+    from dllm_align.models.load import build_tiny_model
 
     init = build_tiny_model().state_dict()
     assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-3  # the runs moved the weights
@@ -184,7 +184,7 @@ def test_precompute_on_two_processes_matches_one(toy, tmp_path):
            "precompute-ref", str(toy["recipe"]), "-o", str(tmp_path), "--set", f"reference.cache={tmp_path / 'c2'}"]
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    from dllm_align.reference import ReferenceCache
+    from dllm_align.training.cache import ReferenceCache
 
     one, two = ReferenceCache.open(toy["root"] / "ref_cache"), ReferenceCache.open(tmp_path / "c2")
     assert one.manifest["fingerprint"] == two.manifest["fingerprint"]

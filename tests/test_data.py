@@ -1,4 +1,4 @@
-"""Reading, layouts, validation, unpairing and the class-imbalance tools (dllm_align.data)."""
+"""Reading, layouts, validation, unpairing and the class-imbalance tools (dllm_align.data.rows)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from dllm_align import data as D
-from dllm_align.data import (
-    PairRow,
-    Row,
-    balance_weights,
-    check_weight_ratio,
-    class_counts,
-    load_paired,
-    load_prompts,
-    load_unpaired,
-    read_weights_file,
-    subsample,
-    unpair,
-)
-from dllm_align.errors import UserError
+from dllm_align.data import convert
+from dllm_align.data import imbalance
+from dllm_align.data import load
+from dllm_align.data import rows
+from dllm_align.data.rows import PairRow, Row, unpair
+from dllm_align.data.imbalance import balance_weights, check_weight_ratio, class_counts, read_weights_file, subsample
+from dllm_align.data.load import load_paired, load_prompts, load_unpaired
+from dllm_align.core.errors import UserError
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -229,7 +222,7 @@ def test_problem_listing_is_capped(tmp_path):
         load_unpaired(f)
     lines = e.value.message.splitlines()
     assert lines[0].startswith("25 invalid rows")
-    assert len(lines) == 1 + D.MAX_LISTED + 1
+    assert len(lines) == 1 + rows.MAX_LISTED + 1
     assert lines[-1].strip() == "... and 5 more"
 
 
@@ -415,7 +408,7 @@ def test_unpair_and_repair_roundtrip(tmp_path):
     assert [(r.id, r.label, r.pair_id) for r in rows] == [
         ("a:chosen", True, "a"), ("a:rejected", False, "a"), ("b:chosen", True, "b"), ("b:rejected", False, "b"),
     ]
-    f = D.write_rows(rows, tmp_path / "rows.jsonl")
+    f = convert.write_rows(rows, tmp_path / "rows.jsonl")
     assert load_paired(f) == pairs
     assert load_unpaired(f) == rows
 
@@ -477,17 +470,17 @@ def test_weights_file(tmp_path):
     p.write_text(json.dumps({"lambda_desirable": -1, "lambda_undesirable": 1.0}))
     with pytest.raises(UserError, match="'lambda_desirable' must be a positive number"):
         read_weights_file(p)
-    assert D.weights_path_for("out/ufb.jsonl") == Path("out/ufb.weights.json")
-    assert D.weights_path_for("ufb.parquet") == Path("ufb.weights.json")
+    assert imbalance.weights_path_for("out/ufb.jsonl") == Path("out/ufb.weights.json")
+    assert imbalance.weights_path_for("ufb.parquet") == Path("ufb.weights.json")
 
 
 def test_rows_from_section(tmp_path):
-    from dllm_align.recipe import DataSection
+    from dllm_align.config.schema import DataSection
 
     f = write_jsonl(tmp_path / "k.jsonl", kto_rows(20, 20))
     sec = DataSection(train=str(f), desirable_ratio=0.5, seed=3)
-    rows = D.rows_from_section(sec, quiet=True)
+    rows = load.rows_from_section(sec, quiet=True)
     assert class_counts(rows) == (10, 20)
     assert rows == subsample(load_unpaired(f, quiet=True), 0.5, 1.0, 3)
     with pytest.raises(UserError, match="data.test is not set"):
-        D.rows_from_section(sec, "test")
+        load.rows_from_section(sec, "test")

@@ -103,7 +103,7 @@ def test_demo_smoke(tmp_path):
 
 
 def test_failed_invariant_exits_1(monkeypatch, tmp_path):
-    from dllm_align import doctor as d
+    from dllm_align.training import doctor as d
 
     def fake_smoke(recipe, steps, launch):
         return {"steps": steps, "processes": 1, "invariant": {"rows": 4, "max_abs_margin": 0.1, "tolerance": 0.0,
@@ -121,8 +121,8 @@ def test_builtin_shapes_count_the_parameters_each_family_builds(name):
     """The estimate's parameter count is the built model's (Dream's tiny model has GQA and its own specials)."""
     from types import SimpleNamespace
 
-    from dllm_align.memory import model_shape
-    from dllm_align.models import load_model
+    from dllm_align.training.memory import model_shape
+    from dllm_align.models.load import load_model
 
     real = sum(p.numel() for p in load_model(name).model.parameters())
     est = model_shape(SimpleNamespace(model=SimpleNamespace(name_or_path=name, revision=None))).params
@@ -133,8 +133,8 @@ def test_mixture_of_experts_shape_counts_every_expert_and_activates_top_k(tmp_pa
     """LLaDA-MoE's config (published layout, shrunk): all experts are stored, top-k run per token."""
     from fixtures.family_checkpoints import lladamoe_config, lladamoe_state, write_checkpoint
 
-    from dllm_align.memory import shape_from_config
-    from dllm_align.models import build_tiny_tokenizer, load_model
+    from dllm_align.training.memory import shape_from_config
+    from dllm_align.models.load import build_tiny_tokenizer, load_model
 
     tok = build_tiny_tokenizer()
     cfg = lladamoe_config(tok, layers=3)

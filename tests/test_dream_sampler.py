@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dllm_align.generation import SamplerSettings, encode_prompt, generate, generate_batch
-from dllm_align.models import build_tiny_tokenizer, load_model
+from dllm_align.generate.settings import SamplerSettings, encode_prompt
+from dllm_align.generate.sampler import generate, generate_batch
+from dllm_align.models.load import build_tiny_tokenizer, load_model
 
 from fixtures.family_checkpoints import dream_config, dream_state, write_checkpoint
 
@@ -143,7 +144,7 @@ def test_batched_prompts_equal_each_alone(dream, alg, temperature):
 
 
 def test_dream_rule_refuses_llada_only_options():
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     for kw in ({"cache": "dual"}, {"threshold": 0.9}, {"cfg": 1.0}):
         with pytest.raises(UserError, match="LLaDA sampler"):

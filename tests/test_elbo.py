@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dllm_align.elbo import DrawConfig, draw_masks, elbo_draws, exact_elbo, make_noisy_batch
+from dllm_align.objective.elbo import DrawConfig, draw_masks, elbo_draws, exact_elbo, make_noisy_batch
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -84,7 +84,7 @@ def test_masks_identical_in_another_process():
     cfg = DrawConfig(n_mc=8, seed=7, stratified=True)
     here = _mask_digest(ids, 33, cfg)
     code = (
-        "from dllm_align.elbo import DrawConfig\n"
+        "from dllm_align.objective.elbo import DrawConfig\n"
         "import sys; sys.path.insert(0, %r)\n"
         "from test_elbo import _mask_digest\n"
         "print(_mask_digest([f'row-{i}' for i in range(20)], 33, DrawConfig(n_mc=8, seed=7, stratified=True)))"
@@ -220,7 +220,7 @@ def test_shared_masks_zero_margin_and_lower_variance(tiny):
 
 
 def test_chunked_head_equals_plain_head_values_and_grads():
-    from dllm_align.models import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)

@@ -24,9 +24,11 @@ from dllm_align.cli.app import app
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from dllm_align import evaluation as E  # noqa: E402
-from dllm_align.elbo import DrawConfig, elbo_draws, exact_elbo  # noqa: E402
-from dllm_align.generation import SamplerSettings, encode_prompt, generate, row_seed  # noqa: E402
+from dllm_align.evaluate import harness as E  # noqa: E402
+from dllm_align.evaluate import run as R  # noqa: E402
+from dllm_align.objective.elbo import DrawConfig, elbo_draws, exact_elbo  # noqa: E402
+from dllm_align.generate.settings import SamplerSettings, encode_prompt, row_seed  # noqa: E402
+from dllm_align.generate.sampler import generate
 
 runner = CliRunner()
 
@@ -137,7 +139,7 @@ def make_lm(mp, **kw) -> E.DiffusionLM:
 
 
 def run_harness(lm, folder: Path, task: str, **kw) -> dict:
-    tm = E.task_manager([task], str(folder))
+    tm = R.task_manager([task], str(folder))
     return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, bootstrap_iters=0, **kw)
 
 
@@ -232,7 +234,7 @@ def test_greedy_check_and_rolling(tiny):
 
 
 def test_unknown_model_argument_is_named(tiny):
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     with pytest.raises(UserError, match="unknown dllm_align model argument 'gen_lenght' \\(did you mean 'gen_length'\\?\\)"):
         E.DiffusionLM(predictor=tiny, gen_lenght=8)
@@ -247,7 +249,7 @@ def test_registered_with_the_harness(tiny, tmp_path):
     write_mc_task(tmp_path, [max(range(3), key=v.__getitem__) for v in direct[:2]] + [0] * 4)
     res = lm_eval.simple_evaluate(
         model="dllm_align", model_args="pretrained=builtin:tiny,mc_num=4,gen_length=8,block_length=4,steps=4",
-        tasks=["toy_mc"], task_manager=E.task_manager(["toy_mc"], str(tmp_path)), batch_size=4, limit=2, bootstrap_iters=0,
+        tasks=["toy_mc"], task_manager=R.task_manager(["toy_mc"], str(tmp_path)), batch_size=4, limit=2, bootstrap_iters=0,
     )
     assert res["results"]["toy_mc"]["acc,none"] == 1.0
     assert res["config"]["mc_num"] == 4 and res["config"]["sampler"]["gen_length"] == 8
@@ -269,7 +271,7 @@ def _recipe(tmp_path: Path, tasks: dict, **evaluate) -> Path:
 @pytest.fixture
 def spy(monkeypatch):
     """Records the settings of every sampler call (and still decodes)."""
-    import dllm_align.generation as G
+    import dllm_align.generate.sampler as G
 
     calls = []
     real = G.generate
@@ -319,7 +321,7 @@ def test_per_task_settings_reach_the_sampler(tiny, tmp_path, spy):
 
 
 def test_compare_two_models_side_by_side(tiny, tmp_path):
-    from dllm_align.models import TinySpec, save_tiny
+    from dllm_align.models.load import TinySpec, save_tiny
 
     other = save_tiny(tmp_path / "other" / "model", TinySpec(seed=1))
     texts = direct_texts(tiny, GEN_QUESTIONS, chat=False)
@@ -370,9 +372,9 @@ def test_code_tasks_need_consent(tmp_path):
 
 # --------------------------------------------------------------------------- recipes and bundled tasks
 def test_table4_recipe_has_the_papers_settings():
-    from dllm_align.recipe import load_recipe
+    from dllm_align.config.recipe import load_recipe
 
-    plans = {p.key: p for p in E.plan_tasks(load_recipe("table4_downstream"))}
+    plans = {p.key: p for p in R.plan_tasks(load_recipe("table4_downstream"))}
     got = {k: (p.sampler.gen_length, p.sampler.block_length, p.sampler.steps, p.num_fewshot) for k, p in plans.items()}
     assert got == {  # SPEC.md §9 / the paper's eval-config table
         "gsm8k": (256, 8, 256, 5),
@@ -386,8 +388,8 @@ def test_table4_recipe_has_the_papers_settings():
 
 
 def test_bad_task_settings_are_recipe_errors(tmp_path):
-    from dllm_align.errors import UserError
-    from dllm_align.recipe import load_recipe
+    from dllm_align.core.errors import UserError
+    from dllm_align.config.recipe import load_recipe
 
     p = tmp_path / "r.yaml"
     p.write_text("evaluate:\n  tasks:\n    gsm8k: {gen_length: 10, block_length: 4}\n    mmlu:\n")
@@ -450,7 +452,7 @@ def test_two_processes_give_the_single_process_result(tiny, tmp_path):
 # --------------------------------------------------------------------------- another family
 @pytest.fixture(scope="module")
 def tiny_dream():
-    from dllm_align.models import load_model
+    from dllm_align.models.load import load_model
 
     return load_model("builtin:tiny-dream")
 

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from dllm_align.elbo import DrawConfig, elbo_draws, exact_elbo
-from dllm_align.errors import UserError
-from dllm_align.families import FAMILIES, family_for_config
-from dllm_align.models import build_tiny_tokenizer, load_model
+from dllm_align.objective.elbo import DrawConfig, elbo_draws, exact_elbo
+from dllm_align.core.errors import UserError
+from dllm_align.models.families import FAMILIES, family_for_config
+from dllm_align.models.load import build_tiny_tokenizer, load_model
 
 from fixtures.family_checkpoints import (
     dream_config,
@@ -210,7 +210,7 @@ def test_saved_checkpoint_keeps_its_family(tmp_path):
 def test_fsdp_wraps_the_family_decoder_layer(tmp_path):
     from types import SimpleNamespace
 
-    from dllm_align.training import fsdp_wrap_family_layer
+    from dllm_align.training.setup import fsdp_wrap_family_layer
 
     for name, layer in (("builtin:tiny-dream", "Qwen2DecoderLayer"), ("builtin:tiny", "LlamaDecoderLayer")):
         plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
@@ -248,7 +248,7 @@ def test_dream_remote_code_tokenizer_loads_through_its_native_twin(tmp_path):
 def test_cached_window_forward_equals_the_full_forward(tmp_path, which):
     """The sampler's key/value forward on Qwen2 (Dream) and Qwen3-MoE (q/k norm) bodies: a window
     run against fresh kept keys/values gives exactly the full forward's hidden states there."""
-    from dllm_align.generation import _KVForward
+    from dllm_align.generate.sampler import _KVForward
 
     folder = (_dream if which == "dream" else _moe)(tmp_path)[0]
     mp = load_model(str(folder))

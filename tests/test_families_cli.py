@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
-from dllm_align.models import build_tiny_tokenizer
+from dllm_align.models.load import build_tiny_tokenizer
 
 from fixtures.family_checkpoints import dream_config, dream_state, lladamoe_config, lladamoe_state, write_checkpoint
 from fixtures.sort_toy import write_pairs

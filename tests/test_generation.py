@@ -6,19 +6,11 @@ import pytest
 import torch
 
 from _gen_reference import reference_generate
-from dllm_align.errors import UserError
-from dllm_align.generation import (
-    SamplerSettings,
-    SamplerStats,
-    _KVForward,
-    encode_prompt,
-    generate,
-    generate_batch,
-    length_batches,
-    row_seed,
-    transfer_schedule,
-)
-from dllm_align.models import MaskPredictor, build_tiny_model, build_tiny_tokenizer
+from dllm_align.core.errors import UserError
+from dllm_align.generate.settings import SamplerSettings, SamplerStats, encode_prompt, length_batches, row_seed, transfer_schedule
+from dllm_align.generate.sampler import _KVForward, generate, generate_batch
+from dllm_align.models.predictor import MaskPredictor
+from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
 
 
 
@@ -81,7 +73,7 @@ def test_invalid_settings_are_user_errors(tiny, kw, msg):
 
 
 def test_settings_from_recipe_section():
-    from dllm_align.recipe import GenerateSection
+    from dllm_align.config.schema import GenerateSection
 
     st = SamplerSettings.from_section(GenerateSection())
     assert (st.gen_length, st.block_length, st.steps, st.temperature, st.cfg) == (512, 32, 512, 0.0, 0.0)
@@ -91,9 +83,9 @@ def test_settings_from_recipe_section():
 def test_encode_prompt_matches_training_tokenisation(tiny, shared_data):
     import json
 
-    from dllm_align.data import Row
-    from dllm_align.recipe import DataSection
-    from dllm_align.tokenize import tokenize_rows
+    from dllm_align.data.rows import Row
+    from dllm_align.config.schema import DataSection
+    from dllm_align.data.tokenize import tokenize_rows
 
     lines = (shared_data / "chosen.jsonl").read_text(encoding="utf-8").splitlines()[:5]
     rows = [json.loads(x) for x in lines]

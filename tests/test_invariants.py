@@ -4,12 +4,12 @@ Before the first update the policy's weights equal the reference's, so every
 row's margin B_policy - B_ref is zero. Tolerance: on the CPU it is exactly 0,
 in fp32 and under bf16 autocast alike. Policy and reference run the same
 forward (``MaskPredictor.target_logprobs``) under the same
-:class:`dllm_align.precision.Precision`; the CPU kernels compute each row's
+:class:`dllm_align.models.precision.Precision`; the CPU kernels compute each row's
 reductions in an order that does not depend on the other rows of the batch,
 so the cache (made in batches of 16) and the training micro-batches (4) give
 bit-identical values. Any nonzero margin is a defect (issue 13 defect 2 gave
 -0.063 / +0.109 mean margins under bf16). On CUDA, kernels choose reduction
-orders by shape; ``doctor`` then allows ``dllm_align.precision.invariant_tolerance``.
+orders by shape; ``doctor`` then allows ``dllm_align.models.precision.invariant_tolerance``.
 
 The multi-process launches (DDP, FSDP1, FSDP2 on gloo) are in
 ``test_invariants_distributed.py``.
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_align.recipe import load_recipe
+from dllm_align.config.recipe import load_recipe
 
 from fixtures.sort_toy import write_pairs
 
@@ -63,9 +63,9 @@ def recipe(toy, mp: str, *sets: str, out: str = "run"):
 def cache_for(toy, mp: str):
     """Precompute (the library path: the reference loaded in the training precision) once per precision."""
     if mp not in toy["caches"]:
-        from dllm_align import reference as ref
-        from dllm_align.examples import load_training_examples, make_collate
-        from dllm_align.models import build_tiny_tokenizer
+        from dllm_align.training import reference as ref
+        from dllm_align.data.examples import load_training_examples, make_collate
+        from dllm_align.models.load import build_tiny_tokenizer
 
         rec = recipe(toy, mp)
         tok = build_tiny_tokenizer()
@@ -79,7 +79,8 @@ def cache_for(toy, mp: str):
 @pytest.mark.parametrize("mode", ["cached", "online"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lora):
-    from dllm_align.training import _Run, invariant_margins, make_accelerator
+    from dllm_align.training.loop import _Run, invariant_margins
+    from dllm_align.training.setup import make_accelerator
 
     exs = cache_for(toy, mp)
     sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
@@ -94,7 +95,7 @@ def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lor
 
 def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
     """`train --set train.mixed_precision=bf16`: the first step's reward means are 0 for both classes."""
-    from dllm_align.training import train
+    from dllm_align.training.train import train
 
     exs = cache_for(toy, "bf16")
     rec = recipe(toy, "bf16", "train.max_steps=2", out="bf16-train")
@@ -107,22 +108,23 @@ def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
 
 def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     """The cache fingerprint records the compute precision: an fp32 cache does not serve a bf16-autocast run."""
-    from dllm_align import reference as ref
-    from dllm_align.errors import UserError
-    from dllm_align.training import _Run, make_accelerator
+    from dllm_align.training import cache as refcache
+    from dllm_align.core.errors import UserError
+    from dllm_align.training.loop import _Run
+    from dllm_align.training.setup import make_accelerator
 
     exs = cache_for(toy, "no")
     rec = recipe(toy, "bf16", f"reference.cache={toy['root'] / 'cache-no'}")
     with pytest.raises(UserError, match="'compute_dtype'.*train.mixed_precision"):
         _Run(rec, make_accelerator(rec), None, exs)
-    fp32 = ref.fingerprint(recipe(toy, "no"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
-    bf16 = ref.fingerprint(recipe(toy, "bf16"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
+    fp32 = refcache.fingerprint(recipe(toy, "no"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
+    bf16 = refcache.fingerprint(recipe(toy, "bf16"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
     assert (fp32["compute_dtype"], bf16["compute_dtype"]) == ("float32", "float32+autocast:bfloat16")
     assert fp32["reference_dtype"] == bf16["reference_dtype"] == "float32"
 
 
 def _tok():
-    from dllm_align.models import build_tiny_tokenizer
+    from dllm_align.models.load import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -138,7 +140,7 @@ def test_mixed_precision_no_is_accepted_from_set_and_yaml(tmp_path):
 # --------------------------------------------------------------------------- the pieces
 def test_chunked_head_honours_autocast():
     """Defect 2: the chunked head's out= matmul escaped autocast (fp32 head vs the reference's bf16 head)."""
-    from dllm_align.models import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 64, generator=g)
@@ -153,7 +155,7 @@ def test_chunked_head_honours_autocast():
 
 
 def test_chunked_head_gradient_matches_autograd_under_bf16():
-    from dllm_align.models import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(20, 32, generator=g, requires_grad=True)
@@ -169,7 +171,7 @@ def test_chunked_head_gradient_matches_autograd_under_bf16():
 
 def test_rotary_frequencies_stay_fp32_after_a_bf16_load():
     """Defect 1's root: a cast to bf16 rounds inv_freq; the loader rebuilds it in fp32 (exactly)."""
-    from dllm_align.models import load_model
+    from dllm_align.models.load import load_model
 
     fp32 = load_model("builtin:tiny").model.model.rotary_emb.inv_freq
     mp = load_model("builtin:tiny", dtype="bfloat16")
@@ -190,8 +192,8 @@ def test_bf16_rotary_phase_error_at_llada_scale():
 
 def test_reference_linears_stored_in_bf16_compute_identically():
     """prepare_reference stores each Linear in bf16: bit-identical to autocast's per-call cast of the fp32 weight."""
-    from dllm_align.models import load_model
-    from dllm_align.precision import Precision, prepare_reference
+    from dllm_align.models.load import load_model
+    from dllm_align.models.precision import Precision, prepare_reference
 
     prec = Precision(torch.float32, torch.bfloat16)
     a, b = load_model("builtin:tiny"), load_model("builtin:tiny")
@@ -213,14 +215,15 @@ def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, 
     The step's no-grad pass (for the baseline) and its gradient pass run a micro-batch under
     the same seed: the margins are identical; an unseeded pass draws other masks.
     """
-    from dllm_align.training import train
+    from dllm_align.training.train import train
 
     exs = cache_for(toy, "no")
     rec = recipe(toy, "no", "train.batch_size=2", "train.grad_accum=2", "train.max_steps=2", "train.lora.enabled=true",
                  "train.lora.r=4", f"train.lora.dropout={dropout}", out=f"dropout-{dropout}")
     train(rec, examples=exs)  # the accumulation path runs with dropout
     # exact check through the library: the same step's two passes give the same margins
-    from dllm_align.training import _Run, make_accelerator
+    from dllm_align.training.loop import _Run
+    from dllm_align.training.setup import make_accelerator
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
@@ -245,7 +248,7 @@ def test_process_group_timeout_reaches_accelerate():
 
     from accelerate.utils import AutocastKwargs, InitProcessGroupKwargs
 
-    from dllm_align.precision import accelerator_kwargs
+    from dllm_align.models.precision import accelerator_kwargs
 
     for sets, minutes in (([], 60), (["train.process_group_timeout_minutes=180"], 180)):
         kw = accelerator_kwargs(load_recipe("kto_mix_14k", sets))
@@ -256,10 +259,10 @@ def test_process_group_timeout_reaches_accelerate():
 
 def test_mixed_precisions_would_break_the_invariant(toy):
     """The invariant tests have teeth: an fp32 reference against a bf16-autocast policy (defect 2) is far from 0."""
-    from dllm_align.elbo import DrawConfig, elbo_draws
-    from dllm_align.examples import make_collate
-    from dllm_align.models import load_model
-    from dllm_align.precision import Precision
+    from dllm_align.objective.elbo import DrawConfig, elbo_draws
+    from dllm_align.data.examples import make_collate
+    from dllm_align.models.load import load_model
+    from dllm_align.models.precision import Precision
 
     exs = cache_for(toy, "no")
     policy, reference = load_model("builtin:tiny"), load_model("builtin:tiny")

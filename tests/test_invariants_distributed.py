@@ -48,10 +48,10 @@ def _reset_accelerate():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    from dllm_align import reference as ref
-    from dllm_align.examples import load_training_examples, make_collate
-    from dllm_align.models import build_tiny_tokenizer
-    from dllm_align.training import train
+    from dllm_align.training import reference as ref
+    from dllm_align.data.examples import load_training_examples, make_collate
+    from dllm_align.models.load import build_tiny_tokenizer
+    from dllm_align.training.train import train
 
     sys.path.insert(0, str(HERE))
     import dist_invariants as d

@@ -8,9 +8,9 @@ import signal
 
 import pytest
 
-from dllm_align import faults
-from dllm_align.errors import UserError
-from dllm_align.io import (
+from dllm_align.core import faults
+from dllm_align.core.errors import UserError
+from dllm_align.core.io import (
     DirLock,
     JsonlAppender,
     _host_tag,

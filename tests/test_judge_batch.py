@@ -209,7 +209,7 @@ def test_a_live_run_refuses_while_a_batch_of_the_same_folder_is_unfinished(tmp_p
 
 
 def test_two_judges_get_one_batch_each_and_large_sets_are_split(tmp_path, files, monkeypatch):
-    from dllm_align import judge_batch
+    from dllm_align.judge import batch as judge_batch
 
     a, b = files
     out = tmp_path / "out"

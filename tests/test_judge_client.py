@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm_align import judge_client
-from dllm_align.errors import UserError
+from dllm_align.judge import client as judge_client
+from dllm_align.core.errors import UserError
 from judge_server import JudgeServer
 from test_judging import IDS, J1, KEY, cli, fast, interrupt_judge, script, write_gen
 

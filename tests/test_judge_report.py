@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dllm_align import judging, stats
-from dllm_align.judge_report import usage_report
-from dllm_align.recipe import JudgeSection
+from dllm_align.judge import run as judging
+
+from dllm_align.judge import stats
+from dllm_align.judge.report import usage_report
+from dllm_align.config.schema import JudgeSection
 from judge_server import JudgeServer
 from test_judging import J1, KEY, cli, fast, script, write_gen
 

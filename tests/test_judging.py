@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dllm_align import judging, stats
+from dllm_align.judge import run as judging
+
+from dllm_align.judge import stats
 from dllm_align.cli.app import app
-from dllm_align.recipe import JudgeSection
+from dllm_align.config.schema import JudgeSection
 from judge_server import JudgeServer, answer
 
 runner = CliRunner()

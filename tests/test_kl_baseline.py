@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm_align.errors import UserError
-from dllm_align.examples import kl_examples, kl_pair_id
-from dllm_align.tokenize import Example
+from dllm_align.core.errors import UserError
+from dllm_align.data.examples import kl_examples, kl_pair_id
+from dllm_align.data.tokenize import Example
 
 from test_training import assert_same_params, final_params, metrics, recipe_for
 
@@ -36,9 +36,9 @@ def test_pairs_by_hand():
 @pytest.fixture(scope="module")
 def kl_toy(tmp_path_factory):
     """16 sorting pairs and a reference cache that holds the kl pairs of a global batch of 4 (3 steps)."""
-    from dllm_align import reference as ref
-    from dllm_align.examples import load_training_examples, make_collate, planned_kl_examples
-    from dllm_align.models import load_model
+    from dllm_align.training import reference as ref
+    from dllm_align.data.examples import load_training_examples, make_collate, planned_kl_examples
+    from dllm_align.models.load import load_model
 
     from fixtures.sort_toy import write_pairs
 
@@ -55,7 +55,7 @@ def kl_toy(tmp_path_factory):
 
 
 def _run(kl_toy, out, *sets):
-    from dllm_align.training import train
+    from dllm_align.training.train import train
 
     rec = recipe_for(kl_toy["root"], kl_toy["data"], kl_toy["cache"], "train.baseline=kl", "train.max_steps=3", *sets, out=out)
     train(rec, examples=kl_toy["examples"])
@@ -64,10 +64,10 @@ def _run(kl_toy, out, *sets):
 
 def test_z0_is_the_clamped_mean_margin_of_the_step_pairs(kl_toy):
     """Step 1: policy = reference, so z0 = 0. Step 3: recomputed from the step-2 checkpoint with the same masks."""
-    from dllm_align.batching import collate
-    from dllm_align.elbo import DrawConfig, elbo
-    from dllm_align.models import load_model
-    from dllm_align.training import _Run
+    from dllm_align.data.batching import collate
+    from dllm_align.objective.elbo import DrawConfig, elbo
+    from dllm_align.models.load import load_model
+    from dllm_align.training.loop import _Run
 
     rec = _run(kl_toy, "z0", "train.global_batch_size=4", "train.save_every=1", "train.keep_checkpoints=5")
     m = metrics(rec.output_dir)
@@ -107,10 +107,10 @@ def test_kl_baseline_same_update_for_any_split_and_cached_or_online(kl_toy):
 
 
 def test_cache_without_the_pairs_is_refused(kl_toy, tmp_path):
-    from dllm_align import reference as ref
-    from dllm_align.examples import make_collate
-    from dllm_align.models import load_model
-    from dllm_align.training import train
+    from dllm_align.training import reference as ref
+    from dllm_align.data.examples import make_collate
+    from dllm_align.models.load import load_model
+    from dllm_align.training.train import train
 
     cache = tmp_path / "plain"
     plain = recipe_for(kl_toy["root"], kl_toy["data"], cache, "train.global_batch_size=4")

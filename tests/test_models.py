@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dllm_align.errors import UserError
-from dllm_align.models import build_tiny_tokenizer, load_model
+from dllm_align.core.errors import UserError
+from dllm_align.models.load import build_tiny_tokenizer, load_model
 
 # --------------------------------------------------------------------------- tiny model
 def test_tiny_roundtrip_and_speed(tiny, tiny_dir):
@@ -260,7 +260,7 @@ def test_chunked_head_fp32_fast_path_matches_full_logits(chunk):
     37 rows: every chunk size leaves a short last chunk. Some upstream gradients are 0 and
     some targets repeat (the index_add into grad_W must accumulate them).
     """
-    from dllm_align.models import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(37, 16, generator=g, requires_grad=True)
@@ -280,7 +280,7 @@ def test_chunked_head_fp32_fast_path_matches_full_logits(chunk):
 
 def test_chunked_head_one_sided_grads_and_bf16():
     """Only h or only W needing a gradient, and bf16 inputs (the GPU path), give the plain values."""
-    from dllm_align.models import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(2)
     h0 = torch.randn(20, 8, generator=g)
@@ -311,7 +311,7 @@ def test_chunked_head_fp32_gradients_close_to_float64():
     Keeping the one-hot term out of the [chunk, V] matmuls makes them ~4e-8 here; scaling
     the softmax block and scattering into it (the earlier form) gave ~3e-7.
     """
-    from dllm_align.models import chunked_target_logprobs
+    from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(5000, 64, generator=g) * 0.02

@@ -15,10 +15,11 @@ import copy
 import pytest
 import torch
 
-from dllm_align.batching import collate
-from dllm_align.elbo import DrawConfig, elbo_draws, pack_rows, pack_sequences
-from dllm_align.models import packed_attention, packed_positions
-from dllm_align.tokenize import Example
+from dllm_align.data.batching import collate
+from dllm_align.data.batching import pack_rows, pack_sequences
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
+from dllm_align.models.predictor import packed_attention, packed_positions
+from dllm_align.data.tokenize import Example
 
 
 def _examples(n=6, seed=0):
@@ -128,8 +129,8 @@ def test_training_packed_equals_padded(tmp_path):
     from fixtures.sort_toy import write_pairs
     from test_training import assert_same_params, final_params, metrics
 
-    from dllm_align.recipe import load_recipe
-    from dllm_align.training import train
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.training.train import train
 
     data = write_pairs(tmp_path / "pairs.jsonl", n=8)
     runs = {}

@@ -1,4 +1,4 @@
-"""The kto-mix-14k test split for tests and benchmarks (dllm_align.public_data): found beside
+"""The kto-mix-14k test split for tests and benchmarks (dllm_align.data.public): found beside
 the checkout, in the cache, or through `datasets`; otherwise a one-line reason."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from dllm_align.public_data import Unavailable, kto_mix_test, pair_rows
+from dllm_align.data.public import Unavailable, kto_mix_test, pair_rows
 
 
 def test_pairing_the_hub_rows_rebuilds_the_two_files(shared_data):

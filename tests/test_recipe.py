@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
-from dllm_align.errors import UserError
-from dllm_align.recipe import bundled_names, load_recipe, write_run_info
+from dllm_align.core.errors import UserError
+from dllm_align.config.recipe import bundled_names, load_recipe, write_run_info
 
 runner = CliRunner()
 
@@ -111,8 +111,8 @@ def test_every_bundled_recipe_loads(name):
 @pytest.mark.parametrize("name", bundled_names())
 def test_every_bundled_recipe_dry_runs(name):
     """Each shipped recipe passes the checks its commands make before loading any model or data."""
-    from dllm_align.ablate import baseline_settings
-    from dllm_align.generation import SamplerSettings
+    from dllm_align.workflows.ablate import baseline_settings
+    from dllm_align.generate.settings import SamplerSettings
 
     r = load_recipe(name)
     SamplerSettings.from_section(r.generate).check()
@@ -120,12 +120,12 @@ def test_every_bundled_recipe_dry_runs(name):
     assert r.data.train is not None or r.evaluate.tasks  # something to train on, or to evaluate
     assert baseline_settings(r)  # the sweep expands
     if r.evaluate.tasks:
-        from dllm_align.evaluation import plan_tasks
+        from dllm_align.evaluate.run import plan_tasks
 
         plans = plan_tasks(r)
         assert len(plans) == len(r.evaluate.tasks)
     if r.judge.judges and all(j.startswith("rule:") for j in r.judge.judges):
-        from dllm_align.judging import get_rule
+        from dllm_align.judge.run import get_rule
 
         for j in r.judge.judges:
             get_rule(j.removeprefix("rule:"))
@@ -149,7 +149,7 @@ def test_extends_merges_sections_and_detects_cycles(tmp_path):
 def test_accelerate_configs_ship_and_parse():
     import yaml
 
-    from dllm_align.recipe import bundled_dir
+    from dllm_align.config.recipe import bundled_dir
 
     configs = sorted((bundled_dir() / "accelerate").glob("*.yaml"))
     assert {p.stem for p in configs} >= {"single_gpu", "ddp_8gpu", "fsdp_8gpu"}
@@ -184,14 +184,14 @@ def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
     both carry the three choices."""
     import yaml
 
-    from dllm_align import reference as ref
-    from dllm_align.models import load_model
-    from dllm_align.tokenize import Example
+    from dllm_align.training import cache as refcache
+    from dllm_align.models.load import load_model
+    from dllm_align.data.tokenize import Example
 
     rec = load_recipe(None, ["data.group_by_length=true", "data.end_of_turn=none", "train.baseline=none"],
                       output_dir=str(tmp_path / "run"))
     write_run_info(rec, tmp_path / "run", "train")
-    from dllm_align.runfolder import recipe_record
+    from dllm_align.core.runfolder import recipe_record
 
     resolved = yaml.safe_load(recipe_record(tmp_path / "run", "train").read_text())
     assert resolved["data"]["group_by_length"] is True
@@ -199,9 +199,9 @@ def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
     assert resolved["train"]["baseline"] == "none"
     mp = load_model("builtin:tiny")
     exs = [Example("a", [1, 2], [3, 4], True)]
-    fp = ref.fingerprint(rec, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
+    fp = refcache.fingerprint(rec, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
     assert (fp.fields["group_by_length"], fp.fields["end_of_turn"], fp.fields["baseline"]) == (True, "none", "none")
     assert "end_of_turn" in fp.strict()  # changes the tokens scored: a cache must match it
     other = load_recipe(None, ["data.group_by_length=true", "train.baseline=none"])
-    fp2 = ref.fingerprint(other, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
+    fp2 = refcache.fingerprint(other, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
     assert fp2.digest() != fp.digest()

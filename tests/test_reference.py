@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_align import reference as ref
-from dllm_align.errors import UserError
-from dllm_align.recipe import load_recipe
+from dllm_align.training import reference as ref
+from dllm_align.training import cache as refcache
+from dllm_align.core.errors import UserError
+from dllm_align.config.recipe import load_recipe
 
 from fixtures.sort_toy import write_pairs
 
@@ -29,8 +30,8 @@ def _recipe(tmp: Path, data: Path, *sets: str):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from dllm_align.models import load_model
-    from dllm_align.examples import load_training_examples, make_collate
+    from dllm_align.models.load import load_model
+    from dllm_align.data.examples import load_training_examples, make_collate
 
     tmp = tmp_path_factory.mktemp("ref")
     data = write_pairs(tmp / "pairs.jsonl", n=8)
@@ -43,18 +44,18 @@ def setup(tmp_path_factory):
 
 
 def _fp(rec, mp, exs, cache=None):
-    return ref.fingerprint(
+    return refcache.fingerprint(
         rec, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs,
         known_files=cache.weight_files() if cache else None,
     )
 
 
 def test_cached_values_are_the_per_draw_elbos(setup):
-    from dllm_align.elbo import DrawConfig, elbo_draws
+    from dllm_align.objective.elbo import DrawConfig, elbo_draws
 
     rep, exs, mp = setup["report"], setup["examples"], setup["mp"]
     assert rep.n_examples == 16 and rep.n_shards == 4 and rep.computed_shards == 4  # 16 rows, shards of 5
-    cache = ref.ReferenceCache.open(rep.cache)
+    cache = refcache.ReferenceCache.open(rep.cache)
     assert cache.K == 4
     # each example alone (no padding from batch neighbours), same masks
     for ex in exs[:6]:
@@ -90,7 +91,7 @@ def test_cached_values_are_the_per_draw_elbos(setup):
 )
 def test_mismatched_cache_is_refused_naming_the_field(setup, override, field):
     rec = _recipe(setup["tmp"], setup["data"], override)
-    cache = ref.ReferenceCache.open(setup["report"].cache)
+    cache = refcache.ReferenceCache.open(setup["report"].cache)
     with pytest.raises(UserError) as e:
         cache.check(_fp(rec, setup["mp"], setup["examples"], cache), setup["examples"], 4)
     assert f"field '{field}'" in e.value.message
@@ -98,10 +99,10 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, override, field):
 
 
 def test_other_dataset_or_model_is_refused(setup, tmp_path):
-    from dllm_align.models import TinySpec, save_tiny
-    from dllm_align.tokenize import Example
+    from dllm_align.models.load import TinySpec, save_tiny
+    from dllm_align.data.tokenize import Example
 
-    cache = ref.ReferenceCache.open(setup["report"].cache)
+    cache = refcache.ReferenceCache.open(setup["report"].cache)
     exs = setup["examples"]
     fp = _fp(setup["rec"], setup["mp"], exs, cache)
     changed = [Example(exs[0].id, exs[0].prompt_ids, exs[0].completion_ids[:-2] + exs[0].completion_ids[-1:], exs[0].label, exs[0].pair_id)]
@@ -125,7 +126,7 @@ def test_interrupted_precompute_keeps_good_shards_and_redoes_damaged_ones(setup,
     rec = _recipe(tmp_path, setup["data"])
     exs, mp, collate = setup["examples"], setup["mp"], setup["collate"]
     first = ref.precompute(rec, exs, collate, None, mp)
-    want = {i: ref.ReferenceCache.open(first.cache).lookup([i], 4) for i in (e.id for e in exs)}
+    want = {i: refcache.ReferenceCache.open(first.cache).lookup([i], 4) for i in (e.id for e in exs)}
     folder = first.cache
     # an interruption: no manifest; one shard truncated mid-write, one modified
     (folder / "manifest.json").unlink()
@@ -136,10 +137,10 @@ def test_interrupted_precompute_keeps_good_shards_and_redoes_damaged_ones(setup,
     raw[-3] ^= 0xFF  # inside the float data
     s2.write_bytes(bytes(raw))
     with pytest.raises(UserError, match="incomplete"):
-        ref.ReferenceCache.open(folder)
+        refcache.ReferenceCache.open(folder)
     again = ref.precompute(rec, exs, collate, None, mp)
     assert (again.computed_shards, again.reused_shards) == (2, 2)
-    cache = ref.ReferenceCache.open(folder)
+    cache = refcache.ReferenceCache.open(folder)
     for i, v in want.items():
         torch.testing.assert_close(cache.lookup([i], 4), v)
     # a third run has nothing to do
@@ -150,17 +151,17 @@ def test_shard_modified_after_the_manifest_is_refused(setup, tmp_path):
     rec = _recipe(tmp_path, setup["data"])
     rep = ref.precompute(rec, setup["examples"], setup["collate"], None, setup["mp"])
     p = rep.cache / "shard-00000.safetensors"
-    elbo, ids, dig, fp = ref.read_shard(p)
+    elbo, ids, dig, fp = refcache.read_shard(p)
     elbo = elbo.copy()
     elbo[0, 0] += 1.0
-    ref.write_shard(p, elbo, ids, dig, fp)  # self-consistent, but not what the manifest recorded
+    refcache.write_shard(p, elbo, ids, dig, fp)  # self-consistent, but not what the manifest recorded
     with pytest.raises(UserError, match="does not match its checksum"):
-        ref.ReferenceCache.open(rep.cache)
-    with pytest.raises(ref.ShardError, match="checksum"):
+        refcache.ReferenceCache.open(rep.cache)
+    with pytest.raises(refcache.ShardError, match="checksum"):
         raw = bytearray(p.read_bytes())
         raw[-1] ^= 0x01
         p.write_bytes(bytes(raw))
-        ref.read_shard(p)
+        refcache.read_shard(p)
 
 
 def test_folder_digest_trusts_unchanged_files_only(tmp_path, tiny_dir):
@@ -168,17 +169,17 @@ def test_folder_digest_trusts_unchanged_files_only(tmp_path, tiny_dir):
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_dir, folder)
-    d1, entries = ref.folder_weights_digest(folder)
+    d1, entries = refcache.folder_weights_digest(folder)
     assert {e["name"] for e in entries} == {"config.json", "model.safetensors"}
     # a recorded digest is trusted while size and mtime match (no reread) ...
     fake = [dict(e, sha256="0" * 64) if e["name"] == "model.safetensors" else e for e in entries]
-    d_fake, _ = ref.folder_weights_digest(folder, {e["name"]: e for e in fake})
+    d_fake, _ = refcache.folder_weights_digest(folder, {e["name"]: e for e in fake})
     assert d_fake != d1
     # ... and ignored once the file changes
     w = folder / "model.safetensors"
     st = w.stat()
     os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    d2, _ = ref.folder_weights_digest(folder, {e["name"]: e for e in fake})
+    d2, _ = refcache.folder_weights_digest(folder, {e["name"]: e for e in fake})
     assert d2 == d1
 
 
@@ -191,11 +192,11 @@ def test_hub_cache_blob_names_are_used_as_digests(tmp_path):
     (blobs / digest).write_bytes(b"not really weights")
     (snap / "model.safetensors").symlink_to(blobs / digest)
     (snap / "config.json").write_text("{}")
-    _, entries = ref.folder_weights_digest(snap)
+    _, entries = refcache.folder_weights_digest(snap)
     assert {e["name"]: e["sha256"] for e in entries}["model.safetensors"] == digest
 
 
 def test_no_cache_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no reference cache") as e:
-        ref.ReferenceCache.open(tmp_path / "nothing")
+        refcache.ReferenceCache.open(tmp_path / "nothing")
     assert "precompute-ref" in e.value.hint

@@ -66,7 +66,7 @@ class Base:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Base:
     """A recipe on 16 toy pairs, its reference cache, a 4-step run with checkpoints, a saved tiny model, two generation files."""
-    from dllm_align.models import save_tiny
+    from dllm_align.models.load import save_tiny
 
     root = tmp_path_factory.mktemp("inputs")
     data = write_pairs(root / "pairs.jsonl", n=16)
@@ -140,8 +140,8 @@ def _copy_cache(b: Base, tmp: Path) -> Path:
 def _rewrite_shard(cache: Path, name: str, change: Callable[[np.ndarray], None]) -> None:
     """Change a shard's values but keep it self-consistent (its own checksum and the manifest's sha256 recomputed),
     as a careless edit or a buggy tool would: only the range check can catch it."""
-    from dllm_align.io import sha256_file
-    from dllm_align.reference import _contents_sha
+    from dllm_align.core.io import sha256_file
+    from dllm_align.training.cache import _contents_sha
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -439,7 +439,7 @@ def test_a_real_interpreter_prints_one_line_or_with_debug_a_traceback(tmp_path, 
 @pytest.mark.parametrize("command", ["train", "precompute-ref", "judge"])
 def test_a_second_writer_of_the_same_folder_is_refused(base: Base, tmp_path: Path, command: str):
     """Two runs writing one folder would interleave their logs; the second is refused while the first holds it."""
-    from dllm_align.io import DirLock
+    from dllm_align.core.io import DirLock
 
     if command == "train":
         folder, args = tmp_path / "run", ["train", base.recipe_path, "-o", tmp_path / "run"]

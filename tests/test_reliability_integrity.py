@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from dllm_align.errors import UserError
-from dllm_align.io import CHECKSUMS, verify_checksums, write_checksums
+from dllm_align.core.errors import UserError
+from dllm_align.core.io import CHECKSUMS, verify_checksums, write_checksums
 from fixtures.sort_toy import write_pairs
 from reliability import run_cli, run_killed, stray_temps
 
@@ -149,7 +149,7 @@ def _overflowing_model(folder: Path) -> Path:
     (a constant offset in hidden dimension 0, and a 3e38 head weight there)."""
     from safetensors.torch import load_file, save_file
 
-    from dllm_align.models import build_tiny_tokenizer, save_tiny
+    from dllm_align.models.load import build_tiny_tokenizer, save_tiny
 
     save_tiny(folder)
     sd = load_file(str(folder / "model.safetensors"))
@@ -185,7 +185,7 @@ def test_precompute_reports_an_out_of_range_reference_and_writes_nothing(toy, tm
 
 
 def test_elbo_range_check_by_hand():
-    from dllm_align.reference import elbo_range_problem
+    from dllm_align.training.cache import elbo_range_problem
 
     ids = ["a", "b", "c"]
     assert elbo_range_problem(np.array([[-1.0, -0.0], [-3.5, -2.0], [0.0, -1e30]]), ids) is None  # 0 is allowed: log 1

@@ -1,7 +1,7 @@
 """Kill and resume, for every command that writes while it works (README "Reliability").
 
 Each command is SIGKILLed at three or four points chosen with DLLM_ALIGN_FAULT
-(``dllm_align.faults``): after the first records, in the middle of writing a
+(``dllm_align.core.faults``): after the first records, in the middle of writing a
 record (a torn log line, or a shard's temporary file written but not renamed),
 and after the last record but before the final files. Then the same command
 is run again (``train --resume``) and must end with exactly the files of an

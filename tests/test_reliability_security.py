@@ -270,7 +270,7 @@ def custom_code_model(tmp_path, tiny_dir):
 
 
 def test_model_code_does_not_run_by_default(custom_code_model, tmp_path):
-    from dllm_align.recipe import ModelSection
+    from dllm_align.config.schema import ModelSection
 
     assert ModelSection().trust_remote_code is False
     folder, marker = custom_code_model

@@ -23,7 +23,7 @@ import yaml
 from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
-from dllm_align.errors import UserError
+from dllm_align.core.errors import UserError
 
 from fixtures.sort_toy import write_pairs
 
@@ -88,7 +88,7 @@ def test_judge_never_writes_over_an_input_in_its_output_folder(tmp_path):
 
 
 def test_every_io_writer_refuses_a_noted_input(tmp_path):
-    from dllm_align import io
+    from dllm_align.core import io
 
     src = tmp_path / "rows.jsonl"
     src.write_text('{"a": 1}\n')
@@ -182,7 +182,7 @@ def test_precompute_refuses_to_replace_a_cache_made_with_other_settings(toy, tmp
 
 
 def test_a_second_generate_onto_the_same_output_is_refused(tmp_path):
-    from dllm_align.io import FileLock
+    from dllm_align.core.io import FileLock
 
     recipe = gen_recipe(tmp_path)
     out = tmp_path / "run" / "gen.test.jsonl"
@@ -297,7 +297,7 @@ def test_output_that_is_a_folder_names_the_users_path(tmp_path):
      (errno.EACCES, "permission denied or read-only", 2)],
 )
 def test_full_or_read_only_disk_names_the_users_path_not_our_temp_file(tmp_path, monkeypatch, code, needle, exit_code):
-    import dllm_align.io as dio
+    import dllm_align.core.io as dio
 
     real = dio.os.fsync
 
@@ -314,7 +314,7 @@ def test_full_or_read_only_disk_names_the_users_path_not_our_temp_file(tmp_path,
 
 
 def test_a_failed_write_outside_our_writers_names_the_users_file():
-    from dllm_align.io import user_path
+    from dllm_align.core.io import user_path
 
     assert user_path("/r/ckpt/.model.safetensors.1a2b3c4d-77.x8k_.tmp") == Path("/r/ckpt/model.safetensors")
     assert user_path("/r/plain.json") == Path("/r/plain.json")

@@ -8,8 +8,8 @@ from itertools import product
 import numpy as np
 import pytest
 
-from dllm_align import stats
-from dllm_align.stats import LOSS, TIE, WIN
+from dllm_align.judge import stats
+from dllm_align.judge.stats import LOSS, TIE, WIN
 
 
 def test_pair_outcome_all_nine_verdict_combinations():

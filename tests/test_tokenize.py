@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dllm_align.batching import collate
-from dllm_align.data import PairRow, Row
-from dllm_align.models import build_tiny_tokenizer
-from dllm_align.recipe import DataSection
-from dllm_align.tokenize import (
+from dllm_align.data.batching import collate
+from dllm_align.data.rows import PairRow, Row
+from dllm_align.models.load import build_tiny_tokenizer
+from dllm_align.config.schema import DataSection
+from dllm_align.data.tokenize import (
     end_of_turn_id,
     fit,
     pad_token_id,
@@ -87,7 +87,7 @@ def test_end_of_turn_found_from_template_or_eos():
 
 
 def test_no_chat_template_is_a_user_error():
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     t = build_tiny_tokenizer()
     t.chat_template = None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dllm_align import toy
-from dllm_align.judging import get_rule
+from dllm_align.data import toy
+from dllm_align.judge.run import get_rule
 
 
 def test_splits_deterministic_and_disjoint():

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_align.errors import RunFailure, UserError
-from dllm_align.recipe import load_recipe
-from dllm_align.checkpoint import merged_state_dict
-from dllm_align.training import MarginWatch, lr_at, train
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.config.recipe import load_recipe
+from dllm_align.training.checkpoint import merged_state_dict
+from dllm_align.training.setup import MarginWatch, lr_at
+from dllm_align.training.train import train
 
 from fixtures.sort_toy import write_pairs
 
@@ -22,9 +23,9 @@ from fixtures.sort_toy import write_pairs
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """16 sorting pairs (32 unpaired rows) and their reference cache (K=4)."""
-    from dllm_align import reference as ref
-    from dllm_align.models import load_model
-    from dllm_align.examples import load_training_examples, make_collate
+    from dllm_align.training import reference as ref
+    from dllm_align.models.load import load_model
+    from dllm_align.data.examples import load_training_examples, make_collate
 
     root = tmp_path_factory.mktemp("toy")
     data = write_pairs(root / "pairs.jsonl", n=16)
@@ -88,8 +89,8 @@ def test_lr_schedule_hand_values():
 def test_lora_merge_matches_peft():
     from peft import LoraConfig, get_peft_model
 
-    from dllm_align.models import build_tiny_model
-    from dllm_align.recipe import LoraSection
+    from dllm_align.models.load import build_tiny_model
+    from dllm_align.config.schema import LoraSection
 
     model = build_tiny_model()
     base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -182,9 +183,9 @@ def test_fewer_draws_than_cached(toy):
 # --------------------------------------------------------------------------- learning the toy
 def _margin_gap(final_dir: Path, examples, seed: int = 123) -> float:
     """Mean fresh-mask ELBO margin (policy - reference) of desirable rows minus that of undesirable rows."""
-    from dllm_align.batching import collate
-    from dllm_align.elbo import DrawConfig, elbo
-    from dllm_align.models import load_model
+    from dllm_align.data.batching import collate
+    from dllm_align.objective.elbo import DrawConfig, elbo
+    from dllm_align.models.load import load_model
 
     pol = load_model(str(final_dir))
     ref = load_model("builtin:tiny")
@@ -230,7 +231,7 @@ def test_sft_raises_the_elbo(toy):
 def test_checkpoints_reload_with_plain_transformers(toy):
     from transformers import AutoModelForCausalLM
 
-    from dllm_align.models import load_model
+    from dllm_align.models.load import load_model
 
     rec = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=5",
                      "train.save_every=2", "train.keep_checkpoints=1", out="ckpt")
@@ -256,7 +257,7 @@ def test_lora_trains_adapter_only_and_exports_merged(toy):
     rec = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=3", "train.save_every=2",
                      "train.lora.enabled=true", "train.lora.r=4", "train.lr=1e-2", out="lora")
     train(rec, examples=toy["examples"])
-    from dllm_align.models import build_tiny_model
+    from dllm_align.models.load import build_tiny_model
 
     base = build_tiny_model().state_dict()
     final = final_params(rec.output_dir)
@@ -327,7 +328,7 @@ def test_gradient_checkpointing_gives_the_same_steps(toy):
 
 
 def test_class_weights_from_the_sidecar(toy, tmp_path):
-    from dllm_align.training import class_weights
+    from dllm_align.training.setup import class_weights
 
     side = tmp_path / "w.weights.json"
     side.write_text(json.dumps({"lambda_desirable": 1.0, "lambda_undesirable": 0.25}))
@@ -335,7 +336,7 @@ def test_class_weights_from_the_sidecar(toy, tmp_path):
     assert class_weights(rec) == (1.0, 0.25)
     assert class_weights(recipe_for(toy["root"], toy["data"], toy["cache"], "train.lambda_undesirable=0.3")) == (1.0, 0.3)
     # the loss uses them: at step 1 policy = reference, so every row has 1 - sigmoid(0) = 1/2 and loss = mean(lambda) / 2
-    from dllm_align.batching import plan_batches
+    from dllm_align.data.batching import plan_batches
 
     rec = recipe_for(toy["root"], toy["data"], toy["cache"], f"data.weights_file={side}", "train.batch_size=8", "train.max_steps=1", out="weights")
     train(rec, examples=toy["examples"])
@@ -348,7 +349,7 @@ def test_class_weights_from_the_sidecar(toy, tmp_path):
 def test_lora_unmerged_export_is_a_peft_adapter(toy):
     from peft import PeftModel
 
-    from dllm_align.models import build_tiny_model, load_model
+    from dllm_align.models.load import build_tiny_model, load_model
 
     rec = recipe_for(toy["root"], toy["data"], toy["cache"], "train.batch_size=4", "train.max_steps=2", "train.lora.enabled=true",
                      "train.lora.r=4", "train.lr=1e-2", "train.lora.merge_on_export=false", out="lora-peft")
@@ -367,8 +368,8 @@ def test_lora_unmerged_export_is_a_peft_adapter(toy):
 
 def test_fused_optimizer_gives_the_loop_update():
     """build_optimizer's fused AdamW (CPU) makes the per-tensor loop's updates, decay groups included."""
-    from dllm_align.recipe import TrainSection
-    from dllm_align.training import build_optimizer
+    from dllm_align.config.schema import TrainSection
+    from dllm_align.training.setup import build_optimizer
 
     t = TrainSection(lr=1e-2, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)

@@ -1,1 +1,3 @@
-"""The ``dllm-align`` command line. Each command group lives in its own module."""
+"""The ``dllm-align`` command line: one module per command (group), each a thin layer that parses flags,
+loads the recipe and calls the library. The library never imports this package.
+"""

@@ -19,7 +19,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON in
 
 
 def _floats(text: Optional[str], what: str) -> Optional[list[float]]:
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     if text is None:
         return None
@@ -35,8 +35,8 @@ def _floats(text: Optional[str], what: str) -> Optional[list[float]]:
 def _finish(rows, out, kind: str, json_out: bool) -> None:
     import json
 
-    from dllm_align.ablate import markdown
-    from dllm_align.console import info, result
+    from dllm_align.workflows.ablate import markdown
+    from dllm_align.core.console import info, result
 
     info(f"ablate {kind}: table and plot in {out}")
     result(json.dumps(rows, indent=2) if json_out else markdown(rows))
@@ -57,8 +57,8 @@ def baseline(
     """
     from pathlib import Path
 
-    from dllm_align import ablate
-    from dllm_align.recipe import load_recipe
+    from dllm_align.workflows import ablate
+    from dllm_align.config.recipe import load_recipe
 
     ov = list(set_ or [])
     if betas is not None:
@@ -87,8 +87,8 @@ def imbalance(
     """
     from pathlib import Path
 
-    from dllm_align import ablate
-    from dllm_align.recipe import load_recipe
+    from dllm_align.workflows import ablate
+    from dllm_align.config.recipe import load_recipe
 
     ov = list(set_ or [])
     if ratios is not None:

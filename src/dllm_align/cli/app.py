@@ -45,8 +45,8 @@ def handle_errors(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from dllm_align.errors import DllmAlignError
-        from dllm_align.io import forget_inputs
+        from dllm_align.core.errors import DllmAlignError
+        from dllm_align.core.io import forget_inputs
 
         forget_inputs()  # each command guards its own inputs (io.check_not_input)
         try:
@@ -76,7 +76,7 @@ def handle_errors(fn: Callable) -> Callable:
             if isinstance(e, OSError) and e.filename is not None:
                 # A write that failed outside our writers (a full disk under torch.save, ...):
                 # name the user's file, not our temporary one.
-                from dllm_align.io import user_path, writing_error
+                from dllm_align.core.io import user_path, writing_error
 
                 err = writing_error(user_path(e.filename), e, verb="access")
                 _error_line(err.message, err.hint)

@@ -89,8 +89,8 @@ def convert(
 
       dllm-align convert kto.jsonl --output kto-d10.jsonl --desirable-ratio 0.1 --balance-weights
     """
-    from dllm_align.data import convert as run
-    from dllm_align.errors import UserError
+    from dllm_align.data.convert import convert as run
+    from dllm_align.core.errors import UserError
 
     if output_dir is not None and output_dir.suffix in (".jsonl", ".parquet", ".json"):
         raise UserError(

@@ -96,11 +96,12 @@ def stats(
     """
     import json
 
-    from dllm_align.console import result
-    from dllm_align.data import dataset_stats, load_unpaired
-    from dllm_align.errors import UserError
-    from dllm_align.models import load_tokenizer, resolve_model_path
-    from dllm_align.recipe import DataSection
+    from dllm_align.core.console import result
+    from dllm_align.data.stats import dataset_stats
+    from dllm_align.data.load import load_unpaired
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.load import load_tokenizer, resolve_model_path
+    from dllm_align.config.schema import DataSection
 
     if truncation not in ("completion", "prompt_left"):
         raise UserError(f"--truncation must be 'completion' or 'prompt_left', got '{truncation}'")
@@ -126,8 +127,9 @@ def check(
 
     Example: dllm-align data check ultrafeedback.jsonl
     """
-    from dllm_align.console import result
-    from dllm_align.data import class_counts, load_unpaired
+    from dllm_align.core.console import result
+    from dllm_align.data.imbalance import class_counts
+    from dllm_align.data.load import load_unpaired
 
     rows = load_unpaired(input, split=split, format=format.value, label=label_value(label))
     n_d, n_u = class_counts(rows)

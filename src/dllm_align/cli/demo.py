@@ -28,8 +28,8 @@ def demo(
     """
     import json
 
-    from dllm_align.console import info, result
-    from dllm_align.demo import closing_line, print_table, run_demo
+    from dllm_align.core.console import info, result
+    from dllm_align.workflows.demo import closing_line, print_table, run_demo
 
     res = run_demo(recipe, output_dir, set_)
     if json_out:

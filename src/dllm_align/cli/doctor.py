@@ -45,11 +45,11 @@ def doctor(
     import json
     import os
 
-    from dllm_align import doctor as d
-    from dllm_align.console import result
-    from dllm_align.errors import RunFailure
-    from dllm_align.memory import model_shape, read_launch
-    from dllm_align.recipe import load_recipe
+    from dllm_align.training import doctor as d
+    from dllm_align.core.console import result
+    from dllm_align.core.errors import RunFailure
+    from dllm_align.training.memory import model_shape, read_launch
+    from dllm_align.config.recipe import load_recipe
 
     r = load_recipe(recipe, set_, output_dir)
     launch = read_launch(config)
@@ -79,7 +79,7 @@ def doctor(
 
 
 def render(report: dict) -> str:
-    from dllm_align.doctor import fmt_bytes, fmt_seconds
+    from dllm_align.training.doctor import fmt_bytes, fmt_seconds
 
     env, mem = report["environment"], report["memory"]
     lines = [f"dllm-align doctor: {report['recipe']}", "", "environment"]

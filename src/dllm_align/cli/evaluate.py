@@ -22,7 +22,7 @@ def _split(tasks: Optional[str]) -> Optional[list[str]]:
 
 
 def _require_harness():
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     try:
         import lm_eval  # noqa: F401
@@ -70,11 +70,11 @@ def evaluate(
     _require_harness()
     import logging
 
-    from dllm_align import evaluation as E
-    from dllm_align.console import info, progress_enabled, result
-    from dllm_align.errors import UserError
-    from dllm_align.io import atomic_write_json, atomic_write_text
-    from dllm_align.recipe import load_recipe, write_run_info
+    from dllm_align.evaluate import run as E
+    from dllm_align.core.console import info, progress_enabled, result
+    from dllm_align.core.errors import UserError
+    from dllm_align.core.io import atomic_write_json, atomic_write_text
+    from dllm_align.config.recipe import load_recipe, write_run_info
 
     overrides = list(set_ or [])
     if include_path is not None:

@@ -37,7 +37,7 @@ _FLAG_OF = {
 
 def _parse_prices(values: list[str]) -> dict:
     """``--price [JUDGE=]IN,OUT`` (USD per million prompt / completion tokens) -> {judge or '*': (IN, OUT)}."""
-    from dllm_align.errors import UserError
+    from dllm_align.core.errors import UserError
 
     prices = {}
     for v in values:
@@ -114,10 +114,11 @@ def judge(
 
     from pydantic import ValidationError
 
-    from dllm_align.console import info, result
-    from dllm_align.errors import RunFailure, UserError
-    from dllm_align.judging import judge_files, print_table
-    from dllm_align.recipe import JudgeSection, load_recipe, write_run_info
+    from dllm_align.core.console import info, result
+    from dllm_align.core.errors import RunFailure, UserError
+    from dllm_align.judge.run import judge_files, print_table
+    from dllm_align.config.schema import JudgeSection
+    from dllm_align.config.recipe import load_recipe, write_run_info
 
     rec = load_recipe(recipe)
     given = {
@@ -159,7 +160,7 @@ def judge(
 
     if output is None:
         output = a.parent / f"judge_{b.parent.name or 'b'}_{b.stem}"
-    from dllm_align.io import note_input
+    from dllm_align.core.io import note_input
 
     for f in (a, b, template):  # never written over (io.check_not_input)
         if f is not None:

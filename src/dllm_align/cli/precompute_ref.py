@@ -34,9 +34,9 @@ def precompute_ref(
 
     Example: accelerate launch --num_processes 8 -m dllm_align precompute-ref kto_mix_14k -o runs/kto
     """
-    from dllm_align import reference as ref
-    from dllm_align.console import info, result
-    from dllm_align.recipe import load_recipe
+    from dllm_align.training import reference as ref
+    from dllm_align.core.console import info, result
+    from dllm_align.config.recipe import load_recipe
 
     r = load_recipe(recipe, set_, output_dir)
     rep, acc = ref.run_precompute(r, overwrite=overwrite)

@@ -24,8 +24,8 @@ def list_recipes() -> None:
 
     Example: dllm-align recipes list
     """
-    from dllm_align.recipe import bundled_dir, bundled_names, read_yaml
-    from dllm_align.console import result
+    from dllm_align.config.recipe import bundled_dir, bundled_names, read_yaml
+    from dllm_align.core.console import result
 
     for name in bundled_names():
         raw = read_yaml(bundled_dir() / f"{name}.yaml")
@@ -39,8 +39,8 @@ def show(recipe: RecipeArg) -> None:
 
     Example: dllm-align recipes show demo > my_recipe.yaml
     """
-    from dllm_align.recipe import locate
-    from dllm_align.console import result
+    from dllm_align.config.recipe import locate
+    from dllm_align.core.console import result
 
     result(locate(recipe).read_text(encoding="utf-8"))
 
@@ -51,7 +51,7 @@ def check(recipe: RecipeArg, set_: SetOpt = None) -> None:
 
     Example: dllm-align recipes check kto_mix_14k --set train.beta=0.2
     """
-    from dllm_align.recipe import load_recipe, to_yaml
-    from dllm_align.console import result
+    from dllm_align.config.recipe import load_recipe, to_yaml
+    from dllm_align.core.console import result
 
     result(to_yaml(load_recipe(recipe, set_)))

@@ -38,10 +38,10 @@ def train(
 
     Example: accelerate launch --config_file recipes/accelerate/ddp_8gpu.yaml -m dllm_align train kto_mix_14k -o runs/kto
     """
-    from dllm_align.console import info, result
-    from dllm_align.errors import UserError
-    from dllm_align.recipe import load_recipe
-    from dllm_align.training import train as run_train
+    from dllm_align.core.console import info, result
+    from dllm_align.core.errors import UserError
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.training.train import train as run_train
 
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other; pick one")

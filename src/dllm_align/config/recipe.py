@@ -1,0 +1,333 @@
+"""Typed recipes: YAML bundles validated into pydantic models.
+
+A recipe has one section per stage of the pipeline (model, data, reference,
+train, generate, judge, ablate, evaluate). Loading reports *every* problem at
+once, each with its dotted path: unknown keys (with a "did you mean"), wrong
+types, out-of-range values and contradictory fields. ``--set a.b=value``
+overrides go through the same validation.
+
+The schema is in :mod:`dllm_align.config.schema`; this module finds, reads (`extends`), overrides and
+validates recipes, and writes the provenance of a run (resolved recipe, versions, git revision).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from dllm_align.core.errors import UserError
+from dllm_align.config.schema import Recipe
+
+
+# --------------------------------------------------------------------------- loading
+def bundled_dir() -> Path:
+    """Folder of the recipes shipped with the package (falls back to the source tree)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("dllm_align.recipes")))
+        if p.is_dir() and any(p.glob("*.yaml")):
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parents[3] / "recipes"
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in bundled_dir().glob("*.yaml"))
+
+
+def locate(name_or_path: str) -> Path:
+    """A bundled recipe name or a path to a YAML file.
+
+    A bare name is a bundled recipe. A local *folder* of the same name (a run
+    folder called ``demo``) never hides it; a local *file* of that name is
+    ambiguous and refused, so the recipe used is never a silent guess.
+    """
+    p = Path(name_or_path)
+    cand = bundled_dir() / f"{name_or_path}.yaml"
+    bare = p.suffix not in (".yaml", ".yml") and os.sep not in name_or_path and "/" not in name_or_path
+    if bare and cand.is_file():
+        if p.is_file():
+            raise UserError(
+                f"'{name_or_path}' is both a bundled recipe and a file here",
+                hint=f"write ./{name_or_path} for the file, or move it, to use the bundled recipe",
+            )
+        return cand
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path or p.exists():
+        if not p.is_file():
+            what = "is a folder, not a recipe file" if p.is_dir() else "not found"
+            raise UserError(f"recipe file {what}: {name_or_path}", hint="`dllm-align recipes list` shows the bundled recipes")
+        return p
+    names = bundled_names()
+    close = difflib.get_close_matches(name_or_path, names, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"bundled recipes: {', '.join(names)}"
+    raise UserError(f"no bundled recipe named '{name_or_path}' and no such file", hint=hint)
+
+
+def _fields_at(model_cls: type[BaseModel], path: tuple) -> list[str]:
+    """Field names of the section addressed by ``path`` (for did-you-mean)."""
+    cls: Any = model_cls
+    for part in path:
+        if isinstance(part, int):
+            continue
+        f = getattr(cls, "model_fields", {}).get(part)
+        if f is None:
+            return []
+        ann = f.annotation
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cls is None:
+            return []
+    return list(getattr(cls, "model_fields", {}).keys())
+
+
+def _blame(dotted: str, source: str, given: dict[str, str]) -> str:
+    """Who set the value an error is about: a flag or ``--set`` (``given``: dotted key ->
+    how the user gave it) rather than the recipe file, which may not even hold that key."""
+    for key, label in given.items():
+        if dotted == key or dotted.startswith(key + "."):
+            return label
+    near = [label for key, label in given.items() if key.startswith(dotted + ".")]
+    if near:  # a check across a section's fields, one of which came from the command line
+        return f"{source} with {', '.join(near)}"
+    return source
+
+
+def format_errors(err: ValidationError, source: str, given: Optional[dict[str, str]] = None) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join(str(x) for x in loc) or "(top level)"
+        where = _blame(dotted, source, given or {})
+        if e["type"] == "extra_forbidden":
+            known = _fields_at(Recipe, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            msg = f"unknown key '{dotted}'"
+            if close:
+                parent = ".".join(str(x) for x in loc[:-1])
+                msg += f" (did you mean '{parent + '.' if parent else ''}{close[0]}'?)"
+        elif e["type"] in ("value_error", "assertion_error"):
+            msg = f"{dotted}: {str(e['msg']).removeprefix('Value error, ')}" if loc else str(e["msg"]).removeprefix("Value error, ")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:60]})"
+            msg = f"{dotted}: {e['msg']}{got_s}"
+        lines.append(f"{where}: {msg}")
+    return lines
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
+    """Apply ``a.b=value`` overrides in place; returns problems (bad syntax)."""
+    problems = []
+    for ov in overrides or []:
+        if "=" not in ov:
+            problems.append(f"--set {ov!r}: expected section.key=value")
+            continue
+        key, _, val = ov.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            problems.append(f"--set {ov!r}: empty key")
+            continue
+        node = raw
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[p] = nxt
+            node = nxt
+        node[parts[-1]] = _parse_value(val)
+    return problems
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one,
+    so a second `train:` section would silently replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: SafeLoader reports it
+                break
+            if dup:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {seen[key] + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> dict:
+    from dllm_align.core.io import note_input
+
+    note_input(path, "recipe")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+    try:
+        loader = _UniqueKeyLoader(text)  # a SafeLoader: plain data only
+        try:
+            raw = loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}{where}: invalid YAML: {problem}")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_with_extends(path: Path, _seen: tuple = ()) -> dict:
+    """Read a recipe; ``extends: NAME_OR_PATH`` starts from another recipe and overrides it section by section."""
+    raw = read_yaml(path)
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise UserError(f"{path}: 'extends' must be a recipe name or path, got {type(parent).__name__}")
+    ppath = Path(parent)
+    if not ppath.is_absolute() and (path.parent / ppath).is_file():
+        ppath = path.parent / ppath
+    else:
+        ppath = locate(parent)
+    key = str(ppath.resolve())
+    if key in _seen or key == str(path.resolve()):
+        raise UserError(f"{path}: 'extends' makes a cycle through {ppath}")
+    return _deep_merge(read_with_extends(ppath, _seen + (str(path.resolve()),)), raw)
+
+
+def load_recipe(
+    name_or_path: str | None,
+    overrides: list[str] | None = None,
+    output_dir: str | None = None,
+    labels: Optional[dict[str, str]] = None,
+) -> Recipe:
+    """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
+
+    ``labels`` maps an overridden dotted key to the flag that set it (``generate.gen_length``
+    -> ``--gen-length``), so that its errors name the flag; other overrides are named as
+    ``--set key=value``.
+    """
+    if name_or_path is None:
+        raw, source = {}, "(defaults)"
+    else:
+        path = locate(name_or_path)
+        raw, source = read_with_extends(path), str(path)
+    problems = apply_overrides(raw, overrides or [])
+    given: dict[str, str] = {}
+    for ov in overrides or []:
+        key, _, val = ov.partition("=")
+        key = ".".join(p for p in key.strip().split(".") if p)
+        flag = (labels or {}).get(key)
+        given[key] = f"{flag} {val}" if flag else f"--set {ov}"
+    if output_dir is not None:
+        raw["output_dir"] = output_dir
+        given["output_dir"] = f"-o {output_dir}"
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        problems += format_errors(e, source, given)
+        recipe = None
+    if problems:
+        n = len(problems)
+        head = f"{n} problem{'s' if n > 1 else ''} in recipe {source}:\n  " if n > 1 else ""
+        raise UserError(head + "\n  ".join(problems) if n > 1 else problems[0])
+    return recipe
+
+
+def to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+# --------------------------------------------------------------------------- provenance
+def git_revision() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=here, capture_output=True, text=True, timeout=5,
+            ).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for pkg in ("dllm-align", "torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "peft", "lm-eval"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def write_run_info(recipe: Recipe, out_dir: str | Path, command: str, changes: Optional[list] = None) -> Path:
+    """Write the fully resolved recipe plus versions and git revision into the run folder.
+
+    Each command has its own record (``recipe.<command>.yaml``, ``run_info.<command>.json``),
+    so one command never replaces another's. ``changes`` (settings let through on a
+    resume) are added to those recorded before, so the record keeps the run's history.
+    """
+    from dllm_align.core.io import atomic_write_text
+    from dllm_align.core.runfolder import recipe_record
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(recipe_record(out, command), to_yaml(recipe))
+    info_path = out / f"run_info.{command}.json"
+    history: list = []
+    if info_path.is_file():
+        try:
+            history = list(json.loads(info_path.read_text(encoding="utf-8")).get("changes") or [])
+        except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
+            history = []
+    info = {
+        "command": command,
+        "argv": sys.argv,
+        "versions": library_versions(),
+        "git_revision": git_revision(),
+    }
+    if history or changes:
+        info["changes"] = history + list(changes or [])
+    atomic_write_text(info_path, json.dumps(info, indent=2))
+    return out
+

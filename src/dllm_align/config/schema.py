@@ -1,0 +1,449 @@
+"""The recipe schema: one pydantic section per stage of the pipeline (model, data, reference, train, generate,
+judge, ablate, evaluate) with types, ranges and cross-field rules; unknown keys are refused.
+
+Key names follow the paper's vocabulary (beta, n_mc, lambda_desirable, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+
+
+
+class Section(BaseModel):
+    # allow_inf_nan=False: `beta: .inf` or `lr: .nan` are valid YAML floats but never valid settings.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# --------------------------------------------------------------------------- model
+class ModelSection(Section):
+    name_or_path: str = Field(
+        "builtin:tiny",
+        description="Hub id, local folder, or 'builtin:tiny' (the built-in tiny model, no network needed).",
+    )
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer path or hub id if not the model's own.")
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own code. Off by default; LLaDA does not need it."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype: auto = bfloat16 on GPU, float32 on CPU."
+    )
+    mask_token_id: Optional[int] = Field(None, ge=0, description="Override the mask token id read from the model.")
+    gradient_checkpointing: bool = False
+    attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2", "flex_attention"]] = None
+
+
+# --------------------------------------------------------------------------- data
+class DataSection(Section):
+    train: Optional[str] = Field(None, description="Training data: local file/folder or hub dataset id.")
+    train_split: str = "train"
+    test: Optional[str] = Field(None, description="Evaluation prompts: local file/folder or hub dataset id.")
+    test_split: str = "test"
+    format: Literal["auto", "unpaired", "paired"] = Field(
+        "auto", description="Layout of the rows: detected from the columns, or forced (see `dllm-align convert`)."
+    )
+    label: Optional[bool] = Field(
+        None, description="Class of rows that have no 'label' column (a file of only desirable or only undesirable rows)."
+    )
+    max_length: int = Field(4096, ge=8, description="Cap on prompt + completion tokens.")
+    max_prompt_length: Optional[int] = Field(None, ge=1, description="Cap on prompt tokens (left-truncated).")
+    truncation: Literal["completion", "prompt_left"] = Field(
+        "completion", description="What gives way when a row is too long: the completion's tail or the prompt's head."
+    )
+    padding: Literal["paper", "none", "packed"] = Field(
+        "packed",
+        description="'paper': right-pad with EOS to max_length (visible, never scored; the paper's code); 'none': no tail, "
+        "attention-masked batches padded to their longest row; 'packed': no tail, and the noisy sequences of a forward packed "
+        "into as few max_length rows as fit, with block-diagonal attention (the values of 'none', without the padding).",
+    )
+    group_by_length: bool = Field(
+        False,
+        description="Bucket rows of similar length into one global batch (an opt-in departure from the paper, which samples "
+        "mini-batches uniformly: the baseline is a batch statistic, so grouping changes the method).",
+    )
+    end_of_turn: Literal["scored", "none"] = Field(
+        "scored",
+        description="'scored': append the chat template's end-of-turn token to every completion and mask and score it "
+        "like a completion token (the model learns to stop); 'none': score only the completion's own tokens (the paper's code).",
+    )
+    desirable_ratio: float = Field(
+        1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
+    )
+    undesirable_ratio: float = Field(1.0, gt=0, le=1, description="Keep this fraction of the undesirable rows.")
+    weights_file: Optional[str] = Field(
+        None,
+        description="JSON with lambda_desirable / lambda_undesirable, as written by `convert --balance-weights` (OUT.weights.json).",
+    )
+    seed: int = Field(0, description="Seed of the class subsampling and of the batch order.")
+    limit: Optional[int] = Field(None, ge=1, description="Use only the first N rows, before the ratios (smoke tests).")
+
+
+# --------------------------------------------------------------------------- reference
+class ReferenceSection(Section):
+    mode: Literal["cached", "online"] = Field(
+        "cached", description="'cached': read precomputed reference ELBOs; 'online': keep the reference model resident."
+    )
+    model: Optional[str] = Field(None, description="Reference model; default: model.name_or_path.")
+    cache: Optional[str] = Field(None, description="Cache folder; default: <output_dir>/ref_cache.")
+    n_mc: int = Field(8, ge=1, le=1024, description="Monte Carlo draws K per example (paper: 8 / 4).")
+    seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
+    estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
+    stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
+    batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
+    draws_per_forward: Optional[int] = Field(
+        None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."
+    )
+    shard_size: int = Field(
+        512, ge=1, description="Examples per cache shard: the unit of work per process and of resuming an interrupted precompute."
+    )
+
+
+# --------------------------------------------------------------------------- train
+class LoraSection(Section):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="LoRA dropout (0 by default, as in the paper). With gradient accumulation the baseline's no-grad pass "
+        "and the gradient pass draw the same dropout masks (seeded per step and micro-batch).",
+    )
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merge_on_export: bool = Field(
+        True,
+        description="final/ holds the merged model (plain transformers loads it); false: a PEFT adapter folder "
+        "(adapter_model.safetensors + adapter_config.json) for PeftModel.from_pretrained on the base model.",
+    )
+
+
+class TrainSection(Section):
+    objective: Literal["elbo_kto", "sft", "vrpo"] = "elbo_kto"
+    beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
+    baseline: Literal["global_mean", "none", "kl"] = Field(
+        "global_mean",
+        description="Reference point: stop-gradient mean margin over the optimiser-step batch (the paper), 0, or 'kl': "
+        "KTO's z0, the policy-vs-reference margin on mismatched (prompt, another row's completion) pairs of the step "
+        "batch, clamped at 0 (one extra no-grad policy pass per step).",
+    )
+    lambda_desirable: float = Field(1.0, gt=0)
+    lambda_undesirable: float = Field(1.0, gt=0)
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
+    epochs: float = Field(1.0, gt=0)
+    max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimiser steps.")
+    batch_size: int = Field(
+        1, ge=1, description="Examples (pairs for vrpo) per process per micro-batch. Global batch = batch_size x grad_accum x processes."
+    )
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
+    global_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Units per optimiser step across all processes (paper: 8). When set, grad_accum is derived from it "
+        "at launch (global / (batch_size x processes)), so one recipe gives the same update on 1 or 8 GPUs.",
+    )
+    rows_per_forward: Optional[int] = Field(
+        None, ge=1, description="Cap on noisy rows (examples x draws) per forward call of the policy (default: the whole micro-batch)."
+    )
+    sft_rows: Literal["all", "desirable"] = Field(
+        "all", description="objective sft: train on every row, or on desirable rows only."
+    )
+    margin_watch_window: int = Field(
+        25, ge=1, description="Steps per window of the falling-desirable-margin warning (SPEC.md section 4 caution)."
+    )
+    n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto",
+        description="Forward compute: bf16 autocast over fp32 master weights, or no (fp32); auto = bf16 on CUDA, no on CPU.",
+    )
+    seed: int = 0
+    process_group_timeout_minutes: float = Field(
+        60.0, gt=0,
+        description="How long a process waits for the others in a collective (NCCL/gloo) before the run fails. "
+        "torch's NCCL default is 10; rank 0 alone gathers, writes and hashes a checkpoint (an 8B model: minutes).",
+    )
+    save_every: Optional[int] = Field(None, ge=1, description="Checkpoint every N steps (default: end only).")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(1, ge=1)
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    lora: LoraSection = Field(default_factory=LoraSection)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        # YAML 1.1 reads a bare `no` (in a file or in --set) as false: that spelling means "no".
+        return "no" if v is False else v
+
+
+# --------------------------------------------------------------------------- generate
+class GenerateSection(Section):
+    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generate.sampler / dream_sampler."""
+
+    sampler: Literal["auto", "llada", "dream"] = Field(
+        "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, or Dream's diffusion_generate."
+    )
+
+    gen_length: int = Field(512, ge=1, description="Tokens generated per prompt (paper: 512).")
+    block_length: int = Field(32, ge=1, description="Semi-autoregressive block length; divides gen_length (paper: 32).")
+    steps: int = Field(512, ge=1, description="Denoising steps in all; a multiple of the number of blocks (paper: 512).")
+    remasking: Literal["low_confidence", "random"] = Field(
+        "low_confidence", description="Which candidates a step commits: the most probable ones, or random ones."
+    )
+    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise.")
+    cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
+    batch_size: int = Field(8, ge=1, description="Prompts per forward pass (length-grouped, left-padded).")
+    seed: int = Field(0, description="Seed for temperature / random remasking; each prompt hashes it with its id.")
+    cache: Literal["none", "prefix", "dual"] = Field(
+        "none", description="Fast mode: reuse keys/values within a block (prefix: left of it; dual: both sides). 'none' is exact."
+    )
+    threshold: Optional[float] = Field(
+        None, gt=0, le=1, description="Fast mode: commit every candidate above this confidence (at least one per step); replaces the step schedule."
+    )
+    split: Literal["train", "test"] = Field("test", description="Which prompts `generate` reads: data.test or data.train.")
+    limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts.")
+    # Dream's rule (sampler: dream, or auto with a Dream model); defaults are the published ones.
+    alg: Literal["origin", "maskgit_plus", "topk_margin", "entropy"] = Field(
+        "origin", description="Dream rule: which masked positions a step commits (origin: random; else by confidence)."
+    )
+    alg_temp: float = Field(0.0, ge=0, description="Dream rule: > 0 draws the committed positions from softmax(confidence / alg_temp).")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Dream rule: nucleus filtering of the candidates (applies at temperature 0 too).")
+    top_k: Optional[int] = Field(None, ge=1, description="Dream rule: top-k filtering of the candidates.")
+    eps: float = Field(1e-3, gt=0, lt=1, description="Dream rule: the last timestep of linspace(1, eps, steps + 1).")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "GenerateSection":
+        problems = []
+        if self.sampler == "dream":
+            pass  # one canvas: no blocks
+        elif self.gen_length % self.block_length:
+            problems.append(
+                f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})"
+            )
+        else:
+            blocks = self.gen_length // self.block_length
+            if self.steps % blocks:
+                problems.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({blocks})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+# --------------------------------------------------------------------------- judge
+class JudgeSection(Section):
+    """Pairwise judging (SPEC.md section 8; `dllm-align judge`)."""
+
+    judges: list[str] = Field(
+        default_factory=lambda: ["gpt-4o-mini"],
+        min_length=1,
+        max_length=2,
+        description="One or two judges: model names served at base_url, or 'rule:NAME' for rule judges "
+        "(two judges add the majority vote and Cohen's kappa).",
+    )
+    base_url: str = Field("https://api.openai.com/v1", description="OpenAI-compatible endpoint (vLLM, SGLang, ...); the only host contacted.")
+    api_key_env: str = Field(
+        "OPENAI_API_KEY", description="Name of the environment variable holding the API key ('' for a server without authentication)."
+    )
+    template: Optional[str] = Field(
+        None, description="Judging prompt file with {prompt}, {answer_a}, {answer_b} placeholders (default: the built-in template)."
+    )
+    concurrency: int = Field(8, ge=1, le=256, description="Requests in flight at once.")
+    timeout: float = Field(60.0, gt=0, description="Seconds to wait on a connection or a response before retrying.")
+    max_retries: int = Field(6, ge=0, description="Retries of one request on 429, 5xx, timeouts and dropped connections.")
+    retry_base_delay: float = Field(
+        1.0, ge=0, description="First backoff delay in seconds; doubles on each retry, with jitter (a Retry-After from the server wins)."
+    )
+    retry_max_delay: float = Field(60.0, ge=0, description="Cap on one backoff delay in seconds.")
+    max_parse_retries: int = Field(2, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict.")
+    bootstrap: int = Field(5000, ge=100, description="Bootstrap resamples of prompts for the 90% intervals (paper: 5,000).")
+    seed: int = Field(0, description="Seed of the bootstrap resamples.")
+    temperature: Optional[float] = Field(0.0, ge=0, description="Judge sampling temperature (null: not sent, for reasoning models).")
+    max_tokens: int = Field(1024, ge=1, description="Cap on the judge's reply length (sent as max_tokens).")
+    max_completion_tokens: Optional[int] = Field(
+        None, ge=1, description="Send this cap as max_completion_tokens instead of max_tokens (reasoning models reject max_tokens)."
+    )
+    allow_plain_http: bool = Field(False, description="Allow sending the key over plain http:// to a host that is not loopback.")
+    env_proxy: bool = Field(False, description="Use the proxy named by HTTP(S)_PROXY for base_url (off: the environment is ignored).")
+    batch: bool = Field(False, description="Use the Batch API (upload, create, poll, download) instead of live requests.")
+    batch_poll_interval: float = Field(15.0, gt=0, description="First wait between two polls of a batch, in seconds (grows 1.5x).")
+    batch_poll_max: float = Field(300.0, gt=0, description="Longest wait between two polls of a batch, in seconds.")
+    batch_failed: Literal["live", "batch"] = Field(
+        "live", description="Requests that failed inside a batch are retried live, or in new batches (up to batch_rounds)."
+    )
+    batch_rounds: int = Field(3, ge=1, description="With batch_failed: batch, the most batches one request is put into in a run.")
+    prices: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="USD per million prompt and completion tokens, per judge name or '*' for all; adds a cost to results.json.",
+    )
+    batch_price_factor: float = Field(0.5, ge=0, le=1, description="Price of batch tokens relative to live ones (OpenAI: half).")
+    length_threshold: float = Field(
+        0.1, ge=0, description="Mark the AWR when the two sides' mean answer lengths differ by more than this fraction."
+    )
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "JudgeSection":
+        if len(set(self.judges)) != len(self.judges):
+            raise ValueError(f"judges: the same judge is listed twice ({self.judges[0]})")
+        bad = [k for k, (p_in, p_out) in self.prices.items() if not (0 <= p_in < float("inf") and 0 <= p_out < float("inf"))]
+        if bad:
+            raise ValueError(f"prices: {bad[0]}: prices are finite numbers >= 0 (USD per million tokens)")
+        return self
+
+
+# --------------------------------------------------------------------------- ablate
+class AblateSection(Section):
+    """Sweeps of ``dllm-align ablate`` (the paper's Table 3 and Figure 1)."""
+
+    betas: list[float] = Field(default_factory=lambda: [0.1, 0.2], description="ablate baseline: beta values (grid with lrs).")
+    lrs: list[float] = Field(default_factory=lambda: [1e-6, 5e-6], description="ablate baseline: learning rates (grid with betas).")
+    pairs: Optional[list[tuple[float, float]]] = Field(
+        None, description="ablate baseline: explicit (beta, lr) settings instead of the betas x lrs grid (Table 3 uses three)."
+    )
+    baselines: list[Literal["global_mean", "none", "kl"]] = Field(
+        default_factory=lambda: ["none", "global_mean", "kl"], description="ablate baseline: the reference points compared."
+    )
+    ratios: list[float] = Field(
+        default_factory=lambda: [0.1, 0.5, 1.0], description="ablate imbalance: fractions of the subsampled class kept."
+    )
+    subsample: Literal["desirable", "undesirable", "both"] = Field(
+        "both", description="ablate imbalance: which class is subsampled ('both': one sweep for each, as in Figure 1)."
+    )
+    balance_weights: bool = Field(True, description="ablate imbalance: set lambda_D * n_D = lambda_U * n_U (the paper's setting).")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "AblateSection":
+        bad = [r for r in self.ratios if not 0 < r <= 1]
+        if bad:
+            raise ValueError(f"ratios must be in (0, 1], got {bad}")
+        if any(b <= 0 for b in self.betas) or any(lr <= 0 for lr in self.lrs):
+            raise ValueError("betas and lrs must be positive")
+        return self
+
+
+# --------------------------------------------------------------------------- evaluate
+class EvalTask(Section):
+    """Per-task settings of ``dllm-align evaluate`` (paper Appendix C, Table eval-config).
+
+    Unset keys fall back to the ``generate`` section (decoding) and to the
+    harness task's own defaults (shots)."""
+
+    task: Optional[str] = Field(
+        None, description="lm-evaluation-harness task or group name; default: this entry's key."
+    )
+    gen_length: Optional[int] = Field(None, ge=1, description="Tokens generated (default: generate.gen_length).")
+    block_length: Optional[int] = Field(None, ge=1, description="Semi-autoregressive block (default: generate.block_length).")
+    steps: Optional[int] = Field(None, ge=1, description="Sampler steps over the whole span (default: generate.steps).")
+    num_fewshot: Optional[int] = Field(None, ge=0, description="Few-shot examples (default: the task's own).")
+    limit: Optional[int] = Field(None, ge=1, description="Evaluate only the first N documents (smoke runs).")
+    metric: Optional[str] = Field(
+        None,
+        description="Metric shown in the comparison table, as the harness names it, e.g. 'exact_match,flexible-extract' (default: the task's first).",
+    )
+    apply_chat_template: Optional[bool] = Field(None, description="Override evaluate.apply_chat_template for this task.")
+
+
+class EvaluateSection(Section):
+    tasks: dict[str, EvalTask] = Field(
+        default_factory=dict, description="Tasks to run, keyed by the name shown in the table (see EvalTask)."
+    )
+    mc_num: int = Field(32, ge=1, description="Monte Carlo draws of the ELBO for each loglikelihood request.")
+    mc_seed: int = Field(0, description="Mask seed of those draws; masks are a pure function of (seed, request text).")
+    stratified: bool = Field(
+        True, description="Evenly spaced l across the draws of a request (LLaDA's evaluation does this)."
+    )
+    greedy_check: bool = Field(
+        False,
+        description="Compute is_greedy for loglikelihood requests by decoding the continuation one token per step (L extra forwards); off: reported False.",
+    )
+    batch_size: int = Field(8, ge=1, description="Noisy sequences per forward (loglikelihood) / prompts per batch (generation).")
+    max_length: Optional[int] = Field(
+        None, ge=8, description="Cap on prompt + continuation tokens; the prompt's head gives way (default: the model's context size)."
+    )
+    packing: bool = Field(
+        True,
+        description="Pack each forward's noisy sequences into rows of max_length with block-diagonal attention "
+        "(the same ELBO values as padded rows up to float rounding, no compute on padding).",
+    )
+    apply_chat_template: bool = Field(False, description="Wrap prompts in the model's chat template (instruct models).")
+    fewshot_as_multiturn: bool = Field(True, description="With the chat template: few-shot examples as separate turns.")
+    system_instruction: Optional[str] = Field(None, description="System message put before every prompt.")
+    include_path: Optional[str] = Field(None, description="Folder of extra task YAMLs (besides the bundled ones).")
+    limit: Optional[int] = Field(None, ge=1, description="Documents per task for every task (smoke runs); a task's own limit wins.")
+    bootstrap_iters: int = Field(100000, ge=0, description="Bootstrap resamples for stderr of non-mean metrics (0: none).")
+    log_samples: bool = Field(True, description="Write every document's prompt, response and score (samples_<task>.jsonl).")
+    allow_code_execution: bool = Field(
+        False, description="Let code tasks (HumanEval) run model-written code on this machine."
+    )
+    compare: Optional[str] = Field(None, description="A second checkpoint evaluated the same way and put side by side.")
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _bare_keys(cls, v):
+        # `gsm8k:` with nothing under it means "all defaults".
+        if isinstance(v, dict):
+            return {k: ({} if t is None else t) for k, t in v.items()}
+        return v
+
+
+# --------------------------------------------------------------------------- recipe
+class Recipe(Section):
+    name: str = "unnamed"
+    description: str = ""
+    output_dir: str = Field("runs/unnamed", description="Where a run writes (overridden by --output-dir).")
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    reference: ReferenceSection = Field(default_factory=ReferenceSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    generate: GenerateSection = Field(default_factory=GenerateSection)
+    judge: JudgeSection = Field(default_factory=JudgeSection)
+    ablate: AblateSection = Field(default_factory=AblateSection)
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> "Recipe":
+        problems = []
+        if self.train.n_mc is not None and self.train.n_mc > self.reference.n_mc:
+            problems.append(
+                f"train.n_mc ({self.train.n_mc}) exceeds reference.n_mc ({self.reference.n_mc}): the cache holds only that many draws"
+            )
+        if self.train.global_batch_size is not None and self.train.grad_accum != 1:
+            problems.append("train.global_batch_size and train.grad_accum are both set; set one (grad_accum is derived from the other)")
+        if self.train.global_batch_size is not None and self.train.global_batch_size % self.train.batch_size:
+            problems.append(
+                f"train.global_batch_size ({self.train.global_batch_size}) is not a multiple of train.batch_size ({self.train.batch_size})"
+            )
+        if self.reference.stratified and self.train.n_mc is not None and self.train.n_mc != self.reference.n_mc:
+            problems.append(
+                f"train.n_mc ({self.train.n_mc}) must equal reference.n_mc ({self.reference.n_mc}) when reference.stratified "
+                "is on: a prefix of stratified draws covers only the low strata"
+            )
+        if self.train.objective == "vrpo" and self.data.format == "unpaired":
+            problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        for key, t in self.evaluate.tasks.items():
+            g = t.gen_length or self.generate.gen_length
+            b = t.block_length or self.generate.block_length
+            s = t.steps or self.generate.steps
+            if g % b:
+                problems.append(f"evaluate.tasks.{key}: gen_length ({g}) must be a multiple of block_length ({b})")
+            elif s % (g // b):
+                problems.append(f"evaluate.tasks.{key}: steps ({s}) must be a multiple of the number of blocks ({g // b})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def train_n_mc(self) -> int:
+        return self.train.n_mc or self.reference.n_mc
+
+
+

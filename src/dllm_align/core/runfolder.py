@@ -1,0 +1,166 @@
+"""Run folders (``-o DIR``): what each command records there, and refusing a reused
+folder whose settings changed.
+
+Every command writes its own record into the run folder, named after the
+command (``recipe.<command>.yaml``, ``run_info.<command>.json``), so that
+``generate`` or ``judge`` run into a training folder never replace the record
+of how the model was trained.
+
+A folder that is *continued* (``train --resume``, ``precompute-ref`` over an
+existing cache, ``generate`` onto an existing output file) must be continued
+with the settings that made it: otherwise the numbers of the two halves mix
+and the record misdescribes the run. :func:`refuse_changes` compares the
+recorded settings with the new ones and names *every* key that differs
+(exit 2), unless the user lets each one through explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from dllm_align.core.errors import UserError
+
+# Recipe keys that do not change a training run's numbers: where things are
+# written, how often, how progress is shown, how work is chunked (the chunking
+# is tested to give the same numbers), and the sections of other commands.
+TRAIN_NEUTRAL = (
+    "name",
+    "description",
+    "output_dir",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.log_every",
+    "train.trackers",
+    "train.rows_per_forward",
+    "train.batch_size",
+    "train.grad_accum",
+    "train.margin_watch_window",
+    "train.process_group_timeout_minutes",
+    "model.gradient_checkpointing",
+    "reference.batch_size",
+    "reference.draws_per_forward",
+    "reference.shard_size",
+    "reference.cache",
+    "reference.mode",
+    "generate",
+    "judge",
+    "ablate",
+    "evaluate",
+)
+
+
+def recipe_record(out_dir: str | Path, command: str) -> Path:
+    """The resolved recipe a command wrote into a run folder."""
+    return Path(out_dir) / f"recipe.{command}.yaml"
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _neutral(key: str, neutral: Iterable[str]) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in neutral)
+
+
+def differing(old: dict, new: dict, neutral: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
+    """Every flattened key whose value differs, as (key, old, new); ``neutral`` keys are ignored.
+
+    A key the old record lacks (written before the key existed) is not compared;
+    one the new settings lack counts as null.
+    """
+    a, b = flatten(old), flatten(new)
+    out = []
+    for k in sorted(a):
+        if _neutral(k, neutral):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if va != vb:
+            out.append((k, va, vb))
+    return out
+
+
+def _show(v: Any) -> str:
+    s = json.dumps(v, ensure_ascii=False, default=str)
+    return s if len(s) <= 40 else s[:36] + '..."'
+
+
+def refuse_changes(
+    what: str,
+    diffs: list[tuple[str, Any, Any]],
+    *,
+    allow: Iterable[str] = (),
+    hint: Optional[str] = None,
+) -> list[tuple[str, Any, Any]]:
+    """Raise UserError naming each differing key not in ``allow``; returns the allowed ones.
+
+    ``allow`` holds dotted keys (``train.lr``) or ``all``.
+    """
+    allow = set(allow)
+    if "all" in allow:
+        return diffs
+    refused = [d for d in diffs if not any(d[0] == a or d[0].startswith(a + ".") for a in allow)]
+    if refused:
+        listed = "; ".join(f"{k} (was {_show(a)}, now {_show(b)})" for k, a, b in refused)
+        n = len(refused)
+        flags = " ".join(f"--allow-change {k}" for k, _, _ in refused)
+        raise UserError(
+            f"{what}: {n} setting{'s' if n > 1 else ''} that change{'s' if n == 1 else ''} the results "
+            f"differ{'s' if n == 1 else ''} from the recorded run: {listed}",
+            hint=hint or f"use the recorded settings, another run folder, or let them through with {flags}",
+        )
+    return diffs
+
+
+def recorded_recipe(out_dir: str | Path, command: str) -> Optional[dict]:
+    """The recipe a command recorded in ``out_dir`` (``recipe.<command>.yaml``), or None.
+
+    Folders written before per-command records have only ``recipe.resolved.yaml``,
+    which any command may have rewritten last; it is not trusted as the run's record.
+    """
+    import yaml
+
+    for p in (recipe_record(out_dir, command),):
+        if p.is_file():
+            try:
+                raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+            except (yaml.YAMLError, UnicodeDecodeError):
+                raise UserError(f"{p}: the run's record is not valid YAML", hint="restore it, or start a new run folder") from None
+            return raw if isinstance(raw, dict) else None
+    return None
+
+
+def _fixed_lr(raw: dict) -> bool:
+    t = raw.get("train") or {}
+    return t.get("scheduler") == "constant" and not t.get("warmup_ratio")
+
+
+def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
+    """Refuse to continue (or reuse) the training run in ``out_dir`` with settings that change its
+    numbers; returns the changes the user let through (empty when nothing changed)."""
+    old = recorded_recipe(out_dir, "train")
+    if old is None:
+        return []
+    new = recipe.model_dump(mode="json")
+    neutral = TRAIN_NEUTRAL
+    if all(_fixed_lr(r) for r in (old, new)):
+        # a constant lr without warm-up does not depend on the run's length: extending it is exact
+        neutral = neutral + ("train.max_steps", "train.epochs")
+    diffs = differing(old, new, neutral)
+    return refuse_changes(
+        f"cannot continue the training run in {out_dir}",
+        diffs,
+        allow=allow,
+        hint=None,
+    )

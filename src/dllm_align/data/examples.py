@@ -1,0 +1,158 @@
+"""Training examples and their batches, shared by ``precompute-ref`` and ``train``.
+
+The recipe's rows tokenised, the collate function that turns a list of examples into
+a padded batch, the units of a global batch (single rows, or VRPO's pairs), the
+step count, and the mismatched pairs of ``train.baseline: kl``.
+
+KTO's reference point z0 (``train.baseline: kl``)
+    KTO estimates z0 = KL(policy || reference) from mismatched pairs: each
+    prompt of the step batch with another row's completion, as TRL's
+    KTOTrainer does (row i's prompt with row i-1's completion, cyclically).
+    Here the pairs are cut from the *global* batch of the optimiser step, not
+    from one device's rows, so they exist with 8 processes x 1 row. The pairs
+    are a pure function of the batch plan (seed, epoch, global batch size,
+    grouping), so ``precompute-ref`` knows them in advance and caches their
+    reference ELBOs with the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from typing import Callable, Sequence
+
+from dllm_align.core.errors import UserError
+
+def load_training_examples(recipe, tokenizer, *, quiet: bool = False) -> list:
+    """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation)."""
+    from dllm_align.data.load import rows_from_section
+    from dllm_align.data.tokenize import tokenize_rows
+
+    rows = rows_from_section(recipe.data, "train", quiet=quiet)
+    return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet)
+
+
+def make_collate(recipe, tokenizer) -> Callable[[list], dict]:
+    from dllm_align.data.batching import collate
+    from dllm_align.data.tokenize import pad_token_id
+
+    return functools.partial(
+        collate, padding=recipe.data.padding, max_length=recipe.data.max_length, pad_id=pad_token_id(tokenizer)
+    )
+
+
+def make_units(examples: Sequence, objective: str, sft_rows: str = "all") -> list[tuple]:
+    """The units of the global batch: single examples, or (chosen, rejected) pairs for VRPO."""
+    if objective == "elbo_kto":
+        missing = [ex.id for ex in examples if ex.label is None]
+        if missing:
+            raise UserError(f"objective elbo_kto needs a label on every row; row '{missing[0]}' has none")
+        return [(ex,) for ex in examples]
+    if objective == "sft":
+        keep = [ex for ex in examples if sft_rows == "all" or ex.label]
+        if not keep:
+            raise UserError("objective sft with train.sft_rows 'desirable': there are no desirable rows")
+        return [(ex,) for ex in keep]
+    if objective != "vrpo":
+        raise ValueError(objective)
+    by_pair: dict[str, list] = {}
+    for ex in examples:
+        if ex.pair_id is None:
+            raise UserError(
+                f"objective vrpo needs paired data; row '{ex.id}' has no pair id",
+                hint="use a paired source (prompt, chosen, rejected) with data.format: paired",
+            )
+        by_pair.setdefault(ex.pair_id, []).append(ex)
+    units, broken = [], []
+    for pid, rows in by_pair.items():
+        chosen = [r for r in rows if r.label]
+        rejected = [r for r in rows if r.label is False]
+        if len(chosen) == 1 and len(rejected) == 1 and len(rows) == 2:
+            units.append((chosen[0], rejected[0]))
+        else:
+            broken.append(pid)
+    if broken:
+        from dllm_align.core.console import warn
+
+        warn(f"vrpo: {len(broken)} pair id(s) without exactly one chosen and one rejected row are skipped (e.g. '{broken[0]}')")
+    if not units:
+        raise UserError("objective vrpo: no complete (chosen, rejected) pairs in the training data")
+    return units
+
+
+def units_digest(units: Sequence[tuple]) -> str:
+    h = hashlib.sha256()
+    for u in units:
+        h.update("\x1f".join(ex.id for ex in u).encode("utf-8"))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def step_count(t, n_units: int, G: int) -> tuple[int, int]:
+    """(steps per epoch, total optimiser steps) for ``n_units`` units in global batches of ``G`` (``train`` section t)."""
+    per_epoch = n_units // G
+    return per_epoch, t.max_steps or max(1, math.ceil(t.epochs * per_epoch))
+
+
+def kl_pair_id(prompt_from: str, completion_from: str) -> str:
+    return f"kl({prompt_from},{completion_from})"
+
+
+def kl_examples(batch: Sequence, max_length: int) -> list:
+    """The mismatched pairs of one global batch (module docstring): row i's prompt, row i-1's completion.
+
+    A borrowed completion that does not fit after the prompt loses its tail
+    (``truncation: completion``). Pairs are in the batch's row order, so pair
+    i belongs with row i on whichever process holds it.
+    """
+    from dllm_align.data.tokenize import Example
+
+    n = len(batch)
+    if n < 2:
+        raise UserError("train.baseline kl needs at least 2 rows per global batch (it pairs each prompt with another row's completion)")
+    out = []
+    for i, a in enumerate(batch):
+        b = batch[i - 1]
+        room = max_length - len(a.prompt_ids)
+        out.append(Example(kl_pair_id(a.id, b.id), a.prompt_ids, b.completion_ids[:room], None))
+    return out
+
+
+def planned_batches(recipe, lengths: Sequence[int], G: int, total: int) -> list[list[int]]:
+    """The global batches of every step of the run, in order (the plan of each epoch it reaches)."""
+    from dllm_align.data.batching import plan_batches
+
+    out: list[list[int]] = []
+    epoch = 0
+    while len(out) < total:
+        plan = plan_batches(lengths, G, recipe.train.seed, epoch, recipe.data.group_by_length, drop_last=True)
+        out.extend(plan[: total - len(out)])
+        epoch += 1
+    return out
+
+
+def planned_kl_examples(recipe, examples: Sequence) -> list:
+    """Every mismatched pair a ``train.baseline: kl`` run of this recipe will score (for ``precompute-ref``), deduplicated.
+
+    Needs ``train.global_batch_size``: the pairs come from the global batches,
+    which must not depend on how many processes train.
+    """
+    t = recipe.train
+    if t.global_batch_size is None:
+        raise UserError(
+            "train.baseline kl with a cached reference needs train.global_batch_size: its mismatched pairs come from the "
+            "global batches, which precompute-ref must know before training",
+            hint="set train.global_batch_size (paper: 8), or use reference.mode: online",
+        )
+    units = make_units(examples, t.objective, t.sft_rows)
+    G = t.global_batch_size
+    per_epoch, total = step_count(t, len(units), G)
+    if per_epoch < 1:
+        return []
+    lengths = [sum(ex.length for ex in u) for u in units]
+    seen: dict[str, object] = {}
+    for batch in planned_batches(recipe, lengths, G, total):
+        for ex in kl_examples([units[i][0] for i in batch], recipe.data.max_length):
+            seen.setdefault(ex.id, ex)
+    return list(seen.values())

@@ -1,0 +1,214 @@
+"""What a judge run reports: statistics per judge, answer lengths, tokens and cost,
+and the results table (terminal and results.md). Pure functions of the
+per-prompt outcomes and of the cache rows; see :mod:`dllm_align.judge.stats` for the
+maths."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Optional, Sequence
+
+LENGTH_UNIT = "characters"
+
+
+def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths: Optional[tuple[Sequence[int], Sequence[int]]] = None,
+                       bootstrap: int = 5000, seed: int = 0) -> dict:
+    """Statistics of per-prompt outcomes (+1 / 0 / -1, ``None`` for a prompt the judge
+    could not finish), one list per judge, all lists in the same prompt order.
+
+    Returns ``{"judges": {name: {n, wins, losses, ties, awr, ci90, failed_prompts}}}``
+    and, with two judges, ``"majority_vote"`` and ``"cohen_kappa": {value, ci90, n}``
+    over the prompts both judges finished. With ``lengths`` (answer lengths of A
+    and of B per prompt) every AWR gets its length-controlled twin ``lc_awr`` and
+    ``lc_ci90`` over the same prompts. Every interval uses the same resamples
+    (same ``seed``) when the prompt counts agree.
+    """
+    import numpy as np
+
+    from dllm_align.judge import stats
+
+    la = np.asarray(lengths[0], dtype=np.float64) if lengths is not None else None
+    lb = np.asarray(lengths[1], dtype=np.float64) if lengths is not None else None
+
+    def summ(outcomes: np.ndarray, keep: np.ndarray) -> dict:
+        s = stats.summarize(outcomes, n_resamples=bootstrap, seed=seed)
+        if la is not None:
+            if s["n"]:
+                s["lc_awr"] = stats.lc_awr(outcomes, la[keep], lb[keep])
+                s["lc_ci90"] = list(stats.lc_awr_ci(outcomes, la[keep], lb[keep], n_resamples=bootstrap, seed=seed))
+            else:
+                s["lc_awr"], s["lc_ci90"] = None, None
+        return s
+
+    out: dict[str, Any] = {"judges": {}}
+    for j, outs in per_judge.items():
+        keep = np.array([o is not None for o in outs], dtype=bool)
+        done = np.array([o for o in outs if o is not None], dtype=np.int8)
+        s = summ(done, keep)
+        s["failed_prompts"] = len(outs) - len(done)
+        out["judges"][j] = s
+    if len(per_judge) == 2:
+        l1, l2 = per_judge.values()
+        keep = np.array([a is not None and b is not None for a, b in zip(l1, l2)], dtype=bool)
+        o1 = np.array([a for a, b in zip(l1, l2) if a is not None and b is not None], dtype=np.int8)
+        o2 = np.array([b for a, b in zip(l1, l2) if a is not None and b is not None], dtype=np.int8)
+        out["majority_vote"] = summ(stats.majority_vote(o1, o2), keep)
+        if o1.size:
+            lo, hi = stats.kappa_ci(o1, o2, n_resamples=bootstrap, seed=seed)
+            out["cohen_kappa"] = {"value": stats.cohen_kappa(o1, o2), "ci90": [lo, hi], "n": int(o1.size)}
+        else:
+            out["cohen_kappa"] = {"value": None, "ci90": None, "n": 0}
+    return out
+
+
+def length_report(len_a: Sequence[int], len_b: Sequence[int], threshold: float) -> dict:
+    """Mean and median answer length of each side, and whether the means differ by
+    more than ``threshold`` (relative to the shorter side's mean)."""
+    from dllm_align.judge import stats
+
+    a, b = stats.length_summary(len_a), stats.length_summary(len_b)
+    rel = None
+    if a["mean"] is not None and min(a["mean"], b["mean"]) > 0:
+        rel = (a["mean"] - b["mean"]) / min(a["mean"], b["mean"])
+    return {"unit": LENGTH_UNIT, "a": a, "b": b, "relative_difference": rel, "threshold": threshold,
+            "beyond_threshold": rel is not None and abs(rel) > threshold}
+
+
+def usage_report(rows: list[dict], prices: Mapping[str, Sequence[float]], batch_price_factor: float) -> dict:
+    """Tokens per judge from the cache rows used by this result, and the cost when
+    a price (USD per million prompt / completion tokens) is given for the judge or
+    for ``*``; tokens of batch judgements are charged at ``batch_price_factor``."""
+    usage: dict[str, dict] = {}
+    for row in rows:
+        u = usage.setdefault(row["judge"], {"judgements": 0, "live": 0, "batch": 0, "prompt_tokens": 0, "completion_tokens": 0})
+        u["judgements"] += 1
+        mode = "batch" if row.get("mode") == "batch" else "live"
+        u[mode] += 1
+        cu = row.get("usage") or {}
+        for f in ("prompt_tokens", "completion_tokens"):
+            if isinstance(cu.get(f), int):
+                u[f] += cu[f]
+                u.setdefault(f"{mode}_{f}", 0)
+                u[f"{mode}_{f}"] += cu[f]
+    for j, u in usage.items():
+        price = prices.get(j, prices.get("*"))
+        if price is not None:
+            p_in, p_out = float(price[0]), float(price[1])
+            live = u.get("live_prompt_tokens", 0) * p_in + u.get("live_completion_tokens", 0) * p_out
+            batch = u.get("batch_prompt_tokens", 0) * p_in + u.get("batch_completion_tokens", 0) * p_out
+            u["price_per_mtok"] = [p_in, p_out]
+            u["cost_usd"] = (live + batch_price_factor * batch) / 1e6
+    return dict(sorted(usage.items()))
+
+
+# =========================================================================== tables
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def _ci_pct(ci: Optional[list]) -> str:
+    return "-" if ci is None else f"[{100 * ci[0]:.2f}, {100 * ci[1]:.2f}]"
+
+
+LENGTH_MARK = "†"
+HEADERS = ["Judge", "AWR (%)", "90% CI", "LC-AWR (%)", "LC 90% CI", "wins", "losses", "ties", "n"]
+
+
+def table_rows(results: dict) -> list[list[str]]:
+    """Rows ``[judge, AWR %, 90% CI, LC-AWR %, LC CI, wins, losses, ties, n]``, as in the
+    paper's Tables 1 and 2 plus the length-controlled columns. The AWR carries
+    :data:`LENGTH_MARK` when the two sides' mean lengths differ beyond the threshold."""
+    mark = LENGTH_MARK if (results.get("lengths") or {}).get("beyond_threshold") else ""
+
+    def row(name: str, r: dict) -> list[str]:
+        awr = _pct(r["awr"]) + (mark if r["awr"] is not None else "")
+        return [name, awr, _ci_pct(r["ci90"]), _pct(r.get("lc_awr")), _ci_pct(r.get("lc_ci90")),
+                str(r["wins"]), str(r["losses"]), str(r["ties"]), str(r["n"])]
+
+    rows = [row(j, r) for j, r in results["judges"].items()]
+    if "majority_vote" in results:
+        rows.append(row("MV (two judges)", results["majority_vote"]))
+    if "cohen_kappa" in results:
+        k = results["cohen_kappa"]
+        v = "-" if k["value"] is None else f"{k['value']:.3f}"
+        ci = "-" if k["ci90"] is None else f"[{k['ci90'][0]:.3f}, {k['ci90'][1]:.3f}]"
+        rows.append(["Cohen's kappa", v, ci, "", "", "", "", "", str(k["n"])])
+    return rows
+
+
+def length_line(results: dict) -> Optional[str]:
+    ln = results.get("lengths")
+    if not ln or ln["a"]["mean"] is None:
+        return None
+    a, b = ln["a"], ln["b"]
+    line = (f"Answer length ({ln['unit']}), mean / median: A {a['mean']:.0f} / {a['median']:.0f}, "
+            f"B {b['mean']:.0f} / {b['median']:.0f}")
+    if ln["beyond_threshold"]:
+        longer, rel = ("A", ln["relative_difference"]) if ln["relative_difference"] > 0 else ("B", -ln["relative_difference"])
+        line += (f". {LENGTH_MARK} {longer}'s answers are {100 * rel:.0f}% longer on average (more than "
+                 f"{100 * ln['threshold']:.0f}%): a judge that favours length inflates the AWR; read the LC-AWR beside it.")
+    return line
+
+
+def usage_lines(results: dict) -> list[str]:
+    lines = []
+    for j, u in (results.get("usage") or {}).items():
+        s = (f"{j}: {u['judgements']} judgements ({u['live']} live, {u['batch']} batch), "
+             f"{u['prompt_tokens']:,} prompt + {u['completion_tokens']:,} completion tokens")
+        if "cost_usd" in u:
+            s += f", ${u['cost_usd']:.4f}"
+        lines.append(s)
+    return lines
+
+
+def results_markdown(results: dict) -> str:
+    lines = [
+        "# Pairwise judging",
+        "",
+        f"A = `{results['a']}` vs B = `{results['b']}`, {results['n']} prompts, each judged in both orders.",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(HEADERS) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(results)]
+    lines += [
+        "",
+        "AWR = (wins of A + 0.5 ties) / n; A wins a prompt only if both orders prefer it, B likewise, else a tie. "
+        f"90% CI: 5th and 95th percentiles of {results['settings']['bootstrap_resamples']} bootstrap resamples of prompts "
+        f"(seed {results['settings']['seed']}). MV: a win or loss only when both judges agree on it, else a tie. "
+        "LC-AWR: the AWR predicted at zero length difference by a logistic regression of the outcome on "
+        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally; same resamples.",
+    ]
+    ln = length_line(results)
+    if ln:
+        lines += ["", ln]
+    if results.get("usage"):
+        lines += ["", "Tokens: " + "; ".join(usage_lines(results)) + "."]
+    if results["failed_judgements"]:
+        lines += ["", f"**{results['failed_judgements']} judgement(s) failed**; their prompts are excluded for that judge (see n)."]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(results: dict, file=None) -> None:
+    """The results as a rich table (percent), on stdout by default."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    con = Console(file=file or sys.stdout, highlight=False, soft_wrap=False)
+    if not con.is_terminal:  # piped or captured: room for every column rather than wrapped intervals
+        con = Console(file=file or sys.stdout, highlight=False, soft_wrap=False, width=max(con.width, 150))
+    title = Text(f"A = {results['a']}  vs  B = {results['b']}  ({results['n']} prompts)")
+    t = Table(title=title, title_justify="left")
+    for i, h in enumerate(HEADERS):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    rows = table_rows(results)
+    n_judges = len(results["judges"])
+    for i, r in enumerate(rows):
+        # rules between the judges, the majority vote and kappa, as in the paper's Table 2
+        end = i + 1 < len(rows) and (i == n_judges - 1 or rows[i + 1][0] == "Cohen's kappa")
+        t.add_row(*(Text(c) for c in r), end_section=end)
+    con.print(t)
+    ln = length_line(results)
+    if ln:
+        con.print(Text(ln))

@@ -1,0 +1,208 @@
+"""What a model family declares, and the loading machinery every family shares.
+
+A :class:`Family` is a plain record: how a checkpoint of that family loads
+natively (a config translation and a weight-name mapping onto a transformers
+architecture), its special tokens, how its logits line up with positions, its
+end-of-turn tokens, the decoder layer class that FSDP wraps, and the decoding
+rule its authors publish. The rest of dllm-align asks the family; it never
+branches on a family's name. Adding a family is one module in this package
+(plus its tests) and one line in ``families/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from dllm_align.core.errors import UserError
+
+Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the rest of the code needs to know about one model family."""
+
+    name: str
+    # config.json ``model_type`` values whose checkpoints this family loads natively.
+    model_types: tuple[str, ...] = ()
+    # Which output scores position j: j - logit_shift (Dream: 1, "shifted logits";
+    # position 0 then reuses its own output, as the published code does).
+    logit_shift: int = 0
+    # The published mask token id (the config or tokenizer still wins when it names one).
+    mask_token_id: Optional[int] = None
+    # Tokens that end the generated text, most specific first (resolved through the tokenizer).
+    stop_tokens: tuple[str, ...] = ()
+    # The decoding rule of the family's own code: "llada" (SPEC.md section 7) or "dream"
+    # (``diffusion_generate``: one canvas, timestep schedule, confidence rules).
+    sampler: str = "llada"
+    # Native loader: (folder, config.json dict, dtype) -> a transformers model, no remote code.
+    load_native: Optional[Loader] = None
+    # Tokenizer fix-ups (a missing pad token, a remote-code tokenizer class with a native twin).
+    fix_tokenizer: Optional[Callable[[Any, Path], Any]] = None
+    # Published decoding defaults, written into the bundled recipes.
+    decoding: dict = field(default_factory=dict)
+
+    def source_positions(self, cols: torch.Tensor) -> torch.Tensor:
+        """The output positions whose hidden states score positions ``cols``."""
+        if not self.logit_shift:
+            return cols
+        return (cols - self.logit_shift).clamp_min(0)
+
+    def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, T, V] re-indexed so that row j predicts token j."""
+        if not self.logit_shift:
+            return logits
+        s = self.logit_shift
+        return torch.cat([logits[:, :1].expand(-1, s, -1), logits[:, :-s]], dim=1)
+
+    @staticmethod
+    def decoder_layer_class(model) -> Optional[type]:
+        """The repeated block FSDP wraps (and activation checkpointing targets)."""
+        # The first ``layers`` list found, so that wrappers (PEFT, DDP) around the body do not matter.
+        for name, mod in model.named_modules():
+            if name.rsplit(".", 1)[-1] == "layers" and isinstance(mod, torch.nn.ModuleList) and len(mod):
+                return type(mod[0])
+        return None
+
+
+# --------------------------------------------------------------------------- built-in tokenizers
+def byte_level_tokenizer(specials: list[str], *, bos: str, eos: str, mask: str, extra: list[str], chat_template: str):
+    """A byte-level tokenizer: the 256 byte symbols, then ``specials`` (ids in that order).
+
+    Every string round-trips exactly and one token is one UTF-8 byte, so any text
+    can be fed to a built-in model. Padding uses EOS.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    t = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, mask_token=mask,
+        additional_special_tokens=extra,
+    )
+    t.chat_template = chat_template
+    t.model_max_length = 1 << 20
+    return t
+
+
+# --------------------------------------------------------------------------- shared loading
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise UserError(
+        f"{folder}: no safetensors weights found",
+        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+    )
+
+
+def refuse(family: str, unsupported: list[str]) -> None:
+    """One error naming every config option the native mapping does not reproduce."""
+    if unsupported:
+        raise UserError(
+            f"{family} config options not supported by the native loader: {', '.join(unsupported)}",
+            hint="set model.trust_remote_code: true to run the checkpoint's own code instead",
+        )
+
+
+def _short(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (" ..." if len(keys) > 3 else "")
+
+
+def load_mapped(
+    folder: Path,
+    model_cls,
+    config,
+    dtype: torch.dtype,
+    rename: Callable[[str], Optional[str]],
+    family: str,
+    combine: Optional[Callable[[dict], dict]] = None,
+    prepare: Optional[Callable[[torch.nn.Module], None]] = None,
+):
+    """Build ``model_cls(config)`` on the meta device and fill it from the folder's safetensors.
+
+    ``rename`` maps a checkpoint name onto the native name (None: unknown, an
+    error); ``combine`` may merge renamed tensors (e.g. stack per-expert
+    matrices); ``prepare`` may adjust the empty model first (e.g. drop a bias
+    the family does not have). Every expected weight must be present: a missing or unknown one
+    is named, so a silent numerical difference is impossible. Rotary
+    frequencies are not weights: they are rebuilt in fp32 from the config
+    (never trusted from a file, never left on the meta device).
+    """
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = model_cls(config)
+    if prepare is not None:
+        prepare(model)
+    state: dict[str, torch.Tensor] = {}
+    unknown = []
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                nk = rename(k)
+                if nk is None:
+                    unknown.append(k)
+                    continue
+                state[nk] = sf.get_tensor(k).to(dtype)
+    if unknown:
+        raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(unknown)}")
+    if combine is not None:
+        state = combine(state)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise UserError(f"{folder}: {family} checkpoint is missing weights: {_short(missing)}")
+    extra = sorted(set(state) - expected)
+    if extra:
+        raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(extra)}")
+    model.load_state_dict(state, assign=True, strict=True)
+    rebuild_rotary(model)
+    return model.eval()
+
+
+def rebuild_rotary(model) -> None:
+    """Recreate the rotary-embedding module from the config: its buffers in fp32, on the CPU."""
+    inner = getattr(model, "model", None)
+    rot = getattr(inner, "rotary_emb", None)
+    if rot is None:
+        return
+    model.model.rotary_emb = type(rot)(config=model.config)
+
+
+def transformers_key(key: str) -> Optional[str]:
+    """Weight names already in transformers' layout (Dream on Qwen2, LLaDA-MoE on Qwen3-MoE); anything else is unknown."""
+    if key == "lm_head.weight" or key.startswith("model."):
+        return key
+    return None
+
+
+def special_ids(cfg: dict) -> dict:
+    """The published config's bos/eos/pad ids and the bidirectional switch, for any translated config."""
+    return {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+            "pad_token_id": cfg.get("pad_token_id"), "is_causal": False}
+
+
+def tag_config(config, cfg: dict, family: str, default_mask_id: int):
+    """Record the mask id and family on a translated config (saved with every export)."""
+    config.mask_token_id = cfg.get("mask_token_id", default_mask_id)
+    config.dllm_align_family = family
+    return config

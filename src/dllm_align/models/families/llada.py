@@ -1,0 +1,139 @@
+"""LLaDA and LLaDA-1.5 (``model_type: llada``), and the built-in tiny models, which share their manners.
+
+Native loading (SPEC.md section 10): LLaDA's blocks are Llama blocks with
+other weight names, so the checkpoint maps onto a transformers
+``LlamaForCausalLM`` with ``is_causal = False`` (no remote code; gradient
+checkpointing, SDPA / flash attention and the sampler's key/value cache come
+with it). Logits are not shifted; mask id 126336; a turn ends with
+``<|eot_id|>``; decoding is LLaDA's semi-autoregressive sampler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dllm_align.models.families.base import (
+    Family,
+    load_mapped,
+    refuse,
+    special_ids,
+    tag_config,
+)
+
+LLADA_RENAMES = [
+    # (LLaDA suffix, Llama suffix) for the weights inside each block
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ff_norm.weight", "post_attention_layernorm.weight"),
+    ("q_proj.weight", "self_attn.q_proj.weight"),
+    ("k_proj.weight", "self_attn.k_proj.weight"),
+    ("v_proj.weight", "self_attn.v_proj.weight"),
+    ("q_proj.bias", "self_attn.q_proj.bias"),
+    ("k_proj.bias", "self_attn.k_proj.bias"),
+    ("v_proj.bias", "self_attn.v_proj.bias"),
+    ("attn_out.weight", "self_attn.o_proj.weight"),
+    ("ff_proj.weight", "mlp.gate_proj.weight"),
+    ("up_proj.weight", "mlp.up_proj.weight"),
+    ("ff_out.weight", "mlp.down_proj.weight"),
+]
+
+
+def llada_config_to_llama(cfg: dict):
+    """Translate a LLaDA ``config.json`` into a bidirectional ``LlamaConfig``.
+
+    Raises UserError naming the field for LLaDA options the mapping does not
+    reproduce (so a silent numerical difference is impossible).
+    """
+    from transformers import LlamaConfig
+
+    unsupported = []
+    checks = {
+        "block_type": ("llama",),
+        "layer_norm_type": ("rms",),
+        "activation_type": ("silu", "swiglu"),
+    }
+    for key, ok in checks.items():
+        if key in cfg and cfg[key] not in ok:
+            unsupported.append(f"{key}={cfg[key]!r}")
+    for key in ("input_emb_norm", "scale_logits", "alibi", "include_bias"):
+        if cfg.get(key):
+            unsupported.append(f"{key}=true")
+    if cfg.get("rope") is False:
+        unsupported.append("rope=false")
+    if cfg.get("clip_qkv") is not None:
+        unsupported.append(f"clip_qkv={cfg['clip_qkv']}")
+    refuse("LLaDA", unsupported)
+    d = cfg["d_model"]
+    n_heads = cfg["n_heads"]
+    mlp = cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
+    vocab = cfg.get("embedding_size") or cfg["vocab_size"]
+    theta = float(cfg.get("rope_theta", 10000.0))
+    llama = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=mlp,
+        num_hidden_layers=cfg["n_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=cfg.get("n_kv_heads") or n_heads,
+        max_position_embeddings=cfg.get("max_sequence_length", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=bool(cfg.get("weight_tying", False)),
+        attention_bias=bool(cfg.get("include_qkv_bias", False)),
+        **special_ids(cfg),
+    )
+    return tag_config(llama, cfg, "llada", 126336)
+
+
+def llada_key_to_llama(key: str) -> Optional[str]:
+    """Map one LLaDA weight name onto the Llama name (None: not a weight we keep)."""
+    k = key
+    for prefix in ("model.transformer.", "transformer."):
+        if k.startswith(prefix):
+            k = k[len(prefix):]
+            break
+    else:
+        return None
+    if k == "wte.weight":
+        return "model.embed_tokens.weight"
+    if k == "ln_f.weight":
+        return "model.norm.weight"
+    if k == "ff_out.weight":
+        return "lm_head.weight"
+    if k.startswith("blocks."):
+        _, idx, rest = k.split(".", 2)
+        for src, dst in LLADA_RENAMES:
+            if rest == src:
+                return f"model.layers.{idx}.{dst}"
+    return None
+
+
+def _no_output_bias(model) -> None:
+    """LLaDA's include_qkv_bias puts biases on q, k and v only; Llama's attention_bias would
+    add one to o_proj too (and then ask the checkpoint for it)."""
+    if model.config.attention_bias:
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.register_parameter("bias", None)
+
+
+def load_llada_native(folder: Path, cfg: dict, dtype: torch.dtype):
+    """Load a LLaDA checkpoint folder into a bidirectional LlamaForCausalLM (no remote code)."""
+    from transformers import LlamaForCausalLM
+
+    return load_mapped(folder, LlamaForCausalLM, llada_config_to_llama(cfg), dtype, llada_key_to_llama, "LLaDA",
+                       prepare=_no_output_bias)
+
+
+LLADA = Family(
+    name="llada",
+    model_types=("llada",),
+    logit_shift=0,
+    mask_token_id=126336,
+    # The same stop list the sampler always used (a trained tiny model may emit any of them).
+    stop_tokens=("<|eot_id|>", "<|endoftext|>", "<|im_end|>", "<|end_of_text|>"),
+    sampler="llada",
+    load_native=load_llada_native,
+    decoding={"gen_length": 512, "block_length": 32, "steps": 512, "remasking": "low_confidence"},
+)

@@ -1,0 +1,409 @@
+"""Model loading and the mask-predictor interface.
+
+Three kinds of model load the same way (:func:`load_model`):
+
+* ``builtin:tiny`` - a tiny bidirectional transformer (Llama architecture with
+  ``is_causal = False``) and a byte-level tokenizer, both built from code with
+  no network. Used by tests, the demo and CI.
+* Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.models.families``)
+  - mapped onto a native bidirectional transformers model; no
+  ``trust_remote_code`` needed, and the result supports gradient checkpointing,
+  SDPA / flash attention and KV caches (SPEC.md sections 10 and 11).
+* Anything transformers can load (``AutoModelForCausalLM``, or ``AutoModel``
+  with ``trust_remote_code`` when the user turns it on).
+
+Local folders and hub ids go through the same path; an unreachable hub is a
+one-line error.
+
+
+The interface every stage calls is :class:`dllm_align.models.predictor.MaskPredictor`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from dllm_align.core.errors import UserError
+
+if TYPE_CHECKING:
+    pass
+from dllm_align.models.predictor import MaskPredictor
+
+
+
+BUILTIN_TINY = "builtin:tiny"
+
+# Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
+BOS = "<|startoftext|>"
+EOS = "<|endoftext|>"
+EOT = "<|eot_id|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+MASK = "<|mdm_mask|>"
+SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT, MASK]
+
+# LLaDA's chat format: role headers, content, end-of-turn; the generation
+# prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    intermediate_size: int = 128
+    max_position_embeddings: int = 4096
+    seed: int = 0
+    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens
+
+
+# Random-init models built from code (no files), deterministic by spec.
+BUILTIN_SPECS: dict[str, TinySpec] = {
+    "builtin:tiny": TinySpec(),  # 2 x 64: tests; a training step takes milliseconds
+    "builtin:small": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256),  # the toy demo's base
+    "builtin:tiny-dream": TinySpec(family="dream"),  # Dream's layout and manners at the tiny size
+    "builtin:small-dream": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="dream"),
+}
+
+
+# Trained models shipped inside the package: name -> folder under dllm_align/assets.
+BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream"}
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:
+        pass
+
+
+# --------------------------------------------------------------------------- tiny model
+def build_tiny_tokenizer(family: str = "llada"):
+    """A byte-level tokenizer (256 byte symbols + LLaDA-style specials) with a chat template.
+
+    Every string round-trips exactly, so any real text (the kto-mix rows) can be
+    fed to the tiny model; one token is one UTF-8 byte. ``family="dream"`` gives
+    Dream's special tokens and chat template instead.
+    """
+    if family == "dream":
+        from dllm_align.models.families.dream import build_dream_tokenizer
+
+        return build_dream_tokenizer()
+    from dllm_align.models.families.base import byte_level_tokenizer
+
+    return byte_level_tokenizer(SPECIAL_TOKENS, bos=BOS, eos=EOS, mask=MASK, extra=[START_HEADER, END_HEADER, EOT],
+                                chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
+    """A randomly initialised tiny bidirectional Llama; deterministic for a given spec."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _quiet_transformers()
+    tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
+    if spec.family == "dream":
+        from dllm_align.models.families.dream import build_dream_model
+
+        return build_dream_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                                 spec.max_position_embeddings, spec.seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        is_causal=False,
+    )
+    cfg.mask_token_id = tokenizer.mask_token_id
+    cfg.dllm_align_family = "llada"
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.eval()
+
+
+def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write the tiny model and tokenizer as a model folder (built beside ``path``, then renamed into place)."""
+    import shutil
+    import tempfile
+
+    from dllm_align.core.io import fsync_tree
+
+    tok = build_tiny_tokenizer(spec.family)
+    model = build_tiny_model(tok, spec)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        fsync_tree(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# --------------------------------------------------------------------------- resolving and loading
+def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
+    """Download (or find in the local cache) a hub repo's config, tokenizer and safetensors."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"]
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        raise UserError(
+            f"model '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+            hint="pass a local folder (model.name_or_path: /path/to/model) or unset HF_HUB_OFFLINE",
+        )
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=10))
+    except Exception as e:  # network down, no such repo, gated repo
+        reason = type(e).__name__
+        raise UserError(
+            f"could not fetch model '{repo_id}' from the Hugging Face Hub ({reason})",
+            hint="check the name and your network, or pass a local folder",
+        ) from None
+
+
+def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> Path | str:
+    if name_or_path.startswith("builtin:"):
+        if name_or_path in BUILTIN_SPECS:
+            return name_or_path
+        if name_or_path in BUILTIN_ASSETS:
+            folder = Path(__file__).resolve().parents[1] / "assets" / BUILTIN_ASSETS[name_or_path]
+            if not (folder / "config.json").is_file():
+                raise UserError(
+                    f"the packaged model '{name_or_path}' is missing from {folder}",
+                    hint="rebuild it: dllm-align train toy_sort_base -o runs/toy_sort_base (see the recipe's header)",
+                )
+            return folder
+        known = ", ".join(sorted([*BUILTIN_SPECS, *BUILTIN_ASSETS]))
+        raise UserError(f"unknown built-in model '{name_or_path}'", hint=f"built-in models: {known}")
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{p}: not a model folder (no config.json)")
+        return p
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_like_path:
+        raise UserError(f"model folder not found: {name_or_path}")
+    return _hub_snapshot(name_or_path, revision)
+
+
+def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Path:
+    """A model's config.json without fetching its weights (``doctor`` estimates before any download)."""
+    p = Path(name_or_path).expanduser()
+    if name_or_path.startswith("builtin:") or p.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        return Path(resolve_model_path(name_or_path, revision)) / "config.json"
+    from huggingface_hub import hf_hub_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    try:
+        return Path(hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=offline, etag_timeout=10))
+    except Exception as e:
+        raise UserError(
+            f"could not read the config.json of '{name_or_path}' ({type(e).__name__})",
+            hint="pass a local model folder, or check the name and your network (only config.json is fetched)",
+        ) from None
+
+
+def pick_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False, family=None):
+    """The tokenizer of a model folder (``family``: its fix-ups, e.g. a native twin of a remote-code class)."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    if str(path) in BUILTIN_SPECS:
+        return build_tiny_tokenizer(BUILTIN_SPECS[str(path)].family)
+    fix = None if (family is None or trust_remote_code) else family.fix_tokenizer
+    try:
+        if fix is not None and _names_remote_tokenizer(Path(path)):
+            # Asking AutoTokenizer would prompt for remote code on a terminal: go to the native twin.
+            tok = fix(None, Path(path))
+        else:
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            except Exception:
+                if fix is None:
+                    raise
+                tok = fix(None, Path(path))
+    except Exception as e:
+        raise UserError(f"{path}: could not load the tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _names_remote_tokenizer(folder: Path) -> bool:
+    """Whether the folder's tokenizer_config.json points AutoTokenizer at shipped code."""
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "AutoTokenizer" in (cfg.get("auto_map") or {})
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    revision: Optional[str] = None,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    mask_token_id: Optional[int] = None,
+    attn_implementation: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+) -> "MaskPredictor":
+    """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
+    from dllm_align.core.console import warn
+
+    _quiet_transformers()
+    path = resolve_model_path(name_or_path, revision)
+    torch_dtype = pick_dtype(dtype, device)
+    family = native = None
+    if isinstance(path, str) and path in BUILTIN_SPECS:
+        tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
+        model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
+    else:
+        from dllm_align.core.io import verify_checksums
+
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise UserError(f"{path / 'config.json'}: invalid JSON ({why})") from None
+        if not isinstance(cfg, dict):
+            raise UserError(f"{path / 'config.json'}: expected a JSON object")
+        # Folders written by dllm-align (checkpoints, final/) carry checksums: a
+        # truncated or modified weight file is refused before it is read.
+        verify_checksums(path, what="model folder", required=False,
+                         hint="the folder was damaged after it was written; use an earlier checkpoint")
+        if trust_remote_code:
+            warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
+        from dllm_align.models.families import family_for_config, native_family
+
+        family = family_for_config(cfg)
+        native = None if trust_remote_code else native_family(cfg)
+        if native is not None:
+            try:
+                model = native.load_native(path, cfg, torch_dtype)
+            except UserError:
+                raise
+            except Exception as e:  # a truncated or damaged safetensors file
+                raise UserError(f"{path}: could not read the model weights ({_one_line(e)})") from e
+        else:
+            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+            # use_safetensors: never unpickle a .bin checkpoint, even with weights_only.
+            kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+            if attn_implementation:
+                kw["attn_implementation"] = attn_implementation
+            try:
+                conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            except ValueError as e:
+                raise UserError(
+                    f"{path}: transformers does not know this model type ({str(e).splitlines()[0][:160]})",
+                    hint="if the model ships its own code, set model.trust_remote_code: true",
+                ) from None
+            try:
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+                except ValueError:
+                    if not trust_remote_code:
+                        raise
+                    model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+            except Exception as e:
+                # A truncated safetensors file, a .bin-only folder, weights of another shape
+                # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
+                if not any(path.glob("*.safetensors")):
+                    raise UserError(
+                        f"{path}: no safetensors weights found",
+                        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+                    ) from None
+                raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
+        tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
+    if attn_implementation and (isinstance(path, str) or native is not None):
+        _set_attention(model, attn_implementation)  # the other loads passed it to from_pretrained
+    model.to(device)
+    from dllm_align.models.precision import keep_fp32_buffers
+
+    keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
+    model.eval()
+    return MaskPredictor(model, tok, mask_token_id=mask_token_id)
+
+
+def _set_attention(model, impl: str) -> None:
+    """Switch a loaded model's attention kernel, or refuse the setting by name."""
+    try:
+        model.set_attn_implementation(impl)
+    except (ImportError, ValueError) as e:
+        raise UserError(
+            f"model.attn_implementation: {impl} is not available here ({_one_line(e, 120)})",
+            hint="use sdpa (always available), or install the kernel's package on a CUDA machine",
+        ) from None
+
+
+def _one_line(e: BaseException, n: int = 200) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:n]}" if text else type(e).__name__
+
+
+def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":
+    """Load the model described by a recipe's ``model`` section."""
+    mp = load_model(
+        name_or_path or section.name_or_path,
+        revision=section.revision,
+        dtype=section.dtype,
+        device=device,
+        trust_remote_code=section.trust_remote_code,
+        mask_token_id=section.mask_token_id,
+        attn_implementation=section.attn_implementation,
+        tokenizer=section.tokenizer,
+    )
+    if section.gradient_checkpointing:
+        mp.enable_gradient_checkpointing()
+    return mp
+
+

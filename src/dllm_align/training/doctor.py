@@ -1,0 +1,293 @@
+"""``dllm-align doctor``: the preflight a user runs on the node before a multi-hour job.
+
+Three parts, each a function returning plain data (the CLI prints it):
+
+* :func:`environment` - devices, bf16, attention backends, NCCL, free disk
+  for the cache and checkpoints (sized from the recipe), host RAM for loading;
+* :func:`memory_report` - the per-device estimate of :mod:`dllm_align.training.memory`
+  from ``config.json`` alone, and a verdict against the device's memory;
+* :func:`smoke` - N real optimiser steps on the real model and data, in a
+  temporary folder (nothing is written in the run folder): the step-0
+  invariant against the cache (or the online reference when there is no
+  cache yet), peak memory, seconds per step, and the whole recipe's
+  precompute, epoch and generation time extrapolated from them.
+
+Tolerance of the invariant: on the CPU the policy and the reference compute
+bit-identical values (``tests/test_invariants.py``), so any nonzero margin
+fails. On CUDA, kernels may pick reduction orders by batch shape: a margin is
+allowed ``8 eps sqrt(L)`` nats for a row of L completion tokens (eps = 2^-8
+under bf16 autocast, 2^-23 in fp32): one rounding flip per scored
+log-probability, summed as a random walk, with a safety factor of 8. A
+precision mismatch (issue 13 defect 2: 0.06-0.11 nats mean on the toy, 1.55
+nats spread at L = 161) is far outside it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
+
+H100_BYTES = 81559 * 1024**2  # what torch reports for an 80 GB H100
+
+
+def _host_ram() -> tuple[Optional[int], Optional[int]]:
+    """(total, available) bytes from /proc/meminfo (None where it cannot be read)."""
+    try:
+        info = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            info[k] = int(v.split()[0]) * 1024
+        return info.get("MemTotal"), info.get("MemAvailable")
+    except (OSError, ValueError):
+        return None, None
+
+
+def _free_disk(path: Path) -> int:
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def environment(recipe, launch: Launch, shape) -> dict:
+    """Devices, bf16, attention backends, NCCL, disk and host RAM against what the recipe needs."""
+    import importlib.util
+
+    from dllm_align.training.cache import cache_dir
+
+    env: dict = {"torch": torch.__version__}
+    cuda = torch.cuda.is_available()
+    devices = []
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            devices.append({"index": i, "name": torch.cuda.get_device_name(i), "total_bytes": total, "free_bytes": free})
+    env["cuda"] = cuda
+    env["devices"] = devices
+    env["bf16"] = bool(cuda and torch.cuda.is_bf16_supported()) if cuda else "cpu autocast only (slow)"
+    backends = {"sdpa": True, "eager": True}
+    backends["flash_attention_2"] = importlib.util.find_spec("flash_attn") is not None and cuda
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+
+        backends["flex_attention"] = True
+    except ImportError:
+        backends["flex_attention"] = False
+    env["attention_backends"] = backends
+    nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if (nccl and cuda) else (bool(nccl) or "not available")
+
+    # disk: checkpoints (merged weights + optimizer state) and the final export; the cache is tiny
+    t = recipe.train
+    P = shape.params
+    T = shape.lora_params(t.lora.r, list(t.lora.target_modules)) if t.lora.enabled else P
+    ckpt = 4 * P + 8 * T  # fp32 weights (LoRA merged) + AdamW moments
+    n_ckpt = (t.keep_checkpoints + 1) if t.save_every else 0  # the kept ones + the one being written
+    need_out = n_ckpt * ckpt + 4 * P
+    out = Path(recipe.output_dir)
+    env["disk"] = {
+        "output_dir": str(out),
+        "free_bytes": _free_disk(out),
+        "needed_bytes": need_out,
+        "why": f"{n_ckpt} checkpoint(s) of {ckpt / 1e9:.1f} GB (fp32 weights + AdamW state; keep_checkpoints + the one "
+               f"being written) + final/ {4 * P / 1e9:.1f} GB",
+        "cache": str(cache_dir(recipe)),
+        "cache_free_bytes": _free_disk(cache_dir(recipe)),
+        "cache_bytes_per_10k_rows": 10_000 * (4 * recipe.reference.n_mc + 48),
+    }
+    total, avail = _host_ram()
+    per_proc = 4 * P  # every process first loads an fp32 copy on the host (FSDP shards after)
+    procs = launch.processes
+    env["host_ram"] = {
+        "total_bytes": total, "available_bytes": avail, "needed_bytes": per_proc * procs,
+        "why": f"{procs} process(es) x {per_proc / 1e9:.1f} GB fp32 copy while loading",
+    }
+    problems = []
+    if env["disk"]["free_bytes"] < need_out:
+        problems.append(f"disk: {out} has {env['disk']['free_bytes'] / 1e9:.1f} GB free, the run needs ~{need_out / 1e9:.1f} GB")
+    if avail is not None and avail < per_proc * procs:
+        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{per_proc * procs / 1e9:.1f} GB")
+    att = recipe.model.attn_implementation
+    if att and not backends.get(att, False):
+        problems.append(f"model.attn_implementation: {att} is not available here")
+    env["problems"] = problems
+    return env
+
+
+def device_capacity(launch: Launch, gpu_memory_gb: Optional[float]) -> tuple[int, str]:
+    """Bytes one device offers, and where the figure comes from."""
+    if gpu_memory_gb:
+        return int(gpu_memory_gb * 1e9), "--gpu-memory"
+    if torch.cuda.is_available():
+        return min(torch.cuda.mem_get_info(i)[1] for i in range(torch.cuda.device_count())), "this machine's smallest GPU"
+    if launch.source != Launch().source:  # a GPU launch config read on a machine without GPUs
+        return H100_BYTES, "assumed: an 80 GB H100 (no GPU here; pass --gpu-memory)"
+    total, avail = _host_ram()
+    return (avail or total or 0), "host RAM available (CPU run)"
+
+
+def memory_report(recipe, launch: Launch, gpu_memory_gb: Optional[float] = None, shape=None) -> dict:
+    shape = shape or model_shape(recipe)
+    # train.mixed_precision decides (auto: bf16 on CUDA); a GPU launch config counts as CUDA
+    gpu = torch.cuda.is_available() or launch.source != Launch().source
+    mode = recipe.train.mixed_precision
+    autocast = mode in ("bf16", "fp16") or (mode == "auto" and gpu)
+    est = estimate(shape, recipe, launch, autocast)
+    cap, cap_src = device_capacity(launch, gpu_memory_gb)
+    fits = est.total <= cap
+    return {
+        "model": {"source": shape.source, "params": shape.params, "trainable": est.trainable,
+                  "hidden": shape.hidden, "layers": shape.layers, "vocab": shape.vocab},
+        "launch": {"source": launch.source, "type": launch.distributed_type, "processes": launch.processes,
+                   "fsdp_version": launch.fsdp_version if launch.fsdp else None,
+                   "activation_checkpointing": est.checkpointing, "autocast_bf16": autocast},
+        "tokens_per_forward": est.tokens,
+        "estimate": est.as_json(),
+        "capacity_bytes": cap,
+        "capacity_source": cap_src,
+        "fits": fits,
+        "verdict": "fits" if fits else "does not fit",
+        "advice": [] if fits else advice(est, shape, recipe, launch, cap),
+    }
+
+
+def invariant_tolerance(mp, completion_lengths: list[int]) -> float:
+    """The largest |margin| the step-0 check accepts (module docstring): 0 on the CPU."""
+    if mp.device.type == "cpu":
+        return 0.0
+    eps = 2.0**-8 if mp.compute_dtype in (torch.bfloat16, torch.float16) else 2.0**-23
+    return 8 * eps * math.sqrt(max(completion_lengths or [1]))
+
+
+def _rss() -> int:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def smoke(recipe, steps: int, launch: Launch) -> dict:
+    """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
+    from dllm_align.core.console import info
+    from dllm_align.training.cache import cache_dir
+    from dllm_align.training.loop import _Run, invariant_margins
+    from dllm_align.training.setup import make_accelerator
+
+    tmp = Path(tempfile.mkdtemp(prefix="dllm-align-doctor-"))
+    try:
+        cache = cache_dir(recipe)
+        mode = recipe.reference.mode
+        note = None
+        if mode == "cached" and not (cache / "manifest.json").exists():
+            mode, note = "online", f"no reference cache at {cache} yet: checked against the online reference"
+        sets = {"output_dir": str(tmp)}
+        rec = recipe.model_copy(update=sets)
+        rec = rec.model_copy(update={
+            "reference": recipe.reference.model_copy(update={"mode": mode, "cache": str(cache)}),
+            "train": recipe.train.model_copy(update={"save_every": None, "trackers": []}),
+        })
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = _rss()
+        acc = make_accelerator(rec)
+        torch.manual_seed(rec.train.seed)
+        run = _Run(rec, acc, None, None)
+        margins = invariant_margins(run, 1)
+        t0 = time.perf_counter()
+        invariant_margins(run, 1)  # again, warm: the timing behind the precompute and generation figures
+        fwd_s = time.perf_counter() - t0  # policy forward (+ online reference) of one global step, no grad
+        worst_local = max((abs(v) for v in margins.values()), default=0.0)
+        worst = worst_local
+        if run.world > 1:
+            w = torch.tensor(worst_local, dtype=torch.float64, device=acc.device)
+            torch.distributed.all_reduce(w, op=torch.distributed.ReduceOp.MAX)
+            worst = float(w)
+        lengths = [len(ex.completion_ids) for u in run.units for ex in u]
+        tol = invariant_tolerance(run.mp, lengths)
+        times = []
+        for _ in range(steps):
+            s0 = time.perf_counter()
+            run.step_once()
+            times.append(time.perf_counter() - s0)
+            if acc.is_main_process:
+                info(f"doctor: smoke step {len(times)}/{steps}: {times[-1]:.2f} s")
+        peak = torch.cuda.max_memory_allocated() if cuda else max(_peak_rss() - base, 0)
+        per_step = statistics.median(times[1:] or times)  # the first step is warm-up
+        rows_per_step = run.G * run.rows_per_unit
+        n_rows = sum(len(u) for u in run.units)
+        K_ref, k = rec.reference.n_mc, run.k
+        # precompute: one no-grad forward per row at K_ref draws, spread over the processes
+        ref_factor = 1.0 if mode == "cached" else 0.5  # an online step ran the policy and the reference
+        per_row_fwd = fwd_s * ref_factor / rows_per_step * run.world
+        precompute_s = n_rows * per_row_fwd * (K_ref / k) / run.world
+        gen = rec.generate
+        gen_per_prompt = per_row_fwd / k * gen.steps * (gen.gen_length + rec.data.max_length) / max(rec.data.max_length, 1)
+        n_prompts = _count_prompts(rec)
+        return {
+            "steps": steps,
+            "processes": run.world,
+            "invariant": {"rows": len(margins), "max_abs_margin": worst, "tolerance": tol,
+                          "reference": mode, "ok": worst <= tol, "note": note},
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process RSS growth (peak - before loading)",
+            "seconds_per_step": per_step,
+            "step_seconds": times,
+            "extrapolated": {
+                "steps_per_epoch": run.steps_per_epoch,
+                "total_steps": run.total,
+                "epoch_seconds": run.steps_per_epoch * per_step,
+                "training_seconds": run.total * per_step,
+                "precompute_seconds": precompute_s if rec.train.objective != "sft" else 0.0,
+                "generation_prompts": n_prompts,
+                "generation_seconds": (n_prompts or 0) * gen_per_prompt / run.world,
+                "how": "epoch/training: median s/step x steps; precompute: the step-0 no-grad forward per row x K_ref/K' "
+                       "x rows / processes; generation: that forward x steps x (gen_length + max_length)/max_length per prompt "
+                       "(no KV cache)",
+            },
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _count_prompts(rec) -> Optional[int]:
+    from dllm_align.data.load import load_prompts
+    from dllm_align.core.errors import UserError
+
+    g = rec.generate
+    source = rec.data.test if g.split == "test" else rec.data.train
+    split = rec.data.test_split if g.split == "test" else rec.data.train_split
+    if source is None:
+        return None
+    try:
+        return len(load_prompts(source, split=split, limit=g.limit, quiet=True))
+    except UserError:
+        return None
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    return "?" if n is None else f"{n / GiB:.2f} GiB ({n / 1e9:.1f} GB)"
+
+
+def fmt_seconds(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"

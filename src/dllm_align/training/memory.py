@@ -1,0 +1,322 @@
+"""Per-device training memory, estimated from the model's ``config.json`` alone (``dllm-align doctor``).
+
+Nothing is downloaded or allocated: the shape (vocabulary, width, depth,
+heads, MLP width, tied head) gives the parameter count, and the recipe and the
+launch (accelerate config) give what each device holds. The terms, in bytes,
+per device (N = processes sharding the model: FSDP's process count, else 1):
+
+* weights: P x 4 / N (fp32 master copy; ``model.dtype`` pinned: its size);
+* gradients and AdamW moments: T x 4 / N and T x 8 / N (T = trainable
+  parameters: all, or the LoRA adapters);
+* FSDP working copies: the root unit (embeddings, head, final norm) and two
+  decoder layers (one computing, one prefetched) gathered in full, fp32 (the
+  precision policy gathers fp32 shards: :mod:`dllm_align.models.precision`);
+* an online reference: resident and unsharded (its Linears in bf16 under
+  autocast);
+* activations for one forward of ``tokens = rows x max_length`` (rows = the
+  micro-batch's draws, ``train.batch_size x n_mc``, or
+  ``train.rows_per_forward``; every row taken at the full length): with
+  activation checkpointing, each layer keeps its input (the residual stream:
+  fp32 under autocast) and one layer at a time holds its full working set;
+  without, every layer holds its working set. The working set per token is
+  the tensors a Llama layer saves for the backward: 36 bytes x hidden + 10 x
+  MLP width under bf16 autocast (norm inputs/outputs and rotary outputs in
+  fp32, projections in bf16), 44 x hidden + 16 x MLP width in fp32; plus one
+  fp32 MLP-wide gradient in the backward;
+* the output head: the chunked scorer's [128, V] fp32 block (and its bf16
+  product) plus the masked positions' hidden states and their gradients
+  (half the tokens on average: l/L is uniform);
+* a runtime reserve of 2 GiB (CUDA context, NCCL buffers, allocator
+  fragmentation).
+
+Attention is assumed memory-efficient (SDPA / flash: O(tokens)); an eager
+implementation adds rows x heads x length^2 x 4 bytes per layer, shown as its
+own line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+GiB = 1024**3
+RESERVE = 2 * GiB
+HEAD_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tied: bool = False
+    source: str = ""
+    # Mixture-of-experts bodies (LLaDA-MoE, Qwen3-MoE layouts): ``moe_layers`` of the
+    # ``layers`` hold ``experts`` SwiGLU experts of width ``expert_intermediate`` and a
+    # router; each token runs ``active_experts`` of them. The rest are dense.
+    experts: int = 0
+    active_experts: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def attention_params(self) -> int:
+        d, kv = self.hidden, self.kv_heads * self.head_dim
+        return 2 * d * d + 2 * d * kv
+
+    @property
+    def layer_params(self) -> int:
+        """A dense layer (attention, SwiGLU, two norms)."""
+        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def moe_layer_params(self) -> int:
+        """A mixture-of-experts layer (attention, router, every expert, norms incl. per-head q/k)."""
+        d = self.hidden
+        return self.attention_params + d * self.experts + self.experts * 3 * d * self.expert_intermediate + 2 * d + 2 * self.head_dim
+
+    @property
+    def largest_layer_params(self) -> int:
+        return max(self.layer_params if self.moe_layers < self.layers else 0, self.moe_layer_params if self.moe_layers else 0)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The widest per-token MLP activation: the dense width, or the active experts' summed width."""
+        dense = self.intermediate if self.moe_layers < self.layers else 0
+        return max(dense, self.active_experts * self.expert_intermediate if self.moe_layers else 0)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def body_params(self) -> int:
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_params + (self.moe_layers * self.moe_layer_params if self.moe_layers else 0)
+
+    @property
+    def params(self) -> int:
+        return self.body_params + self.embedding_params + self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters inside nn.Linear modules (stored in bf16 by an autocast reference)."""
+        d = self.hidden
+        norms = self.layers * 2 * d + (self.moe_layers * 2 * self.head_dim if self.moe_layers else 0)
+        return self.body_params - norms + (0 if self.tied else self.vocab * d)
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        d, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        attn = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
+        mlp = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+        ei = self.expert_intermediate
+        expert_mlp = {"gate_proj": (d, ei), "up_proj": (d, ei), "down_proj": (ei, d)}
+        a = sum(r * (x + y) for t, (x, y) in attn.items() if t in targets)
+        dense = sum(r * (x + y) for t, (x, y) in mlp.items() if t in targets)
+        moe = self.experts * sum(r * (x + y) for t, (x, y) in expert_mlp.items() if t in targets)
+        return self.layers * a + (self.layers - self.moe_layers) * dense + self.moe_layers * moe
+
+
+def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
+    """Read a Llama-style or LLaDA-style ``config.json`` (both spellings of each field)."""
+
+    def pick(*keys, default=None):
+        for k in keys:
+            if cfg.get(k) is not None:
+                return cfg[k]
+        if default is not None:
+            return default
+        raise KeyError(keys[0])
+
+    d = int(pick("hidden_size", "d_model"))
+    heads = int(pick("num_attention_heads", "n_heads"))
+    layers = int(pick("num_hidden_layers", "n_layers"))
+    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    moe = {}
+    if experts:
+        # LLaDA-MoE: expert_intermediate_size, dense_intermediate_size and a per-layer
+        # moe_layer_freq list (0 = dense); Qwen3-MoE: moe_intermediate_size,
+        # decoder_sparse_step and mlp_only_layers.
+        ei = int(pick("expert_intermediate_size", "moe_intermediate_size"))
+        freq = cfg.get("moe_layer_freq")
+        if isinstance(freq, list):
+            moe_layers = sum(1 for f in freq[:layers] if f)
+        else:
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense_only = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for j in range(layers) if j not in dense_only and (j + 1) % step == 0)
+        moe = dict(experts=experts, active_experts=int(pick("num_experts_per_tok", "moe_topk")),
+                   expert_intermediate=ei, moe_layers=moe_layers)
+        mlp = cfg.get("dense_intermediate_size") or cfg.get("intermediate_size") or ei
+    else:
+        mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
+    return ModelShape(
+        vocab=int(pick("embedding_size", "vocab_size")),
+        hidden=d,
+        layers=layers,
+        heads=heads,
+        kv_heads=int(pick("num_key_value_heads", "n_kv_heads", default=heads)),
+        intermediate=int(mlp),
+        tied=bool(cfg.get("tie_word_embeddings", cfg.get("weight_tying", False))),
+        source=source,
+        **moe,
+    )
+
+
+def model_shape(recipe) -> ModelShape:
+    """The recipe model's shape from its config.json only (built-in models: from their spec)."""
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_config_file
+
+    name = recipe.model.name_or_path
+    if name in BUILTIN_SPECS:
+        # Built (tiny, milliseconds) rather than read off the spec: each family's tiny model
+        # has its own tokenizer specials and attention layout.
+        return shape_from_config(build_tiny_model(spec=BUILTIN_SPECS[name]).config.to_dict(), name)
+    path = resolve_config_file(name, recipe.model.revision)
+    try:
+        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+        return shape_from_config(cfg, str(path))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path}: cannot read the model shape ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class Launch:
+    """What the accelerate config says about where the model runs."""
+
+    distributed_type: str = "NO"  # NO, MULTI_GPU, FSDP, ...
+    processes: int = 1
+    mixed_precision: Optional[str] = None
+    fsdp_version: int = 1
+    activation_checkpointing: bool = False
+    offload_params: bool = False
+    source: str = "this machine (no --config)"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.distributed_type == "FSDP"
+
+
+def read_launch(path: Optional[str]) -> Launch:
+    import yaml
+
+    from dllm_align.core.errors import UserError
+
+    if path is None:
+        return Launch()
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"accelerate config not found: {p}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{p}: expected a mapping of accelerate settings")
+    fsdp = raw.get("fsdp_config") or {}
+    mp = raw.get("mixed_precision")
+    return Launch(
+        distributed_type=str(raw.get("distributed_type", "NO")),
+        processes=int(raw.get("num_processes", 1) or 1),
+        mixed_precision=("no" if mp is False else mp),
+        fsdp_version=int(fsdp.get("fsdp_version", 1) or 1),
+        activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing", False)),
+        offload_params=bool(fsdp.get("fsdp_offload_params", False)),
+        source=str(p),
+    )
+
+
+@dataclass
+class Estimate:
+    lines: dict = field(default_factory=dict)  # name -> bytes (the chosen checkpointing setting)
+    total: int = 0
+    total_with_checkpointing: int = 0
+    total_without_checkpointing: int = 0
+    checkpointing: bool = False
+    tokens: int = 0
+    params: int = 0
+    trainable: int = 0
+    notes: list = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        d = asdict(self)
+        d["lines_gib"] = {k: round(v / GiB, 2) for k, v in self.lines.items()}
+        for k in ("total", "total_with_checkpointing", "total_without_checkpointing"):
+            d[k + "_gib"] = round(getattr(self, k) / GiB, 2)
+        return d
+
+
+def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estimate:
+    """Per-device bytes for training ``recipe`` on ``launch`` (module docstring)."""
+    t = recipe.train
+    P = shape.params
+    T = shape.lora_params(t.lora.r, list(t.lora.target_modules)) if t.lora.enabled else P
+    n = launch.processes if launch.fsdp else 1
+    wbytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
+    d, i, L = shape.hidden, shape.active_intermediate, shape.layers
+    k = recipe.train_n_mc()
+    rows = t.batch_size * (2 if t.objective == "vrpo" else 1) * k
+    if t.rows_per_forward:
+        rows = min(rows, t.rows_per_forward)
+    tokens = rows * recipe.data.max_length
+    lines: dict[str, int] = {}
+    lines["weights"] = P * wbytes // n if not launch.offload_params else 0
+    lines["gradients"] = T * 4 // n
+    lines["optimizer (AdamW)"] = T * 8 // n
+    if launch.fsdp:
+        lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden + 2 * shape.largest_layer_params) * wbytes
+    if t.objective != "sft" and recipe.reference.mode == "online":
+        lin = shape.linear_params
+        lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
+    act = 4 if (autocast or wbytes == 4) else 2
+    per_token_layer = (36 * d + 10 * i) if autocast else (44 * d + 16 * i)
+    working = tokens * per_token_layer + tokens * i * 4
+    ckpt_inputs = L * tokens * d * act
+    head = HEAD_CHUNK * shape.vocab * (4 + 2) + (tokens // 2) * d * 4 * 2
+    with_ckpt = ckpt_inputs + working + head
+    without_ckpt = L * tokens * per_token_layer + tokens * i * 4 + head
+    ckpt = launch.activation_checkpointing or recipe.model.gradient_checkpointing
+    lines["activations" + (" (checkpointed layer inputs)" if ckpt else " (every layer)")] = ckpt_inputs if ckpt else L * tokens * per_token_layer
+    lines["activations (one layer working set + backward)"] = working if ckpt else tokens * i * 4
+    lines["output head (chunked)"] = head
+    notes = []
+    if recipe.model.attn_implementation == "eager":
+        lines["eager attention scores"] = rows * shape.heads * recipe.data.max_length**2 * 4
+        notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
+    lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
+    fixed = sum(v for kk, v in lines.items() if not kk.startswith(("activations", "output head")))
+    total = sum(lines.values())
+    return Estimate(
+        lines=lines, total=total, total_with_checkpointing=fixed + with_ckpt, total_without_checkpointing=fixed + without_ckpt,
+        checkpointing=ckpt, tokens=tokens, params=P, trainable=T, notes=notes,
+    )
+
+
+def advice(est: Estimate, shape: ModelShape, recipe, launch: Launch, capacity: int) -> list[str]:
+    """What to change when the estimate does not fit ``capacity`` bytes."""
+    out = []
+    if not launch.fsdp and not recipe.train.lora.enabled:
+        per = est.lines["weights"] + est.lines["gradients"] + est.lines["optimizer (AdamW)"]
+        out.append(
+            f"a full fine-tune holds fp32 weights + gradients + AdamW moments on every device: "
+            f"{per / GiB:.0f} GiB for {shape.params / 1e9:.2f}B parameters before activations; "
+            "shard them with FSDP (recipes/accelerate/fsdp_8gpu.yaml) or train LoRA adapters (train.lora.enabled: true)"
+        )
+    if not est.checkpointing and est.total_with_checkpointing < est.total:
+        out.append(f"turn on activation checkpointing (fsdp_activation_checkpointing or model.gradient_checkpointing): "
+                   f"{est.total_with_checkpointing / GiB:.1f} GiB")
+    if est.tokens and est.total > capacity:
+        out.append("lower train.rows_per_forward (draws scored per forward) to cut activation memory")
+    if recipe.reference.mode == "online" and recipe.train.objective != "sft":
+        out.append("use reference.mode: cached (precompute-ref) so the reference is not resident")
+    return out

@@ -1,0 +1,305 @@
+"""Reference ELBO precompute and its cache (SPEC.md section 5).
+
+B_hat_ref depends only on the frozen reference model and the masks, and the
+masks are a pure function of (seed, example id, draw, L) (``elbo.draw_masks``),
+so every draw's value can be computed once and reused by every training run,
+on any number of processes: training then holds one model instead of two.
+
+shards r, r + world, ... and writes each one atomically, so an interrupted
+precompute keeps its finished shards and skips them when run again.
+
+
+The cache format, fingerprint and reader are in :mod:`dllm_align.training.cache`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dllm_align.core.errors import UserError
+from dllm_align.training.cache import FORMAT_VERSION, MANIFEST, SHARD_FMT, STRICT_FIELDS, ShardError, _read_manifest, _refuse_other_settings, _sha256_file, cache_dir, elbo_range_problem, example_digest, fingerprint, read_shard, reference_name, write_shard
+
+
+# --------------------------------------------------------------------------- computing
+def load_reference(recipe, device):
+    """The frozen reference, loaded in the training precision (the policy's forward at step 0).
+
+    Used by the online reference and by precompute, so that a cached value and an
+    online one are the same function of the same weights as the policy before its
+    first update (:mod:`dllm_align.models.precision`).
+    """
+    from dllm_align.models.load import load_from_section
+    from dllm_align.models.precision import precision_for, prepare_reference
+
+    prec = precision_for(recipe, device)
+    section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
+    mp = load_from_section(section, device, name_or_path=reference_name(recipe))
+    prepare_reference(mp.model, prec)
+    mp.set_precision(prec)
+    mp.model.eval()
+    for p in mp.model.parameters():
+        p.requires_grad_(False)
+    return mp
+
+
+def draw_config(recipe, n_mc: Optional[int] = None):
+    from dllm_align.objective.elbo import DrawConfig
+
+    return DrawConfig.from_reference(recipe.reference, n_mc)
+
+
+@torch.no_grad()
+def reference_values(
+    ref_mp,
+    examples: Sequence,
+    collate: Callable[[list], dict],
+    cfg,
+    batch_size: int,
+    rows_per_forward: Optional[int] = None,
+    draws: Optional[Sequence[int]] = None,
+    on_batch: Optional[Callable[[int], None]] = None,
+    pack_length: Optional[int] = None,
+) -> np.ndarray:
+    """Per-draw reference ELBO values [n, K] (float32) for ``examples``, in their order.
+
+    Examples are batched longest first (less padding); each value depends only on
+    its own example's tokens and masks. ``pack_length``: pack the noisy
+    sequences of each forward into rows of that length (``data.padding: packed``).
+    """
+    from dllm_align.objective.elbo import elbo_draws
+
+    K = cfg.n_mc if draws is None else len(draws)
+    out = np.zeros((len(examples), K), dtype=np.float32)
+    order = sorted(range(len(examples)), key=lambda i: -(len(examples[i].prompt_ids) + len(examples[i].completion_ids)))
+    dev = ref_mp.device
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = collate([examples[i] for i in idx])
+        vals = elbo_draws(
+            ref_mp,
+            batch["input_ids"].to(dev),
+            batch["attention_mask"].to(dev) if batch.get("attention_mask") is not None else None,
+            batch["completion_mask"].to(dev),
+            batch["ids"],
+            cfg,
+            max_rows_per_forward=rows_per_forward,
+            draws=draws,
+            pack_length=pack_length,
+        )
+        out[idx] = vals.float().cpu().numpy()
+        if on_batch is not None:
+            on_batch(len(idx))
+    return out
+
+
+
+
+@dataclass
+class PrecomputeReport:
+    cache: Path
+    n_examples: int
+    n_shards: int
+    computed_shards: int
+    reused_shards: int
+    seconds: float
+
+    @property
+    def examples_per_second(self) -> float:
+        n = self.n_examples * self.computed_shards / max(self.n_shards, 1)
+        return n / self.seconds if self.seconds > 0 else float("nan")
+
+
+def precompute(
+    recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None, overwrite: bool = False
+) -> PrecomputeReport:
+    """Compute and cache every example's K reference draws (``dllm-align precompute-ref``).
+
+    Sharded across processes (shard s goes to rank s mod world); finished shards
+    whose contents, ids, token digests and fingerprint check out are kept, so a
+    rerun after an interruption only computes what is missing. A cache (or a
+    shard) made with other settings is refused, naming every field that
+    differs, unless ``overwrite``: it is never silently replaced.
+    """
+    from dllm_align.core.console import info, progress, warn
+    from dllm_align.core.io import atomic_write_json
+
+    rank = accelerator.process_index if accelerator else 0
+    world = accelerator.num_processes if accelerator else 1
+    is_main = rank == 0
+    device = accelerator.device if accelerator else torch.device("cpu")
+    if not examples:
+        raise UserError("precompute-ref: the training set is empty")
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise UserError(f"example id '{dup}' appears more than once; ids must be unique (they seed the masks)")
+
+    out = cache_dir(recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    from dllm_align.core.io import DirLock
+
+    lock = DirLock(out, f"another `dllm-align precompute-ref` is writing to {out}") if is_main else None
+    if lock is not None:
+        lock.__enter__()
+    try:
+        if ref_mp is None:
+            ref_mp = load_reference(recipe, device)
+        elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
+            from dllm_align.models.precision import precision_for
+
+            ref_mp.set_precision(precision_for(recipe, device))
+        ref_mp.model.eval()
+        old = _read_manifest(out)
+        fp = fingerprint(
+            recipe,
+            tokenizer=ref_mp.tokenizer,
+            mask_token_id=ref_mp.mask_token_id,
+            device=device,
+            examples=examples,
+            known_files=(old or {}).get("weight_files"),
+        )
+        fpd = fp.digest()
+        cfg = draw_config(recipe)
+        size = recipe.reference.shard_size
+        n_shards = math.ceil(len(examples) / size)
+        digests = [example_digest(ex) for ex in examples]
+
+        if old is not None and not overwrite:
+            was = old["fingerprint"]
+            _refuse_other_settings(out, [(k, was.get(k), fp.fields[k]) for k in (*STRICT_FIELDS, "dataset") if was.get(k) != fp.fields[k]])
+
+        todo, reused = [], 0
+        for s in range(n_shards):  # every process checks every shard, so all refuse together
+            p = out / SHARD_FMT.format(s)
+            lo, hi = s * size, min((s + 1) * size, len(examples))
+            if p.exists():
+                try:
+                    _, sids, sdig, sfp = read_shard(p)
+                    if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
+                        reused += 1
+                        continue
+                    if not overwrite:
+                        _refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
+                except ShardError as e:
+                    if is_main:
+                        warn(f"reference cache: {e}; computing it again")
+            todo.append(s)
+        if world > 1:
+            # Every process works on the main process's list (rows of each shard are dealt out
+            # below), so a shard written meanwhile cannot make their lists differ.
+            box = [(todo, reused)]
+            torch.distributed.broadcast_object_list(box, src=0)
+            todo, reused = box[0]
+        if is_main and old is not None:
+            (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
+
+        n_todo = sum(min((s + 1) * size, len(examples)) - s * size for s in todo)
+        t0 = time.perf_counter()
+        rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
+        if is_main:
+            info(
+                f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of {size}; "
+                + (f"the rows of each shard dealt out over {world} processes; " if world > 1 else "1 process; ")
+                + f"{len(todo)} shard(s) to compute, {reused} already done"
+            )
+        with progress("reference ELBO", total=n_todo if is_main else None, unit="ex") as bar:
+            for s in todo:
+                lo, hi = s * size, min((s + 1) * size, len(examples))
+                # Rows are dealt out interleaved, so every process has a near-equal share of every
+                # shard: a process waits at most about one row's time for the others (whole shards
+                # per process left 5 of 8 GPUs idle for a whole shard on kto-mix-14k).
+                mine = list(range(lo + rank, hi, world))
+                vals = reference_values(
+                    ref_mp, [examples[i] for i in mine], collate, cfg, recipe.reference.batch_size, rows,
+                    on_batch=(lambda n: bar.advance(n * world)) if is_main else None,
+                    pack_length=recipe.data.max_length if recipe.data.padding == "packed" else None,
+                )
+                problem = elbo_range_problem(vals, [ids[i] for i in mine])
+                parts = [(mine, vals, problem)]
+                if world > 1:
+                    parts = [None] * world
+                    torch.distributed.all_gather_object(parts, (mine, vals, problem))
+                problem = next((p for _, _, p in parts if p), None)
+                if problem:  # every process sees it and stops together
+                    from dllm_align.core.errors import RunFailure
+
+                    raise RunFailure(
+                        f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
+                        hint="check the reference model's weights and model.dtype (float16 overflows: use bfloat16 or float32)",
+                    )
+                if is_main:
+                    block = np.zeros((hi - lo, cfg.n_mc), dtype=np.float32)
+                    for rows_i, v, _ in parts:
+                        block[[i - lo for i in rows_i]] = v
+                    write_shard(out / SHARD_FMT.format(s), block, ids[lo:hi], digests[lo:hi], fpd)
+        seconds = time.perf_counter() - t0
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        if is_main:
+            shards = []
+            for s in range(n_shards):
+                p = out / SHARD_FMT.format(s)
+                try:
+                    _, sids, sdig, sfp = read_shard(p)
+                except (ShardError, FileNotFoundError) as e:
+                    from dllm_align.core.errors import RunFailure
+
+                    raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
+                lo, hi = s * size, min((s + 1) * size, len(examples))
+                if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
+                    from dllm_align.core.errors import RunFailure
+
+                    raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
+                shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "fingerprint": fp.fields,
+                "fingerprint_digest": fpd,
+                "weight_files": fp.weight_files,
+                "K": cfg.n_mc,
+                "shard_size": size,
+                "shards": shards,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            atomic_write_json(out / MANIFEST, manifest)
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        return PrecomputeReport(out, len(examples), n_shards, len(todo), reused, seconds)
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+
+
+def run_precompute(recipe, accelerator=None, overwrite: bool = False):
+    """``precompute-ref`` as a library call: load the reference and the examples, fill the cache.
+
+    Returns (PrecomputeReport, accelerator). Finished shards are reused.
+    """
+    from accelerate import Accelerator
+
+    from dllm_align.config.recipe import write_run_info
+    from dllm_align.data.examples import load_training_examples, make_collate
+
+    from dllm_align.models.precision import accelerator_kwargs
+
+    acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
+    ref_mp = load_reference(recipe, acc.device)
+    examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
+    if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
+        from dllm_align.data.examples import planned_kl_examples
+
+        examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
+    rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
+    if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
+        write_run_info(recipe, recipe.output_dir, "precompute-ref")
+    return rep, acc
+
