@@ -127,6 +127,51 @@ def grad_norm_probe(run) -> dict:
     return {"local": locals_, "global": norms, "finite_after_nan_on_rank1": finite}
 
 
+def grad_elements(run) -> tuple[int, int]:
+    """(gradient elements this rank holds, elements of its parameter shard) after a backward.
+
+    FSDP1: the flat parameters' gradients (unsharded under no_sync, the shard after a
+    reduce-scatter); FSDP2: each parameter's local gradient shard plus the unsharded
+    gradients FSDP2 keeps for a later reduce-scatter (``set_requires_gradient_sync(False)``).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    flat = [f._handle.flat_param for f in FSDP.fsdp_modules(run.module) if f._handle is not None]
+    if flat:
+        held = sum(fp.grad.numel() for fp in flat if fp.grad is not None and fp.requires_grad)
+        shard = sum(fp.numel() for fp in flat if fp.requires_grad)
+        return held, shard
+    held = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() for p in run.params if p.grad is not None)
+    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.params)
+    for m in run.module.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        grp = get()._fsdp_param_group if get is not None else None
+        for fp in (grp.fsdp_params if grp is not None else []):
+            up = getattr(fp, "_unsharded_param", None)
+            if up is not None and up.grad is not None:
+                held += up.grad.numel()
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                held += fp.unsharded_accumulated_grad.numel()
+    return held, shard
+
+
+def grad_storage_probe(run) -> dict:
+    """Per-rank gradient elements after the first of two micro-batches: the training path, and forced no_sync."""
+    units = run.micro_batches(0)[0]
+    b = run._to_dev(run.collate([ex for u in units for ex in u]))
+    out = {}
+    for name, ctx in (("training", lambda: run._sync(False)), ("no_sync", lambda: run.acc.no_sync(run.module))):
+        with ctx():
+            run.policy_elbo(b).sum().backward()
+        out[name] = grad_elements(run)
+        run.optimizer.zero_grad(set_to_none=True)
+        # finish the step's reduction (a later synced backward), so no unsharded gradient outlives the probe
+        run.policy_elbo(b).sum().backward()
+        run.optimizer.zero_grad(set_to_none=True)
+    out["accum"] = run.accum
+    return out
+
+
 def main() -> None:
     from dllm_align.data.examples import load_training_examples
     from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
@@ -163,6 +208,18 @@ def main() -> None:
             "rotary_equal_fp32": all(torch.equal(v, fp32_freq) for _, v in seen),
             "fsdp_policy": repr(getattr(getattr(acc.state, "fsdp_plugin", None), "mixed_precision_policy", None)),
         }
+        del run
+        acc.free_memory()
+
+    for launch in spec.get("grad_storage", []):
+        acc = make_accelerator(launch, "no")
+        rec = recipe(spec, "no", "cached", False, str(out / f"g-{launch}"), "train.global_batch_size=8")
+        torch.manual_seed(rec.train.seed)
+        run = _Run(rec, acc, None, exs)
+        held = grad_storage_probe(run)
+        gathered = [None] * acc.num_processes
+        torch.distributed.all_gather_object(gathered, held)
+        results.setdefault("grad_storage", {})[launch] = gathered
         del run
         acc.free_memory()
 

@@ -92,7 +92,7 @@ def test_demo_smoke(tmp_path):
     res = runner.invoke(app, ["doctor", "demo", "--smoke", "2", "--json", "-o", str(run_dir)])
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)["smoke"]
-    assert s["invariant"]["max_abs_margin"] == 0.0 and s["invariant"]["ok"] and s["invariant"]["rows"] == 16
+    assert s["invariant"]["max_abs_margin"] == 0.0 and s["invariant"]["ok"] and s["invariant"]["rows"] == 32  # 2 global steps of 16
     assert s["invariant"]["reference"] == "online"  # no cache in a fresh run folder: said so
     assert len(s["step_seconds"]) == 2 and s["seconds_per_step"] > 0
     x = s["extrapolated"]

@@ -112,6 +112,7 @@ def render(report: dict) -> str:
         x = s["extrapolated"]
         lines += ["", f"smoke ({s['steps']} steps, {s['processes']} process(es))",
                   f"  step-0 invariant: max |margin| {inv['max_abs_margin']:.3g} over {inv['rows']} rows "
+                  f"({inv.get('steps_checked', 1)} global step(s)) "
                   f"(tolerance {inv['tolerance']:.3g}, {inv['reference']} reference): {'ok' if inv['ok'] else 'FAILED'}"]
         if inv["note"]:
             lines.append(f"  note: {inv['note']}")

@@ -59,11 +59,13 @@ STRICT_FIELDS = (
     "estimator",
     "stratified",
     "end_of_turn",
+    "attn_implementation",
 )
 # Recorded for the reader, not compared: they do not change any cached value.
 # (A kl baseline needs the mismatched pairs of its own batch plan; those are
 # checked per example id like every other row.)
-RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples", "group_by_length", "baseline")
+RECORDED_FIELDS = ("reference_model", "reference_revision", "dataset", "n_examples", "group_by_length", "baseline",
+                   "composition")
 
 _HEX64 = set("0123456789abcdef")
 
@@ -177,6 +179,20 @@ def reference_name(recipe) -> str:
     return recipe.reference.model or recipe.model.name_or_path
 
 
+def composition_global_batch(recipe) -> int:
+    t = recipe.train
+    return t.global_batch_size or t.batch_size * t.grad_accum
+
+
+def composition(recipe) -> dict:
+    """What the cached values' forward shapes follow (recorded in the fingerprint; see
+    :func:`dllm_align.training.reference.micro_batch_groups`)."""
+    t = recipe.train
+    return {"plan": "epoch-0 micro-batches", "batch_size": t.batch_size, "rows_per_forward": t.rows_per_forward,
+            "n_mc_train": recipe.train_n_mc(), "seed": t.seed, "group_by_length": recipe.data.group_by_length,
+            "global_batch": composition_global_batch(recipe)}
+
+
 def fingerprint(
     recipe,
     *,
@@ -226,6 +242,9 @@ def fingerprint(
         "estimator": r.estimator,
         "stratified": r.stratified,
         "end_of_turn": d.end_of_turn,
+        # The attention kernel is part of the function computed (flash / flex / sdpa round differently).
+        "attn_implementation": recipe.model.attn_implementation or "sdpa",
+        "composition": composition(recipe),
         "group_by_length": d.group_by_length,
         "baseline": recipe.train.baseline,
         "dataset": dataset_digest(examples),
@@ -249,6 +268,7 @@ _FIELD_HINTS = {
     "tokenizer": "the tokenizer (model.tokenizer)",
     "mask_token_id": "model.mask_token_id",
     "format_version": "the cache format (made by another dllm-align version)",
+    "attn_implementation": "model.attn_implementation",
 }
 
 
