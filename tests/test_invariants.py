@@ -298,3 +298,44 @@ def test_mixed_precisions_would_break_the_invariant(toy):
     with torch.no_grad():
         margins = elbo_draws(policy, *args).mean(1) - elbo_draws(reference, *args).mean(1)
     assert float(margins.abs().max()) > 1e-3, margins  # measured 5.8e-3 nats on these short rows (random tiny model)
+
+
+def test_lora_dropout_gradient_under_fsdp2_activation_checkpointing_equals_unchecked():
+    """accelerate's FSDP2 activation checkpointing (``fsdp2_apply_ac``: preserve_rng_state=False) recomputes
+    LoRA dropout with new masks; after ``preserve_checkpoint_rng`` the gradient is the unchecked one."""
+    import copy
+    import types
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac
+    from peft import LoraConfig, get_peft_model
+
+    from dllm_align.models.load import load_model
+    from dllm_align.training.setup import preserve_checkpoint_rng
+
+    mp = load_model("builtin:tiny")
+    get_peft_model(mp.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj", "up_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # LoRA B starts at 0: give the adapters a value so dropout reaches the gradient
+        for n, p in mp.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    mp.model.train()
+    ids = torch.randint(0, 250, (2, 24), generator=g)
+
+    def grads(model):
+        torch.manual_seed(7)
+        out = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).sum()
+        params = [p for n, p in model.named_parameters() if "lora_" in n]
+        return torch.cat([x.reshape(-1) for x in torch.autograd.grad(out, params)])
+
+    plain = grads(mp.model)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], activation_checkpointing=True)
+    acc = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))
+    checked = fsdp2_apply_ac(acc, copy.deepcopy(mp.model))
+    before = grads(checked)
+    assert float((before - plain).norm() / plain.norm()) > 0.05  # new masks in the recompute: another gradient
+    assert preserve_checkpoint_rng(checked) == 2  # one wrapper per decoder layer
+    after = grads(checked)
+    torch.testing.assert_close(after, plain, atol=1e-6, rtol=1e-5)

@@ -164,6 +164,10 @@ class _Run:
             self.module = accelerator.prepare(scorer)
             opt = build_optimizer(self.module.named_parameters(), self.t, fused_ok=not self.fsdp)
             self.optimizer = accelerator.prepare(opt)
+        if self.fsdp:
+            from dllm_align.training.setup import preserve_checkpoint_rng
+
+            preserve_checkpoint_rng(self.module)  # FSDP2's layer checkpoints replay the forward's dropout masks
         self.policy = _ViaModule(self.module, self.mp.mask_token_id)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
