@@ -71,7 +71,12 @@ def test_block_diagonal_masks_by_hand():
     e, _ = packed_attention(layout, "eager", torch.float32)
     assert torch.equal(e[0, 0] == 0, want) and float(e.min()) == torch.finfo(torch.float32).min
     f, extra = packed_attention(layout, "flash_attention_2", torch.bfloat16)
-    assert f is None and extra == {"is_causal": False}  # the varlen kernel reads the restarting positions
+    assert f is None and extra["is_causal"] is False  # the varlen kernel, told every sequence start
+    assert extra["cu_seq_lens_q"].tolist() == [0, 2, 3, 4] and extra["max_length_q"] == 2
+    # two rows flatten into one stream: a sequence never spans rows, the tail is its own run
+    _, two = packed_attention(torch.tensor([[0, 0, 0, 1], [0, 1, 1, -1]]), "flash_attention_2", torch.bfloat16)
+    assert two["cu_seq_lens_q"].tolist() == two["cu_seq_lens_k"].tolist() == [0, 3, 4, 5, 7, 8]
+    assert two["cu_seq_lens_q"].dtype == torch.int32 and two["max_length_q"] == two["max_length_k"] == 3
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -149,3 +154,92 @@ def test_training_packed_equals_padded(tmp_path):
             assert y[key] == pytest.approx(x[key], rel=1e-4), key
         assert y["baseline"] == pytest.approx(x["baseline"], abs=1e-4)
     assert_same_params(pa, pb, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- every backend, every R
+def _fake_flash_kernels():
+    """CPU stand-ins for flash_attn's dense and variable-length kernels (exact attention through SDPA).
+
+    Same call signatures as flash-attn 2 (transformers reads the varlen one's parameters to decide which
+    keyword arguments it passes); inputs are [B, T, H, D] (dense) and [total, H, D] (varlen).
+    """
+    import torch.nn.functional as F
+
+    def attend(q, k, v, scale, causal):  # [H, T, D]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        calls["dense"] += 1
+        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal).transpose(1, 2)
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        calls["varlen"] += 1
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and int(cu_seqlens_q[-1]) == q.shape[0]
+        assert int(max_seqlen_q) == int(cu_seqlens_q.diff().max())
+        out = torch.empty_like(q)
+        bounds = cu_seqlens_q.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            out[s:e] = attend(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                              softmax_scale, causal).transpose(0, 1)
+        return out
+
+    calls = {"dense": 0, "varlen": 0}
+    return flash_attn_func, flash_attn_varlen_func, calls
+
+
+@pytest.fixture()
+def fake_flash(monkeypatch):
+    """Patch the stand-in kernels into transformers' own flash dispatch (``_lazy_imports``)."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    dense, varlen, calls = _fake_flash_kernels()
+    monkeypatch.setattr(fa, "_lazy_imports", lambda *a, **k: (dense, varlen, None, fa._pad_input, fa._unpad_input))
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    yield calls
+
+
+def _sequences(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [23, 17, 30, 9, 14, 26, 11]
+    return [torch.randint(0, 250, (L,), generator=g) for L in lengths]
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+@pytest.mark.parametrize("impl", ["flash_attention_2", "sdpa", "eager", "flex_attention"])
+def test_every_backend_attends_within_sequences_for_every_row_count(policy, fake_flash, impl, R):
+    """Seven sequences packed into R rows: every token's log-probability equals the sequence's own
+    (scored alone, sdpa, no packing), under every backend, and changing every other sequence of the
+    batch (same row or not) changes nothing. transformers 5.23 infers flash's sequence starts from
+    restarting positions only for a single row, so R >= 2 needs the layout passed explicitly."""
+    mp = policy
+    seqs = _sequences()
+    lengths = [len(s) for s in seqs]
+    cap = {1: sum(lengths), 2: -(-sum(lengths) // 2) + 6, 3: 50}[R]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    p = pack_rows(ids, lengths, cap)
+    assert p.input_ids.shape[0] == R
+    rows = torch.cat([torch.full((L,), int(p.row_of[i])) for i, L in enumerate(lengths)])
+    cols = torch.cat([int(p.offset[i]) + torch.arange(L) for i, L in enumerate(lengths)])
+    tg = torch.cat(seqs)
+    mp.model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        alone = torch.cat([mp.target_logprobs(s[None], None, torch.zeros(len(s), dtype=torch.long), torch.arange(len(s)),
+                                              s) for s in seqs])
+    mp.model.config._attn_implementation = impl
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        packed = mp.target_logprobs(p.input_ids, None, rows, cols, tg, packed=p.layout)
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=0)
+    # every other sequence replaced: sequence 0's tokens score as before
+    other = (p.input_ids + 11) % 250
+    r0, o0, L0 = int(p.row_of[0]), int(p.offset[0]), lengths[0]
+    other[r0, o0:o0 + L0] = p.input_ids[r0, o0:o0 + L0]
+    with torch.no_grad():
+        moved = mp.target_logprobs(other, None, rows[:L0], cols[:L0], tg[:L0], packed=p.layout)
+    torch.testing.assert_close(moved, packed[:L0], atol=2e-5, rtol=0)
+    if impl.startswith("flash"):
+        assert fake_flash["varlen"] > 0 and fake_flash["dense"] == 0  # the layout went to the varlen kernel

@@ -229,6 +229,23 @@ def packed_positions(packed: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
+def packed_varlen_kwargs(packed: torch.Tensor) -> dict:
+    """``cu_seq_lens_q/k`` and ``max_length_q/k`` of packed rows, for transformers' flash (varlen) path.
+
+    The rows are flattened into one token stream (row 0, then row 1, ...); every
+    run of one layout value in a row is one sequence (the unused tail is a run of
+    its own), so a sequence never spans two rows and the offsets cover all R x T
+    tokens. The maximum is a Python int (one device sync per forward, not per layer).
+    """
+    R, T = packed.shape
+    start = torch.ones_like(packed, dtype=torch.bool)
+    start[:, 1:] = packed[:, 1:] != packed[:, :-1]
+    flat = start.reshape(-1).nonzero().view(-1)
+    cu = torch.cat([flat, torch.tensor([R * T], device=packed.device)]).to(torch.int32)
+    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def packed_attention(packed: torch.Tensor, impl: str, dtype: torch.dtype) -> tuple[Any, dict]:
     """The block-diagonal bidirectional mask of packed rows, in the form ``impl`` takes; plus extra call kwargs.
 
@@ -237,14 +254,16 @@ def packed_attention(packed: torch.Tensor, impl: str, dtype: torch.dtype) -> tup
     query row is fully masked). A token attends to every token of its own
     sequence and to nothing else:
 
-    * ``flash_attention_*``: no mask; transformers reads the sequence starts off
-      the restarting position ids and calls the variable-length kernel, told
-      ``is_causal=False``;
+    * ``flash_attention_*``: no mask; the sequence boundaries go to the
+      variable-length kernel explicitly (:func:`packed_varlen_kwargs`), told
+      ``is_causal=False``. (transformers 5.23 infers them from restarting
+      position ids only when the batch has one row; with R >= 2 packed rows it
+      would call the dense kernel, and every sequence would see its row-mates.)
     * ``flex_attention``: a BlockMask with a document mask (fully masked blocks skipped);
     * ``sdpa``: a [B, 1, T, T] boolean mask; ``eager``: the same as an additive float mask.
     """
     if impl.startswith("flash") or "flash" in impl:
-        return None, {"is_causal": False}
+        return None, {"is_causal": False, **packed_varlen_kwargs(packed)}
     if impl == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
