@@ -222,7 +222,7 @@ def test_nothing_in_src_unpickles_or_evaluates_user_data():
     assert problems == []
     # Code named at run time is imported in one place only: rule judges (`--judge rule:module:function`),
     # which announce it on stderr (test below).
-    assert dynamic_imports == {"judging.py"}
+    assert dynamic_imports == {"judge/run.py"}
 
 
 def test_every_torch_load_in_src_is_weights_only():

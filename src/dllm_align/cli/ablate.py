@@ -12,10 +12,10 @@ group = typer.Typer(help="The paper's studies as resumable sweeps: baseline (Tab
                     no_args_is_help=True)
 app.add_typer(group, name="ablate")
 
-RecipeArg = Annotated[str, typer.Argument(help="Recipe (bundled name or YAML path); the demo task by default.")]
-OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Sweep folder (default: <output_dir>/ablate-<study>).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key (repeatable).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of the markdown table.")]
+RecipeArg = Annotated[str, typer.Argument(metavar="RECIPE", help="Recipe (bundled name or YAML path); the demo task by default.")]
+OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Sweep folder (default: <output_dir>/ablate-<study>).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key (repeatable).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of the markdown table.", metavar="")]
 
 
 def _floats(text: Optional[str], what: str) -> Optional[list[float]]:

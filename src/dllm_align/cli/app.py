@@ -10,6 +10,7 @@ torch and transformers are imported inside the command bodies.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from typing import Annotated, Callable, Optional
@@ -24,8 +25,14 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
 )
+
+
+# The recipe argument every recipe-driven command takes.
+RecipeArg = Annotated[
+    str, typer.Argument(metavar="RECIPE", help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")
+]
 
 
 def _debug() -> bool:
@@ -90,10 +97,24 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def reflow(doc: str) -> str:
+    """A docstring as help text: each prose paragraph on one logical line (the terminal wraps it), while
+    paragraphs whose lines are a list or an indented block keep their line breaks."""
+    out = []
+    for para in inspect.cleandoc(doc or "").split("\n\n"):
+        lines = para.split("\n")
+        listed = any(line.startswith(("  ", "- ", "* ", "$ ")) for line in lines[1:])
+        out.append(para if listed else " ".join(line.strip() for line in lines))
+    return "\n\n".join(out)
+
+
 def command(name: str | None = None, *, group: typer.Typer | None = None, **kwargs) -> Callable:
-    """Register ``fn`` as a command of ``group`` (default: the root app) with the error manners."""
+    """Register ``fn`` as a command of ``group`` (default: the root app) with the error manners; its
+    docstring becomes the help, reflowed. (Boolean flags pass ``metavar=""``, so that the help shows them as
+    flags rather than with a ``<bool>`` value.)"""
 
     def deco(fn: Callable) -> Callable:
+        kwargs.setdefault("help", reflow(fn.__doc__ or ""))
         (group or app).command(name, **kwargs)(handle_errors(fn))
         return fn
 
@@ -110,7 +131,7 @@ def _version(value: bool) -> None:
 def root(
     version: Annotated[
         Optional[bool],
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.", metavar=""),
     ] = None,
 ) -> None:
     """dllm-align: ELBO-KTO for masked diffusion language models.

@@ -35,7 +35,7 @@ LabelOpt = Annotated[
     Optional[LabelChoice],
     typer.Option("--label", help="Class of rows without a 'label' column (a file of only desirable or only undesirable rows)."),
 ]
-SkipOpt = Annotated[bool, typer.Option("--skip-invalid", help="Skip invalid rows (each is listed) instead of stopping.")]
+SkipOpt = Annotated[bool, typer.Option("--skip-invalid", help="Skip invalid rows (each is listed) instead of stopping.", metavar="")]
 
 
 DEFAULT_NAME = "unpaired.jsonl"  # the file convert writes in its run folder
@@ -49,7 +49,7 @@ def label_value(label: Optional[LabelChoice]) -> Optional[bool]:
 def convert(
     input: InputArg,
     output_dir: Annotated[
-        Optional[Path], typer.Option("--output-dir", "-o", help="Run folder; the rows go to DIR/unpaired.jsonl.", show_default=False)
+        Optional[Path], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder; the rows go to DIR/unpaired.jsonl.", show_default=False)
     ] = None,
     output: Annotated[
         Optional[Path], typer.Option("--output", help="The output file instead: .jsonl, or .parquet.", show_default=False)
@@ -71,6 +71,7 @@ def convert(
             "--balance-weights",
             help="Also write OUT.weights.json with lambda_desirable * n_desirable = lambda_undesirable * n_undesirable "
             "(larger class weight 1), for data.weights_file.",
+        metavar="",
         ),
     ] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Keep only the first N rows (before ratios).")] = None,

@@ -80,7 +80,7 @@ def stats(
     split: SplitOpt = None,
     label: LabelOpt = None,
     skip_invalid: SkipOpt = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.", metavar="")] = False,
 ) -> None:
     """Class counts, token lengths, and the tokens each padding choice would feed the model.
 

@@ -32,30 +32,32 @@ def _require_harness():
 
 @command("evaluate")
 def evaluate(
-    recipe: Annotated[str, typer.Argument(help="A bundled recipe name (e.g. table4_downstream) or a YAML file.")],
+    recipe: Annotated[str, typer.Argument(metavar="RECIPE", help="A bundled recipe name (e.g. table4_downstream) or a YAML file.")],
     model: Annotated[
-        Optional[str], typer.Option("--model", "-m", help="Checkpoint to evaluate (default: the recipe's model.name_or_path).")
+        Optional[str], typer.Option("--model", "-m", metavar="MODEL", help="Checkpoint to evaluate (default: the recipe's model.name_or_path).")
     ] = None,
     compare: Annotated[
         Optional[str],
-        typer.Option("--compare", "-c", help="A second checkpoint, evaluated the same way and shown side by side (default: evaluate.compare)."),
+        typer.Option("--compare", "-c", metavar="MODEL", help="A second checkpoint, evaluated the same way and shown side by side (default: evaluate.compare)."),
     ] = None,
     tasks: Annotated[
-        Optional[str], typer.Option("--tasks", "-t", help="Comma-separated recipe task keys or harness task names (default: all of evaluate.tasks).")
+        Optional[str], typer.Option("--tasks", "-t", metavar="TASKS", help="Comma-separated recipe task keys or harness task names (default: all of evaluate.tasks).")
     ] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N documents of each task (smoke runs).")] = None,
-    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir); results go to DIR/eval/.")] = None,
-    include_path: Annotated[Optional[str], typer.Option("--include-path", help="Folder of your own task YAMLs (lm-eval format).")] = None,
-    apply_chat_template: Annotated[
-        Optional[bool],
-        typer.Option("--apply-chat-template/--no-apply-chat-template", help="Wrap prompts in the chat template (default: evaluate.apply_chat_template)."),
-    ] = None,
-    allow_code_execution: Annotated[
-        bool, typer.Option("--allow-code-execution", help="Let code tasks (HumanEval) execute model-written code.")
+    limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", min=1, help="Only the first N documents of each task (smoke runs).")] = None,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir); results go to DIR/eval/.")] = None,
+    include_path: Annotated[Optional[str], typer.Option("--include-path", metavar="DIR", help="Folder of your own task YAMLs (lm-eval format).")] = None,
+    chat_template: Annotated[
+        bool, typer.Option("--apply-chat-template", help="Wrap prompts in the chat template (default: evaluate.apply_chat_template).", metavar="")
     ] = False,
-    rerun: Annotated[bool, typer.Option("--rerun", help="Run tasks again even when a result with the same settings exists.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the scores (and comparison) as JSON on stdout.")] = False,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set evaluate.mc_num=64.")] = None,
+    no_chat_template: Annotated[
+        bool, typer.Option("--no-apply-chat-template", help="Give prompts without the chat template.", metavar="")
+    ] = False,
+    allow_code_execution: Annotated[
+        bool, typer.Option("--allow-code-execution", help="Let code tasks (HumanEval) execute model-written code.", metavar="")
+    ] = False,
+    rerun: Annotated[bool, typer.Option("--rerun", help="Run tasks again even when a result with the same settings exists.", metavar="")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the scores (and comparison) as JSON on stdout.", metavar="")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set evaluate.mc_num=64.")] = None,
 ) -> None:
     """Run downstream benchmarks (GSM8K, MMLU, ...) on a checkpoint, optionally next to another one.
 
@@ -79,11 +81,16 @@ def evaluate(
     overrides = list(set_ or [])
     if include_path is not None:
         overrides.append(f"evaluate.include_path={json.dumps(include_path)}")
-    if apply_chat_template is not None:
-        overrides.append(f"evaluate.apply_chat_template={str(apply_chat_template).lower()}")
+    if chat_template and no_chat_template:
+        raise UserError("--apply-chat-template and --no-apply-chat-template contradict each other; pick one")
+    if chat_template or no_chat_template:
+        overrides.append(f"evaluate.apply_chat_template={str(chat_template).lower()}")
     if allow_code_execution:
         overrides.append("evaluate.allow_code_execution=true")
-    labels = {"evaluate.include_path": "--include-path", "evaluate.apply_chat_template": "--apply-chat-template"}
+    labels = {
+        "evaluate.include_path": "--include-path",
+        "evaluate.apply_chat_template": "--apply-chat-template" if chat_template else "--no-apply-chat-template",
+    }
     rec = load_recipe(recipe, overrides, output_dir, labels=labels)
     if os.environ.get("DLLM_ALIGN_DEBUG", "") in ("", "0"):
         logging.getLogger("lm_eval").setLevel(logging.WARNING)

@@ -12,28 +12,27 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import command
+from dllm_align.cli.app import RecipeArg, command
 
-RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
 
 
 @command("generate")
 def generate(
     recipe: RecipeArg,
-    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir); the generations go to DIR/gen.<split>.jsonl.")] = None,
+    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir); the generations go to DIR/gen.<split>.jsonl.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", help="The JSONL file instead (default: <run folder>/gen.<split>.jsonl). Rerunning resumes it.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint folder or hub id (overrides model.name_or_path).")] = None,
     split: Annotated[Optional[str], typer.Option("--split", help="Which prompts of the recipe: 'test' (data.test) or 'train' (data.train).")] = None,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompt file/folder/hub dataset instead of the recipe's data (.txt: one prompt a line).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N prompts.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set generate.cfg=0.5 (repeatable).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set generate.cfg=0.5 (repeatable).")] = None,
     gen_length: Annotated[Optional[int], typer.Option("--gen-length", help="Tokens to generate (paper: 512).")] = None,
     block_length: Annotated[Optional[int], typer.Option("--block-length", help="Semi-autoregressive block length (paper: 32).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Total denoising steps (paper: 512).")] = None,
     remasking: Annotated[Optional[str], typer.Option("--remasking", help="low_confidence (paper) or random.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy (paper).")] = None,
     cfg: Annotated[Optional[float], typer.Option("--cfg", help="Classifier-free guidance scale (0 = off, paper).")] = None,
-    fast: Annotated[bool, typer.Option("--fast", help="Fast decoding: dual key/value cache and confidence threshold 0.9 (unless set otherwise).")] = False,
+    fast: Annotated[bool, typer.Option("--fast", help="Fast decoding: dual key/value cache and confidence threshold 0.9 (unless set otherwise).", metavar="")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Key/value reuse within a block: none, prefix or dual.")] = None,
     threshold: Annotated[Optional[float], typer.Option("--threshold", help="Commit every candidate above this confidence (fast mode).")] = None,
     sampler: Annotated[Optional[str], typer.Option("--sampler", help="auto (the model family's rule), llada or dream.")] = None,
@@ -44,8 +43,8 @@ def generate(
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Prompts per forward pass.")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for temperature / random remasking (per prompt: hashed with its id).")] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; under accelerate/torchrun, the process's device).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the output afresh instead of resuming it.")] = False,
-    allow_long: Annotated[bool, typer.Option("--allow-long", help="Generate even when prompt + gen_length exceeds the model's positions.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the output afresh instead of resuming it.", metavar="")] = False,
+    allow_long: Annotated[bool, typer.Option("--allow-long", help="Generate even when prompt + gen_length exceeds the model's positions.", metavar="")] = False,
 ) -> None:
     """Generate completions for a recipe's prompts, resumably, on one or many devices.
 

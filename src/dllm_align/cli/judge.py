@@ -35,6 +35,32 @@ _FLAG_OF = {
 }
 
 
+# The judge section's defaults (config.schema.JudgeSection; a test keeps the two equal), shown in --help
+# without importing the schema when the command line is parsed.
+JUDGE_DEFAULTS = {
+    "judges": ["gpt-4o-mini"],
+    "base_url": "https://api.openai.com/v1",
+    "api_key_env": "OPENAI_API_KEY",
+    "concurrency": 8,
+    "timeout": 60.0,
+    "max_retries": 6,
+    "retry_base_delay": 1.0,
+    "max_parse_retries": 2,
+    "bootstrap": 5000,
+    "seed": 0,
+    "temperature": 0.0,
+    "max_tokens": 1024,
+    "batch_poll_interval": 15.0,
+    "batch_failed": "live",
+    "length_threshold": 0.1,
+}
+
+
+def _shown(key: str) -> str:
+    v = JUDGE_DEFAULTS[key]
+    return ", ".join(v) if isinstance(v, list) else str(v)
+
+
 def _parse_prices(values: list[str]) -> dict:
     """``--price [JUDGE=]IN,OUT`` (USD per million prompt / completion tokens) -> {judge or '*': (IN, OUT)}."""
     from dllm_align.core.errors import UserError
@@ -58,44 +84,45 @@ def judge(
     b: Annotated[Path, typer.Argument(metavar="B.jsonl", help="Generations of model B (the base model), same ids and prompts.")],
     output: Annotated[
         Optional[Path],
-        typer.Option("--output-dir", "-o", help="Run folder for the results, outcomes and cache. Default: <A's folder>/judge_<B's folder>_<B's name>."),
+        typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder for the results, outcomes and cache. Default: <A's folder>/judge_<B's folder>_<B's name>."),
     ] = None,
     judges: Annotated[
         Optional[list[str]],
-        typer.Option("--judge", "-j", help="Judge model at --base-url, or rule:NAME. Give it twice for two judges (majority vote, kappa)."),
+        typer.Option("--judge", "-j", metavar="MODEL", show_default=_shown("judges"), help="Judge model at --base-url, or rule:NAME. Give it twice for two judges (majority vote, kappa)."),
     ] = None,
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe whose `judge` section gives the defaults.")] = None,
-    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible endpoint; the only host contacted.")] = None,
+    base_url: Annotated[Optional[str], typer.Option(show_default=_shown("base_url"), help="OpenAI-compatible endpoint; the only host contacted.")] = None,
     api_key_env: Annotated[
-        Optional[str], typer.Option(help="Environment variable holding the API key ('' for a server without authentication).")
+        Optional[str], typer.Option(show_default=_shown("api_key_env"), help="Environment variable holding the API key ('' for a server without authentication).")
     ] = None,
     template: Annotated[
-        Optional[Path], typer.Option(help="Judging prompt file with {prompt}, {answer_a}, {answer_b} placeholders.")
+        Optional[Path],
+        typer.Option(show_default="the built-in pairwise prompt", help="Judging prompt file with {prompt}, {answer_a}, {answer_b} placeholders."),
     ] = None,
-    concurrency: Annotated[Optional[int], typer.Option(help="Requests in flight at once.")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="Seconds before a request counts as timed out and is retried.")] = None,
-    max_retries: Annotated[Optional[int], typer.Option(help="Retries of one request (429, 5xx, timeouts, dropped connections).")] = None,
-    retry_delay: Annotated[Optional[float], typer.Option(help="First backoff delay in seconds (doubles each retry, with jitter).")] = None,
-    max_parse_retries: Annotated[Optional[int], typer.Option(help="Further requests when a reply has no [[A]]/[[B]]/[[C]] verdict.")] = None,
-    bootstrap: Annotated[Optional[int], typer.Option(help="Bootstrap resamples for the 90% intervals (paper: 5000).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Bootstrap seed.")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="Judge sampling temperature.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help="Cap on the judge's reply length.")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(show_default=_shown("concurrency"), help="Requests in flight at once.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(show_default=_shown("timeout"), help="Seconds before a request counts as timed out and is retried.")] = None,
+    max_retries: Annotated[Optional[int], typer.Option(show_default=_shown("max_retries"), help="Retries of one request (429, 5xx, timeouts, dropped connections).")] = None,
+    retry_delay: Annotated[Optional[float], typer.Option(show_default=_shown("retry_base_delay"), help="First backoff delay in seconds (doubles each retry, with jitter).")] = None,
+    max_parse_retries: Annotated[Optional[int], typer.Option(show_default=_shown("max_parse_retries"), help="Further requests when a reply has no [[A]]/[[B]]/[[C]] verdict.")] = None,
+    bootstrap: Annotated[Optional[int], typer.Option(show_default=_shown("bootstrap"), help="Bootstrap resamples for the 90% intervals (paper: 5000).")] = None,
+    seed: Annotated[Optional[int], typer.Option(show_default=_shown("seed"), help="Bootstrap seed.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(show_default=_shown("temperature"), help="Judge sampling temperature.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(show_default=_shown("max_tokens"), help="Cap on the judge's reply length.")] = None,
     max_completion_tokens: Annotated[
         Optional[int], typer.Option(help="Send the cap as max_completion_tokens instead of max_tokens (reasoning models).")
     ] = None,
-    no_temperature: Annotated[bool, typer.Option("--no-temperature", help="Send no temperature (reasoning models accept only their default).")] = False,
-    batch: Annotated[bool, typer.Option("--batch", help="Use the Batch API (about half the price; results within 24 h). Rerun the same command to continue.")] = False,
-    batch_poll: Annotated[Optional[float], typer.Option(help="First wait between polls of a batch, seconds (grows to 300).")] = None,
-    batch_failed: Annotated[Optional[str], typer.Option(help="Retry requests that failed in a batch 'live' or in a new 'batch'.")] = None,
+    no_temperature: Annotated[bool, typer.Option("--no-temperature", help="Send no temperature (reasoning models accept only their default).", metavar="")] = False,
+    batch: Annotated[bool, typer.Option("--batch", help="Use the Batch API (about half the price; results within 24 h). Rerun the same command to continue.", metavar="")] = False,
+    batch_poll: Annotated[Optional[float], typer.Option(show_default=_shown("batch_poll_interval"), help="First wait between polls of a batch, seconds (grows to 300).")] = None,
+    batch_failed: Annotated[Optional[str], typer.Option(show_default=_shown("batch_failed"), help="Retry requests that failed in a batch 'live' or in a new 'batch'.")] = None,
     price: Annotated[
-        Optional[list[str]], typer.Option("--price", help="[JUDGE=]IN,OUT: USD per million prompt and completion tokens, for a cost in results.json.")
+        Optional[list[str]], typer.Option("--price", metavar="PRICE", help="[JUDGE=]IN,OUT: USD per million prompt and completion tokens, for a cost in results.json.")
     ] = None,
-    length_threshold: Annotated[Optional[float], typer.Option(help="Mark the AWR when mean answer lengths differ by more than this fraction.")] = None,
-    allow_plain_http: Annotated[bool, typer.Option("--allow-plain-http", help="Allow the key over plain http:// to a host that is not loopback.")] = False,
-    env_proxy: Annotated[bool, typer.Option("--env-proxy", help="Use the proxy named by HTTP(S)_PROXY (ignored otherwise).")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.")] = False,
+    length_threshold: Annotated[Optional[float], typer.Option(show_default=_shown("length_threshold"), help="Mark the AWR when mean answer lengths differ by more than this fraction.")] = None,
+    allow_plain_http: Annotated[bool, typer.Option("--allow-plain-http", help="Allow the key over plain http:// to a host that is not loopback.", metavar="")] = False,
+    env_proxy: Annotated[bool, typer.Option("--env-proxy", help="Use the proxy named by HTTP(S)_PROXY (ignored otherwise).", metavar="")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.", metavar="")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.", metavar="")] = False,
 ) -> None:
     """Pairwise LLM or rule judging of A vs B: adjusted win rate and its length-controlled twin, 90% CIs, majority vote, kappa.
 

@@ -6,13 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import command
+from dllm_align.cli.app import RecipeArg, command
 
-RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
 OutputOpt = Annotated[
-    Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir); the cache goes to DIR/ref_cache.")
+    Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir); the cache goes to DIR/ref_cache.")
 ]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set reference.n_mc=4 (repeatable).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set reference.n_mc=4 (repeatable).")]
 
 
 @command("precompute-ref")
@@ -21,7 +20,7 @@ def precompute_ref(
     output_dir: OutputOpt = None,
     set_: SetOpt = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace a cache in the folder that was made with other settings (refused otherwise).")
+        bool, typer.Option("--overwrite", help="Replace a cache in the folder that was made with other settings (refused otherwise).", metavar="")
     ] = False,
 ) -> None:
     """Compute every training example's K reference ELBO draws once and cache them.

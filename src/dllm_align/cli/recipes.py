@@ -6,15 +6,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import app, command
+from dllm_align.cli.app import app, RecipeArg, command
 
 group = typer.Typer(help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
 app.add_typer(group, name="recipes")
 
-RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
 SetOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--set", "-s", help="Override a key, e.g. --set train.beta=0.2 (repeatable)."),
+    typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a key, e.g. --set train.beta=0.2 (repeatable)."),
 ]
 
 

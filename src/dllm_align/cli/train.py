@@ -6,11 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import command
+from dllm_align.cli.app import RecipeArg, command
 
-RecipeArg = Annotated[str, typer.Argument(help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")]
-OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run folder (default: the recipe's output_dir).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override a recipe key, e.g. --set train.beta=0.2 (repeatable).")]
+OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set train.beta=0.2 (repeatable).")]
 
 
 @command("train")
@@ -18,11 +17,11 @@ def train(
     recipe: RecipeArg,
     output_dir: OutputOpt = None,
     set_: SetOpt = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the run folder.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard a previous run's checkpoints, final model and metrics.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the run folder.", metavar="")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Discard a previous run's checkpoints, final model and metrics.", metavar="")] = False,
     allow_change: Annotated[
         Optional[list[str]],
-        typer.Option("--allow-change", help="With --resume: let this recipe key differ from the recorded run (repeatable; 'all' for every key)."),
+        typer.Option("--allow-change", metavar="KEY", help="With --resume: let this recipe key differ from the recorded run (repeatable; 'all' for every key)."),
     ] = None,
 ) -> None:
     """Train the policy; writes checkpoints/step-N/, final/ and metrics.jsonl in the run folder.

@@ -122,16 +122,6 @@ def unpaired_rows(prompts: list[str], split: str, seed: int = 0, both: bool = Tr
     return rows
 
 
-def _register() -> None:
-    """Make ``--judge rule:sort`` available (judging imports this module for unknown rules)."""
-    from dllm_align.judge.run import register_rule
-
-    register_rule("sort", rule_verdict)
-
-
-_register()
-
-
 ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
