@@ -339,3 +339,82 @@ def test_lora_dropout_gradient_under_fsdp2_activation_checkpointing_equals_unche
     assert preserve_checkpoint_rng(checked) == 2  # one wrapper per decoder layer
     after = grads(checked)
     torch.testing.assert_close(after, plain, atol=1e-6, rtol=1e-5)
+
+
+def _tiny_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        return Qwen3MoeForCausalLM(cfg).eval()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def test_moe_experts_compute_in_bf16_under_autocast_for_policy_and_reference(monkeypatch):
+    """transformers' grouped-matmul experts bypass autocast: with fp32 master weights they ran in fp32.
+    Routed through dllm-align's experts function they multiply in bf16, and a reference whose expert
+    blocks are stored in bf16 computes bit-identically (issue 22, defect 5)."""
+    import copy
+
+    from transformers.integrations import moe
+
+    from dllm_align.models.precision import Precision, autocast, experts_in_compute_precision, prepare_reference
+
+    policy = _tiny_moe()
+    ref = copy.deepcopy(policy)
+    seen = []
+    orig = moe._grouped_mm
+
+    def spy(input, weight, offs):
+        seen.append((input.dtype, weight.dtype))
+        return orig(input, weight, offs)
+
+    monkeypatch.setattr(moe, "_grouped_mm", spy)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    prec = Precision(torch.float32, torch.bfloat16)
+    with torch.no_grad(), autocast(prec, "cpu"):
+        policy(input_ids=ids, use_cache=False)
+    assert seen and all(dt == (torch.float32, torch.float32) for dt in seen)  # the defect: fp32 expert matmuls
+    seen.clear()
+    assert experts_in_compute_precision(policy)
+    with autocast(prec, "cpu"):
+        a = policy(input_ids=ids, use_cache=False).logits
+    assert seen and all(w == torch.bfloat16 for _, w in seen)  # _grouped_mm casts its input to the weights' dtype
+    a.float().sum().backward()  # gradients reach the fp32 master weights of every expert block
+    experts = policy.model.layers[0].mlp.experts
+    assert experts.down_proj.dtype == torch.float32 and experts.down_proj.grad.abs().sum() > 0
+    prepare_reference(ref, prec)
+    experts_in_compute_precision(ref)
+    assert ref.model.layers[0].mlp.experts.down_proj.dtype == torch.bfloat16
+    with torch.no_grad(), autocast(prec, "cpu"):
+        b = ref(input_ids=ids, use_cache=False).logits
+    assert torch.equal(a.detach(), b)
+
+
+def test_lladamoe_policy_and_reference_route_experts_through_the_compute_precision(tmp_path):
+    """The LLaDA-MoE family's native body: the policy (set_precision) and the reference
+    (load path: prepare_reference + set_precision) both get the experts function; bf16 target
+    log-probabilities of the two agree exactly."""
+    from test_families import _moe
+
+    from dllm_align.models.load import load_model
+    from dllm_align.models.precision import EXPERTS_IMPL, Precision, prepare_reference
+
+    folder, cfg, _ = _moe(tmp_path)
+    prec = Precision(torch.float32, torch.bfloat16)
+    pol, ref = load_model(str(folder), dtype="float32"), load_model(str(folder), dtype="float32")
+    pol.set_precision(prec)
+    prepare_reference(ref.model, prec)
+    ref.set_precision(prec)
+    assert pol.model.config._experts_implementation == ref.model.config._experts_implementation == EXPERTS_IMPL
+    ids = torch.randint(0, cfg["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(2))
+    rows, cols = torch.tensor([0, 0, 1]), torch.tensor([3, 7, 11])
+    with torch.no_grad():
+        a = pol.target_logprobs(ids, None, rows, cols, ids[rows, cols])
+        b = ref.target_logprobs(ids, None, rows, cols, ids[rows, cols])
+    assert torch.equal(a, b)

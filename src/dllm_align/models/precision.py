@@ -10,15 +10,23 @@ The policy (any launch: 1 process, DDP, FSDP1, FSDP2)
     fp32 master weights (``model.dtype: auto``); with ``train.mixed_precision:
     bf16`` the forward runs under ``torch.autocast(bf16)``: matmuls in bf16,
     the residual stream, norms, softmax and the rotary phases in fp32. Under
-    FSDP the parameters are *not* cast to bf16 (``param_dtype=None``): a bf16
-    cast would put the residual stream and the rotary ``cos``/``sin`` in bf16
-    and make FSDP compute a different function from DDP and from the cache.
-    Gradients are reduced in fp32 and buffers stay fp32. The cost: FSDP
-    all-gathers fp32 shards (twice the traffic of bf16 shards).
+    FSDP the parameters are *not* cast to bf16 (``param_dtype=None``): casting
+    them would give the embeddings, the norm weights and the head bf16 values,
+    and (FSDP2's ``cast_forward_inputs``, FSDP1's input cast) the residual
+    stream entering each unit bf16 too, so FSDP would compute a different
+    function from DDP and from the cache (0.14 nats per draw on the toy).
+    Buffers are a separate matter: FSDP2's ``MixedPrecisionPolicy`` never
+    casts them, while FSDP1's ``MixedPrecision(buffer_dtype=bf16)`` (accelerate's
+    default) casts the rotary ``inv_freq`` to bf16 - hence ``buffer_dtype=fp32``
+    there and :func:`keep_fp32_buffers` after any cast. Gradients are reduced in
+    fp32. The cost: FSDP all-gathers fp32 shards (twice the traffic of bf16 shards).
+    Mixture-of-experts blocks (3-D weights multiplied by grouped matmuls, which
+    autocast does not see) are routed through :func:`autocast_experts_forward`,
+    which casts them to the autocast dtype as autocast does for a Linear.
 
 The reference
-    The same weights dtype, with every ``nn.Linear`` stored in the compute
-    dtype when autocast is on. Autocast casts a Linear's fp32 weight to bf16
+    The same weights dtype, with every ``nn.Linear`` (and every experts block)
+    stored in the compute dtype when autocast is on. Autocast casts a Linear's fp32 weight to bf16
     (round to nearest even) on every call; storing that rounding once gives
     bit-identical matmuls at half the memory (an 8B reference: ~17 GB instead
     of 32 GB).
@@ -124,12 +132,68 @@ def keep_fp32_buffers(model: torch.nn.Module) -> int:
 
 
 def prepare_reference(model: torch.nn.Module, precision: Precision) -> None:
-    """Store each Linear in the autocast dtype (bit-identical to autocast's per-call cast, half the memory)."""
+    """Store each Linear and each mixture-of-experts weight block in the autocast dtype (bit-identical
+    to the policy's per-call cast, half the memory)."""
     if precision.autocast is None or precision.autocast == precision.weights:
         return
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear):
+        if isinstance(mod, torch.nn.Linear) or _is_experts(mod):
             mod.to(precision.autocast)
+
+
+# ----------------------------------------------------------------- mixture-of-experts blocks
+# transformers' experts (LLaDA-MoE's native Qwen3-MoE body) keep their weights as 3-D tensors and
+# multiply them with grouped matmuls, which autocast does not see: with fp32 master weights the
+# experts ran in fp32 under bf16 autocast (on CUDA a per-expert fallback loop with a host sync per
+# MoE layer, and expert activations at twice the memory). The experts function registered here
+# casts the expert weights to the autocast dtype first, as autocast does for a Linear; it then
+# calls transformers' own grouped-matmul experts forward.
+EXPERTS_IMPL = "dllm_align_autocast_grouped_mm"
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+def _is_experts(mod: torch.nn.Module) -> bool:
+    w = getattr(mod, "down_proj", None)
+    return hasattr(mod, "num_experts") and isinstance(w, torch.Tensor) and w.dim() == 3
+
+
+class _CastExperts:
+    """An experts module seen with its weight blocks in ``dtype`` (every other attribute is the module's)."""
+
+    def __init__(self, mod: torch.nn.Module, dtype: torch.dtype):
+        self.__dict__["_mod"], self.__dict__["_dtype"] = mod, dtype
+
+    def __getattr__(self, name):
+        v = getattr(self._mod, name)
+        if name in _EXPERT_WEIGHTS and isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to(self._dtype)
+        return v
+
+
+def autocast_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    dev = hidden_states.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    w = getattr(self, "gate_up_proj", None)
+    w = w if isinstance(w, torch.Tensor) else self.down_proj
+    if dt is None or w.dtype == dt:
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return grouped_mm_experts_forward(_CastExperts(self, dt), hidden_states, top_k_index, top_k_weights)
+
+
+def experts_in_compute_precision(model: torch.nn.Module) -> bool:
+    """Route a mixture-of-experts model's experts through :func:`autocast_experts_forward`; False if it has none."""
+    if not any(_is_experts(m) for m in model.modules()):
+        return False
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERTS_IMPL not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, autocast_experts_forward)
+    configs = {id(m.config): m.config for m in model.modules() if _is_experts(m) and getattr(m, "config", None) is not None}
+    for cfg in configs.values():
+        cfg._experts_implementation = EXPERTS_IMPL
+    return True
 
 
 def fsdp_mixed_precision(fsdp_version: int):

@@ -120,6 +120,10 @@ class MaskPredictor:
 
     def set_precision(self, precision: Optional["Precision"]) -> None:
         self.precision = precision
+        if precision is not None and precision.autocast is not None and precision.autocast != precision.weights:
+            from dllm_align.models.precision import experts_in_compute_precision
+
+            experts_in_compute_precision(self.model)  # MoE experts: autocast does not see grouped matmuls
 
     def _autocast(self, device_type: str):
         from dllm_align.models.precision import autocast
