@@ -26,12 +26,31 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * the output head: the chunked scorer's [128, V] fp32 block (and its bf16
   product) plus the masked positions' hidden states and their gradients
   (half the tokens on average: l/L is uniform);
+* under bf16 autocast, the bf16 weight copies autocast makes (with its weight
+  cache off) and the backward keeps: without activation checkpointing every
+  layer's Linear and expert weights, 2 bytes each (~14 GiB for LLaDA-8B); with
+  it, one layer's at a time; plus the output head's bf16 copy (V x hidden x 2)
+  the chunked scorer casts once per call;
+* FSDP's unsharded gradients before their reduce-scatter: the root unit's
+  (embeddings, head, final norm: the last unit reduced, ~3.9 GiB fp32 for
+  LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
+  reduce-scatters every micro-batch (``training.loop._Run._sync``), DDP's
+  gradients are whole anyway;
+* packed rows under SDPA or eager attention: the [rows, 1, L, L] boolean block
+  mask and its bf16 additive form (3 bytes per entry; flash and flex take
+  sequence offsets instead);
 * a runtime reserve of 2 GiB (CUDA context, NCCL buffers, allocator
   fragmentation).
 
 Attention is assumed memory-efficient (SDPA / flash: O(tokens)); an eager
 implementation adds rows x heads x length^2 x 4 bytes per layer, shown as its
-own line.
+own line. Mixture-of-experts activations are counted at the top-k experts'
+width in the compute dtype (experts run under autocast: :mod:`dllm_align.models.precision`).
+
+Checked against measurements (``tests/test_doctor.py``): on the CPU, the bytes
+a real forward of ``builtin:tiny`` / ``builtin:small`` saves for its backward
+(every saved tensor's storage, counted once) are within 0.8-1.25x of the
+activation, weight-copy and head lines, fp32 and bf16 autocast.
 """
 
 from __future__ import annotations
@@ -289,13 +308,28 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["activations" + (" (checkpointed layer inputs)" if ckpt else " (every layer)")] = ckpt_inputs if ckpt else L * tokens * per_token_layer
     lines["activations (one layer working set + backward)"] = working if ckpt else tokens * i * 4
     lines["output head (chunked)"] = head
+    if autocast:
+        body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
+        lines["autocast bf16 weight copies (saved for backward)"] = (shape.largest_layer_params if ckpt else body_linear) * 2
+        lines["output head bf16 copy"] = shape.vocab * d * 2
+    if launch.fsdp:
+        lines["FSDP unsharded gradients before reduce-scatter (root + 1 layer)"] = (
+            (shape.embedding_params + d + shape.largest_layer_params) * 4 if not t.lora.enabled else 0)
+    if recipe.data.padding == "packed" and (recipe.model.attn_implementation or "sdpa") in ("sdpa", "eager"):
+        L_max = recipe.data.max_length
+        lines["packed attention masks (bool + bf16 bias)"] = rows * L_max * L_max * 3
     notes = []
     if recipe.model.attn_implementation == "eager":
         lines["eager attention scores"] = rows * shape.heads * recipe.data.max_length**2 * 4
         notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
     lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
-    fixed = sum(v for kk, v in lines.items() if not kk.startswith(("activations", "output head")))
+    copies = "autocast bf16 weight copies (saved for backward)"
+    fixed = sum(v for kk, v in lines.items() if not kk.startswith(("activations", "output head (chunked)", copies)))
     total = sum(lines.values())
+    if autocast:
+        body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
+        with_ckpt += shape.largest_layer_params * 2
+        without_ckpt += body_linear * 2
     return Estimate(
         lines=lines, total=total, total_with_checkpointing=fixed + with_ckpt, total_without_checkpointing=fixed + without_ckpt,
         checkpointing=ckpt, tokens=tokens, params=P, trainable=T, notes=notes,
