@@ -418,3 +418,21 @@ def test_lladamoe_policy_and_reference_route_experts_through_the_compute_precisi
         a = pol.target_logprobs(ids, None, rows, cols, ids[rows, cols])
         b = ref.target_logprobs(ids, None, rows, cols, ids[rows, cols])
     assert torch.equal(a, b)
+
+
+def test_flash_attention_with_fp32_compute_is_refused_by_name(tmp_path):
+    """flash-attn takes bf16 / fp16 only: `mixed_precision: no` with fp32 weights is refused by the recipe
+    check (train, precompute, doctor alike), naming both keys; bf16 autocast or bf16 weights are fine."""
+    from typer.testing import CliRunner
+
+    from dllm_align.cli.app import app
+    from dllm_align.core.errors import UserError
+
+    bad = ["model.attn_implementation=flash_attention_2", "train.mixed_precision=no"]
+    with pytest.raises(UserError, match="model.attn_implementation flash_attention_2 needs bf16.*train.mixed_precision"):
+        load_recipe("demo", bad)
+    assert load_recipe("demo", [bad[0], "train.mixed_precision=bf16"]).model.attn_implementation == "flash_attention_2"
+    assert load_recipe("demo", [*bad, "model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    res = CliRunner().invoke(app, ["doctor", "demo", "-o", str(tmp_path / "r"), *[x for kv in bad for x in ("--set", kv)]])
+    assert res.exit_code == 2 and res.stderr.startswith("Error:") and "train.mixed_precision" in res.stderr
+    assert not (tmp_path / "r").exists()

@@ -243,3 +243,26 @@ def test_every_backend_attends_within_sequences_for_every_row_count(policy, fake
     torch.testing.assert_close(moved, packed[:L0], atol=2e-5, rtol=0)
     if impl.startswith("flash"):
         assert fake_flash["varlen"] > 0 and fake_flash["dense"] == 0  # the layout went to the varlen kernel
+
+
+def test_shifted_family_clamps_at_its_own_sequence_when_packed():
+    """Dream scores position j from the output at j - 1, clamped at the sequence's first position. A packed
+    sequence whose completion starts at its first column (empty prompt) must clamp there, not read the
+    last output of the sequence before it in the row: its values equal the unpacked ones."""
+    from dllm_align.models.load import load_model
+
+    mp = load_model("builtin:tiny-dream")
+    assert mp.family.logit_shift == 1
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randint(0, 250, (9,), generator=g), torch.randint(0, 250, (7,), generator=g)
+    ids = torch.cat([a, b])[None]
+    layout = torch.tensor([[0] * 9 + [1] * 7])
+    rows = torch.zeros(7, dtype=torch.long)
+    with torch.no_grad():
+        packed = mp.target_logprobs(ids, None, rows, torch.arange(9, 16), b, packed=layout)
+        alone = mp.target_logprobs(b[None], None, rows, torch.arange(7), b)
+        other = ids.clone()
+        other[0, :9] = (other[0, :9] + 5) % 250
+        moved = mp.target_logprobs(other, None, rows, torch.arange(9, 16), b, packed=layout)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(moved, packed, atol=1e-6, rtol=0)

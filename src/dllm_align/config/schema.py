@@ -430,6 +430,13 @@ class Recipe(Section):
             )
         if self.train.objective == "vrpo" and self.data.format == "unpaired":
             problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        if ((self.model.attn_implementation or "").startswith("flash") and self.train.mixed_precision == "no"
+                and self.model.dtype not in ("bfloat16", "float16")):
+            # flash-attn kernels take only bf16 / fp16 inputs: an fp32 forward stops inside the kernel on CUDA
+            problems.append(
+                f"model.attn_implementation {self.model.attn_implementation} needs bf16 or fp16 compute, but "
+                "train.mixed_precision is 'no' (fp32): set train.mixed_precision: bf16, or use sdpa"
+            )
         for key, t in self.evaluate.tasks.items():
             g = t.gen_length or self.generate.gen_length
             b = t.block_length or self.generate.block_length

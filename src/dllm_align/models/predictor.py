@@ -188,11 +188,15 @@ class MaskPredictor:
         ``rows``, ``cols`` and ``targets`` are 1-D of equal length N; returns [N].
         ``packed``: the sequence layout of packed rows (:meth:`hidden`); ``cols``
         are then columns of the packed row. For a shifted family the hidden state
-        gathered for position j is j - 1's (a packed sequence's first position is a
-        prompt token, never scored, so reading across the boundary never happens).
+        gathered for position j is j - 1's, clamped at the first position of j's own
+        sequence (of its packed sequence when packed, so a sequence with an empty
+        prompt never reads its row-mate's output: the same value as unpacked).
         """
+        src = self.family.source_positions(cols)
+        if packed is not None and self.family.logit_shift:
+            first = cols - packed_positions(packed)[rows, cols]
+            src = torch.maximum(src, first)
         if self.separable:
-            src = self.family.source_positions(cols)
             h = self.hidden(input_ids, attention_mask, packed)[rows, src]  # [N, H]: only the scored positions
             w = self._plain_head_weight()
             if w is not None and self.head_chunk:
@@ -201,7 +205,9 @@ class MaskPredictor:
                 return chunked_target_logprobs(h, w, targets, self.head_chunk, self.compute_dtype)
             logits = self.head(h)
         else:
-            logits = self.logits(input_ids, attention_mask, packed)[rows, cols]
+            with self._autocast(input_ids.device.type):
+                out = self.model(**self._forward_args(input_ids, attention_mask, packed))
+            logits = (out.logits if hasattr(out, "logits") else out[0])[rows, src]  # unshifted output, read at src
         logits = logits.float()
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
