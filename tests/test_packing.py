@@ -266,3 +266,81 @@ def test_shifted_family_clamps_at_its_own_sequence_when_packed():
         moved = mp.target_logprobs(other, None, rows, torch.arange(9, 16), b, packed=layout)
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     torch.testing.assert_close(moved, packed, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("T", [128, 300, 517])
+def test_flex_block_mask_from_offsets_equals_the_evaluated_mask(T):
+    """The block mask built from sequence ranges (no [R, 1, T, T] evaluation) lists the same blocks, and the
+    same full blocks, as torch's create_block_mask evaluating the same-sequence test everywhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dllm_align.models.predictor import flex_block_mask
+
+    g = torch.Generator().manual_seed(T)
+    layout = torch.full((3, T), -1, dtype=torch.long)
+    for r in range(3):
+        o, j = 0, 0
+        while True:
+            L = int(torch.randint(5, 200, (), generator=g))
+            if o + L > T - 3 * r:
+                break
+            layout[r, o:o + L] = j
+            o, j = o + L, j + 1
+    ours = flex_block_mask(layout)
+
+    def same(b, h, q, kv):
+        return layout[b, q] == layout[b, kv]
+
+    ref = create_block_mask(same, 3, None, T, T, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    n = ours.kv_num_blocks
+    for b in range(3):
+        for q in range(n.shape[-1]):
+            k = int(n[b, 0, q])
+            assert sorted(ours.kv_indices[b, 0, q, :k].tolist()) == sorted(ref.kv_indices[b, 0, q, :k].tolist())
+
+
+def test_flex_attention_over_several_blocks_scores_each_sequence_alone(policy):
+    """Packed rows wider than one 128-token block under FlexAttention: every sequence as alone (sdpa)."""
+    mp = policy
+    g = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, 250, (L,), generator=g) for L in (150, 90, 120, 60, 170)]
+    lengths = [len(s) for s in seqs]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    p = pack_rows(ids, lengths, 320)
+    assert p.input_ids.shape[0] == 2 and p.input_ids.shape[1] > 256
+    rows = torch.cat([torch.full((L,), int(p.row_of[i])) for i, L in enumerate(lengths)])
+    cols = torch.cat([int(p.offset[i]) + torch.arange(L) for i, L in enumerate(lengths)])
+    tg = torch.cat(seqs)
+    mp.model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        alone = torch.cat([mp.target_logprobs(s[None], None, torch.zeros(len(s), dtype=torch.long), torch.arange(len(s)), s)
+                           for s in seqs])
+        mp.model.config._attn_implementation = "flex_attention"
+        packed = mp.target_logprobs(p.input_ids, None, rows, cols, tg, packed=p.layout)
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=0)
+
+
+def test_flex_packed_widths_are_rounded_to_whole_blocks(policy):
+    """Under flex the body sees packed widths rounded up to 128 (shapes recur for the compiled kernels);
+    the values are those of the unrounded rows, and hidden() still returns the caller's width."""
+    mp = policy
+    seen = []
+    hook = mp.model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    ids = torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(4))
+    layout = torch.tensor([[0] * 10 + [1] * 12 + [2] * 5 + [-1] * 3])
+    try:
+        mp.model.config._attn_implementation = "flex_attention"
+        with torch.no_grad():
+            h = mp.hidden(ids, None, layout)
+        mp.model.config._attn_implementation = "sdpa"
+        with torch.no_grad():
+            ref = mp.hidden(ids, None, layout)
+    finally:
+        hook.remove()
+    assert seen == [128, 30] and h.shape[1] == 30
+    keep = layout[0] >= 0
+    torch.testing.assert_close(h[0, keep], ref[0, keep], atol=2e-5, rtol=0)

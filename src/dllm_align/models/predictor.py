@@ -142,6 +142,12 @@ class MaskPredictor:
             return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None) or "sdpa"
         dtype = self.compute_dtype or next(self.model.parameters()).dtype
+        if impl == "flex_attention" and packed.shape[1] % FLEX_BLOCK:
+            # widths rounded up to whole blocks, so that the compiled flex kernels see recurring shapes;
+            # the added columns join the row's unused tail (outputs there are never read)
+            pad = FLEX_BLOCK - packed.shape[1] % FLEX_BLOCK
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+            packed = torch.nn.functional.pad(packed, (0, pad), value=-1)
         mask, extra = packed_attention(packed, impl, dtype)
         return dict(input_ids=input_ids, attention_mask=mask, position_ids=packed_positions(packed), **extra)
 
@@ -158,7 +164,8 @@ class MaskPredictor:
             raise RuntimeError("hidden() needs a model whose output head is separable")
         with self._autocast(input_ids.device.type):
             out = self._body(**self._forward_args(input_ids, attention_mask, packed), use_cache=False)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return h[:, : input_ids.shape[1]]  # [B, T]: a flex width rounding is dropped
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         with self._autocast(h.device.type):
@@ -172,7 +179,7 @@ class MaskPredictor:
             return self.family.align_logits(self.head(self.hidden(input_ids, attention_mask, packed)))
         with self._autocast(input_ids.device.type):
             out = self.model(**self._forward_args(input_ids, attention_mask, packed))
-        return self.family.align_logits(out.logits if hasattr(out, "logits") else out[0])
+        return self.family.align_logits((out.logits if hasattr(out, "logits") else out[0])[:, : input_ids.shape[1]])
 
     def target_logprobs(
         self,
@@ -256,6 +263,52 @@ def packed_varlen_kwargs(packed: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+FLEX_BLOCK = 128  # FlexAttention's default sparse block size; packed widths are rounded up to it under flex
+
+
+def flex_block_mask(packed: torch.Tensor, block: int = FLEX_BLOCK):
+    """The document BlockMask of packed rows, built from the sequences' column ranges at block granularity.
+
+    ``create_block_mask`` without compilation evaluates the mask function on the
+    whole [R, 1, T, T] grid every forward; here each row's sequence ids are
+    non-decreasing (the tail, -1, is mapped past the last sequence), so a query
+    block and a key block meet iff their id ranges overlap, and the pair is
+    "full" (no per-element mask needed) iff both blocks lie in one sequence:
+    O(R x (T / block)^2) work. The per-element mask function is the same
+    same-sequence test for the partial blocks.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    R, T = packed.shape
+    ids = torch.where(packed < 0, torch.full_like(packed, T + 1), packed)  # the tail: past every sequence
+    nb = -(-T // block)
+    pad = nb * block - T
+    lo_ids = torch.nn.functional.pad(ids, (0, pad), value=T + 2) if pad else ids
+    hi_ids = torch.nn.functional.pad(ids, (0, pad), value=-1) if pad else ids
+    lo = lo_ids.view(R, nb, block).amin(-1)  # [R, nb] smallest id of each block (real columns only)
+    hi = hi_ids.view(R, nb, block).amax(-1)
+    meet = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])  # [R, q block, kv block]
+    whole = torch.ones(nb, dtype=torch.bool, device=packed.device)
+    if pad:
+        whole[-1] = False  # a block past the row's end is never "full"
+    single = (lo == hi) & whole
+    full = meet & single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+    partial = meet & ~full
+
+    def blocks(m):
+        num = m.sum(-1, dtype=torch.int32)[:, None]  # [R, 1, nb]
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]  # listed first
+        return num, idx
+
+    def same_sequence(b, h, q, kv):
+        return packed[b, q] == packed[b, kv]
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=same_sequence,
+                                    seq_lengths=(T, T))
+
+
 def packed_attention(packed: torch.Tensor, impl: str, dtype: torch.dtype) -> tuple[Any, dict]:
     """The block-diagonal bidirectional mask of packed rows, in the form ``impl`` takes; plus extra call kwargs.
 
@@ -269,19 +322,13 @@ def packed_attention(packed: torch.Tensor, impl: str, dtype: torch.dtype) -> tup
       ``is_causal=False``. (transformers 5.23 infers them from restarting
       position ids only when the batch has one row; with R >= 2 packed rows it
       would call the dense kernel, and every sequence would see its row-mates.)
-    * ``flex_attention``: a BlockMask with a document mask (fully masked blocks skipped);
+    * ``flex_attention``: a BlockMask built from the sequence offsets (:func:`flex_block_mask`);
     * ``sdpa``: a [B, 1, T, T] boolean mask; ``eager``: the same as an additive float mask.
     """
     if impl.startswith("flash") or "flash" in impl:
         return None, {"is_causal": False, **packed_varlen_kwargs(packed)}
     if impl == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_sequence(b, h, q, kv):
-            return packed[b, q] == packed[b, kv]
-
-        B, T = packed.shape
-        return create_block_mask(same_sequence, B, None, T, T, device=packed.device), {}
+        return flex_block_mask(packed), {}
     same = packed[:, None, :, None] == packed[:, None, None, :]  # [B, 1, T, T]
     if impl == "sdpa":
         return same, {}
