@@ -123,28 +123,28 @@ def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     assert fp32["reference_dtype"] == bf16["reference_dtype"] == "float32"
 
 
-@pytest.mark.parametrize("other", ["flex_attention", "flash_attention_2"])
-def test_cache_made_with_one_attention_backend_refused_by_another_by_field(toy, fresh_accelerate, other):
+@pytest.mark.parametrize("other, mp", [("flex_attention", "no"), ("flash_attention_2", "bf16")])
+def test_cache_made_with_one_attention_backend_refused_by_another_by_field(toy, fresh_accelerate, other, mp):
     """The attention kernel is part of the cached function: an sdpa cache does not serve a flex or flash run."""
     from dllm_align.core.errors import UserError
     from dllm_align.training import cache as refcache
     from dllm_align.training.loop import _Run
     from dllm_align.training.setup import make_accelerator
 
-    exs = cache_for(toy, "no")  # made with the default backend (sdpa)
-    manifest = json.loads((toy["root"] / "cache-no" / "manifest.json").read_text())
+    exs = cache_for(toy, mp)  # made with the default backend (sdpa); flash needs bf16 compute
+    manifest = json.loads((toy["root"] / f"cache-{mp}" / "manifest.json").read_text())
     assert manifest["fingerprint"]["attn_implementation"] == "sdpa"
-    rec = recipe(toy, "no", f"model.attn_implementation={other}")
+    rec = recipe(toy, mp, f"model.attn_implementation={other}")
     want = f"field 'attn_implementation' is \"sdpa\" in the cache but \"{other}\" here \\(model.attn_implementation\\)"
     if other == "flex_attention":  # loadable on the CPU: refused by the run itself
         with pytest.raises(UserError, match=want):
             _Run(rec, make_accelerator(rec), None, exs)
-    cache = refcache.ReferenceCache.open(toy["root"] / "cache-no")
+    cache = refcache.ReferenceCache.open(toy["root"] / f"cache-{mp}")
     fp = refcache.fingerprint(rec, tokenizer=_tok(), mask_token_id=cache.manifest["fingerprint"]["mask_token_id"],
                               device="cpu", examples=exs)
     with pytest.raises(UserError, match=want):
         cache.check(fp, exs, 4)
-    same = refcache.fingerprint(recipe(toy, "no", "model.attn_implementation=sdpa"), tokenizer=_tok(),
+    same = refcache.fingerprint(recipe(toy, mp, "model.attn_implementation=sdpa"), tokenizer=_tok(),
                                 mask_token_id=cache.manifest["fingerprint"]["mask_token_id"], device="cpu", examples=exs)
     cache.check(same, exs, 4)  # naming the default explicitly is the same backend
 
