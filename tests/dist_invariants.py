@@ -89,6 +89,18 @@ def recipe(spec, mp, mode, lora, out, *more):
     return load_recipe(None, sets + list(more), output_dir=out)
 
 
+def real_recipe(spec, mp, mode, out):
+    """16 real kto-mix rows of 150-520 tokens on builtin:small, 4 rows per process per step (issue 22)."""
+    from dllm_align.config.recipe import load_recipe
+
+    return load_recipe(None, [
+        f"data.train={spec['real']['data']}", "data.format=unpaired", "data.max_length=640", "data.padding=packed",
+        "model.name_or_path=builtin:small", "reference.n_mc=4", "reference.batch_size=16", "reference.shard_size=6",
+        f"reference.mode={mode}", f"reference.cache={spec['real']['caches'][mp]}", f"train.mixed_precision={mp}",
+        "train.batch_size=4", "train.global_batch_size=8", "train.lr=1e-3",
+    ], output_dir=out)
+
+
 def rotary_probe(model):
     """Record the dtype (and values) of every rotary inv_freq as the forward uses it."""
     seen = []
@@ -210,6 +222,21 @@ def main() -> None:
             "bf16_units": sum(1 for m in run.module.modules() if hasattr(m, "_get_fsdp_state")
                               and getattr(m._get_fsdp_state()._mp_policy, "param_dtype", None) == torch.bfloat16),
         }
+        del run
+        acc.free_memory()
+
+    for launch, mp, mode in spec.get("real_margins", []):
+        acc = make_accelerator(launch, mp)
+        rec = real_recipe(spec, mp, mode, str(out / f"r-{launch}-{mp}-{mode}"))
+        real_exs = load_training_examples(rec, tok, quiet=True)
+        run = _Run(rec, acc, None, real_exs)
+        local = invariant_margins(run, steps=2)
+        gathered = [None] * acc.num_processes
+        torch.distributed.all_gather_object(gathered, local)
+        allm = {k: v for d in gathered for k, v in d.items()}
+        results.setdefault("real_margins", {})[f"{launch}/{mp}/{mode}"] = {
+            "fsdp": run.fsdp, "rows": len(allm), "max_abs_margin": max(abs(v) for v in allm.values()),
+            "min_tokens": min(ex.length for ex in real_exs)}
         del run
         acc.free_memory()
 

@@ -47,7 +47,7 @@ def _reset_accelerate():
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(tmp_path_factory, shared_data):
     from dllm_align.training import reference as ref
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.models.load import build_tiny_tokenizer
@@ -72,6 +72,17 @@ def launched(tmp_path_factory):
     spec["train"] += [["fsdp2", False, str(root / f"train-fsdp2-bf16-{g}"), "bf16", f"train.fsdp_gather={g}"]
                       for g in ("fp32", "bf16_layers")]
     spec["grad_storage"] = ["fsdp1", "fsdp2"]
+    # realistic lengths (issue 22, defect 4): real kto-mix rows on builtin:small, caches made by one process
+    from fixtures.real_rows import write_real_rows
+
+    spec["real"] = {"data": str(write_real_rows(shared_data, root / "real.jsonl")), "caches": {}}
+    for mp in ("no", "bf16"):
+        spec["real"]["caches"][mp] = str(root / f"real-cache-{mp}")
+        rec = d.real_recipe(spec, mp, "cached", str(root / "real-pre"))
+        real_exs = load_training_examples(rec, tok, quiet=True)
+        ref.precompute(rec, real_exs, make_collate(rec, tok), None, None)
+    spec["real_margins"] = [["ddp", "bf16", "cached"], ["fsdp2", "bf16", "cached"], ["fsdp2", "no", "cached"],
+                            ["fsdp2", "bf16", "online"]]
     spec["resume"] = [[launch, str(root / f"resume-{launch}")] for launch in ("fsdp1", "fsdp2")]
     (root / "out").mkdir()
     (root / "spec.json").write_text(json.dumps(spec))
@@ -208,3 +219,15 @@ def test_fsdp2_bf16_layer_gathering_trains_like_fp32_gathering(launched):
     assert first_a["loss"] == first_b["loss"] == 0.5  # margins 0 at step 0 on both
     assert first_b["grad_norm"] == pytest.approx(first_a["grad_norm"], rel=1e-4)
     assert first_b["grad_norm"] != 0
+
+
+
+def test_step0_margins_exact_on_real_rows_ddp_and_fsdp2(launched):
+    """Real kto-mix rows of 150-520 tokens on builtin:small, 2 gloo processes: every margin exactly 0 under
+    DDP and FSDP2, bf16 and fp32, cached (made by one process, in training's micro-batches) and online."""
+    res = launched["results"]["real_margins"]
+    assert len(res) == 4
+    for key, r in res.items():
+        assert r["rows"] == 16 and r["min_tokens"] >= 150, key
+        assert r["fsdp"] == key.startswith("fsdp"), key
+        assert r["max_abs_margin"] == 0.0, (key, r["max_abs_margin"])

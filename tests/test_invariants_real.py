@@ -12,8 +12,6 @@ grouped differently from the old precompute (longest first, 16 at a time), whose
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -34,17 +32,10 @@ def fresh_accelerate():
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, shared_data):
     """16 real kto-mix rows (prompt + completion 150..600 byte tokens), written as one unpaired file."""
+    from fixtures.real_rows import write_real_rows
+
     root = tmp_path_factory.mktemp("real")
-    rows = []
-    for name, label in (("chosen", True), ("rejected", False)):
-        for line in (shared_data / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
-            r = json.loads(line)
-            n = sum(len(m["content"].encode()) for m in r["prompt"] + r["completion"])
-            if 150 <= n <= 520 and len(rows) < (8 if label else 16):
-                rows.append({"id": f"{name}-{r['id']}", "prompt": r["prompt"], "completion": r["completion"], "label": label})
-    assert len(rows) == 16
-    path = root / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    path = write_real_rows(shared_data, root / "rows.jsonl")
     return {"root": root, "data": path}
 
 
