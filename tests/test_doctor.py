@@ -202,3 +202,30 @@ def test_activation_terms_match_what_a_real_forward_saves(name, mp, R, T):
     cols = torch.cat([torch.randperm(T, generator=g)[: T // 2] for _ in range(R)])
     measured = _saved_for_backward(lambda: m.target_logprobs(ids, None, rows, cols, ids[rows, cols]), m.model.parameters())
     assert 0.8 <= predicted / measured <= 1.25, (name, mp, predicted, measured)
+
+
+def test_invariant_tolerance_is_zero_only_when_the_cache_was_made_in_the_runs_micro_batches():
+    """doctor allows 0 on the CPU only when the reference values came from the run's own forward shapes:
+    the online reference, or a cache whose recorded composition and rows are the run's."""
+    import types
+
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.data.tokenize import Example
+    from dllm_align.models.load import load_model
+    from dllm_align.training.cache import composition, dataset_digest
+    from dllm_align.training.doctor import _same_composition, invariant_tolerance
+
+    rec = load_recipe("demo", ["train.batch_size=4"])
+    exs = [Example(f"e{i}", [1, 2], [3, 4, 5], True) for i in range(4)]
+    manifest = {"fingerprint": {"composition": composition(rec), "dataset": dataset_digest(exs)}}
+    run = types.SimpleNamespace(recipe=rec, examples=exs, cache=types.SimpleNamespace(manifest=manifest))
+    assert _same_composition(run, "online") == (True, None)
+    assert _same_composition(run, "cached") == (True, None)
+    other = types.SimpleNamespace(recipe=load_recipe("demo", ["train.batch_size=2"]), examples=exs, cache=run.cache)
+    same, note = _same_composition(other, "cached")
+    assert not same and "other micro-batches" in note
+    subset = types.SimpleNamespace(recipe=rec, examples=exs[:3], cache=run.cache)
+    assert _same_composition(subset, "cached")[0] is False
+    mp = load_model("builtin:tiny")
+    assert invariant_tolerance(mp, [100], True) == 0.0
+    assert invariant_tolerance(mp, [100], False) == pytest.approx(8 * 2.0**-23 * 10)  # fp32: 8 eps sqrt(L)

@@ -296,12 +296,16 @@ def _same_composition(run, mode: str) -> tuple[bool, Optional[str]]:
     its recorded micro-batch composition is this run's), and a note when not."""
     if mode != "cached" or run.cache is None:
         return True, None
-    from dllm_align.training.cache import composition
+    from dllm_align.training.cache import composition, dataset_digest
 
-    was = run.cache.manifest["fingerprint"].get("composition")
+    fp = run.cache.manifest["fingerprint"]
+    was = fp.get("composition")
     now = composition(run.recipe)
-    if was == now:
+    if was == now and fp.get("dataset") == dataset_digest(run.examples):
         return True, None
+    if was == now:  # a subset of the cached rows (an ablation): the plan, hence the micro-batches, differ
+        return False, ("the cache was made for another set of rows: training's micro-batches differ from the "
+                       "cache's, so the rounding tolerance applies")
     return False, (f"the cache was computed in other micro-batches ({was} there, {now} here): rows meet other "
                    "batch-mates, so the rounding tolerance applies; run precompute-ref with this recipe for an exact check")
 
