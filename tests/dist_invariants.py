@@ -4,7 +4,7 @@
 
 SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
 "margins": [[launch, mixed_precision, reference_mode, lora], ...],
-"train": [[launch, lora, run_dir], ...], "resume": [[launch, run_dir], ...],
+"train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir], ...],
 "raw_fsdp1_default_policy": bool}
 
 launch is ddp, fsdp1 or fsdp2. accelerate turns FSDP on only for GPU
@@ -185,9 +185,9 @@ def main() -> None:
     fp32_freq = build_tiny_model(tok).model.rotary_emb.inv_freq.float()
     results: dict = {"margins": {}, "train": {}}
 
-    for launch, mp, mode, lora in spec.get("margins", []):
+    for launch, mp, mode, lora, *sets in spec.get("margins", []):
         acc = make_accelerator(launch, mp)
-        rec = recipe(spec, mp, mode, lora, str(out / f"m-{launch}-{mp}-{mode}-{lora}"))
+        rec = recipe(spec, mp, mode, lora, str(out / f"m-{launch}-{mp}-{mode}-{lora}{'-'.join([''] + sets)}"), *sets)
         torch.manual_seed(rec.train.seed)  # as train() does: the same LoRA init on every rank and launch
         run = _Run(rec, acc, None, exs)
         seen = rotary_probe(run.mp.model)
@@ -195,7 +195,7 @@ def main() -> None:
         gathered = [None] * acc.num_processes
         torch.distributed.all_gather_object(gathered, local)
         allm = {k: v for d in gathered for k, v in d.items()}
-        key = f"{launch}/{mp}/{mode}/lora={lora}"
+        key = f"{launch}/{mp}/{mode}/lora={lora}" + "".join(f"/{x}" for x in sets)
         if lora and mp == "no" and mode == "online":
             results.setdefault("grad_norms", {})[launch] = grad_norm_probe(run)
         results["margins"][key] = {
@@ -207,6 +207,8 @@ def main() -> None:
             "rotary_dtypes": sorted({d for d, _ in seen}),
             "rotary_equal_fp32": all(torch.equal(v, fp32_freq) for _, v in seen),
             "fsdp_policy": repr(getattr(getattr(acc.state, "fsdp_plugin", None), "mixed_precision_policy", None)),
+            "bf16_units": sum(1 for m in run.module.modules() if hasattr(m, "_get_fsdp_state")
+                              and getattr(m._get_fsdp_state()._mp_policy, "param_dtype", None) == torch.bfloat16),
         }
         del run
         acc.free_memory()
@@ -223,11 +225,13 @@ def main() -> None:
         del run
         acc.free_memory()
 
-    for launch, lora, run_dir in spec.get("train", []):
-        acc = make_accelerator(launch, "no")
-        rec = recipe(spec, "no", "cached", lora, run_dir, "train.max_steps=3", f"train.max_grad_norm={spec['clip']}")
+    for launch, lora, run_dir, *more in spec.get("train", []):
+        mp = more[0] if more else "no"
+        acc = make_accelerator(launch, mp)
+        rec = recipe(spec, mp, "cached", lora, run_dir, "train.max_steps=3", f"train.max_grad_norm={spec['clip']}", *more[1:])
         res = train(rec, examples=exs, accelerator=acc)
-        results["train"][f"{launch}/lora={lora}"] = {"dir": run_dir, "metrics": res.last_metrics}
+        key = f"{launch}/lora={lora}" + (f"/{mp}/{more[1].split('=')[1]}" if len(more) > 1 else "")
+        results["train"][key] = {"dir": run_dir, "metrics": res.last_metrics}
         acc.free_memory()
 
     for launch, run_dir in spec.get("resume", []):

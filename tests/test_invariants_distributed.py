@@ -68,6 +68,9 @@ def launched(tmp_path_factory):
     spec["margins"] = [[launch, mp, "cached", False] for launch in LAUNCHES for mp in ("no", "bf16")]
     spec["margins"] += [[launch, mp, "online", True] for launch in LAUNCHES for mp in ("no", "bf16")]
     spec["train"] = [[launch, lora, str(root / f"train-{launch}-{lora}")] for launch in LAUNCHES for lora in (False, True)]
+    spec["margins"] += [["fsdp2", "bf16", "cached", lora, "train.fsdp_gather=bf16_layers"] for lora in (False, True)]
+    spec["train"] += [["fsdp2", False, str(root / f"train-fsdp2-bf16-{g}"), "bf16", f"train.fsdp_gather={g}"]
+                      for g in ("fp32", "bf16_layers")]
     spec["grad_storage"] = ["fsdp1", "fsdp2"]
     spec["resume"] = [[launch, str(root / f"resume-{launch}")] for launch in ("fsdp1", "fsdp2")]
     (root / "out").mkdir()
@@ -94,7 +97,7 @@ def launched(tmp_path_factory):
 
 def test_step0_margins_are_zero_on_every_launch(launched):
     res = launched["results"]["margins"]
-    assert len(res) == 12
+    assert len(res) == 14  # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on)
     for key, r in res.items():
         launch = key.split("/")[0]
         assert r["rows"] == 8, key  # 2 global steps x 4 rows, gathered from both ranks
@@ -175,3 +178,33 @@ def test_fsdp_gradient_accumulation_keeps_only_the_shard(launched, launch):
         assert held == shard, (launch, held, shard)
         forced, shard2 = r["no_sync"]
         assert forced >= 1.9 * shard2, (launch, forced, shard2)  # the measure sees the defect
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp2_bf16_layer_gathering_keeps_step0_margins_exact(launched, lora):
+    """``train.fsdp_gather: bf16_layers``: every decoder layer is a bf16-gathered unit (its norms fp32 units),
+    and the step-0 margins against the cache stay exactly 0 (issue 22, item 8)."""
+    r = launched["results"]["margins"][f"fsdp2/bf16/cached/lora={lora}/train.fsdp_gather=bf16_layers"]
+    assert r["fsdp"] and r["rows"] == 8
+    assert r["bf16_units"] == 2  # builtin:tiny's two decoder layers
+    assert r["max_abs_margin"] == 0.0
+
+
+def test_fsdp2_bf16_layer_gathering_trains_like_fp32_gathering(launched):
+    """Three clipped bf16-autocast steps under FSDP2: with bf16_layers gathering the first step's loss and
+    gradient norm are those of the fp32 gathering up to fp32 summation order (every layer weight's gradient
+    is bit-identical; the embedding's accumulates its residual-stream terms in another order, ~2e-6 absolute).
+    Later steps are not compared: Adam's first steps turn such rounding into sign flips of tiny updates."""
+    t = launched["results"]["train"]
+    a = t["fsdp2/lora=False/bf16/fp32"]["metrics"]
+    b = t["fsdp2/lora=False/bf16/bf16_layers"]["metrics"]
+    assert a["step"] == b["step"] == 3
+    import json
+    from pathlib import Path
+
+    rows = {g: [json.loads(x) for x in (Path(t[f"fsdp2/lora=False/bf16/{g}"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
+            for g in ("fp32", "bf16_layers")}
+    first_a, first_b = rows["fp32"][0], rows["bf16_layers"][0]
+    assert first_a["loss"] == first_b["loss"] == 0.5  # margins 0 at step 0 on both
+    assert first_b["grad_norm"] == pytest.approx(first_a["grad_norm"], rel=1e-4)
+    assert first_b["grad_norm"] != 0

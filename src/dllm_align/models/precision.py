@@ -196,6 +196,37 @@ def experts_in_compute_precision(model: torch.nn.Module) -> bool:
     return True
 
 
+def _is_norm(mod: torch.nn.Module) -> bool:
+    name = type(mod).__name__
+    return name.endswith(("RMSNorm", "LayerNorm")) and not any(True for _ in mod.children())
+
+
+def fsdp2_bf16_layer_units(model: torch.nn.Module, layer_class: type, *, reshard_after_forward=True, mesh=None) -> int:
+    """``train.fsdp_gather: bf16_layers``: shard each decoder layer as a unit gathered in bf16.
+
+    Every norm inside a layer (input / post-attention norms, MoE's q / k norms) becomes its
+    own fp32 unit first, then the layer a unit with ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32, cast_forward_inputs=False)``: the residual stream stays fp32, and
+    the layer's Linear and expert weights arrive in bf16 - exactly what autocast would have
+    cast them to (round to nearest even), so the forward computes the same values as the
+    fp32-gathered policy and as the cache, on any weights (benchmarks/fsdp2_policy.py:
+    max |delta| 0.0 with weights off the bf16 grid; gathering the norms in bf16 too gave
+    4.9e-3 nats per position there). accelerate then shards the rest (embeddings, final
+    norm, head, root) with the fp32 policy, skipping these units. Returns how many layers.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    f32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    kw = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
+    layers = [m for m in model.modules() if isinstance(m, layer_class)]
+    for layer in layers:
+        for m in [m for m in layer.modules() if m is not layer and _is_norm(m)]:
+            fully_shard(m, mp_policy=f32, **kw)
+        fully_shard(layer, mp_policy=bf16, **kw)
+    return len(layers)
+
+
 def fsdp_mixed_precision(fsdp_version: int):
     """FSDP's policy for :class:`Precision`: no parameter cast, fp32 gradient reduction, fp32 buffers."""
     if fsdp_version == 2:

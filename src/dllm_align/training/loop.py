@@ -154,6 +154,10 @@ class _Run:
             plugin = accelerator.state.fsdp_plugin
             plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
             fsdp_wrap_family_layer(plugin, self.mp.model)
+            if self.t.fsdp_gather == "bf16_layers":
+                self._bf16_layer_units(plugin)
+        elif self.t.fsdp_gather != "fp32" and self.main:
+            info("train: train.fsdp_gather applies to FSDP2 launches only; ignored here")
         scorer = PolicyScorer(self.mp)
         if getattr(accelerator, "is_fsdp2", False):
             # FSDP2 swaps the parameters for sharded DTensors: the optimiser is built on the
@@ -199,6 +203,25 @@ class _Run:
                 info("train: bf16 autocast is off (no CUDA device: CPU bf16 is slow and changes the numbers)")
 
     # ---------------------------------------------------------------- setup helpers
+    def _bf16_layer_units(self, plugin) -> None:
+        """``train.fsdp_gather: bf16_layers`` (FSDP2 + bf16 autocast): decoder layers gathered in bf16."""
+        from dllm_align.models.families.base import Family
+        from dllm_align.models.precision import fsdp2_bf16_layer_units
+
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise UserError("train.fsdp_gather bf16_layers needs an FSDP2 launch (fsdp_version: 2 in the accelerate config)")
+        if self.precision.autocast != torch.bfloat16:
+            raise UserError("train.fsdp_gather bf16_layers needs train.mixed_precision bf16 (it gathers what autocast "
+                            "would cast to bf16)", hint="set train.mixed_precision: bf16, or train.fsdp_gather: fp32")
+        mesh = getattr(self.acc, "torch_device_mesh", None)
+        if mesh is not None:
+            mesh = mesh[tuple(self.acc.parallelism_config.fsdp_dim_names)]
+        cls = Family.decoder_layer_class(self.mp.model)
+        fsdp2_bf16_layer_units(self.mp.model, cls, reshard_after_forward=plugin.reshard_after_forward, mesh=mesh)
+        # fully_shard renames a unit's class FSDP<name>: accelerate finds the layers by that name (and
+        # skips them, already sharded) for its wrap policy and its activation checkpointing
+        plugin.transformer_cls_names_to_wrap = [type(m).__name__ for m in self.mp.model.modules() if isinstance(m, cls)][:1]
+
     def _apply_lora(self, resume_from: Optional[Path]) -> None:
         try:
             from peft import LoraConfig, get_peft_model

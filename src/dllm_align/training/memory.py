@@ -293,7 +293,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["gradients"] = T * 4 // n
     lines["optimizer (AdamW)"] = T * 8 // n
     if launch.fsdp:
-        lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden + 2 * shape.largest_layer_params) * wbytes
+        layer_bytes = 2 if (autocast and t.fsdp_gather == "bf16_layers" and launch.fsdp_version == 2) else wbytes
+        lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden) * wbytes + 2 * shape.largest_layer_params * layer_bytes
     if t.objective != "sft" and recipe.reference.mode == "online":
         lin = shape.linear_params
         lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
