@@ -5,9 +5,13 @@ masks are a pure function of (seed, example id, draw, L) (``elbo.draw_masks``),
 so every draw's value can be computed once and reused by every training run,
 on any number of processes: training then holds one model instead of two.
 
-shards r, r + world, ... and writes each one atomically, so an interrupted
-precompute keeps its finished shards and skips them when run again.
-
+Rows are scored in the micro-batches training will hold them in at epoch 0
+(:func:`micro_batch_groups`), so a cached value is computed by the very
+forward shapes the policy runs before its first update: the step-0 margins
+are exactly 0 (kernels round by shape). Shards hold whole micro-batches; the
+micro-batches of each shard are dealt out over the processes, and each shard
+is written atomically, so an interrupted precompute keeps its finished shards
+and skips them when run again.
 
 The cache format, fingerprint and reader are in :mod:`dllm_align.training.cache`.
 """
