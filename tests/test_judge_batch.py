@@ -233,7 +233,7 @@ def test_ctrl_c_while_polling_stops_at_once_and_the_rerun_collects_the_same_batc
         srv.batch_polls = 10_000  # still running when Ctrl-C comes
         args = [a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)]
         code, err, elapsed = interrupt_judge(args, lambda: ("batches.retrieve", "ok") in srv.api_log, 0.3)
-        assert code == 130 and "Interrupted" in err and elapsed < 5
+        assert code == 130 and "Interrupted" in err and elapsed < 20  # not the next poll (up to 300 s away)
         srv.batch_polls = 1
         r = cli(args)
         assert r.exit_code == 0, r.stderr

@@ -68,7 +68,7 @@ def test_ctrl_c_stops_a_body_that_never_ends(tmp_path, files):
         code, err, elapsed = interrupt_judge([a, b, "-o", tmp_path / "out", "--judge", "m", "--base-url", srv.url, "--timeout", "120",
                                               "--concurrency", "4"], lambda: len(srv.log) >= 4, 0.5)  # the bodies are streaming
     assert code == 130 and "Interrupted" in err
-    assert elapsed < 5
+    assert elapsed < 20  # the body is cut, not read until the 120 s timeout
     assert not (tmp_path / "out" / "cache.jsonl").exists()
 
 
