@@ -99,8 +99,11 @@ def test_the_length_columns_and_marker_in_the_table_and_results(tmp_path):
     assert r.exit_code == 0, r.stderr
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     ln = res["lengths"]
-    assert set(ln) == {"unit", "a", "b", "relative_difference", "threshold", "beyond_threshold"}
+    assert set(ln) == {"unit", "a", "b", "relative_difference", "threshold", "beyond_threshold", "balance"}
     assert ln["a"]["mean"] > ln["b"]["mean"] and ln["threshold"] == 0.1 and ln["beyond_threshold"]
+    bal = ln["balance"]
+    assert bal["a_longer"] + bal["b_longer"] + bal["equal"] == 60 and bal["a_longer_share"] == bal["a_longer"] / 60
+    assert "longer one on" in r.stdout
     row = next(x for x in r.stdout.splitlines() if x.startswith("│ rule:longer"))
     assert "†" in row and "LC-AWR (%)" in r.stdout and "longer on average" in r.stdout
     md = (tmp_path / "out" / "results.md").read_text()
@@ -120,11 +123,69 @@ def test_equal_lengths_give_lc_awr_equal_to_awr():
     assert (lo, hi) == pytest.approx(stats.awr_ci(out, n_resamples=300, seed=3), abs=1e-9)
 
 
-def test_a_mirror_image_length_judge_gives_exactly_one_half():
+def test_a_mirror_image_length_judge_gives_exactly_one_half(monkeypatch):
     # A longer by 5 on three prompts and wins them, shorter by 5 on one and loses it: with
     # the A-longer and B-longer groups weighted equally the fit is symmetric, theta0 = 0.
-    assert stats.lc_awr([1, 1, 1, -1], [15, 15, 15, 10], [10, 10, 10, 15]) == pytest.approx(0.5, abs=1e-12)
-    assert stats.awr([1, 1, 1, -1]) == 0.75
+    out, la, lb = [1, 1, 1, -1], [15, 15, 15, 10], [10, 10, 10, 15]
+    assert stats.awr(out) == 0.75
+    monkeypatch.setattr(stats, "LC_MIN_SIDE", 1)  # one prompt per side is trusted: the bare fit
+    assert stats.lc_awr(out, la, lb) == pytest.approx(0.5, abs=1e-12)
+    # With the shipped rule one B-longer prompt earns trust 1/25: 0.75 + (0.5 - 0.75) / 25 = 0.74.
+    monkeypatch.setattr(stats, "LC_MIN_SIDE", 25)
+    assert stats.lc_awr(out, la, lb) == pytest.approx(0.74, abs=1e-12)
+
+
+def _lopsided(seed: int, n: int = 400, b_longer: int = 1, p_win: float = 0.6, p_tie: float = 0.26):
+    """A judge that ignores length (outcomes drawn independently of it) on data where A is longer on
+    all but ``b_longer`` prompts."""
+    rng = np.random.default_rng(seed)
+    out = rng.choice([1, 0, -1], size=n, p=[p_win, p_tie, 1 - p_win - p_tie])
+    la = rng.integers(300, 900, size=n).astype(float)
+    lb = la - rng.integers(1, 200, size=n)
+    lb[:b_longer] = la[:b_longer] + rng.integers(1, 200, size=b_longer)
+    return out, la, lb
+
+
+def test_one_prompt_cannot_flip_the_lc_awr_when_lengths_are_lopsided():
+    # The issue's case: A longer on 399 of 400 prompts, a judge that ignores length. Without the
+    # shrinkage, flipping the one B-longer prompt's verdict moved the LC-AWR from 9% to 97%.
+    for seed in range(5):
+        out, la, lb = _lopsided(seed)
+        won, lost = out.copy(), out.copy()
+        won[0], lost[0] = 1, -1
+        delta = abs(stats.lc_awr(won, la, lb) - stats.lc_awr(lost, la, lb))
+        assert delta <= 0.045, delta  # at most trust (1/25) x 1 + the AWR's own 2/400
+        assert abs(stats.lc_awr(won, la, lb) - stats.awr(won)) <= 0.04
+        bal = stats.lc_balance(la, lb)
+        assert (bal["a_longer"], bal["b_longer"], bal["a_longer_share"], bal["trust"]) == (399, 1, 399 / 400, 1 / 25)
+
+
+def test_lc_awr_stays_near_the_awr_for_a_length_blind_judge_on_lopsided_data():
+    # A longer on 99.5% of prompts: the LC-AWR strayed from the AWR by 19 points (sd over data sets).
+    gaps = [stats.lc_awr(*_lopsided(seed, b_longer=2)) - stats.awr(_lopsided(seed, b_longer=2)[0]) for seed in range(40)]
+    assert float(np.std(gaps)) < 0.03 and max(abs(g) for g in gaps) < 0.05
+
+
+def test_the_report_warns_when_lengths_are_lopsided(tmp_path):
+    # A longer on every prompt: the length control has nothing to stand on, and the report says so.
+    a, b = length_biased_files(tmp_path, n=40, a_longer=1.0)
+    r = cli([a, b, "-o", tmp_path / "out", "--judge", "rule:mostly-a", "--bootstrap", "200"], key=None)
+    assert r.exit_code == 0, r.stderr
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    j = res["judges"]["rule:mostly-a"]
+    assert res["lengths"]["balance"]["a_longer_share"] == 1.0 and j["lc_trust"] == 0.0
+    assert j["lc_awr"] == pytest.approx(j["awr"])  # nothing to separate length from: the AWR itself
+    assert "too lopsided" in r.stdout and "too lopsided" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_balanced_data_is_not_shrunk():
+    rng = np.random.default_rng(3)
+    out = rng.choice([1, 0, -1], size=300, p=[0.5, 0.2, 0.3])
+    la = rng.integers(100, 900, size=300).astype(float)
+    lb = rng.integers(100, 900, size=300).astype(float)
+    assert stats.lc_balance(la, lb)["trust"] == 1.0
+    d, y = stats._lc_inputs(out, la, lb)
+    assert stats.lc_trust(d[None])[0] == 1.0
 
 
 # --------------------------------------------------------------------------- tokens and cost

@@ -35,9 +35,10 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
         if la is not None:
             if s["n"]:
                 s["lc_awr"] = stats.lc_awr(outcomes, la[keep], lb[keep])
+                s["lc_trust"] = float(stats.lc_trust((la[keep] - lb[keep])[None])[0])
                 s["lc_ci90"] = list(stats.lc_awr_ci(outcomes, la[keep], lb[keep], n_resamples=bootstrap, seed=seed))
             else:
-                s["lc_awr"], s["lc_ci90"] = None, None
+                s["lc_awr"], s["lc_ci90"], s["lc_trust"] = None, None, None
         return s
 
     out: dict[str, Any] = {"judges": {}}
@@ -71,7 +72,7 @@ def length_report(len_a: Sequence[int], len_b: Sequence[int], threshold: float) 
     if a["mean"] is not None and min(a["mean"], b["mean"]) > 0:
         rel = (a["mean"] - b["mean"]) / min(a["mean"], b["mean"])
     return {"unit": LENGTH_UNIT, "a": a, "b": b, "relative_difference": rel, "threshold": threshold,
-            "beyond_threshold": rel is not None and abs(rel) > threshold}
+            "beyond_threshold": rel is not None and abs(rel) > threshold, "balance": stats.lc_balance(len_a, len_b)}
 
 
 def usage_report(rows: list[dict], prices: Mapping[str, Sequence[float]], batch_price_factor: float) -> dict:
@@ -147,6 +148,13 @@ def length_line(results: dict) -> Optional[str]:
         longer, rel = ("A", ln["relative_difference"]) if ln["relative_difference"] > 0 else ("B", -ln["relative_difference"])
         line += (f". {LENGTH_MARK} {longer}'s answers are {100 * rel:.0f}% longer on average (more than "
                  f"{100 * ln['threshold']:.0f}%): a judge that favours length inflates the AWR; read the LC-AWR beside it.")
+    bal = ln.get("balance")
+    if bal and bal["a_longer_share"] is not None:
+        line += f". A's answer is the longer one on {100 * bal['a_longer_share']:.1f}% of prompts ({bal['a_longer']} A, {bal['b_longer']} B, {bal['equal']} equal)"
+        if bal["trust"] < 1:
+            line += (f". Warning: only {min(bal['a_longer'], bal['b_longer'])} prompt(s) on one side (fewer than "
+                     f"{bal['min_side']}): the lengths are too lopsided to separate length from quality, so the LC-AWR "
+                     f"is shrunk toward the AWR (trust {bal['trust']:.2f}) and cannot be trusted as a length control")
     return line
 
 
@@ -177,7 +185,9 @@ def results_markdown(results: dict) -> str:
         f"90% CI: 5th and 95th percentiles of {results['settings']['bootstrap_resamples']} bootstrap resamples of prompts "
         f"(seed {results['settings']['seed']}). MV: a win or loss only when both judges agree on it, else a tie. "
         "LC-AWR: the AWR predicted at zero length difference by a logistic regression of the outcome on "
-        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally; same resamples.",
+        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally, shrunk toward the AWR "
+        "when fewer than 25 prompts lie on one side; same resamples. Not comparable with AlpacaEval's leaderboard "
+        "(see docs/judging.md).",
     ]
     ln = length_line(results)
     if ln:
