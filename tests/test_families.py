@@ -6,6 +6,7 @@ Dream's sampler: tests/test_dream_sampler.py. One ELBO-KTO step per family: test
 
 from __future__ import annotations
 
+import json
 import itertools
 import math
 
@@ -56,6 +57,30 @@ def test_every_family_declares_what_the_code_asks():
     assert family_for_config({"model_type": "qwen2", "dllm_align_family": "dream"}).name == "dream"  # a saved checkpoint
     assert family_for_config({"dllm_align_family": "tiny"}).name == "llada"  # older folders
     assert family_for_config({"model_type": "llama"}).name == "llada"  # unknown: LLaDA's manners
+
+
+def test_family_is_detected_from_everything_the_config_says():
+    # The hub's LLaDA-MoE config says model_type "llada", like LLaDA-8B's: the class names decide.
+    moe = {"model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "num_experts": 64,
+           "auto_map": {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM"}}
+    assert family_for_config(moe).name == "llada_moe"
+    assert family_for_config({"model_type": "llada", "auto_map": moe["auto_map"]}).name == "llada_moe"  # auto_map alone
+    assert family_for_config({"model_type": "llada", "num_experts": 64}).name == "llada_moe"  # the MoE fields alone
+    assert family_for_config({"model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": 4096}).name == "llada"
+    assert family_for_config({"model_type": "Dream", "architectures": ["DreamModel"]}).name == "dream"
+    # claimed by two: one error naming what was read
+    with pytest.raises(UserError, match=r"more than one model family \(llada, llada_moe\).*model_type 'llada'.*LLaDAMoEModelLM"):
+        family_for_config({"model_type": "llada", "architectures": ["LLaDAModelLM", "LLaDAMoEModelLM"]})
+    with pytest.raises(UserError, match=r"fields \['d_model', 'num_experts'\]"):
+        family_for_config({"model_type": "llada", "d_model": 8, "num_experts": 4})
+
+
+def test_a_folder_no_family_claims_is_one_error_naming_what_was_read(tmp_path):
+    from dllm_align.models.load import load_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-dllm", "architectures": ["NoSuchModelLM"]}))
+    with pytest.raises(UserError, match=r"no model family claims this config.json \(model_type 'no-such-dllm', architectures \['NoSuchModelLM'\]"):
+        load_model(str(tmp_path))
 
 
 # --------------------------------------------------------------------------- Dream
@@ -183,6 +208,26 @@ def test_lladamoe_unsupported_option_is_named(tmp_path, key, value):
     (folder / "config.json").write_text(__import__("json").dumps(cfg))
     with pytest.raises(UserError, match=key):
         load_model(str(folder))
+
+
+@pytest.mark.parametrize("key", ["partial_rotary_factor", "rope_theta"])
+def test_lladamoe_config_omitting_a_field_with_a_surprising_published_default_is_refused(tmp_path, key):
+    # The published configuration class has no rotary without partial_rotary_factor and rope_theta -1:
+    # a config that omits either is refused by name rather than given another model's default.
+    folder, cfg, _ = _moe(tmp_path)
+    del cfg[key]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=f"{key} missing \\(the published default is"):
+        load_model(str(folder))
+
+
+def test_dream_config_without_rope_theta_takes_the_published_class_default(tmp_path):
+    from dllm_align.models.families.dream import dream_config_to_qwen2
+
+    tok = build_tiny_tokenizer("dream")
+    cfg = dream_config(tok)
+    del cfg["rope_theta"]
+    assert dream_config_to_qwen2(cfg).rope_parameters["rope_theta"] == 10000.0  # DreamConfig's default, not 1e6
 
 
 def test_lladamoe_missing_expert_is_named(tmp_path):

@@ -343,9 +343,13 @@ def load_model(
             try:
                 conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             except ValueError as e:
+                from dllm_align.models.families import FAMILIES, describe_config
+
                 raise UserError(
-                    f"{path}: transformers does not know this model type ({str(e).splitlines()[0][:160]})",
-                    hint="if the model ships its own code, set model.trust_remote_code: true",
+                    f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
+                    f"does not know it ({str(e).splitlines()[0][:120]})",
+                    hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
+                         "model.trust_remote_code: true",
                 ) from None
             try:
                 try:

@@ -1,11 +1,13 @@
 """The model-family layer: one module per family, one registry, one lookup.
 
-``family_for_config`` picks the family of a checkpoint from its config.json
-(the ``dllm_align_family`` field that dllm-align writes into every folder it
-saves, else the ``model_type``); ``family_of`` does the same for a loaded
-model. Unknown checkpoints get the LLaDA manners (no logit shift, LLaDA's
-sampler), which is what a transformers model with a bidirectional config and
-a mask token behaves like.
+``family_for_config`` picks the family of a checkpoint from everything its config.json says: the
+``dllm_align_family`` field that dllm-align writes into every folder it saves; else the class names
+(``architectures`` and the classes ``auto_map`` points at); else the ``model_type``, with each
+family's signature fields settling a type two families share (LLaDA-MoE's hub config says
+``model_type: llada``, like LLaDA-8B's). A config that two families claim is one error naming what
+was read. ``family_of`` does the same for a loaded model. Checkpoints no family claims get the LLaDA
+manners (no logit shift, LLaDA's sampler), which is what a transformers model with a bidirectional
+config and a mask token behaves like.
 """
 
 from __future__ import annotations
@@ -31,17 +33,67 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def _as_dict(cfg: dict | Any) -> dict:
+    if isinstance(cfg, dict):
+        return cfg
+    to_dict = getattr(cfg, "to_dict", None)
+    return to_dict() if callable(to_dict) else {k: v for k, v in vars(cfg).items()} if hasattr(cfg, "__dict__") else {}
+
+
+def _class_names(cfg: dict) -> set[str]:
+    names = {str(a) for a in (cfg.get("architectures") or []) if isinstance(a, str)}
+    auto_map = cfg.get("auto_map") or {}
+    if isinstance(auto_map, dict):
+        for ref in auto_map.values():
+            refs = ref if isinstance(ref, (list, tuple)) else [ref]
+            names |= {str(r).rsplit(".", 1)[-1] for r in refs if r}
+    return names
+
+
+def matching_families(cfg: dict | Any) -> list[Family]:
+    """The families that claim a checkpoint's config, strongest evidence first (class names, then the
+    model_type narrowed by each family's signature fields); empty when none does."""
+    cfg = _as_dict(cfg)
+    names = _class_names(cfg)
+    by_class = [f for f in FAMILIES.values() if names & set(f.architectures)]
+    if by_class:
+        return by_class
+    by_type = [f for f in FAMILIES.values() if cfg.get("model_type") in f.model_types]
+    if len(by_type) > 1:
+        signed = [f for f in by_type if f.signature and all(k in cfg for k in f.signature)]
+        # no signature either: the family whose own name for itself this is (a family's first model_type)
+        return signed or [f for f in by_type if f.model_types[0] == cfg.get("model_type")] or by_type
+    return by_type
+
+
+def _what_was_read(cfg: dict) -> str:
+    keys = [k for fam in FAMILIES.values() for k in fam.signature if k in cfg]
+    return (f"model_type {cfg.get('model_type')!r}, architectures {cfg.get('architectures')!r}, "
+            f"auto_map classes {sorted(_class_names(cfg) - set(cfg.get('architectures') or []))!r}"
+            + (f", fields {sorted(set(keys))!r}" if keys else ""))
+
+
+def detect_family(cfg: dict | Any) -> Optional[Family]:
+    """The one family that claims this config, None when none does; two is an error naming what was read."""
+    cfg = _as_dict(cfg)
+    found = matching_families(cfg)
+    if len(found) > 1:
+        from dllm_align.core.errors import UserError
+
+        raise UserError(
+            f"config.json matches more than one model family ({', '.join(f.name for f in found)}): {_what_was_read(cfg)}",
+            hint=f'add "dllm_align_family": "<{"|".join(f.name for f in found)}>" to config.json to say which',
+        )
+    return found[0] if found else None
+
+
 def family_for_config(cfg: dict | Any) -> Family:
-    """The family of a config (a config.json dict or a transformers config)."""
-    get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-    name: Optional[str] = get("dllm_align_family", None)
+    """The family of a config (a config.json dict or a transformers config); LLaDA's manners when none claims it."""
+    d = _as_dict(cfg)
+    name: Optional[str] = d.get("dllm_align_family")
     if name:
         return get_family(name)
-    mt = get("model_type", None)
-    for fam in FAMILIES.values():
-        if mt in fam.model_types:
-            return fam
-    return LLADA
+    return detect_family(d) or LLADA
 
 
 def family_of(model) -> Family:
@@ -50,10 +102,14 @@ def family_of(model) -> Family:
 
 def native_family(cfg: dict) -> Optional[Family]:
     """The family whose native loader reads this config.json (None: let transformers load it)."""
-    for fam in FAMILIES.values():
-        if cfg.get("model_type") in fam.model_types and fam.load_native is not None:
-            return fam
-    return None
+    fam = detect_family(cfg)
+    return fam if fam is not None and fam.load_native is not None else None
 
 
-__all__ = ["Family", "FAMILIES", "family_for_config", "family_of", "get_family", "native_family"]
+def describe_config(cfg: dict) -> str:
+    """What a config.json says about its family, for error messages."""
+    return _what_was_read(_as_dict(cfg))
+
+
+__all__ = ["Family", "FAMILIES", "describe_config", "detect_family", "family_for_config", "family_of", "get_family",
+           "matching_families", "native_family"]

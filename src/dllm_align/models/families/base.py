@@ -28,8 +28,15 @@ class Family:
     """Everything the rest of the code needs to know about one model family."""
 
     name: str
-    # config.json ``model_type`` values whose checkpoints this family loads natively.
+    # config.json ``model_type`` values whose checkpoints this family loads natively; the first is the
+    # family's own, which a bare config with that type and no other evidence goes to.
     model_types: tuple[str, ...] = ()
+    # Class names the published config.json names (``architectures``, or the classes of ``auto_map``):
+    # the strongest evidence, since a ``model_type`` can be shared (LLaDA-MoE's hub config says "llada").
+    architectures: tuple[str, ...] = ()
+    # config.json keys only this family's configs hold: they settle a ``model_type`` shared by two
+    # families when the folder names no class (LLaDA: ``d_model``; LLaDA-MoE: ``num_experts``).
+    signature: tuple[str, ...] = ()
     # Which output scores position j: j - logit_shift (Dream: 1, "shifted logits";
     # position 0 then reuses its own output, as the published code does).
     logit_shift: int = 0

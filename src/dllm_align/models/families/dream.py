@@ -75,7 +75,9 @@ def dream_config_to_qwen2(cfg: dict):
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
+        # A missing rope_theta takes the published configuration class's default (10000), not the
+        # checkpoints' 1e6: the folder is read as the published code would read it.
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))},
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         use_sliding_window=False,
         **special_ids(cfg),
@@ -137,6 +139,7 @@ def build_dream_model(tokenizer, hidden_size: int, layers: int, heads: int, inte
 DREAM = Family(
     name="dream",
     model_types=("Dream", "dream"),
+    architectures=("DreamModel",),
     logit_shift=1,
     mask_token_id=151666,
     stop_tokens=(IM_END, DREAM_EOS),

@@ -129,6 +129,8 @@ def load_llada_native(folder: Path, cfg: dict, dtype: torch.dtype):
 LLADA = Family(
     name="llada",
     model_types=("llada",),
+    architectures=("LLaDAModelLM",),
+    signature=("d_model",),
     logit_shift=0,
     mask_token_id=126336,
     # The same stop list the sampler always used (a trained tiny model may emit any of them).

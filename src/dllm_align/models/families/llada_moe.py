@@ -1,4 +1,5 @@
-"""LLaDA-MoE (``inclusionAI/LLaDA-MoE-7B-A1B-Base`` / ``-Instruct``, ``model_type: lladamoe``).
+"""LLaDA-MoE (``inclusionAI/LLaDA-MoE-7B-A1B-Base`` / ``-Instruct``: ``architectures: [LLaDAMoEModelLM]``,
+``model_type: llada`` on the hub, ``lladamoe`` after dllm's rewrite).
 
 Facts from the published configuration class and modeling code (and the
 inference code that serves it):
@@ -53,6 +54,12 @@ def lladamoe_config_to_qwen3moe(cfg: dict):
         unsupported.append(f"shared_expert_intermediate_size={cfg['shared_expert_intermediate_size']}")
     if cfg.get("moe_router_enable_expert_bias"):
         unsupported.append("moe_router_enable_expert_bias=true")
+    # Fields whose published default is surprising: the configuration class applies no rotary
+    # embedding without ``partial_rotary_factor`` and has rope_theta -1; the published checkpoints
+    # set both, so a config that omits one is refused rather than given another model's default.
+    for key, published in (("partial_rotary_factor", "no rotary embedding"), ("rope_theta", "-1, not a usable base")):
+        if key not in cfg:
+            unsupported.append(f"{key} missing (the published default is {published}; set it explicitly)")
     if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         unsupported.append(f"partial_rotary_factor={cfg['partial_rotary_factor']}")
     if cfg.get("clip_qkv") is not None:
@@ -76,7 +83,7 @@ def lladamoe_config_to_qwen3moe(cfg: dict):
         head_dim=cfg["hidden_size"] // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))},
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg["rope_theta"])},
         attention_bias=bool(cfg.get("attention_bias", False)),
         num_experts=cfg["num_experts"],
         num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -120,7 +127,11 @@ def load_lladamoe_native(folder: Path, cfg: dict, dtype: torch.dtype):
 
 LLADA_MOE = Family(
     name="llada_moe",
-    model_types=("lladamoe", "llada_moe"),
+    # The published hub config says "llada" (shared with LLaDA-8B); dllm's README has users rewrite it
+    # to "lladamoe". Both are recognised: the class name and the MoE fields tell the two apart.
+    model_types=("lladamoe", "llada_moe", "llada"),
+    architectures=("LLaDAMoEModelLM",),
+    signature=("num_experts",),
     logit_shift=0,
     mask_token_id=156895,
     stop_tokens=("<|role_end|>", "<|endoftext|>"),
