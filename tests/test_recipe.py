@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pathlib import Path
 from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
@@ -170,6 +171,17 @@ def test_paper_recipes_sample_uniformly_and_score_like_the_paper_code(name):
     assert r.data.end_of_turn == "none"
     assert r.data.padding == "paper"
     assert r.train.baseline == "global_mean"
+
+
+@pytest.mark.parametrize("name", ["dream_kto_mix_14k", "llada_moe_kto_mix_14k"])
+def test_family_recipes_score_as_their_family_does(name):
+    """The paper's EOS padding belongs to the LLaDA paper recipe: other families' recipes keep the paper's
+    KTO settings but score without a visible end-of-text tail, and say why in the file."""
+    r = load_recipe(name)
+    assert r.data.padding in ("none", "packed")
+    assert (r.train.beta, r.train.lr, r.reference.n_mc, r.data.end_of_turn) == (0.1, 1e-6, 8, "none")
+    text = (Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml").read_text()
+    assert "Recipe choice" in text and "padding: paper" in text
 
 
 def test_defaults_are_uniform_batches():
