@@ -151,3 +151,39 @@ def test_dream_rule_refuses_llada_only_options():
             SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="dream", **kw).check()
     with pytest.raises(UserError, match="Dream rule"):
         SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="llada", top_p=0.9).check()
+
+
+def test_text_is_rendered_as_the_published_code_renders_it(dream):
+    # Dream's published demo decodes every token before the end of text; skip_special_tokens=True (LLaDA's
+    # rendering) would drop added tokens such as Qwen2's <|box_end|>: here <|im_start|> plays that part.
+    from dllm_align.generate.sampler import _completion
+    from dllm_align.generate.settings import SamplerStats
+
+    tok = dream.tokenizer
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    ids = tok.encode("ab", add_special_tokens=False) + [start] + tok.encode("cd", add_special_tokens=False)
+    gen = torch.tensor(ids + [tok.convert_tokens_to_ids("<|im_end|>")] + ids)
+    stops = torch.tensor(dream.stop_token_ids)
+    c = _completion(dream, gen, stops, 1, SamplerStats(prompts=1))
+    assert c.text == "ab<|im_start|>cd" and c.stopped
+    assert tok.decode(ids, skip_special_tokens=True) == "abcd"  # what the LLaDA rendering would have given
+
+
+def test_diffucoder_padding_token_ends_the_text(dream):
+    # DiffuCoder (a Dream-family checkpoint) has <|dlm_pad|> in its vocabulary and its published generate
+    # stops there; Dream's vocabulary lacks it, and the stop list simply skips it.
+    import copy
+
+    from dllm_align.generate.sampler import _completion
+    from dllm_align.generate.settings import SamplerStats
+    from dllm_align.models.predictor import MaskPredictor
+
+    assert dream.tokenizer.convert_tokens_to_ids("<|dlm_pad|>") not in dream.stop_token_ids
+    tok = copy.deepcopy(dream.tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|dlm_pad|>"]})
+    pad = tok.convert_tokens_to_ids("<|dlm_pad|>")
+    coder = MaskPredictor(dream.model, tok, mask_token_id=dream.mask_token_id)
+    assert pad in coder.stop_token_ids
+    ids = tok.encode("ab", add_special_tokens=False)
+    c = _completion(coder, torch.tensor(ids + [pad, pad] + ids), torch.tensor(coder.stop_token_ids), 1, SamplerStats(prompts=1))
+    assert c.text == "ab" and c.stopped

@@ -213,11 +213,13 @@ def _canvas(mp, prompts: Sequence[Sequence[int]], gen_length: int) -> tuple[torc
 
 
 def _completion(mp, gen: torch.Tensor, stops: torch.Tensor, forwards: int, stats: "SamplerStats") -> Completion:
-    """One row's result from its generated span: the text before the first stop token."""
+    """One row's result from its generated span: the text before the first stop token, rendered as the
+    family's published code renders it."""
     raw = gen.tolist()
     has, first = _first_stop(gen[None], stops)
     ids = raw[: int(first[0])]
-    text = mp.tokenizer.decode(ids, skip_special_tokens=True) if mp.tokenizer is not None else ""
+    keep = getattr(getattr(mp, "family", None), "decode_keeps_special", False)
+    text = mp.tokenizer.decode(ids, skip_special_tokens=not keep) if mp.tokenizer is not None else ""
     stats.decoded += sum(1 for t in raw if t != mp.mask_token_id)
     return Completion(ids=ids, text=text, raw=raw, stopped=bool(has[0]), forwards=forwards)
 

@@ -42,8 +42,13 @@ class Family:
     logit_shift: int = 0
     # The published mask token id (the config or tokenizer still wins when it names one).
     mask_token_id: Optional[int] = None
-    # Tokens that end the generated text, most specific first (resolved through the tokenizer).
+    # Tokens that end the generated text, most specific first (resolved through the tokenizer;
+    # tokens a checkpoint's vocabulary lacks are ignored).
     stop_tokens: tuple[str, ...] = ()
+    # How the published code renders generated ids as text: LLaDA's decodes with
+    # skip_special_tokens=True; Dream's keeps every token before the end of text (Qwen2's added
+    # tokens such as <|box_end|> stay in the text).
+    decode_keeps_special: bool = False
     # The decoding rule of the family's own code: "llada" (SPEC.md section 7) or "dream"
     # (``diffusion_generate``: one canvas, timestep schedule, confidence rules).
     sampler: str = "llada"

@@ -142,7 +142,9 @@ DREAM = Family(
     architectures=("DreamModel",),
     logit_shift=1,
     mask_token_id=151666,
-    stop_tokens=(IM_END, DREAM_EOS),
+    # DiffuCoder's published code also stops at its padding token <|dlm_pad|> (absent from Dream's vocabulary).
+    stop_tokens=(IM_END, DREAM_EOS, "<|dlm_pad|>"),
+    decode_keeps_special=True,
     sampler="dream",
     load_native=load_dream_native,
     fix_tokenizer=fix_dream_tokenizer,
