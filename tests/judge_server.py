@@ -180,7 +180,7 @@ class JudgeServer:
                     return self._api("batches.create", lambda: srv._create_batch(json.loads(raw), self.headers.get("Authorization")))
                 req = json.loads(raw)
                 model = req["model"]
-                content = req["messages"][-1]["content"]
+                content = req["messages"][0]["content"]  # the judging prompt (a re-ask appends a follow-up)
                 marks = MARK_RE.findall(content)
                 pid = marks[0][1] if marks else "?"
                 order = (marks[0][0] + marks[1][0]) if len(marks) >= 2 else "?"
@@ -239,8 +239,11 @@ class JudgeServer:
                     return self._trickle_headers()
                 if action == "slow":
                     time.sleep(srv.slow_seconds)
+                finish = "stop"
                 if action == "garbage":
                     text = "Both answers have merit; I cannot decide."
+                elif action == "cutoff":  # the token cap ended the reply before its verdict
+                    text, finish = "Let me weigh both answers point by point. First, the", "length"
                 else:
                     v = srv.verdicts.get(key, srv.default_verdict)
                     text = f"Comparison done. [[{v}]]"
@@ -250,7 +253,7 @@ class JudgeServer:
                         srv.answered += 1
                 self._send(200, {
                     "id": "chatcmpl-test", "object": "chat.completion", "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
                     "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5},
                 })
 
@@ -383,13 +386,30 @@ class JudgeServer:
             if action == "500":
                 err.append({"id": f"req-{i}", "custom_id": cid, "response": {"status_code": 500, "body": {"error": {"message": "server error"}}}, "error": None})
                 continue
-            text = "Both have merit." if action == "garbage" else f"Comparison done. [[{self.verdicts.get(key, self.default_verdict)}]]"
+            finish = "length" if action == "cutoff" else "stop"
+            if action == "garbage":
+                text = "Both have merit."
+            elif action == "cutoff":
+                text = "Let me weigh both answers point by point. First, the"
+            else:
+                text = f"Comparison done. [[{self.verdicts.get(key, self.default_verdict)}]]"
             if self.echo_auth:
                 text = f"(you sent {b['auth']}) " + text
-            out.append({"id": f"req-{i}", "custom_id": cid, "error": None, "response": {"status_code": 200, "request_id": f"r{i}", "body": {
-                "id": "chatcmpl-b", "object": "chat.completion", "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5}}}})
+
+            def answer(t, n=i, f=finish):
+                return {"id": f"req-{n}", "custom_id": cid, "error": None, "response": {"status_code": 200, "request_id": f"r{n}", "body": {
+                    "id": "chatcmpl-b", "object": "chat.completion", "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": t}, "finish_reason": f}],
+                    "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5}}}}
+
+            if action == "error-then-ok":  # the error file names the id, and the output file answers it
+                err.append({"id": f"req-{i}-e", "custom_id": cid, "response": None, "error": {"code": "server_error", "message": "transient"}})
+            out.append(answer(text))
+            if action == "dup-conflict":  # the same custom_id answered twice, differently
+                other = {"A": "B", "B": "A", "C": "A"}[self.verdicts.get(key, self.default_verdict)]
+                out.append(answer(f"On reflection. [[{other}]]"))
+            elif action == "dup-same":
+                out.append(answer(text))
         for rows, field in ((out, "output_file_id"), (err, "error_file_id")):
             if rows:
                 fid = self._new_id("file")

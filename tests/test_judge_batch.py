@@ -240,3 +240,33 @@ def test_ctrl_c_while_polling_stops_at_once_and_the_rerun_collects_the_same_batc
         assert len(srv.uploads) == 1 and len(srv.batches) == 1 and srv.log == []
     assert "Continuing batch-0001" in r.stderr
     assert exact(out) == (3, 2, 3, 8, 0.5625)
+
+
+def test_result_file_oddities_are_counted_exactly(tmp_path, files):
+    """One id answered twice with different verdicts is taken from neither answer (first-wins had moved
+    the counts from 3/2/3 to 2/1/5) and retried; the same answer twice is one answer; an error line
+    beside a good answer is no failure; a reply cut off at the token cap says so."""
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.batch_faults = {("judge-1", "p1", "AB"): ["dup-conflict"], ("judge-1", "p2", "BA"): ["dup-same"],
+                            ("judge-1", "p3", "AB"): ["error-then-ok"], ("judge-1", "p5", "BA"): ["cutoff"]}
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)])
+        assert r.exit_code == 0, r.stderr
+        live = sorted((x["id"], x["order"]) for x in srv.log)
+    assert live == [("p1", "AB"), ("p5", "BA")]  # the conflict and the cut-off reply, retried live; nothing else
+    assert "2 failed" in r.stderr and "answered more than once with different verdicts" in r.stderr
+    assert exact(out) == (3, 2, 3, 8, 0.5625)  # the script's numbers, unmoved
+
+
+def test_a_reply_cut_off_at_the_token_cap_is_named(tmp_path, files):
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.batch_faults = {("judge-1", "p5", "BA"): ["cutoff"] * 3}  # in every batch round
+        cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv, "--batch-failed", "batch")])
+    rows = [json.loads(x) for x in (out / "outcomes.jsonl").read_text().splitlines()]
+    err = next(r_["judges"]["judge-1"].get("error", "") for r_ in rows if r_["id"] == "p5")
+    assert "finish_reason 'length'" in err and "--max-tokens" in err

@@ -195,24 +195,39 @@ def test_faults_are_retried_and_numbers_unchanged(tmp_path, files):
     assert "retries:" in r.stderr and "http-429 x2" in r.stderr
 
 
+def test_a_live_reply_cut_off_at_the_token_cap_is_named(tmp_path, files):
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.faults = {("judge-1", "p5", "BA"): ["cutoff", "cutoff"]}
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *fast(srv)])
+    assert r.exit_code == 1
+    assert "unjudgeable" in r.stderr and "finish_reason 'length': raise --max-tokens" in r.stderr
+
+
 def test_unparseable_verdict_fails_after_bounded_tries_then_rerun_retries_only_it(tmp_path, files):
     a, b = files
     out = tmp_path / "out"
     with JudgeServer(KEY) as srv:
         script(srv, "judge-1", J1)
         srv.faults = {("judge-1", "p5", "BA"): ["forever-garbage"], ("judge-1", "p6", "AB"): ["400"]}
-        r = cli([a, b, "-o", out, "--judge", "judge-1", "--max-parse-retries", "2", *fast(srv)])
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *fast(srv)])
         assert r.exit_code == 1
-        assert "Error: 2 judgement(s) failed" in r.stderr
+        assert "Error: 2 judgement(s) failed (1 unjudgeable: no verdict even when asked for it alone)" in r.stderr
         assert "Warning: judgement failed (judge-1, id 'p6', order AB): HTTP 400: context too long" in r.stderr
-        assert len(srv.requests_for(id="p5", order="BA")) == 3  # 1 + 2 parse retries
+        asked = srv.requests_for(id="p5", order="BA")
+        assert len(asked) == 2  # one re-ask by default, not the same request again and again
+        re_asks = [x for x in srv.bodies if len(x["messages"]) == 3]
+        assert len(re_asks) == 1 and re_asks[0]["messages"][1]["role"] == "assistant"
+        assert "[[A]]" in re_asks[0]["messages"][2]["content"]  # asked differently: for the verdict alone
         assert len(srv.requests_for(id="p6", order="AB")) == 1  # a 400 is not retried
         res = json.loads((out / "results.json").read_text())
         j1 = res["judges"]["judge-1"]
         # p5 (a win) and p6 (a loss) are excluded: 2 wins, 1 loss, 3 ties of n = 6
         assert (j1["wins"], j1["losses"], j1["ties"], j1["n"], j1["failed_prompts"]) == (2, 1, 3, 6, 2)
         assert j1["awr"] == (2 + 1.5) / 6
-        assert res["failed_judgements"] == 2 and res["n"] == 8
+        assert res["failed_judgements"] == 2 and res["n"] == 8 and res["unjudgeable_judgements"] == 1
         rows = [json.loads(x) for x in (out / "outcomes.jsonl").read_text().splitlines()]
         assert rows[5]["judges"]["judge-1"]["outcome"] is None and "verdict" in rows[5]["judges"]["judge-1"]["error"]
         assert "HTTP 400" in rows[6]["judges"]["judge-1"]["error"]

@@ -45,7 +45,7 @@ JUDGE_DEFAULTS = {
     "timeout": 60.0,
     "max_retries": 6,
     "retry_base_delay": 1.0,
-    "max_parse_retries": 2,
+    "max_parse_retries": 1,
     "bootstrap": 5000,
     "seed": 0,
     "temperature": 0.0,
@@ -103,7 +103,7 @@ def judge(
     timeout: Annotated[Optional[float], typer.Option(show_default=_shown("timeout"), help="Seconds before a request counts as timed out and is retried.")] = None,
     max_retries: Annotated[Optional[int], typer.Option(show_default=_shown("max_retries"), help="Retries of one request (429, 5xx, timeouts, dropped connections).")] = None,
     retry_delay: Annotated[Optional[float], typer.Option(show_default=_shown("retry_base_delay"), help="First backoff delay in seconds (doubles each retry, with jitter).")] = None,
-    max_parse_retries: Annotated[Optional[int], typer.Option(show_default=_shown("max_parse_retries"), help="Further requests when a reply has no [[A]]/[[B]]/[[C]] verdict.")] = None,
+    max_parse_retries: Annotated[Optional[int], typer.Option(show_default=_shown("max_parse_retries"), help="Re-asks for the verdict alone when a reply has none; then the judgement is unjudgeable.")] = None,
     bootstrap: Annotated[Optional[int], typer.Option(show_default=_shown("bootstrap"), help="Bootstrap resamples for the 90% intervals (paper: 5000).")] = None,
     seed: Annotated[Optional[int], typer.Option(show_default=_shown("seed"), help="Bootstrap seed.")] = None,
     temperature: Annotated[Optional[float], typer.Option(show_default=_shown("temperature"), help="Judge sampling temperature.")] = None,
@@ -200,7 +200,10 @@ def judge(
         print_table(run.results)
     info(f"Wrote {output / 'results.json'}, results.md and outcomes.jsonl")
     if run.failed:
+        unjudgeable = run.results.get("unjudgeable_judgements", 0)
         raise RunFailure(
-            f"{run.failed} judgement(s) failed; their prompts are left out of the affected judge's numbers (see n)",
+            f"{run.failed} judgement(s) failed"
+            + (f" ({unjudgeable} unjudgeable: no verdict even when asked for it alone)" if unjudgeable else "")
+            + "; their prompts are left out of the affected judge's numbers (see n)",
             hint="run the same command again to retry only those",
         )

@@ -271,7 +271,9 @@ class JudgeSection(Section):
         1.0, ge=0, description="First backoff delay in seconds; doubles on each retry, with jitter (a Retry-After from the server wins)."
     )
     retry_max_delay: float = Field(60.0, ge=0, description="Cap on one backoff delay in seconds.")
-    max_parse_retries: int = Field(2, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict.")
+    max_parse_retries: int = Field(
+        1, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict (each one shows the judge its reply and asks for the verdict alone); then the judgement counts as unjudgeable."
+    )
     bootstrap: int = Field(5000, ge=100, description="Bootstrap resamples of prompts for the 90% intervals (paper: 5,000).")
     seed: int = Field(0, description="Seed of the bootstrap resamples.")
     temperature: Optional[float] = Field(0.0, ge=0, description="Judge sampling temperature (null: not sent, for reasoning models).")

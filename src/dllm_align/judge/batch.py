@@ -249,6 +249,32 @@ class BatchRunner:
                 rows.append(obj)
         return rows
 
+    def _read_result(self, b: dict, row: dict):
+        """One result line: ``(verdict, reply, usage)``, or why it gives no verdict."""
+        resp, err = row.get("response") or {}, row.get("error")
+        body = resp.get("body") if isinstance(resp, dict) else None
+        status = resp.get("status_code") if isinstance(resp, dict) else None
+        if err or status != 200 or not isinstance(body, dict):
+            e = err if isinstance(err, dict) else (body or {}).get("error") if isinstance(body, dict) else None
+            msg = e.get("message") if isinstance(e, dict) else None
+            code = e.get("code") if isinstance(e, dict) else None
+            return self.client.scrub(f"batch {b['batch_id']}: " + (f"HTTP {status}: " if status else "")
+                                     + (f"{code}: " if code else "") + str(msg or "error"))[:300]
+        try:
+            choice = body["choices"][0]
+            msg = choice["message"]
+            text = msg.get("content") if isinstance(msg.get("content"), str) else ""
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return f"batch {b['batch_id']}: a result that is not a chat completion"
+        text = self.client.scrub(text)
+        verdict = self.parse(text)
+        if verdict is None:
+            snippet = " ".join(text.split())[-120:]
+            cut = " (cut off at the token cap, finish_reason 'length': raise --max-tokens)" if choice.get("finish_reason") == "length" else ""
+            return f"batch {b['batch_id']}: no [[A]]/[[B]]/[[C]] verdict{cut} (reply ends: {snippet!r})"
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        return verdict, text, usage
+
     def _collect(self, b: dict, batch) -> dict[str, str]:
         """Cache every answered request of a finished batch; return why the others failed."""
         why: dict[str, str] = {}
@@ -256,39 +282,39 @@ class BatchRunner:
         rows = self._download(b, batch.output_file_id, "output")
         faults.at("kill_at", "batch_downloading")  # results on disk, not yet in the cache
         rows += self._download(b, batch.error_file_id, "errors")
-        for row in rows:
-            key = row["custom_id"]
+        by_key: dict[str, list[dict]] = {}
+        for row in rows:  # an id may appear more than once (an error line and an answer; or two answers)
+            by_key.setdefault(row["custom_id"], []).append(row)
+        conflicts = 0
+        for key, key_rows in by_key.items():
             meta = b["keys"].get(key)
             if meta is None or key in self.writer.cache:
                 continue
-            resp, err = row.get("response") or {}, row.get("error")
-            body = resp.get("body") if isinstance(resp, dict) else None
-            status = resp.get("status_code") if isinstance(resp, dict) else None
-            if err or status != 200 or not isinstance(body, dict):
-                e = err if isinstance(err, dict) else (body or {}).get("error") if isinstance(body, dict) else None
-                msg = e.get("message") if isinstance(e, dict) else None
-                code = e.get("code") if isinstance(e, dict) else None
-                why[key] = self.client.scrub(f"batch {b['batch_id']}: " + (f"HTTP {status}: " if status else "")
-                                             + (f"{code}: " if code else "") + str(msg or "error"))[:300]
+            answers, problems = [], []
+            for row in key_rows:
+                got = self._read_result(b, row)
+                (answers if isinstance(got, tuple) else problems).append(got)
+            verdicts = {a[0] for a in answers}
+            if len(verdicts) > 1:
+                # The same request answered twice with different verdicts: neither is taken (first-wins
+                # would silently move the counts); the judgement is retried like any failure.
+                conflicts += 1
+                why[key] = f"batch {b['batch_id']}: the result file answers this request {len(answers)} times with different verdicts ({', '.join(sorted(verdicts))}); none was taken"
                 continue
-            try:
-                msg = body["choices"][0]["message"]
-                text = msg.get("content") if isinstance(msg.get("content"), str) else ""
-            except (KeyError, IndexError, TypeError, AttributeError):
-                why[key] = f"batch {b['batch_id']}: a result that is not a chat completion"
+            if not answers:
+                why[key] = problems[0]
                 continue
-            text = self.client.scrub(text)
-            verdict = self.parse(text)
-            if verdict is None:
-                snippet = " ".join(text.split())[-120:]
-                why[key] = f"batch {b['batch_id']}: no [[A]]/[[B]]/[[C]] verdict (reply ends: {snippet!r})"
-                continue
-            usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+            verdict, text, usage = answers[0]  # an error line beside a good answer is no failure
             judge, pid, order = meta
             self.writer.add({"key": key, "judge": judge, "id": pid, "order": order, "verdict": verdict, "reply": text,
                              "usage": {k: v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens", "total_tokens")},
                              "tries": 1, "mode": "batch", "batch": b["batch_id"]})
             ok += 1
+        if conflicts:
+            from dllm_align.core.console import warn
+
+            warn(f"{b['name']}: {conflicts} request(s) answered more than once with different verdicts in the result file; "
+                 "none of those answers was taken (they are retried)")
         if batch.status in ("failed", "cancelled") and batch.errors is not None and batch.errors.data:
             e = batch.errors.data[0]
             reason = self.client.scrub(f"batch {b['batch_id']} {batch.status}: {e.code or ''} {e.message or ''}".strip())

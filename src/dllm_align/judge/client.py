@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from dllm_align.core.errors import UserError
@@ -177,6 +177,7 @@ class OffBaseUrl(Exception):
 class Reply:
     text: str
     usage: dict
+    finish_reason: Optional[str] = None  # "length": cut off at the token cap
 
 
 @dataclass
@@ -555,16 +556,21 @@ class ChatClient:
             self._sleep(delay)
         raise JudgementFailed(f"gave up after {tries} attempt(s); last: {last}")
 
-    def complete(self, model: str, content: str, params: Mapping[str, Any]) -> Reply:
-        """One chat completion of a single user message (``params``: temperature,
-        max_tokens or max_completion_tokens), with retries."""
+    def complete(self, model: str, content: str, params: Mapping[str, Any], history: Sequence[Mapping[str, str]] = ()) -> Reply:
+        """One chat completion of a user message (``params``: temperature, max_tokens or
+        max_completion_tokens), with retries; ``history`` continues the conversation after it
+        (the judge's earlier reply and a follow-up question)."""
 
         def one(sdk):
-            r = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **params)
-            msg = r.choices[0].message  # raises on a body that is not a chat completion: retried as bad-body
+            messages = [{"role": "user", "content": content}, *[dict(m) for m in history]]
+            r = sdk.chat.completions.create(model=model, messages=messages, **params)
+            choice = r.choices[0]
+            msg = choice.message  # raises on a body that is not a chat completion: retried as bad-body
             text = msg.content if isinstance(msg.content, str) else ""
             usage = r.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) if r.usage else {}
-            return Reply(self.scrub(text), {k: v for k, v in usage.items() if isinstance(v, int)})
+            finish = getattr(choice, "finish_reason", None)
+            return Reply(self.scrub(text), {k: v for k, v in usage.items() if isinstance(v, int)},
+                         finish if isinstance(finish, str) else None)
 
         return self.call(one, f"chat completions for model {model!r}")
 

@@ -195,7 +195,10 @@ def results_markdown(results: dict) -> str:
     if results.get("usage"):
         lines += ["", "Tokens: " + "; ".join(usage_lines(results)) + "."]
     if results["failed_judgements"]:
-        lines += ["", f"**{results['failed_judgements']} judgement(s) failed**; their prompts are excluded for that judge (see n)."]
+        unj = results.get("unjudgeable_judgements") or 0
+        lines += ["", f"**{results['failed_judgements']} judgement(s) failed**"
+                  + (f" ({unj} unjudgeable: the judge gave no verdict even when asked for it alone)" if unj else "")
+                  + "; their prompts are excluded for that judge (see n)."]
     return "\n".join(lines) + "\n"
 
 

@@ -382,6 +382,9 @@ def judge_pairs(
                 a, b = per_judge[j1][i], per_judge[j2][i]
                 row["majority_vote"] = stats.OUTCOME_NAMES[int(stats.majority_vote([a], [b])[0])] if a is not None and b is not None else None
         results["failed_judgements"] = failed
+        # of which the judge answered but never with a verdict (after the re-ask)
+        results["unjudgeable_judgements"] = sum(
+            1 for k, where in slots.items() if k not in cache and any(errors.get(w, "").startswith(UNJUDGEABLE) for w in where))
         used_rows = [cache[k] for k in sorted(used_keys & set(cache))]
         if used_rows:
             results["usage"] = usage_report(used_rows, s["prices"], s["batch_price_factor"])
@@ -445,6 +448,12 @@ def _obtain(tasks: dict[str, Task], client: ChatClient, s: dict, params: dict, o
     return None
 
 
+# How a judgement that never gave a verdict is marked, and the question that re-asks for one.
+UNJUDGEABLE = "unjudgeable"
+VERDICT_FOLLOW_UP = ("Your reply above gives no final verdict. Answer with exactly one of [[A]] (the first answer is "
+                     "better), [[B]] (the second is better) or [[C]] (a tie), and nothing else.")
+
+
 def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writer, slots, errors, stop: threading.Event,
               already: int) -> Optional[FatalApiError]:
     """Run the API judgements on a bounded pool of daemon threads; the main thread
@@ -458,15 +467,23 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
     def work(t: Task) -> tuple[str, Reply, int, dict]:
         replies: list[str] = []
         usage: dict = {}
+        history: tuple = ()
+        cut = False
         for _ in range(max_parse + 1):
-            reply = client.complete(t.judge, t.content, params)
+            reply = client.complete(t.judge, t.content, params, history)
             add_usage(usage, reply.usage)  # every try is paid for
             v = parse_verdict(reply.text)
             if v is not None:
                 return v, reply, len(replies) + 1, usage
             replies.append(reply.text)
+            cut = cut or reply.finish_reason == "length"
+            # Re-ask differently: the same request would most likely get the same reply (a paid call for
+            # nothing); show the judge its reply and ask for the verdict alone.
+            history = ({"role": "assistant", "content": reply.text}, {"role": "user", "content": VERDICT_FOLLOW_UP})
         snippet = " ".join(replies[-1].split())[-120:] if replies else ""
-        raise JudgementFailed(f"no [[A]]/[[B]]/[[C]] verdict in {max_parse + 1} replies (last ends: {snippet!r})")
+        raise JudgementFailed(f"{UNJUDGEABLE}: no [[A]]/[[B]]/[[C]] verdict in {len(replies)} replies"
+                              + (" (a reply was cut off at the token cap, finish_reason 'length': raise --max-tokens)" if cut else "")
+                              + f" (last ends: {snippet!r})")
 
     total = already + len(tasks)
     requests_before = client.stats.requests
