@@ -220,6 +220,8 @@ class JudgeServer:
                     return self._send(400, {"error": {"message": "context too long" + echo}})
                 if action == "429":
                     return self._send(429, {"error": {"message": "rate limited" + echo}}, {"Retry-After": "1"})
+                if action == "429-hour":  # a server asking for an hour
+                    return self._send(429, {"error": {"message": "rate limited" + echo}}, {"Retry-After": "3600"})
                 if action == "429ms":
                     return self._send(429, {"error": {"message": "rate limited"}}, {"retry-after-ms": "30"})
                 if action in ("500", "503"):

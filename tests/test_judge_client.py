@@ -179,3 +179,23 @@ def test_reasoning_models_work_through_max_completion_tokens(tmp_path, files):
     assert (j["wins"], j["losses"], j["ties"]) == (3, 2, 3)
     settings = json.loads((tmp_path / "out" / "results.json").read_text())["settings"]
     assert settings["max_completion_tokens"] == 4000 and settings["temperature"] is None and settings["max_tokens"] is None
+
+
+def test_a_servers_retry_after_is_capped_and_said(tmp_path, files):
+    """A 429 asking for an hour (Retry-After: 3600) waits judge.retry_after_max at most, with a warning naming
+    both figures; before, `--max-retries 1 --timeout 5` sat silent for as long as the server asked."""
+    a, b = files
+    with JudgeServer(KEY) as srv:
+        srv.faults = {("m", "p0", "AB"): ["429-hour"]}
+        r = cli([a, b, "-o", tmp_path / "out", "--judge", "m", *fast(srv), "--max-retries", "1", "--retry-after-max", "0.2"])
+        assert r.exit_code == 0, r.stderr
+        assert [x["action"] for x in srv.log if (x["id"], x["order"]) == ("p0", "AB")] == ["429-hour", "ok"]
+    assert "asked to wait 3600 s before retrying" in r.stderr and "waiting 0.2 s (judge.retry_after_max)" in r.stderr
+
+
+def test_retry_after_cap_is_bounded_and_documented():
+    from dllm_align.config.schema import JudgeSection
+
+    assert JudgeSection().retry_after_max == 60.0
+    with pytest.raises(Exception):
+        JudgeSection(retry_after_max=float("inf"))

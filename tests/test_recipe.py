@@ -217,3 +217,17 @@ def test_grouping_scoring_and_baseline_are_recorded(tmp_path):
     other = load_recipe(None, ["data.group_by_length=true", "train.baseline=none"])
     fp2 = refcache.fingerprint(other, tokenizer=mp.tokenizer, mask_token_id=mp.mask_token_id, device="cpu", examples=exs)
     assert fp2.digest() != fp.digest()
+
+
+def test_yaml_merge_keys_work_and_explicit_keys_override_them(tmp_path):
+    """Anchors and ``<<: *defaults`` are ordinary YAML; they were refused as an unknown tag."""
+    p = tmp_path / "r.yaml"
+    p.write_text("extends: demo\ntrain: &t\n  beta: 0.2\n  lr: 2.0e-5\nablate:\n  train_overrides:\n    <<: *t\n    lr: 3.0e-5\n")
+    from dllm_align.config.recipe import read_yaml
+
+    raw = read_yaml(p)
+    assert raw["train"] == {"beta": 0.2, "lr": 2e-5}
+    assert raw["ablate"]["train_overrides"] == {"beta": 0.2, "lr": 3e-5}
+    p.write_text("extends: demo\nx: &d {beta: 0.3}\ntrain:\n  <<: *d\n  beta: 0.4\n  beta: 0.5\n")
+    with pytest.raises(UserError, match="duplicate key 'beta'"):
+        read_yaml(p)  # a key given twice beside a merge is still refused

@@ -292,6 +292,12 @@ CASES = [
     Case("recipe-set-bad-value", recipe_case(extra=("--set", "train.beta=-1")), 2, ("train.beta", "greater than 0")),
     Case("recipe-python-tag", recipe_case(text="name: !!python/object/apply:os.system ['echo pwned']\n"), 2,
          ("recipe.yaml", "invalid YAML")),
+    Case("recipe-binary-tag", recipe_case(text="model:\n  name_or_path: !!binary YnVpbHRpbjp0aW55\n"), 2,
+         ("recipe.yaml:2", "!!binary", "not allowed")),
+    Case("recipe-nested-too-deep", recipe_case(text="train:\n  beta: " + "[" * 5000 + "]" * 5000 + "\n"), 2,
+         ("recipe.yaml", "nested deeper than 32 levels")),
+    Case("recipe-set-nested-too-deep", recipe_case(extra=("--set", "train.beta=" + "[" * 3000 + "]" * 3000)), 2,
+         ("--set train.beta", "nested deeper than 32 levels")),
     # ---------------------------------------------------------------- command-line arguments
     Case("args-limit-zero", args_case(lambda b, t: (["generate", b.recipe_path, "--limit", "0", "--output", t / "g.jsonl"], t / "g.jsonl")), 2,
          ("--limit",)),

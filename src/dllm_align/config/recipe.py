@@ -125,9 +125,46 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
     return lines
 
 
-def _parse_value(text: str) -> Any:
+# Recipe values nest a few levels (section.key.list.item); anything this deep is a mistake or an attack
+# (Python's recursion limit would otherwise surface as a raw RecursionError).
+MAX_DEPTH = 32
+
+
+def _depth(obj: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of plain data, walked without recursion (stops counting past ``limit``)."""
+    best, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        best = max(best, d)
+        if d > limit:
+            return d
+        if isinstance(o, dict):
+            stack += [(v, d + 1) for v in o.values()]
+        elif isinstance(o, (list, tuple)):
+            stack += [(v, d + 1) for v in o]
+    return best
+
+
+def _load_text(text: str) -> Any:
+    """Parse YAML text with the recipe loader (safe, no duplicate keys, merge keys, text-only tags),
+    refusing values nested deeper than :data:`MAX_DEPTH`. Raises yaml.YAMLError or ValueError."""
+    loader = _UniqueKeyLoader(text)  # a SafeLoader: plain data only
     try:
-        return yaml.safe_load(text)
+        try:
+            data = loader.get_single_data()
+        except RecursionError:
+            raise ValueError(f"values nested deeper than {MAX_DEPTH} levels") from None
+    finally:
+        loader.dispose()
+    if _depth(data) > MAX_DEPTH:
+        raise ValueError(f"values nested deeper than {MAX_DEPTH} levels")
+    return data
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value: YAML when it parses (so numbers, booleans and lists keep their type), else the text."""
+    try:
+        return _load_text(text)
     except yaml.YAMLError:
         return text
 
@@ -151,17 +188,25 @@ def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
                 nxt = {}
                 node[p] = nxt
             node = nxt
-        node[parts[-1]] = _parse_value(val)
+        try:
+            node[parts[-1]] = _parse_value(val)
+        except ValueError as e:
+            problems.append(f"--set {key.strip()}: {e}")
     return problems
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one,
-    so a second `train:` section would silently replace the first)."""
+    so a second `train:` section would silently replace the first). Standard merge keys
+    (``<<: *defaults``) work, keys written beside them override the merged ones, and values
+    tagged as something other than text, numbers, booleans, lists or mappings (``!!binary``,
+    ``!!set``) are refused."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`: merged by SafeLoader, not a key of its own
+                continue
             key = self.construct_object(key_node, deep=deep)
             try:
                 dup = key in seen
@@ -175,6 +220,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _refuse_tag(loader, node):
+    raise yaml.constructor.ConstructorError(
+        None, None, f"a value tagged {node.tag.replace('tag:yaml.org,2002:', '!!')} is not allowed in a recipe "
+        "(recipes hold text, numbers, booleans, lists and mappings)", node.start_mark)
+
+
+for _tag in ("binary", "set", "omap", "pairs"):
+    _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
+
+
 def read_yaml(path: Path) -> dict:
     from dllm_align.core.io import note_input
 
@@ -184,11 +239,9 @@ def read_yaml(path: Path) -> dict:
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
     try:
-        loader = _UniqueKeyLoader(text)  # a SafeLoader: plain data only
-        try:
-            raw = loader.get_single_data()
-        finally:
-            loader.dispose()
+        raw = _load_text(text)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}", hint="recipes nest a few levels (section.key); flatten the value")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

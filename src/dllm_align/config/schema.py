@@ -271,6 +271,9 @@ class JudgeSection(Section):
         1.0, ge=0, description="First backoff delay in seconds; doubles on each retry, with jitter (a Retry-After from the server wins)."
     )
     retry_max_delay: float = Field(60.0, ge=0, description="Cap on one backoff delay in seconds.")
+    retry_after_max: float = Field(
+        60.0, ge=0, le=86400, description="Longest wait a server's Retry-After may impose before one retry, in seconds (longer requests are capped, with a warning)."
+    )
     max_parse_retries: int = Field(
         1, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict (each one shows the judge its reply and asks for the verdict alone); then the judgement counts as unjudgeable."
     )

@@ -384,6 +384,7 @@ class ChatClient:
         max_retries: int = 6,
         retry_base_delay: float = 1.0,
         retry_max_delay: float = 60.0,
+        retry_after_max: float = 60.0,
         concurrency: int = 8,
         allow_plain_http: bool = False,
         env_proxy: bool = False,
@@ -405,6 +406,7 @@ class ChatClient:
         self.max_retries = max_retries
         self.retry_base_delay = retry_base_delay
         self.retry_max_delay = retry_max_delay
+        self.retry_after_max = retry_after_max
         self.stop = stop or threading.Event()
         self.stats = stats or ClientStats()
         self._rng = random.Random()
@@ -552,7 +554,15 @@ class ChatClient:
             if attempt == tries - 1:
                 break
             self.stats.retry(reason)
-            delay = self._backoff(attempt) if wait_s is None else min(wait_s, 600.0) + 0.1 * self.retry_base_delay * self._rng.random()
+            if wait_s is not None and wait_s > self.retry_after_max:
+                # A server may ask for an hour (Retry-After: 3600, or an HTTP date a year ahead): the wait is
+                # capped (judge.retry_after_max), and said, so a run never sits silent on a server's word.
+                from dllm_align.core.console import warn
+
+                warn(self.scrub(f"{self.base_url} asked to wait {wait_s:.0f} s before retrying ({reason}); waiting "
+                                f"{self.retry_after_max:g} s (judge.retry_after_max) instead"))
+                wait_s = self.retry_after_max
+            delay = self._backoff(attempt) if wait_s is None else wait_s + 0.1 * self.retry_base_delay * self._rng.random()
             self._sleep(delay)
         raise JudgementFailed(f"gave up after {tries} attempt(s); last: {last}")
 

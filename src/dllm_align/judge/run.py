@@ -293,7 +293,8 @@ def judge_pairs(
         key = read_api_key(s["api_key_env"], environ)
         client = ChatClient(
             s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"], max_retries=s["max_retries"],
-            retry_base_delay=s["retry_base_delay"], retry_max_delay=s["retry_max_delay"], concurrency=s["concurrency"],
+            retry_base_delay=s["retry_base_delay"], retry_max_delay=s["retry_max_delay"],
+            retry_after_max=s["retry_after_max"], concurrency=s["concurrency"],
             allow_plain_http=s["allow_plain_http"], env_proxy=s["env_proxy"], stop=stop,
         )
     # verdicts[(judge, pair index, order)] = "A" | "B" | "C"; errors[...] = message
