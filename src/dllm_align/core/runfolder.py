@@ -146,13 +146,43 @@ def _fixed_lr(raw: dict) -> bool:
     return t.get("scheduler") == "constant" and not t.get("warmup_ratio")
 
 
-def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
+def check_allow_keys(allow: Iterable[str], new: dict) -> None:
+    """Every ``--allow-change KEY`` must name a recipe key or section (or be ``all``): a typo would
+    otherwise let nothing through and be silently ignored, or worse, look like permission."""
+    import difflib
+
+    keys = set(flatten(new))
+    known = keys | {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}
+    for a in allow:
+        if a == "all" or a in known:
+            continue
+        close = difflib.get_close_matches(a, sorted(known), n=1)
+        raise UserError(f"--allow-change {a}: no such recipe key" + (f"; did you mean '{close[0]}'?" if close else ""),
+                        hint="name a key as --set does (section.key), or 'all'")
+
+
+def state_as_recipe(state: dict) -> dict:
+    """The settings a checkpoint's trainer_state.json records, as a (partial) recipe to compare against:
+    its full recipe when it has one, else the fields every checkpoint records."""
+    if isinstance(state.get("recipe"), dict):
+        return state["recipe"]
+    return {"model": {"name_or_path": state.get("model")},
+            "train": {"objective": state.get("objective"), "seed": state.get("seed"), "lora": {"enabled": state.get("lora")}},
+            "data": {"group_by_length": state.get("group_by_length")}}
+
+
+def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = (),
+                            checkpoint_state: Optional[dict] = None) -> list[tuple[str, Any, Any]]:
     """Refuse to continue (or reuse) the training run in ``out_dir`` with settings that change its
-    numbers; returns the changes the user let through (empty when nothing changed)."""
+    numbers; returns the changes the user let through (empty when nothing changed). The run's record
+    is ``recipe.train.yaml``; without it, what the checkpoint being resumed records itself."""
+    new = recipe.model_dump(mode="json")
+    check_allow_keys(allow, new)
     old = recorded_recipe(out_dir, "train")
+    if old is None and checkpoint_state is not None:
+        old = state_as_recipe(checkpoint_state)
     if old is None:
         return []
-    new = recipe.model_dump(mode="json")
     neutral = TRAIN_NEUTRAL
     if all(_fixed_lr(r) for r in (old, new)):
         # a constant lr without warm-up does not depend on the run's length: extending it is exact

@@ -92,7 +92,22 @@ def units_digest(units: Sequence[tuple]) -> str:
 def step_count(t, n_units: int, G: int) -> tuple[int, int]:
     """(steps per epoch, total optimiser steps) for ``n_units`` units in global batches of ``G`` (``train`` section t)."""
     per_epoch = n_units // G
-    return per_epoch, t.max_steps or max(1, math.ceil(t.epochs * per_epoch))
+    if t.max_steps:
+        return per_epoch, t.max_steps
+    exact = t.epochs * per_epoch
+    if 0 < exact < 0.5:
+        # A fraction of an epoch that is not even half a step was rounding up to one step, silently.
+        raise UserError(
+            f"train.epochs {t.epochs:g} is {exact:.3g} optimiser steps of {per_epoch} per epoch "
+            f"({n_units} units in global batches of {G}): less than half a step",
+            hint="use train.epochs of at least one step's worth, or train.max_steps",
+        )
+    steps = max(1, math.ceil(exact))
+    if steps != exact:
+        from dllm_align.core.console import info
+
+        info(f"train.epochs {t.epochs:g} = {exact:.3g} optimiser steps; rounded up to {steps}")
+    return per_epoch, steps
 
 
 def kl_pair_id(prompt_from: str, completion_from: str) -> str:

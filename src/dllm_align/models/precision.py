@@ -69,10 +69,17 @@ class Precision:
 
 
 def resolve_mixed_precision(mode: str, device) -> str:
-    """``train.mixed_precision`` with ``auto`` resolved: bf16 on a CUDA device that supports it, else no."""
+    """``train.mixed_precision`` with ``auto`` resolved: bf16 on a CUDA device that supports it, else no.
+    fp16 is refused off CUDA: it needs accelerate's gradient scaler, which runs on CUDA only, and CPU
+    autocast in fp16 is neither faster nor what a GPU run would compute."""
+    dev = torch.device(device)
+    if mode == "fp16" and dev.type != "cuda":
+        from dllm_align.core.errors import UserError
+
+        raise UserError(f"train.mixed_precision fp16 needs a CUDA device (this run is on {dev.type})",
+                        hint="use train.mixed_precision: bf16 (runs on CPU too, as on the GPU) or no")
     if mode != "auto":
         return mode
-    dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16"
     return "no"

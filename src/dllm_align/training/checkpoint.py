@@ -213,6 +213,9 @@ def save_checkpoint(run, history: list) -> Path:
             "tokens_seen": run.tokens_seen,
             "elapsed_seconds": run.elapsed,
             "margin_watch": run.margin_watch.state(),
+            # The checkpoint's own record of the settings it was trained with: a folder copied to another
+            # node without its recipe.train.yaml is still checked against what really made it.
+            "recipe": run.recipe.model_dump(mode="json"),
             "last_metrics": history[-1] if history else None,
         }
         from dllm_align.core.io import _fsync_dir, fsync_tree, write_checksums

@@ -50,7 +50,12 @@ def train(
         try:
             lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
             found = prepare_output(recipe, resume, overwrite)
-            changes = check_training_settings(recipe, out, allow_changes) if resume else []
+            state = None
+            if resume and found:
+                from dllm_align.training.checkpoint import read_state
+
+                state = read_state(found)
+            changes = check_training_settings(recipe, out, allow_changes, state) if resume else []
             if resume:
                 recover_jsonl(out / METRICS)  # cut a torn last line; refuse a damaged middle
             decision = [("ok", str(found) if found else None, changes)]
