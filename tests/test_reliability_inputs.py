@@ -242,6 +242,32 @@ def _damaged_weights(b: Base, t: Path):
     return ["train", p, "-o", t / "run"], t / "run"
 
 
+_GOOD_ACCEL = {"distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16",
+               "fsdp_config": {"fsdp_version": 2, "fsdp_activation_checkpointing": True}}
+_GOOD_SHAPE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512}
+
+
+def doctor_case(accel_edit=None, shape_edit=None, extra=(), accel_text=None, shape_text=None):
+    """`doctor` on a model folder holding only config.json and an accelerate config, one of them bad."""
+
+    def build(b: Base, t: Path):
+        model = t / "model"
+        model.mkdir()
+        shape = copy.deepcopy(_GOOD_SHAPE)
+        if shape_edit:
+            shape_edit(shape)
+        (model / "config.json").write_text(shape_text if shape_text is not None else json.dumps(shape))
+        accel = copy.deepcopy(_GOOD_ACCEL)
+        if accel_edit:
+            accel_edit(accel)
+        (t / "accel.yaml").write_text(accel_text if accel_text is not None else yaml.safe_dump(accel))
+        p = b.write_recipe(t, lambda r: r["model"].update(name_or_path=str(model)))
+        return ["doctor", p, "--config", t / "accel.yaml", "-o", t / "run", *extra], t / "run"
+
+    return build
+
+
 @dataclass
 class Case:
     id: str
@@ -302,6 +328,25 @@ CASES = [
          ("recipe.yaml", "nested deeper than 32 levels")),
     Case("recipe-set-nested-too-deep", recipe_case(extra=("--set", "train.beta=" + "[" * 3000 + "]" * 3000)), 2,
          ("--set train.beta", "nested deeper than 32 levels")),
+    # ---------------------------------------------------------------- doctor's inputs
+    Case("doctor-processes-not-a-number", doctor_case(lambda a: a.update(num_processes="eight")), 2,
+         ("accel.yaml", "num_processes", "'eight'")),
+    Case("doctor-processes-negative", doctor_case(lambda a: a.update(num_processes=-8)), 2, ("accel.yaml", "num_processes", "-8")),
+    Case("doctor-fsdp-config-a-list", doctor_case(lambda a: a.update(fsdp_config=["fsdp_version", 2])), 2,
+         ("accel.yaml", "fsdp_config must be a mapping")),
+    Case("doctor-fsdp-version-9", doctor_case(lambda a: a["fsdp_config"].update(fsdp_version=9)), 2,
+         ("accel.yaml", "fsdp_version must be 1 or 2")),
+    Case("doctor-config-json-a-list", doctor_case(shape_text="[1, 2]"), 2, ("config.json", "JSON object")),
+    Case("doctor-zero-heads", doctor_case(shape_edit=lambda c: c.update(num_attention_heads=0)), 2,
+         ("config.json", "num_attention_heads", "whole number >= 1")),
+    Case("doctor-heads-true", doctor_case(shape_edit=lambda c: c.update(num_attention_heads=True)), 2,
+         ("config.json", "num_attention_heads", "True")),
+    Case("doctor-negative-width", doctor_case(shape_edit=lambda c: c.update(hidden_size=-64)), 2, ("config.json", "hidden_size")),
+    Case("doctor-more-experts-per-token-than-experts",
+         doctor_case(shape_edit=lambda c: c.update(num_experts=64, num_experts_per_tok=128, moe_intermediate_size=32)), 2,
+         ("config.json", "num_experts_per_tok 128", "num_experts 64")),
+    Case("doctor-gpu-memory-inf", doctor_case(extra=("--gpu-memory", "inf")), 2, ("--gpu-memory",)),
+    Case("doctor-smoke-unbounded", doctor_case(extra=("--smoke", "1000000000")), 2, ("--smoke",)),
     # ---------------------------------------------------------------- command-line arguments
     Case("args-limit-zero", args_case(lambda b, t: (["generate", b.recipe_path, "--limit", "0", "--output", t / "g.jsonl"], t / "g.jsonl")), 2,
          ("--limit",)),

@@ -9,9 +9,9 @@ import typer
 from dllm_align.cli.app import RecipeArg, command
 
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", metavar="FILE", help="The accelerate config the run will use (e.g. fsdp_8gpu.yaml from the bundled recipes/accelerate/).")]
-SmokeOpt = Annotated[int, typer.Option("--smoke", metavar="N", min=0, help="Run N real optimiser steps (written nowhere in the run folder).")]
+SmokeOpt = Annotated[int, typer.Option("--smoke", metavar="N", min=0, max=1000, help="Run N real optimiser steps (written nowhere in the run folder).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.", metavar="")]
-GpuOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GB", min=1, help="GB of memory per device to plan for (default: detected; 80 GB H100 when a GPU config is read on a machine without GPUs).")]
+GpuOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GB", min=1, max=100_000, help="GB of memory per device to plan for (default: detected; 80 GB H100 when a GPU config is read on a machine without GPUs).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set train.lora.enabled=true (repeatable).")]
 OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder whose disk space and reference cache are checked (default: the recipe's output_dir). Nothing is written there.")]
 

@@ -145,27 +145,49 @@ class ModelShape:
         return self.layers * a + (self.layers - self.moe_layers) * dense + self.moe_layers * moe
 
 
-def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
-    """Read a Llama-style or LLaDA-style ``config.json`` (both spellings of each field)."""
+# Sizes a config.json may give: positive whole numbers, and none past what any model has.
+_MAX_SIZE = 2**31
 
-    def pick(*keys, default=None):
+
+def _whole(cfg: dict, key: str, value, *, low: int = 1, source: str = "") -> int:
+    """A config size as an int, refused by name when it is not a whole number in [low, 2^31)."""
+    from dllm_align.core.errors import UserError
+
+    ok = isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+    if not ok or not low <= int(value) < _MAX_SIZE:
+        raise UserError(f"{source or 'config.json'}: {key} must be a whole number >= {low}, got {value!r}")
+    return int(value)
+
+
+def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
+    """Read a Llama-style or LLaDA-style ``config.json`` (both spellings of each field), refusing by name
+    a field that is not a positive whole number or a shape that cannot exist (heads not dividing the width,
+    more experts per token than experts)."""
+    from dllm_align.core.errors import UserError
+
+    if not isinstance(cfg, dict):
+        raise UserError(f"{source or 'config.json'}: expected a JSON object of model settings, got {type(cfg).__name__}")
+
+    def pick(*keys, default=None, low: int = 1):
         for k in keys:
             if cfg.get(k) is not None:
-                return cfg[k]
+                return _whole(cfg, k, cfg[k], low=low, source=source)
         if default is not None:
             return default
-        raise KeyError(keys[0])
+        raise UserError(f"{source or 'config.json'}: no {keys[0]} (or {', '.join(keys[1:]) or 'equivalent'}): cannot size the model")
 
-    d = int(pick("hidden_size", "d_model"))
-    heads = int(pick("num_attention_heads", "n_heads"))
-    layers = int(pick("num_hidden_layers", "n_layers"))
-    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    d = pick("hidden_size", "d_model")
+    heads = pick("num_attention_heads", "n_heads")
+    layers = pick("num_hidden_layers", "n_layers")
+    if d % heads:
+        raise UserError(f"{source or 'config.json'}: hidden size {d} is not a multiple of num_attention_heads {heads}")
+    experts = pick("num_experts", "n_routed_experts", default=0, low=0)
     moe = {}
     if experts:
         # LLaDA-MoE: expert_intermediate_size, dense_intermediate_size and a per-layer
         # moe_layer_freq list (0 = dense); Qwen3-MoE: moe_intermediate_size,
         # decoder_sparse_step and mlp_only_layers.
-        ei = int(pick("expert_intermediate_size", "moe_intermediate_size"))
+        ei = pick("expert_intermediate_size", "moe_intermediate_size")
         freq = cfg.get("moe_layer_freq")
         if isinstance(freq, list):
             moe_layers = sum(1 for f in freq[:layers] if f)
@@ -173,18 +195,23 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
             step = int(cfg.get("decoder_sparse_step") or 1)
             dense_only = set(cfg.get("mlp_only_layers") or [])
             moe_layers = sum(1 for j in range(layers) if j not in dense_only and (j + 1) % step == 0)
-        moe = dict(experts=experts, active_experts=int(pick("num_experts_per_tok", "moe_topk")),
-                   expert_intermediate=ei, moe_layers=moe_layers)
+        top_k = pick("num_experts_per_tok", "moe_topk")
+        if top_k > experts:
+            raise UserError(f"{source or 'config.json'}: num_experts_per_tok {top_k} is more than num_experts {experts}")
+        moe = dict(experts=experts, active_experts=top_k, expert_intermediate=ei, moe_layers=moe_layers)
         mlp = cfg.get("dense_intermediate_size") or cfg.get("intermediate_size") or ei
     else:
         mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
+    kv = pick("num_key_value_heads", "n_kv_heads", default=heads)
+    if heads % kv:
+        raise UserError(f"{source or 'config.json'}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     return ModelShape(
-        vocab=int(pick("embedding_size", "vocab_size")),
+        vocab=pick("embedding_size", "vocab_size"),
         hidden=d,
         layers=layers,
         heads=heads,
-        kv_heads=int(pick("num_key_value_heads", "n_kv_heads", default=heads)),
-        intermediate=int(mlp),
+        kv_heads=kv,
+        intermediate=_whole(cfg, "intermediate_size", mlp, source=source),
         tied=bool(cfg.get("tie_word_embeddings", cfg.get("weight_tying", False))),
         source=source,
         **moe,
@@ -226,6 +253,9 @@ class Launch:
         return self.distributed_type == "FSDP"
 
 
+_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU", "XLA")
+
+
 def read_launch(path: Optional[str]) -> Launch:
     import yaml
 
@@ -242,15 +272,39 @@ def read_launch(path: Optional[str]) -> Launch:
         raise UserError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{p}: expected a mapping of accelerate settings")
+    # Validated like a recipe: each value where it is read, refused by key with what is allowed.
+    problems = []
+    dist = raw.get("distributed_type", "NO")
+    if not isinstance(dist, str) or dist not in _DISTRIBUTED:
+        problems.append(f"distributed_type must be one of {', '.join(_DISTRIBUTED)}, got {dist!r}")
+    n = raw.get("num_processes", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 20:
+        problems.append(f"num_processes must be a whole number >= 1, got {n!r}")
     fsdp = raw.get("fsdp_config") or {}
+    if not isinstance(fsdp, dict):
+        problems.append(f"fsdp_config must be a mapping of fsdp_* settings, got {type(fsdp).__name__}")
+        fsdp = {}
+    version = fsdp.get("fsdp_version", 1)
+    if version not in (1, 2) or isinstance(version, bool):
+        problems.append(f"fsdp_config.fsdp_version must be 1 or 2, got {version!r}")
+    for key in ("fsdp_activation_checkpointing", "fsdp_offload_params"):
+        if not isinstance(fsdp.get(key, False), bool):
+            problems.append(f"fsdp_config.{key} must be true or false, got {fsdp.get(key)!r}")
     mp = raw.get("mixed_precision")
+    mp = "no" if mp is False else mp
+    if mp not in (None, "no", "bf16", "fp16", "fp8"):
+        problems.append(f"mixed_precision must be no, bf16, fp16 or fp8, got {mp!r}")
+    if problems:
+        raise UserError(f"{p}: " + "; ".join(problems), hint="see recipes/accelerate/*.yaml for valid configs")
     return Launch(
-        distributed_type=str(raw.get("distributed_type", "NO")),
-        processes=int(raw.get("num_processes", 1) or 1),
-        mixed_precision=("no" if mp is False else mp),
-        fsdp_version=int(fsdp.get("fsdp_version", 1) or 1),
-        activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing", False)),
-        offload_params=bool(fsdp.get("fsdp_offload_params", False)),
+        distributed_type=dist,
+        processes=n,
+        mixed_precision=mp,
+        fsdp_version=version,
+        activation_checkpointing=fsdp.get("fsdp_activation_checkpointing", False),
+        offload_params=fsdp.get("fsdp_offload_params", False),
         source=str(p),
     )
 
