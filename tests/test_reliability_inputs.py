@@ -318,6 +318,14 @@ CASES = [
     Case("recipe-set-bad-value", recipe_case(extra=("--set", "train.beta=-1")), 2, ("train.beta", "greater than 0")),
     Case("recipe-python-tag", recipe_case(text="name: !!python/object/apply:os.system ['echo pwned']\n"), 2,
          ("recipe.yaml", "invalid YAML")),
+    Case("recipe-max-length-1e38", recipe_case(text="model:\n  name_or_path: builtin:tiny\ndata:\n  max_length: 1e38\n"), 2,
+         ("data.max_length",)),
+    Case("recipe-max-length-huge-int", recipe_case(lambda r: r["data"].update(max_length=2_000_000_000)), 2, ("data.max_length", "1048576")),
+    Case("recipe-max-length-past-positions", recipe_case(lambda r: r["data"].update(max_length=1_000_000, padding="paper")), 2,
+         ("data.max_length 1000000", "beyond the model's", "positions")),
+    Case("precompute-max-length-past-positions",
+         recipe_case(lambda r: r["data"].update(max_length=1_000_000, padding="paper"), command="precompute-ref"), 2,
+         ("data.max_length 1000000", "positions")),
     Case("recipe-epochs-below-half-a-step", recipe_case(lambda r: (r["train"].pop("max_steps"), r["train"].update(epochs=0.001))), 2,
          ("train.epochs 0.001", "less than half a step")),
     Case("recipe-fp16-on-cpu", recipe_case(lambda r: r["train"].update(mixed_precision="fp16")), 2,
@@ -519,3 +527,20 @@ def test_a_second_writer_of_the_same_folder_is_refused(base: Base, tmp_path: Pat
     assert r.code == 2, r.err
     assert f"Error: another `dllm-align {command}`" in r.err and str(folder) in r.err
     assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["precompute-ref", "train"])
+def test_packed_rows_longer_than_max_length_are_truncated_like_the_other_paddings(base: Base, tmp_path: Path, command: str):
+    """`padding: packed` with `truncation: completion` cuts a too-long completion as `none` does (it was
+    refused as "no rows fit in data.max_length"); both keep the same rows."""
+    kept = {}
+    for padding in ("none", "packed"):
+        (tmp_path / padding).mkdir()
+        p = base.write_recipe(tmp_path / padding, lambda r: (r["data"].update(padding=padding, max_length=40, truncation="completion"),
+                                                            r["train"].update(max_steps=1), r["reference"].pop("cache", None),
+                                                            r["reference"].update(mode="online") if command == "train" else None))
+        r = run_cli([command, p, "-o", tmp_path / padding / "run"])
+        assert r.code == 0, r.err
+        assert "lost their tail to fit max_length 40" in r.err  # the truncation is reported, not refused
+        kept[padding] = [line for line in r.err.splitlines() if "lost their tail" in line]
+    assert kept["none"] == kept["packed"]

@@ -50,7 +50,7 @@ class DataSection(Section):
     label: Optional[bool] = Field(
         None, description="Class of rows that have no 'label' column (a file of only desirable or only undesirable rows)."
     )
-    max_length: int = Field(4096, ge=8, description="Cap on prompt + completion tokens.")
+    max_length: int = Field(4096, ge=8, le=1 << 20, description="Cap on prompt + completion tokens (and at most the model's positions).")
     max_prompt_length: Optional[int] = Field(None, ge=1, description="Cap on prompt tokens (left-truncated).")
     truncation: Literal["completion", "prompt_left"] = Field(
         "completion", description="What gives way when a row is too long: the completion's tail or the prompt's head."

@@ -394,6 +394,15 @@ def _one_line(e: BaseException, n: int = 200) -> str:
     return f"{type(e).__name__}: {text[0][:n]}" if text else type(e).__name__
 
 
+def check_max_length(mp: "MaskPredictor", max_length: int, key: str = "data.max_length") -> None:
+    """Refuse a length setting beyond the model's positions (as generation refuses prompt + gen_length):
+    past them a rotary model gives garbage, and ``padding: paper`` would allocate that width per row."""
+    max_pos = getattr(getattr(mp.model, "config", None), "max_position_embeddings", None)
+    if isinstance(max_pos, int) and max_pos > 0 and max_length > max_pos:
+        raise UserError(f"{key} {max_length} is beyond the model's {max_pos} positions",
+                        hint=f"set {key} to at most {max_pos}")
+
+
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":
     """Load the model described by a recipe's ``model`` section."""
     mp = load_model(

@@ -70,7 +70,7 @@ class _Run:
     def __init__(self, recipe, accelerator, resume_from: Optional[Path], examples: Optional[list]):
         from dllm_align.core.console import info
         from dllm_align.objective.elbo import DrawConfig
-        from dllm_align.models.load import load_from_section
+        from dllm_align.models.load import check_max_length, load_from_section
         from dllm_align.models.precision import precision_for
 
         self.recipe = recipe
@@ -93,6 +93,7 @@ class _Run:
         lora = self.t.lora
         src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
         self.mp = load_from_section(section, load_dev, name_or_path=src)
+        check_max_length(self.mp, recipe.data.max_length)
         # One precision for the policy and the reference (dllm_align.models.precision): the
         # policy's forward computes under it whatever wraps the module (DDP, FSDP).
         self.precision = precision_for(recipe, accelerator.device)

@@ -38,12 +38,13 @@ def load_reference(recipe, device):
     online one are the same function of the same weights as the policy before its
     first update (:mod:`dllm_align.models.precision`).
     """
-    from dllm_align.models.load import load_from_section
+    from dllm_align.models.load import check_max_length, load_from_section
     from dllm_align.models.precision import precision_for, prepare_reference
 
     prec = precision_for(recipe, device)
     section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
     mp = load_from_section(section, device, name_or_path=reference_name(recipe))
+    check_max_length(mp, recipe.data.max_length)
     prepare_reference(mp.model, prec)
     mp.set_precision(prec)
     mp.model.eval()
