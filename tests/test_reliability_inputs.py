@@ -356,6 +356,8 @@ CASES = [
     Case("doctor-gpu-memory-inf", doctor_case(extra=("--gpu-memory", "inf")), 2, ("--gpu-memory",)),
     Case("doctor-smoke-unbounded", doctor_case(extra=("--smoke", "1000000000")), 2, ("--smoke",)),
     # ---------------------------------------------------------------- command-line arguments
+    Case("args-evaluate-unknown-task", args_case(lambda b, t: (["evaluate", b.recipe_path, "--tasks", "nosuchtask", "-o", t / "ev"], t / "ev")), 2,
+         ("nosuchtask",)),
     Case("args-limit-zero", args_case(lambda b, t: (["generate", b.recipe_path, "--limit", "0", "--output", t / "g.jsonl"], t / "g.jsonl")), 2,
          ("--limit",)),
     Case("args-output-suffix", args_case(lambda b, t: (["generate", b.recipe_path, "--output", t / "g.txt"], t / "g.txt")), 2, ("g.txt", ".jsonl")),

@@ -108,12 +108,14 @@ def evaluate(
         labels[1] += "-2"
     eval_dir = Path(rec.output_dir) / "eval"
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    # Every task name is checked before anything is written (an unknown task left an empty eval/ behind).
+    tm = E.task_manager([p.harness_task for p in plans], rec.evaluate.include_path)
     if rank0:
         write_run_info(rec, eval_dir, "evaluate")
 
     merged = []
     for name, label in zip(models, labels):
-        res = E.evaluate_model(rec, name, plans, eval_dir / label, rerun=rerun)
+        res = E.evaluate_model(rec, name, plans, eval_dir / label, rerun=rerun, tm=tm)
         merged.append(res)
         if rank0:
             info(f"wrote {eval_dir / label / 'results.json'}")

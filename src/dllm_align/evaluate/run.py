@@ -210,6 +210,7 @@ def evaluate_model(
     *,
     rerun: bool = False,
     lm_factory=None,
+    tm=None,
 ) -> Optional[dict]:
     """Run every planned task on one model; write ``out_dir/results.json`` (the harness's JSON, all
     tasks merged), ``tasks/<key>.json`` and ``samples_<key>.jsonl``; return the merged dict (rank 0).
@@ -232,7 +233,6 @@ def evaluate_model(
     out_dir = Path(out_dir)
     model_fp = model_fingerprint(name_or_path, recipe.model.revision)
     names = [p.harness_task for p in plans]
-    tm = None
     lm = None
     per_task: dict[str, dict] = {}
     for plan in plans:
