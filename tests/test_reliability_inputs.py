@@ -326,6 +326,8 @@ CASES = [
     Case("precompute-max-length-past-positions",
          recipe_case(lambda r: r["data"].update(max_length=1_000_000, padding="paper"), command="precompute-ref"), 2,
          ("data.max_length 1000000", "positions")),
+    Case("recipe-flex-training-on-cpu", recipe_case(lambda r: r["model"].update(attn_implementation="flex_attention")), 2,
+         ("flex_attention", "cannot train on a CPU")),
     Case("recipe-epochs-below-half-a-step", recipe_case(lambda r: (r["train"].pop("max_steps"), r["train"].update(epochs=0.001))), 2,
          ("train.epochs 0.001", "less than half a step")),
     Case("recipe-fp16-on-cpu", recipe_case(lambda r: r["train"].update(mixed_precision="fp16")), 2,

@@ -83,6 +83,11 @@ class _Run:
         self.fsdp = _is_fsdp(accelerator)
         self.resume_from = resume_from
 
+        if recipe.model.attn_implementation == "flex_attention" and accelerator.device.type == "cpu":
+            # torch's FlexAttention has a CPU forward but no CPU backward: say so before loading anything,
+            # not as a NotImplementedError from inside the first step (scoring, precompute-ref, stays allowed).
+            raise UserError("model.attn_implementation flex_attention cannot train on a CPU: FlexAttention has no backward there",
+                            hint="use sdpa (or eager) for CPU training; flex_attention on CUDA")
         # -- the policy (fp32 master weights unless the recipe pins a dtype; autocast does bf16 on GPU)
         section = recipe.model
         if section.dtype == "auto":
