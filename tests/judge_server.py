@@ -71,6 +71,7 @@ class JudgeServer:
         self.log: list[dict] = []
         self.answered = 0
         self.hold_after: int | None = None
+        self.answer_as: dict[str, str] = {}  # model asked -> model the reply names (server-side routing)
         self.fail_after: int | None = None
         self.held = threading.Event()  # set once a request is being held
         self.release = threading.Event()
@@ -254,7 +255,7 @@ class JudgeServer:
                     with srv.lock:
                         srv.answered += 1
                 self._send(200, {
-                    "id": "chatcmpl-test", "object": "chat.completion", "model": model,
+                    "id": "chatcmpl-test", "object": "chat.completion", "model": srv.answer_as.get(model, model),
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
                     "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5},
                 })
