@@ -152,6 +152,8 @@ class JudgeServer:
                     return self._send(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.05"})
                 if action == "500":
                     return self._send(500, {"error": {"message": "server error"}})
+                if action == "404":  # e.g. a batch the server no longer knows
+                    return self._send(404, {"error": {"message": "No batch found with that id", "code": "not_found"}})
                 if action == "drop":
                     return self._drop()
                 with srv.lock:
