@@ -71,6 +71,7 @@ class JudgeServer:
         self.log: list[dict] = []
         self.answered = 0
         self.hold_after: int | None = None
+        self.answer_as: dict[str, str] = {}  # model asked -> model the reply names (server-side routing)
         self.fail_after: int | None = None
         self.held = threading.Event()  # set once a request is being held
         self.release = threading.Event()
@@ -151,6 +152,8 @@ class JudgeServer:
                     return self._send(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.05"})
                 if action == "500":
                     return self._send(500, {"error": {"message": "server error"}})
+                if action == "404":  # e.g. a batch the server no longer knows
+                    return self._send(404, {"error": {"message": "No batch found with that id", "code": "not_found"}})
                 if action == "drop":
                     return self._drop()
                 with srv.lock:
@@ -254,7 +257,7 @@ class JudgeServer:
                     with srv.lock:
                         srv.answered += 1
                 self._send(200, {
-                    "id": "chatcmpl-test", "object": "chat.completion", "model": model,
+                    "id": "chatcmpl-test", "object": "chat.completion", "model": srv.answer_as.get(model, model),
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
                     "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 5, "total_tokens": len(content) // 4 + 5},
                 })

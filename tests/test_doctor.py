@@ -229,3 +229,34 @@ def test_invariant_tolerance_is_zero_only_when_the_cache_was_made_in_the_runs_mi
     mp = load_model("builtin:tiny")
     assert invariant_tolerance(mp, [100], True) == 0.0
     assert invariant_tolerance(mp, [100], False) == pytest.approx(8 * 2.0**-23 * 10)  # fp32: 8 eps sqrt(L)
+
+
+def test_smoke_leaves_no_temporary_folder_after_sigterm_or_sigkill(tmp_path):
+    """After SIGTERM (a scheduler's limit) the smoke's `finally` removes its folder; after SIGKILL the next
+    doctor run removes it (its pid is gone)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from dllm_align.training import doctor as dmod
+
+    repo = Path(__file__).resolve().parents[1]
+    stale = Path(tempfile.gettempdir()) / f"{dmod.SMOKE_PREFIX}999999999-x"
+    stale.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(repo / "src"), OMP_NUM_THREADS="1", DLLM_ALIGN_NO_PROGRESS="1")
+    p = subprocess.Popen([sys.executable, "-m", "dllm_align", "doctor", "demo", "--smoke", "50", "-o", str(tmp_path / "run")],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not list(Path(tempfile.gettempdir()).glob(f"{dmod.SMOKE_PREFIX}{p.pid}-*")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    assert list(Path(tempfile.gettempdir()).glob(f"{dmod.SMOKE_PREFIX}{p.pid}-*")), "the smoke never started"
+    assert not stale.exists()  # a killed run's folder, removed when the next smoke starts
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    assert p.returncode in (143, -signal.SIGTERM)
+    assert not list(Path(tempfile.gettempdir()).glob(f"{dmod.SMOKE_PREFIX}{p.pid}-*")), "SIGTERM left the smoke's folder"

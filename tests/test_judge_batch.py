@@ -270,3 +270,19 @@ def test_a_reply_cut_off_at_the_token_cap_is_named(tmp_path, files):
     rows = [json.loads(x) for x in (out / "outcomes.jsonl").read_text().splitlines()]
     err = next(r_["judges"]["judge-1"].get("error", "") for r_ in rows if r_["id"] == "p5")
     assert "finish_reason 'length'" in err and "--max-tokens" in err
+
+
+def test_a_batch_the_server_no_longer_knows_is_resubmitted_on_the_next_run(tmp_path, files):
+    """A 404 for a batch (expired or deleted on the server) answered every rerun with the same 404 and no
+    hint; now the run says what happened and how to go on, and the rerun submits a new batch."""
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.route_faults = {"batches.retrieve": ["404"]}
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)])
+        assert r.exit_code != 0 and "no longer knows batch" in r.stderr and "run the same command again" in r.stderr
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)])
+        assert r.exit_code == 0, r.stderr
+        assert len(srv.batches) == 2  # the lost one, and its replacement
+    assert exact(out) == (3, 2, 3, 8, 0.5625)

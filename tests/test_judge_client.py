@@ -199,3 +199,20 @@ def test_retry_after_cap_is_bounded_and_documented():
     assert JudgeSection().retry_after_max == 60.0
     with pytest.raises(Exception):
         JudgeSection(retry_after_max=float("inf"))
+
+
+def test_a_reply_from_another_model_than_asked_is_said_once(tmp_path, files):
+    a, b = files
+    with JudgeServer(KEY) as srv:
+        srv.answer_as = {"m": "cheap-model"}
+        r = cli([a, b, "-o", tmp_path / "out", "--judge", "m", *fast(srv)])
+    assert r.exit_code == 0, r.stderr
+    assert r.stderr.count("answered as 'cheap-model'") == 1 and "for model 'm'" in r.stderr
+
+
+def test_a_dated_snapshot_of_the_asked_model_is_the_same_model(tmp_path, files):
+    a, b = files
+    with JudgeServer(KEY) as srv:
+        srv.answer_as = {"m": "m-2024-07-18"}
+        r = cli([a, b, "-o", tmp_path / "out", "--judge", "m", *fast(srv)])
+    assert r.exit_code == 0 and "answered as" not in r.stderr

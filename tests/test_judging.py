@@ -610,3 +610,24 @@ def test_ctrl_c_exits_130_at_once_and_keeps_the_cache(tmp_path, files):
     assert elapsed < 20  # requests in flight are cut, not waited for (their timeout is 60 s)
     assert n_held <= 4  # no new request after Ctrl-C
     assert len((tmp_path / "out" / "cache.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_full_disk_never_leaves_results_without_outcomes(tmp_path, files, monkeypatch):
+    """results.json is the run's record of being done: it is written last, so a write that fails on a full
+    disk leaves no results.json pointing at per-prompt outcomes that are not there."""
+    import errno
+
+    from dllm_align.core import io as dio
+
+    real = dio.atomic_write_json
+
+    def full_disk(path, obj, *a, **k):
+        if Path(path).name == "results.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj, *a, **k)
+
+    monkeypatch.setattr(dio, "atomic_write_json", full_disk)
+    a, b = files
+    with pytest.raises(OSError):
+        judging.judge_files(a, b, tmp_path / "out", JudgeSection(judges=["rule:longer"], bootstrap=200))
+    assert (tmp_path / "out" / "outcomes.jsonl").is_file() and not (tmp_path / "out" / "results.json").exists()

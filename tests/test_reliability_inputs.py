@@ -326,6 +326,8 @@ CASES = [
     Case("precompute-max-length-past-positions",
          recipe_case(lambda r: r["data"].update(max_length=1_000_000, padding="paper"), command="precompute-ref"), 2,
          ("data.max_length 1000000", "positions")),
+    Case("recipe-flex-training-on-cpu", recipe_case(lambda r: r["model"].update(attn_implementation="flex_attention")), 2,
+         ("flex_attention", "cannot train on a CPU")),
     Case("recipe-epochs-below-half-a-step", recipe_case(lambda r: (r["train"].pop("max_steps"), r["train"].update(epochs=0.001))), 2,
          ("train.epochs 0.001", "less than half a step")),
     Case("recipe-fp16-on-cpu", recipe_case(lambda r: r["train"].update(mixed_precision="fp16")), 2,
@@ -527,8 +529,30 @@ def test_a_second_writer_of_the_same_folder_is_refused(base: Base, tmp_path: Pat
     with DirLock(folder, "held by the first run"):  # as the first run would hold it
         r = run_cli(args)
     assert r.code == 2, r.err
-    assert f"Error: another `dllm-align {command}`" in r.err and str(folder) in r.err
+    if command == "precompute-ref":
+        assert "is in use by another dllm-align command: a `precompute-ref` writing it" in r.err and str(folder) in r.err
+    else:
+        assert f"Error: another `dllm-align {command}`" in r.err and str(folder) in r.err
     assert list(folder.iterdir()) == []
+
+
+def test_a_cache_that_a_running_train_reads_is_not_replaced_under_it(base: Base, tmp_path: Path):
+    """`precompute-ref --overwrite` into the cache a running `train` reads was accepted: the run's folder no
+    longer held the values it trained against. The train holds a shared lock on its cache; the rewrite is
+    refused naming the reading train, and, the other way round, a train does not start on a cache being rewritten."""
+    from dllm_align.core.io import DirLock
+
+    cache = tmp_path / "cache"
+    shutil.copytree(base.cache, cache)
+    before = snapshot(cache)
+    with DirLock(cache, "a train reads it", shared=True):  # as a running train holds it
+        r = run_cli(["precompute-ref", base.recipe_path, "-o", tmp_path / "run", "--set", f"reference.cache={cache}", "--overwrite"])
+    assert r.code == 2, r.err
+    assert "or a `train` reading it as its reference cache" in r.err and str(cache) in r.err
+    assert snapshot(cache) == before
+    with DirLock(cache, "a precompute-ref rewrites it"):  # as a running precompute-ref holds it
+        r = run_cli(["train", base.recipe_path, "-o", tmp_path / "run2", "--set", f"reference.cache={cache}"])
+    assert r.code == 2 and "is being rewritten by a running `dllm-align precompute-ref`" in r.err, r.err
 
 
 @pytest.mark.parametrize("command", ["precompute-ref", "train"])
@@ -546,3 +570,24 @@ def test_packed_rows_longer_than_max_length_are_truncated_like_the_other_padding
         assert "lost their tail to fit max_length 40" in r.err  # the truncation is reported, not refused
         kept[padding] = [line for line in r.err.splitlines() if "lost their tail" in line]
     assert kept["none"] == kept["packed"]
+
+
+@pytest.mark.parametrize("fault", ["safetensors", "torch-save"])
+def test_a_full_disk_during_a_checkpoint_is_one_line(base: Base, tmp_path: Path, monkeypatch, fault: str):
+    """A full disk during `train`'s (and so `demo`'s) checkpoint write surfaced as a raw SafetensorError or
+    torch's `[enforce fail at inline_container.cc] . unexpected pos`: it is now the one message the other
+    commands give, naming the checkpoint."""
+    import safetensors.torch
+
+    if fault == "safetensors":
+        def broken(*a, **k):
+            raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })")
+        monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    else:
+        def broken(*a, **k):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        monkeypatch.setattr(torch, "save", broken)
+    r = run_cli(["train", base.recipe_path, "-o", tmp_path / "run"])
+    assert r.exc is None and r.code == 1, r.err
+    errors = [line for line in r.err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "checkpoint" in errors[0] and "no space left on the device" in errors[0], r.err

@@ -153,6 +153,26 @@ def writing_error(target: str | Path, e: OSError, verb: str = "write"):
     return RunFailure(f"cannot {verb} {target}: {e.strerror or type(e).__name__}")
 
 
+_DISK_FULL_MARKS = ("No space left", "Errno 28", "code: 28", "unexpected pos", "file write failed", "Disk quota")
+
+
+@contextmanager
+def disk_errors(target: str | Path, verb: str = "write") -> Iterator[None]:
+    """Inside, a failed write is one clear error naming ``target`` (:func:`writing_error`): also the
+    ones that libraries report without an errno (safetensors' ``SafetensorError``, torch.save's
+    ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos``) when they mean a full disk."""
+    import errno
+
+    try:
+        yield
+    except OSError as e:
+        raise writing_error(target, e, verb) from e
+    except Exception as e:  # noqa: BLE001 - only recognised disk-full errors are translated
+        if any(mark in str(e) for mark in _DISK_FULL_MARKS):
+            raise writing_error(target, OSError(errno.ENOSPC, "No space left on device"), verb) from e
+        raise
+
+
 def user_path(name: str | Path) -> Path:
     """The file the user named, for a path that may be one of our temporary files
     (``DIR/.NAME.<host>-<pid>.XXXX.tmp`` -> ``DIR/NAME``)."""
@@ -411,9 +431,12 @@ class DirLock:
     ``flock`` is unavailable (non-POSIX, some network filesystems).
     """
 
-    def __init__(self, folder: str | Path, message: str):
+    def __init__(self, folder: str | Path, message: str, *, shared: bool = False):
         self.folder = Path(folder)
         self.message = message
+        # shared: a reader that must not see the folder replaced under it (train reading its reference
+        # cache); any number of readers, but no writer (precompute-ref takes the exclusive lock).
+        self.shared = shared
         self._fd: int | None = None
 
     def __enter__(self) -> "DirLock":
@@ -421,10 +444,12 @@ class DirLock:
             import fcntl
         except ImportError:
             return self
+        if self.shared and not self.folder.is_dir():
+            return self  # nothing to read yet: nothing to protect
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(self.folder), os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             from dllm_align.core.errors import UserError

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional
 from dllm_align.core import faults
 from dllm_align.core.errors import RunFailure
 from dllm_align.judge.cache import CacheWriter, Task
-from dllm_align.judge.client import Cancelled, ChatClient
+from dllm_align.judge.client import Cancelled, ChatClient, FatalApiError
 
 STATE = "batch_state.json"
 FOLDER = "batches"
@@ -208,7 +208,18 @@ class BatchRunner:
         with progress(f"{b['name']}", len(b["keys"]), unit="requests") as bar:
             done_shown = 0
             while True:
-                batch = self.client.call(lambda sdk: sdk.batches.retrieve(b["batch_id"]), "batch retrieve")
+                try:
+                    batch = self.client.call(lambda sdk: sdk.batches.retrieve(b["batch_id"]), "batch retrieve")
+                except FatalApiError as e:
+                    if "HTTP 404" not in str(e):
+                        raise
+                    # Expired or deleted on the server: every rerun would get the same 404. Marked lost
+                    # here, so the next run submits the requests it still lacks in a new batch.
+                    b.update(status="done", server_status="lost", answered=0, failed=len(b["keys"]))
+                    self._save()
+                    raise FatalApiError(f"{b['name']}: the server no longer knows batch {b['batch_id']} (HTTP 404: expired or "
+                                        f"deleted); it is marked lost here: run the same command again to submit its "
+                                        f"{len(b['keys'])} request(s) in a new batch (judgements already cached are kept)") from None
                 polls += 1
                 if polls == 2:
                     faults.at("kill_at", "batch_polling")

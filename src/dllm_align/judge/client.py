@@ -185,6 +185,7 @@ class ClientStats:
     retries: dict = field(default_factory=dict)
     requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    other_models: set = field(default_factory=set)  # (asked, answered) pairs already warned about
 
     def retry(self, reason: str) -> None:
         with self.lock:
@@ -566,6 +567,20 @@ class ChatClient:
             self._sleep(delay)
         raise JudgementFailed(f"gave up after {tries} attempt(s); last: {last}")
 
+    def _check_model(self, asked: str, answered: Any) -> None:
+        """Say (once per pair) when a server answers as another model than the one asked for; a dated
+        snapshot of the same name (gpt-4o-mini -> gpt-4o-mini-2024-07-18) is the same model."""
+        if not isinstance(answered, str) or not answered or answered.startswith(asked) or asked.startswith(answered):
+            return
+        with self.stats.lock:
+            if (asked, answered) in self.stats.other_models:
+                return
+            self.stats.other_models.add((asked, answered))
+        from dllm_align.core.console import warn
+
+        warn(self.scrub(f"asked {self.base_url} for model {asked!r}, but it answered as {answered!r}: "
+                        "the verdicts are that model's (check the server's model routing)"))
+
     def complete(self, model: str, content: str, params: Mapping[str, Any], history: Sequence[Mapping[str, str]] = ()) -> Reply:
         """One chat completion of a user message (``params``: temperature, max_tokens or
         max_completion_tokens), with retries; ``history`` continues the conversation after it
@@ -579,6 +594,7 @@ class ChatClient:
             text = msg.content if isinstance(msg.content, str) else ""
             usage = r.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) if r.usage else {}
             finish = getattr(choice, "finish_reason", None)
+            self._check_model(model, getattr(r, "model", None))
             return Reply(self.scrub(text), {k: v for k, v in usage.items() if isinstance(v, int)},
                          finish if isinstance(finish, str) else None)
 

@@ -407,9 +407,11 @@ def judge_pairs(
             "length_unit": "characters",
             "failures": "excluded: a prompt counts for a judge only when both orders were judged",
         }
-        atomic_write_json(out / "results.json", results)
+        # results.json last: it is the run's "done" record, so a full disk can leave the per-prompt
+        # outcomes without the results, never results that point at outcomes that are not there.
         atomic_write_text(out / "outcomes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in outcome_rows))
         atomic_write_text(out / "results.md", results_markdown(results))
+        atomic_write_json(out / "results.json", results)
     return JudgeRunResult(results, outcome_rows, failed, out)
 
 

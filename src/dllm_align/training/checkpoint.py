@@ -164,6 +164,15 @@ def export(run, folder: Path, sd: dict, final: bool = False) -> dict:
     return adapter
 
 def save_checkpoint(run, history: list) -> Path:
+    """Write checkpoint ``step-N`` (a temporary folder, fsynced and renamed): a full disk is one error
+    naming the checkpoint, and the half-written folder is removed by the next run."""
+    from dllm_align.core.io import disk_errors
+
+    with disk_errors(run.out / CHECKPOINTS / f"step-{run.step}", "write checkpoint"):
+        return _save_checkpoint(run, history)
+
+
+def _save_checkpoint(run, history: list) -> Path:
     from safetensors.torch import save_file
 
     root = run.out / CHECKPOINTS

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import shutil
 import statistics
 import tempfile
@@ -208,7 +210,13 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
     from dllm_align.training.loop import _Run, invariant_margins
     from dllm_align.training.setup import make_accelerator
 
-    tmp = Path(tempfile.mkdtemp(prefix="dllm-align-doctor-"))
+    _remove_stale_smoke_folders()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{SMOKE_PREFIX}{os.getpid()}-"))
+    # SIGTERM (a scheduler's time limit) ends the smoke through its `finally`, so the folder goes too;
+    # a SIGKILL's folder is removed by the next doctor run (the pid in its name is gone by then).
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if previous is not None:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         cache = cache_dir(recipe)
         mode = recipe.reference.mode
@@ -289,6 +297,29 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+SMOKE_PREFIX = "dllm-align-doctor-"
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _remove_stale_smoke_folders() -> None:
+    """Temporary smoke folders of doctor runs that were killed (their process is gone)."""
+    for p in Path(tempfile.gettempdir()).glob(f"{SMOKE_PREFIX}*-*"):
+        pid = p.name[len(SMOKE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
 
 
 def _same_composition(run, mode: str) -> tuple[bool, Optional[str]]:

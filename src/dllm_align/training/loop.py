@@ -71,6 +71,7 @@ class _Run:
         from dllm_align.core.console import info
         from dllm_align.objective.elbo import DrawConfig
         from dllm_align.models.load import check_max_length, load_from_section
+        from dllm_align.training.setup import check_trainable_on
         from dllm_align.models.precision import precision_for
 
         self.recipe = recipe
@@ -83,6 +84,7 @@ class _Run:
         self.fsdp = _is_fsdp(accelerator)
         self.resume_from = resume_from
 
+        check_trainable_on(recipe, accelerator.device)
         # -- the policy (fp32 master weights unless the recipe pins a dtype; autocast does bf16 on GPU)
         section = recipe.model
         if section.dtype == "auto":

@@ -223,7 +223,8 @@ def precompute(
     out.mkdir(parents=True, exist_ok=True)
     from dllm_align.core.io import DirLock
 
-    lock = DirLock(out, f"another `dllm-align precompute-ref` is writing to {out}") if is_main else None
+    lock = DirLock(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "
+                        "`train` reading it as its reference cache (that run must finish first)") if is_main else None
     if lock is not None:
         lock.__enter__()
     try:

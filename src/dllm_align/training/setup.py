@@ -161,6 +161,15 @@ def make_accelerator(recipe):
     )
 
 
+def check_trainable_on(recipe, device) -> None:
+    """Refuse, before anything loads, a setting this device cannot train with. torch's FlexAttention has a
+    CPU forward but no CPU backward: said here, not as a NotImplementedError inside the first step
+    (scoring with it, as precompute-ref does, stays allowed)."""
+    if recipe.model.attn_implementation == "flex_attention" and torch.device(device).type == "cpu":
+        raise UserError("model.attn_implementation flex_attention cannot train on a CPU: FlexAttention has no backward there",
+                        hint="use sdpa (or eager) for CPU training; flex_attention on CUDA")
+
+
 def grad_accum_for(t, world: int) -> int:
     """Micro-batches per step: train.grad_accum, or derived from train.global_batch_size and the process count."""
     if t.global_batch_size is None:

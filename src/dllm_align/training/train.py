@@ -38,17 +38,25 @@ def train(
     """
     from dllm_align.core.io import DirLock, recover_jsonl
     from dllm_align.core.runfolder import check_training_settings
+    from dllm_align.training.cache import cache_dir
 
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
     created = not out.exists()
     lock: Optional[DirLock] = None
+    cache_lock: Optional[DirLock] = None
     # The main process inspects the run folder (and verifies the checkpoint to
     # resume from); every process must then agree, or fail together.
     decision: list = [None]
     if acc.is_main_process:
         try:
             lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
+            if recipe.reference.mode == "cached" and recipe.train.objective != "sft":
+                # The cache must stay the one this run trains against: a `precompute-ref --overwrite`
+                # into it is refused while the run lasts (it takes the exclusive lock).
+                cdir = cache_dir(recipe)
+                cache_lock = DirLock(cdir, f"the reference cache {cdir} is being rewritten by a running `dllm-align precompute-ref`",
+                                     shared=True).__enter__()
             found = prepare_output(recipe, resume, overwrite)
             state = None
             if resume and found:
@@ -76,8 +84,9 @@ def train(
             out.rmdir()
         raise
     finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
+        for held in (cache_lock, lock):
+            if held is not None:
+                held.__exit__(None, None, None)
 
 
 def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples, changes=()) -> TrainResult:
@@ -172,7 +181,10 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
         seconds = time.perf_counter() - t_run
         n_steps = run.step - start_step
         if acc.is_main_process:
-            run.export(tmp, sd, final=True)
+            from dllm_align.core.io import disk_errors
+
+            with disk_errors(out / FINAL, "write the final model"):
+                run.export(tmp, sd, final=True)
             summary = {
                 "objective": t.objective,
                 "steps": run.step,
