@@ -260,3 +260,17 @@ def test_smoke_leaves_no_temporary_folder_after_sigterm_or_sigkill(tmp_path):
     p.wait(timeout=60)
     assert p.returncode in (143, -signal.SIGTERM)
     assert not list(Path(tempfile.gettempdir()).glob(f"{dmod.SMOKE_PREFIX}{p.pid}-*")), "SIGTERM left the smoke's folder"
+
+
+def test_doctor_without_a_hub_fails_at_once_with_one_line(monkeypatch, tmp_path):
+    """No network and nothing cached: one Error line after a quick probe (the client's retries took ~28 s and
+    printed a stray huggingface_hub line first). The probe is replaced here: tests never touch the network."""
+    from dllm_align.data import read
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setattr(read, "_hub_reachable", lambda timeout=3.0: False)
+    r = CliRunner().invoke(app, ["doctor", "kto_mix_14k"])
+    assert r.exit_code == 2
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert lines[0].startswith("Error: could not read the config.json of 'GSAI-ML/LLaDA-8B-Instruct'") and "cannot be reached" in lines[0]
