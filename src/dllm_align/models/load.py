@@ -341,6 +341,8 @@ def load_model(
         from dllm_align.models.families import family_for_config, native_family
 
         family = family_for_config(cfg)
+        if family.refuse_reason:
+            raise UserError(f"{path}: {family.name} checkpoint: {family.refuse_reason}")
         native = None if trust_remote_code else native_family(cfg)
         if native is not None:
             try:

@@ -58,6 +58,10 @@ class Family:
     fix_tokenizer: Optional[Callable[[Any, Path], Any]] = None
     # Published decoding defaults, written into the bundled recipes.
     decoding: dict = field(default_factory=dict)
+    # Block diffusion (LLaDA2.x, SDAR): the published block size; None for whole-sequence diffusion.
+    block_size: Optional[int] = None
+    # Why the commands refuse this family's checkpoints (said in full by ``load_model``); None: they do not.
+    refuse_reason: Optional[str] = None
 
     def source_positions(self, cols: torch.Tensor) -> torch.Tensor:
         """The output positions whose hidden states score positions ``cols``."""
