@@ -94,3 +94,26 @@ def test_math_answer_needs_the_reference_column(tmp_path):
     err = _one_error(_label(tmp_path, "--rule", "math_answer", "--prompts", p))
     assert "q.jsonl:1" in err and "no 'answer' column" in err
     assert not (tmp_path / "lab" / "labelled.jsonl").exists()
+
+
+def test_online_rounds_train_on_the_policys_own_samples_and_resume(tmp_path):
+    """Two rounds: each labels the current policy's samples, balances the class weights, trains from the
+    current policy against the initial reference; the second round samples the first round's model. A rerun
+    reuses every finished stage; another setting is refused by name."""
+    args = ["online", "demo", "-o", tmp_path / "on", "--rounds", "2", "--n", "2", "--limit", "12", *FAST,
+            "--set", "train.batch_size=4", "--set", "reference.n_mc=2", "--set", "train.n_mc=2"]
+    r = run_cli(args)
+    assert r.code == 0, r.err
+    rounds = json.loads((tmp_path / "on" / "rounds.json").read_text())["rounds"]
+    assert [t["round"] for t in rounds] == [0, 1]
+    assert rounds[0]["policy"] == "builtin:toy-sort-base" and rounds[1]["policy"].endswith("round-0/final")
+    for t in rounds:
+        w = json.loads((tmp_path / "on" / f"round-{t['round']}" / "weights.json").read_text())
+        assert w["lambda_desirable"] * t["desirable"] == pytest.approx(w["lambda_undesirable"] * t["undesirable"])
+    assert "| round | samples | desirable % |" in r.out and r.out.count("\n| 1 |") == 1
+    before = (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text()
+    again = run_cli(args)
+    assert again.code == 0 and "reusing" in again.err
+    assert (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text() == before
+    other = run_cli(args[:-2] + ["--set", "train.n_mc=2", "--set", "train.lr=0.5"])
+    assert other.code == 2 and "settings differ" in other.err and "train" in other.err
