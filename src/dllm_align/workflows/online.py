@@ -5,7 +5,7 @@ Round r (folder ``DIR/round-<r>``):
 1. ``label``: ``n`` samples per prompt from the current policy (round 0: the recipe's model), each
    labelled by the verifier (:mod:`dllm_align.online.label`);
 2. prompts whose samples are all desirable or all undesirable carry no contrast within the prompt:
-   kept (``--keep-uniform``, the default) or dropped;
+   kept (the default) or dropped (``--drop-uniform``);
 3. class weights balanced for the round, lambda_D n_D = lambda_U n_U (the paper's imbalance rule: a
    verifier's labels are rarely balanced), written as the round's ``weights.json``;
 4. the reference ELBOs of the round's rows: the reference is the initial model (default) or the
@@ -59,7 +59,7 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path) -> tuple[Path, d
     n_u = len(kept) - n_d
     if n_d == 0 or n_u == 0:
         raise UserError(f"{rows_path}: every kept sample is {'undesirable' if n_d == 0 else 'desirable'}: no contrast to train on",
-                        hint="sample more (--n), change the temperature, or keep uniform prompts (--keep-uniform)")
+                        hint="sample more (--n), change the temperature, or keep uniform prompts (leave out --drop-uniform)")
     lam_d, lam_u = (1.0, n_d / n_u) if n_d >= n_u else (n_u / n_d, 1.0)
     train_path = out / "train_rows.jsonl"
     atomic_write_text(train_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
