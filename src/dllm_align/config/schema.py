@@ -407,6 +407,19 @@ class EvaluateSection(Section):
         return v
 
 
+# --------------------------------------------------------------------------- online
+class OnlineSection(Section):
+    """Online ELBO-KTO (``dllm-align online``; ``demo`` runs it when a recipe has this section)."""
+
+    rounds: int = Field(2, ge=1, le=100, description="Rounds of label -> reference -> ELBO-KTO.")
+    rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN or module:function.")
+    n: int = Field(4, ge=1, le=1024, description="Samples per prompt and round.")
+    limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts of data.train.")
+    reference: Literal["initial", "previous"] = Field("initial", description="Each round's reference: the initial model or the policy entering the round.")
+    keep_uniform: bool = Field(True, description="Keep prompts whose samples are all desirable or all undesirable.")
+    temperature: Optional[float] = Field(None, ge=0, le=10, description="Sampling temperature (default: generate.temperature, or 1.0 when that is greedy).")
+
+
 # --------------------------------------------------------------------------- recipe
 class Recipe(Section):
     name: str = "unnamed"
@@ -420,6 +433,7 @@ class Recipe(Section):
     judge: JudgeSection = Field(default_factory=JudgeSection)
     ablate: AblateSection = Field(default_factory=AblateSection)
     evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
+    online: Optional[OnlineSection] = None
 
     @model_validator(mode="after")
     def _consistency(self) -> "Recipe":

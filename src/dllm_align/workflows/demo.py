@@ -35,10 +35,22 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     out.mkdir(parents=True, exist_ok=True)
     base_model = rec.model.name_or_path
 
-    console.info(f"demo: [1/4] reference ELBOs of {base_model} -> {out / 'ref_cache'}")
-    pipeline.reference(rec)
-    console.info("demo: [2/4] ELBO-KTO training")
-    aligned = pipeline.trained_model(rec)
+    rounds = None
+    if rec.online is not None:
+        # Online ELBO-KTO: no labelled rows, the policy's own samples labelled by the verifier, in rounds.
+        from dllm_align.workflows.online import markdown_table, run_online
+
+        o = rec.online
+        console.info(f"demo: [1-2/4] online ELBO-KTO: {o.rounds} round(s) of {o.n} samples per prompt labelled by {o.rule}")
+        rounds = run_online(rec, out / "online", rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, reference=o.reference,
+                            keep_uniform=o.keep_uniform, temperature=o.temperature)
+        aligned = out / "online" / f"round-{o.rounds - 1}" / "final"
+        console.info("online rounds:\n" + markdown_table(rounds))
+    else:
+        console.info(f"demo: [1/4] reference ELBOs of {base_model} -> {out / 'ref_cache'}")
+        pipeline.reference(rec)
+        console.info("demo: [2/4] ELBO-KTO training")
+        aligned = pipeline.trained_model(rec)
     console.info("demo: [3/4] generating with the base and the aligned model")
     files = {
         "base": pipeline.generations(rec, base_model, out / "gen.base.jsonl"),
@@ -65,7 +77,10 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
         "rows": rows,
         "sorts": {k: sort_counts(files[k]) for k in ("base", "aligned")},
     }
-    figure = plot(results, out / "metrics.jsonl", out / "demo.png")
+    if rounds is not None:
+        results["online_rounds"] = rounds
+    metrics = out / "metrics.jsonl" if rounds is None else out / "online" / f"round-{len(rounds) - 1}" / "metrics.jsonl"
+    figure = plot(results, metrics, out / "demo.png")
     # results.json says what the demo wrote, so `--json` and the file are the same object
     results["written"] = [str(out / w) for w in ["results.json", "results.md"] + (["demo.png"] if figure else [])]
     atomic_write_text(out / "results.md", markdown(results) + "\n" + "\n".join(explain(results)) + "\n")
