@@ -129,20 +129,31 @@ def _load_rule_modules() -> None:
             register_rule(name, getattr(importlib.import_module(mod), fn))
 
 
+def user_function(spec: str, label: str) -> tuple[Callable, str]:
+    """The function ``package.module:function`` names, announced on stderr: the one place dllm-align runs code
+    that a flag or a recipe names (rule judges here, verifiers in :mod:`dllm_align.online.verifiers`)."""
+    import importlib
+
+    from dllm_align.core.console import warn
+
+    mod_name, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"{label}: cannot import module {mod_name!r} ({e})")
+    f = getattr(mod, attr, None)
+    if not callable(f):
+        raise UserError(f"{label}: module {mod_name!r} has no function {attr!r}")
+    # Code named by a flag or a recipe runs here: say whose.
+    warn(f"{label}: running your function {attr}() from {getattr(mod, '__file__', None) or mod_name}")
+    return f, attr
+
+
 def get_rule(name: str) -> RuleFn:
     """The rule for ``NAME`` (without the ``rule:`` prefix): a registered name, or
     ``package.module:function`` naming a pairwise function ``(prompt, answer_a, answer_b) -> "A"|"B"|"C"``."""
     if ":" in name:
-        import importlib
-
-        mod_name, _, attr = name.partition(":")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise UserError(f"rule:{name}: cannot import module {mod_name!r} ({e})")
-        f = getattr(mod, attr, None)
-        if not callable(f):
-            raise UserError(f"rule:{name}: module {mod_name!r} has no function {attr!r}")
+        f, attr = user_function(name, f"rule:{name}")
         import inspect
 
         try:  # a judging rule takes (prompt, answer_a, answer_b); anything else is refused before it runs
@@ -154,10 +165,6 @@ def get_rule(name: str) -> RuleFn:
             ) from None
         except ValueError:  # no signature to read (some builtins): its first call will tell
             pass
-        from dllm_align.core.console import warn
-
-        # Code named by a flag or a recipe runs here: say whose.
-        warn(f"rule:{name}: running your function {attr}() from {getattr(mod, '__file__', None) or mod_name}")
         return lambda p, a, b, ref: f(p, a, b)
     if name not in _RULES:
         _load_rule_modules()

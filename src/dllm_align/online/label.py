@@ -1,0 +1,151 @@
+"""`dllm-align label`: sample the policy's own completions and label each one with a verifier.
+
+For every prompt (a prompts file, or the prompts of the recipe's data), ``n`` completions are sampled
+from the recipe's model (or ``--model``) with the recipe's sampler, in fast mode by default and at a
+temperature that gives different samples (1.0 unless ``generate.temperature`` is set above 0); each
+completion is labelled by a verifier (:mod:`dllm_align.online.verifiers`). The output is unpaired rows,
+``prompt``, ``completion``, ``label``, plus their provenance (``round``, ``model``, ``sampler``,
+``labeller``, ``verdict``, ``prompt_id``), which ``precompute-ref`` and ``train`` read as they are; and a
+summary (rows, desirable share, prompts whose samples are all good or all bad).
+
+Everything is checked before the first sample (the rule, and the columns it needs in the prompts file);
+the rows and the summary are written atomically at the end, so a failure leaves nothing half-written.
+Samples are a pure function of (seed, prompt id, sample index): a rerun gives the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from dllm_align.core.errors import UserError
+
+ROWS = "labelled.jsonl"
+SUMMARY = "label_summary.json"
+
+
+@dataclass
+class Prompt:
+    id: str
+    messages: list
+    row: dict  # the source row's columns (reference answers live here)
+    where: str
+
+
+def _prompts_with_rows(source: str, split: Optional[str], limit: Optional[int]) -> list[Prompt]:
+    """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``."""
+    from dllm_align.data.layouts import _messages
+    from dllm_align.data.read import read_tables
+    from dllm_align.data.rows import content_hash
+
+    out: list[Prompt] = []
+    for t in read_tables(source, split, allow_txt=True):
+        for rec in t.records:
+            if rec.problem:
+                raise UserError(f"{rec.where}: {rec.problem}")
+            d = rec.data or {}
+            if "prompt" in d:
+                raw = d["prompt"]
+            elif "question" in d:  # GSM8K's column name
+                raw = d["question"]
+            else:
+                raise UserError(f"{rec.where}: no prompt (or question) column")
+            msgs, _ = _messages(raw, "prompt", t.textual)
+            pid = str(d.get("prompt_id") or d.get("id") or content_hash({"prompt": msgs}))
+            out.append(Prompt(pid, msgs, dict(d), rec.where))
+            if limit and len(out) >= limit:
+                return out
+    return out
+
+
+def _prompt_text(messages: list) -> str:
+    users = [m.get("content", "") for m in messages if m.get("role") == "user"]
+    return users[-1] if users else (messages[-1].get("content", "") if messages else "")
+
+
+def _settings(recipe, temperature: Optional[float]):
+    from dllm_align.generate.settings import FAST_CACHE, FAST_THRESHOLD, SamplerSettings
+
+    s = SamplerSettings.from_section(recipe.generate)
+    upd = {}
+    if temperature is not None:
+        upd["temperature"] = temperature
+    elif s.temperature == 0:
+        upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
+    if s.cache == "none" and s.threshold is None:
+        upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
+    import dataclasses
+
+    return dataclasses.replace(s, **upd)
+
+
+def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[str] = None, split: str = "train",
+          model: Optional[str] = None, limit: Optional[int] = None, temperature: Optional[float] = None,
+          answer_column: str = "answer", round_: int = 0, device=None) -> dict:
+    """Sample ``n`` completions per prompt and label them; returns the summary (module docstring)."""
+    import torch
+
+    from dllm_align.core.console import info, progress
+    from dllm_align.core.io import atomic_write_json, atomic_write_text, check_not_input
+    from dllm_align.generate.sampler import generate
+    from dllm_align.generate.settings import encode_prompt, row_seed
+    from dllm_align.models.load import load_from_section
+    from dllm_align.online.verifiers import apply, get_rule
+
+    if n < 1:
+        raise UserError(f"--n {n}: at least one sample per prompt")
+    verifier = get_rule(rule, answer_column=answer_column)
+    source = prompts or recipe.data.train
+    if source is None:
+        raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
+    items = _prompts_with_rows(str(source), None if prompts else split, limit)
+    if not items:
+        raise UserError(f"{source}: no prompts")
+    for col in verifier.needs:
+        missing = next((p for p in items if col not in p.row), None)
+        if missing is not None:
+            raise UserError(f"{missing.where}: no {col!r} column, which --rule {verifier.name} compares against",
+                            hint="add the reference answers, or name their column with --answer-column")
+    out = Path(out_dir)
+    rows_path, summary_path = out / ROWS, out / SUMMARY
+    for p in (rows_path, summary_path):
+        check_not_input(p)
+    settings = _settings(recipe, temperature)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = model or recipe.model.name_or_path
+    mp = load_from_section(recipe.model, dev, name_or_path=name)
+    ids = [encode_prompt(mp.tokenizer, p.messages) for p in items]
+    flat = [(i, j) for i in range(len(items)) for j in range(n)]
+    seeds = [row_seed(settings.seed, f"{items[i].id}:{j}") for i, j in flat]
+    info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
+         f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}")
+    with progress("sampling", len(flat), unit="samples") as bar:
+        comps = generate(mp, [ids[i] for i, _ in flat], settings, seeds=seeds,
+                         batch_size=recipe.generate.batch_size, on_batch=lambda idx, res: bar.advance(len(idx)))
+    sampler = {k: v for k, v in settings.to_dict().items()}
+    rows = []
+    for (i, j), c in zip(flat, comps):
+        p = items[i]
+        ok = apply(verifier, _prompt_text(p.messages), c.text, p.row, f"{p.where} (prompt {p.id!r}, sample {j})")
+        rows.append({"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
+                     "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
+                     "verdict": "desirable" if ok else "undesirable"})
+    per_prompt = Counter()
+    good = Counter()
+    for r in rows:
+        per_prompt[r["prompt_id"]] += 1
+        good[r["prompt_id"]] += r["label"]
+    n_good = sum(r["label"] for r in rows)
+    summary = {
+        "rows": len(rows), "prompts": len(items), "samples_per_prompt": n, "desirable": n_good,
+        "undesirable": len(rows) - n_good, "desirable_share": n_good / len(rows),
+        "prompts_all_desirable": sum(1 for k in per_prompt if good[k] == per_prompt[k]),
+        "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
+        "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
+    }
+    atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_json(summary_path, summary)
+    return summary

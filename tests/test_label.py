@@ -1,0 +1,119 @@
+"""`dllm-align label`: verifiers (hand-checked GSM8K-style answers), the labelled rows and their
+provenance, reruns, and bad input (one Error line, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from dllm_align.data.toy import desirable, digits_of
+from dllm_align.online.verifiers import as_number, extract_answer, same_answer
+from reliability import run_cli
+
+FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_answers.jsonl"
+FAST = ["--set", "generate.gen_length=16", "--set", "generate.block_length=16", "--set", "generate.steps=16"]
+
+
+def test_math_answer_extraction_on_gsm8k_style_outputs():
+    """40 model-style solutions (####, \\boxed{}, "The answer is", units, commas, $, fractions, negatives,
+    wrong and missing answers), each hand-labelled right or wrong against its reference solution."""
+    rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    assert len(rows) == 40 and sum(not r["correct"] for r in rows) >= 6
+    got = [same_answer(extract_answer(r["output"]), extract_answer(r["answer"])) for r in rows]
+    assert got == [r["correct"] for r in rows]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("Step 1... #### 72", "72"), ("so \\boxed{\\frac{3}{4}} is it", "\\frac{3}{4}"), ("The answer is $1,200.", "$1,200"),
+    ("answer: -3", "-3"), ("first 3 then 5 then 8", "8"), ("no number here", None),
+])
+def test_extraction_rules_in_order(text, want):
+    assert extract_answer(text) == want
+
+
+def test_numbers_compare_exactly():
+    assert as_number("1,234.50") == Fraction(2469, 2) and as_number("\\frac{3}{4}") == as_number("0.75")
+    assert as_number("160 minutes") == 160 and as_number("100%") == 100 and as_number("ten") is None
+    assert same_answer("$2.50", "2.5") and not same_answer("2.51", "2.5") and same_answer("Paris", "paris")
+
+
+def _label(tmp_path: Path, *extra, out="lab"):
+    return run_cli(["label", "demo", "-o", tmp_path / out, "--n", "2", "--limit", "6", *FAST, *extra])
+
+
+def test_label_writes_rows_with_provenance_and_a_rerun_gives_the_same_rows(tmp_path):
+    r = _label(tmp_path)
+    assert r.code == 0, r.err
+    rows = [json.loads(x) for x in (tmp_path / "lab" / "labelled.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and len({x["id"] for x in rows}) == 12
+    for x in rows:  # the verifier's verdict, recomputed here
+        assert x["label"] == (x["completion"].strip() == desirable(digits_of(x["prompt"][-1]["content"])))
+        assert {"round", "model", "sampler", "labeller", "verdict", "prompt_id"} <= set(x)
+        assert x["sampler"]["temperature"] == 1.0 and x["labeller"] == "sort"
+    summary = json.loads(r.out)
+    assert summary == json.loads((tmp_path / "lab" / "label_summary.json").read_text())
+    assert summary["rows"] == 12 and summary["desirable"] == sum(x["label"] for x in rows)
+    assert summary["prompts_all_desirable"] + summary["prompts_all_undesirable"] <= 6
+    again = _label(tmp_path, out="lab2")
+    assert again.code == 0 and (tmp_path / "lab2" / "labelled.jsonl").read_text() == (tmp_path / "lab" / "labelled.jsonl").read_text()
+    # the rows are training data as they are: an unpaired file the data loader reads
+    from dllm_align.data.load import load_unpaired
+
+    assert len(load_unpaired(tmp_path / "lab" / "labelled.jsonl", quiet=True)) == 12
+
+
+def _one_error(r) -> str:
+    errors = [line for line in r.err.splitlines() if line.startswith("Error:")]
+    assert r.code == 2 and len(errors) == 1 and "Traceback" not in r.err, r.err
+    return errors[0]
+
+
+def test_unknown_rule(tmp_path):
+    assert "--rule nosuch: unknown verifier" in _one_error(_label(tmp_path, "--rule", "nosuch"))
+    assert not (tmp_path / "lab").exists()
+
+
+def test_a_rule_that_raises_on_one_row_names_it_and_writes_nothing(tmp_path, monkeypatch):
+    (tmp_path / "myrules.py").write_text(
+        "def picky(prompt, completion, row):\n"
+        "    if row.get('id') == 'sort-train-00003':\n"
+        "        raise ValueError('cannot read this one')\n"
+        "    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = _one_error(_label(tmp_path, "--rule", "myrules:picky"))
+    assert "rule myrules:picky failed on" in err and "sort-train-00003" in err and "cannot read this one" in err
+    assert not (tmp_path / "lab" / "labelled.jsonl").exists()
+
+
+def test_math_answer_needs_the_reference_column(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?"}) + "\n")
+    err = _one_error(_label(tmp_path, "--rule", "math_answer", "--prompts", p))
+    assert "q.jsonl:1" in err and "no 'answer' column" in err
+    assert not (tmp_path / "lab" / "labelled.jsonl").exists()
+
+
+def test_online_rounds_train_on_the_policys_own_samples_and_resume(tmp_path):
+    """Two rounds: each labels the current policy's samples, balances the class weights, trains from the
+    current policy against the initial reference; the second round samples the first round's model. A rerun
+    reuses every finished stage; another setting is refused by name."""
+    args = ["online", "demo", "-o", tmp_path / "on", "--rounds", "2", "--n", "2", "--limit", "12", *FAST,
+            "--set", "train.batch_size=4", "--set", "reference.n_mc=2", "--set", "train.n_mc=2"]
+    r = run_cli(args)
+    assert r.code == 0, r.err
+    rounds = json.loads((tmp_path / "on" / "rounds.json").read_text())["rounds"]
+    assert [t["round"] for t in rounds] == [0, 1]
+    assert rounds[0]["policy"] == "builtin:toy-sort-base" and rounds[1]["policy"].endswith("round-0/final")
+    for t in rounds:
+        w = json.loads((tmp_path / "on" / f"round-{t['round']}" / "weights.json").read_text())
+        assert w["lambda_desirable"] * t["desirable"] == pytest.approx(w["lambda_undesirable"] * t["undesirable"])
+    assert "| round | samples | desirable % |" in r.out and r.out.count("\n| 1 |") == 1
+    before = (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text()
+    again = run_cli(args)
+    assert again.code == 0 and "reusing" in again.err
+    assert (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text() == before
+    other = run_cli(args[:-2] + ["--set", "train.n_mc=2", "--set", "train.lr=0.5"])
+    assert other.code == 2 and "settings differ" in other.err and "train" in other.err
