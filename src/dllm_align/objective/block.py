@@ -66,6 +66,14 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out[None, None]
 
 
+TIME_EPSILON = 1e-3  # the published floor on t (dllm's ``time_epsilon``; SDAR's ``eps``)
+
+
+def draw_t(n: int, generator: Optional[torch.Generator] = None, eps: float = TIME_EPSILON) -> torch.Tensor:
+    """One masking rate per draw, as published: t = eps + (1 - eps) U, U ~ U(0, 1)."""
+    return eps + (1 - eps) * torch.rand(n, generator=generator)
+
+
 def noise(x0: torch.Tensor, maskable: torch.Tensor, t: torch.Tensor, mask_id: int,
           generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One draw per row: ``t`` [B], each maskable token masked with probability t. Returns (x_t, masked)."""
@@ -167,12 +175,23 @@ def draw_terms_shared(forward: Forward, x0: torch.Tensor, xt: torch.Tensor, mask
     return (logp * masked).sum(-1) / t
 
 
+def mask_weight(n: int, n_tok: int, eps: float = 0.0) -> float:
+    """E_t[t^n (1-t)^(N-n) / t] for t uniform on [eps, 1): the weight of one mask hiding n of N tokens.
+
+    With eps = 0 this is the Beta function B(n, N-n+1) = (n-1)! (N-n)! / N!; otherwise expand (1-t)^(N-n)
+    and integrate term by term.
+    """
+    m = n_tok - n
+    total = sum(math.comb(m, j) * (-1) ** j * (1 - eps ** (n + j)) / (n + j) for j in range(m + 1))
+    return total / (1 - eps)
+
+
 def exact_block_elbo(forward: Forward, x0: torch.Tensor, maskable: torch.Tensor, mask_id: int,
-                     block_size: int, bidirectional: bool = False) -> float:
+                     block_size: int, bidirectional: bool = False, eps: float = 0.0) -> float:
     """E_t E_mask[sum_masked log p / t] by enumerating every mask of the maskable tokens (small N only).
 
-    A mask with n of the N maskable tokens has probability t^n (1-t)^(N-n); integrating against the 1/t
-    weight gives the Beta function B(n, N-n+1) = (n-1)! (N-n)! / N!.
+    A mask with n of the N maskable tokens has probability t^n (1-t)^(N-n); integrated against the 1/t
+    weight over t ~ U[eps, 1) this is :func:`mask_weight`.
     """
     idx = maskable.nonzero().flatten().tolist()
     n_tok = len(idx)
@@ -185,7 +204,7 @@ def exact_block_elbo(forward: Forward, x0: torch.Tensor, maskable: torch.Tensor,
         m[chosen] = True
         xt = torch.where(m, torch.full_like(x0, mask_id), x0)
         n = len(chosen)
-        weight = math.factorial(n - 1) * math.factorial(n_tok - n) / math.factorial(n_tok)
+        weight = mask_weight(n, n_tok, eps)
         term = draw_terms_2l(forward, x0, xt[None], m[None], torch.ones(1), block_size, bidirectional)
         total += weight * float(term[0])
     return total

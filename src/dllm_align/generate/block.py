@@ -1,0 +1,129 @@
+"""The block-diffusion sampler of SDAR's published ``generate.py`` (``block_diffusion_generate``), with a KV cache.
+
+The rule, from the published code:
+
+* the canvas is ``ceil((prompt + gen_length) / b) * b`` tokens, blocks counted from the sequence start; the
+  prompt's full blocks are prefilled into the cache under the block-causal mask; the block holding the
+  prompt's tail (if any) is decoded like the others, its prompt tokens never masked;
+* each block runs up to ``steps + 1`` iterations: the block alone is fed against the cache (not stored);
+  a token is drawn for every position with ``torch.multinomial`` over softmax(logits / temperature) (after
+  top-k / top-p), and its probability is its confidence; ``low_confidence_dynamic`` unmasks every masked
+  position whose confidence exceeds the threshold when there are at least as many as the schedule's count
+  for this step (the block split evenly over the steps, the remainder to the first steps), else the
+  schedule's count of most confident ones; ``low_confidence_static`` always the latter; once the block has
+  no mask left it is fed once more and its keys and values are stored;
+* generation stops after a block when any stop id appears after the prompt.
+
+The cache is transformers' ``DynamicCache``; a step that must not store is cropped back after the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
+    base, rem = divmod(block_length, steps)
+    out = torch.full((steps,), base, dtype=torch.int64)
+    out[:rem] += 1
+    return out
+
+
+def draw(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """Tokens and their probabilities, one multinomial draw per position (the published order of operations)."""
+    shape = logits.shape[:-1]
+    logits = logits.reshape(-1, logits.shape[-1])
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, top_k).values[..., -1, None]
+        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
+    if top_p < 1.0:
+        srt, order = torch.sort(logits, descending=True)
+        drop = torch.cumsum(torch.softmax(srt, -1), -1) > top_p
+        drop[..., 1:] = drop[..., :-1].clone()
+        drop[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    tok = torch.multinomial(probs, num_samples=1)
+    return tok.view(*shape), torch.gather(probs, -1, tok).view(*shape)
+
+
+def choose(masked: torch.Tensor, conf: torch.Tensor, count: int, strategy: str, threshold: float) -> torch.Tensor:
+    """Which masked positions of one block [b] to unmask this step."""
+    conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+    pick = torch.zeros_like(masked)
+    if strategy == "low_confidence_dynamic":
+        high = conf > threshold
+        if int(high.sum()) >= count:
+            return high
+    elif strategy != "low_confidence_static":
+        raise ValueError(f"unknown remasking strategy {strategy!r}")
+    pick[torch.topk(conf, count).indices] = True
+    return pick
+
+
+def _mask(q: int, k: int, dtype) -> torch.Tensor:
+    return torch.zeros(1, 1, q, k, dtype=dtype)
+
+
+@torch.no_grad()
+def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, block_length: int = 4,
+                   steps: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   strategy: str = "low_confidence_dynamic", threshold: float = 0.9,
+                   stop_ids: Optional[Sequence[int]] = None, use_cache: bool = True) -> torch.Tensor:
+    """Decode ``gen_length`` tokens after ``prompt`` [P] (batch 1). Returns the whole canvas [1, total].
+
+    ``use_cache=False`` recomputes the whole prefix at every step under the block-causal mask (the
+    reference the cached path is checked against).
+    """
+    from transformers import DynamicCache
+
+    dtype = next(model.parameters()).dtype
+    dev = prompt.device
+    plen = prompt.shape[0]
+    n_blocks = -(-(plen + gen_length) // block_length)
+    total = n_blocks * block_length
+    blk = torch.arange(total, device=dev) // block_length
+    causal = blk[:, None] >= blk[None, :]
+    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
+    x[0, :plen] = prompt
+    pos = torch.arange(total, device=dev)[None]
+    prefill = (plen // block_length) * block_length
+    cache = DynamicCache() if use_cache else None
+
+    def additive(allowed):
+        out = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+        return out.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+    if use_cache and prefill:
+        model(input_ids=x[:, :prefill], position_ids=pos[:, :prefill], attention_mask=additive(causal[:prefill, :prefill]),
+              past_key_values=cache, use_cache=True)
+    sched = transfer_schedule(block_length, steps)
+    for b in range(plen // block_length, n_blocks):
+        lo, hi = b * block_length, (b + 1) * block_length
+        cur = x[:, lo:hi].clone()
+        for step in range(steps + 1):
+            masked = cur == mask_id
+            if not masked.any():
+                if use_cache:
+                    model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
+                          past_key_values=cache, use_cache=True)
+                break
+            if use_cache:
+                logits = model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
+                               past_key_values=cache, use_cache=True).logits
+                cache.crop(-block_length)  # the block was appended: drop it again (not stored)
+            else:
+                ids = torch.cat([x[:, :lo], cur], dim=1)
+                logits = model(input_ids=ids, position_ids=pos[:, :hi], attention_mask=additive(causal[:hi, :hi]),
+                               use_cache=False).logits[:, lo:hi]
+            tok, p = draw(logits, temperature, top_k, top_p)
+            pick = choose(masked[0], p[0], int(sched[step]), strategy, threshold)
+            cur[0, pick] = tok[0, pick]
+        x[:, lo:hi] = cur
+        if stop_ids and any(bool((x[0, plen:] == s).any()) for s in stop_ids):
+            break
+    return x
