@@ -72,3 +72,15 @@ def tiny_dir(tmp_path_factory) -> Path:
     from dllm_align.models.load import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps one process-wide state; a test that changes mixed precision starts and ends clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -56,14 +56,6 @@ def _reset_accelerate():
     GradientState._reset_state()
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """accelerate keeps one process-wide state: a test that changes mixed precision starts and ends clean."""
-    _reset_accelerate()
-    yield
-    _reset_accelerate()
-
-
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
 def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fresh_accelerate):

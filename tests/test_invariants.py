@@ -28,18 +28,6 @@ from dllm_align.config.recipe import load_recipe
 from fixtures.sort_toy import write_pairs
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """accelerate keeps one process-wide state; a test that changes mixed precision starts and ends clean."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     root = tmp_path_factory.mktemp("inv")

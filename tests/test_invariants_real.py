@@ -18,17 +18,6 @@ import torch
 from dllm_align.config.recipe import load_recipe
 
 
-@pytest.fixture
-def fresh_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, shared_data):
     """16 real kto-mix rows (prompt + completion 150..600 byte tokens), written as one unpaired file."""
