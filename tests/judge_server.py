@@ -72,6 +72,7 @@ class JudgeServer:
         self.answered = 0
         self.hold_after: int | None = None
         self.answer_as: dict[str, str] = {}  # model asked -> model the reply names (server-side routing)
+        self.absolute = None  # (first message, number of messages) -> reply text, for absolute (yes/no) judging
         self.fail_after: int | None = None
         self.held = threading.Event()  # set once a request is being held
         self.release = threading.Event()
@@ -245,7 +246,9 @@ class JudgeServer:
                 if action == "slow":
                     time.sleep(srv.slow_seconds)
                 finish = "stop"
-                if action == "garbage":
+                if srv.absolute is not None:  # a yes/no judge: the verdict is the server's function of the request
+                    text = srv.absolute(content, len(req["messages"]))
+                elif action == "garbage":
                     text = "Both answers have merit; I cannot decide."
                 elif action == "cutoff":  # the token cap ended the reply before its verdict
                     text, finish = "Let me weigh both answers point by point. First, the", "length"

@@ -117,3 +117,41 @@ def test_online_rounds_train_on_the_policys_own_samples_and_resume(tmp_path):
     assert (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text() == before
     other = run_cli(args[:-2] + ["--set", "train.n_mc=2", "--set", "train.lr=0.5"])
     assert other.code == 2 and "settings differ" in other.err and "train" in other.err
+
+
+def test_an_absolute_judge_labels_through_the_judge_client_with_a_cache(tmp_path, monkeypatch):
+    """`--rule judge:MODEL`: a yes/no judge at the recipe's judge.base_url (a fake server on 127.0.0.1).
+    Its verdict here: YES for an ascending answer. A reply without a verdict is asked once for the verdict
+    alone, then counted unjudgeable and left out; a rerun asks nothing twice; the key is never written."""
+    import re
+
+    from judge_server import JudgeServer
+
+    key = "sk-test-label-0123456789"
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    state = {"dodged": 0}
+
+    def yes_no(first: str, n_messages: int) -> str:
+        answer = first.split("[Answer]\n", 1)[1].strip()
+        request = re.search(r"sort: (\d+)", first).group(1)
+        if int(request) % 3 == 0 and n_messages == 1:  # dodge the first time: the re-ask gets the verdict
+            state["dodged"] += 1
+            return "Hard to say."
+        return "[[YES]]" if answer == "".join(sorted(request)) else "Not sorted. [[NO]]"
+
+    with JudgeServer(key) as srv:
+        srv.absolute = yes_no
+        args = ["--rule", "judge:m", "--set", f"judge.base_url={srv.url}"]
+        r = _label(tmp_path, *args)
+        assert r.code == 0, r.err
+        asked = len(srv.bodies)
+        again = _label(tmp_path, *args, out="lab")  # same folder: every verdict is cached
+        assert again.code == 0 and len(srv.bodies) == asked
+    rows = [json.loads(x) for x in (tmp_path / "lab" / "labelled.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(x["labeller"] == "judge:m" for x in rows)
+    for x in rows:
+        digits = digits_of(x["prompt"][-1]["content"])
+        assert x["label"] == (x["completion"].strip() == "".join(sorted(digits)))
+    assert key not in "".join(p.read_text() for p in (tmp_path / "lab").iterdir() if p.is_file())
+    distinct = {(x["prompt"][-1]["content"], x["completion"]) for x in rows}
+    assert state["dodged"] >= 1 and asked == len(distinct) + state["dodged"]  # one per distinct sample, one re-ask per dodge

@@ -61,6 +61,23 @@ def _prompts_with_rows(source: str, split: Optional[str], limit: Optional[int]) 
     return out
 
 
+def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
+    """One sample's label: the verifier's True/False; None when an absolute judge could not decide."""
+    from dllm_align.core.errors import RunFailure
+    from dllm_align.judge.client import FatalApiError, JudgementFailed
+    from dllm_align.online.verifiers import apply
+
+    where = f"{p.where} (prompt {p.id!r}, sample {j})"
+    if judge is None:
+        return apply(verifier, _prompt_text(p.messages), completion, p.row, where)
+    try:
+        return judge(_prompt_text(p.messages), completion, p.row)
+    except FatalApiError as e:
+        raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
+    except JudgementFailed as e:
+        raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
+
+
 def _prompt_text(messages: list) -> str:
     users = [m.get("content", "") for m in messages if m.get("role") == "user"]
     return users[-1] if users else (messages[-1].get("content", "") if messages else "")
@@ -93,11 +110,19 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     from dllm_align.generate.sampler import generate
     from dllm_align.generate.settings import encode_prompt, row_seed
     from dllm_align.models.load import load_from_section
-    from dllm_align.online.verifiers import apply, get_rule
+    from dllm_align.online.verifiers import get_rule
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
-    verifier = get_rule(rule, answer_column=answer_column)
+    judge = None
+    if rule.startswith("judge:"):
+        if not rule[len("judge:"):]:
+            raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
+        from dllm_align.online.verifiers import Rule
+
+        verifier = Rule(rule, lambda p, c, r: True)  # replaced by the judge once the checks pass
+    else:
+        verifier = get_rule(rule, answer_column=answer_column)
     source = prompts or recipe.data.train
     if source is None:
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
@@ -113,6 +138,13 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     rows_path, summary_path = out / ROWS, out / SUMMARY
     for p in (rows_path, summary_path):
         check_not_input(p)
+    if rule.startswith("judge:"):
+        from dllm_align.online.absolute import AbsoluteJudge
+        from dllm_align.online.verifiers import Rule
+
+        out.mkdir(parents=True, exist_ok=True)
+        judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
+        verifier = Rule(rule, judge)
     settings = _settings(recipe, temperature)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = model or recipe.model.name_or_path
@@ -127,9 +159,15 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
                          batch_size=recipe.generate.batch_size, on_batch=lambda idx, res: bar.advance(len(idx)))
     sampler = {k: v for k, v in settings.to_dict().items()}
     rows = []
-    for (i, j), c in zip(flat, comps):
+    try:
+        labels = [_verdict(verifier, judge, items[i], c.text, j) for (i, j), c in zip(flat, comps)]
+    finally:
+        if judge is not None:
+            judge.close()
+    for ((i, j), c), ok in zip(zip(flat, comps), labels):
         p = items[i]
-        ok = apply(verifier, _prompt_text(p.messages), c.text, p.row, f"{p.where} (prompt {p.id!r}, sample {j})")
+        if ok is None:  # an absolute judge that gave no verdict even when asked for it alone
+            continue
         rows.append({"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
                      "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
                      "verdict": "desirable" if ok else "undesirable"})
@@ -139,13 +177,20 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         per_prompt[r["prompt_id"]] += 1
         good[r["prompt_id"]] += r["label"]
     n_good = sum(r["label"] for r in rows)
+    if not rows:
+        raise UserError("no sample got a verdict: nothing to write", hint="see the warnings above")
     summary = {
         "rows": len(rows), "prompts": len(items), "samples_per_prompt": n, "desirable": n_good,
         "undesirable": len(rows) - n_good, "desirable_share": n_good / len(rows),
         "prompts_all_desirable": sum(1 for k in per_prompt if good[k] == per_prompt[k]),
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
+        "unjudgeable": judge.unjudgeable if judge is not None else 0,
     }
+    if judge is not None and judge.unjudgeable:
+        from dllm_align.core.console import warn
+
+        warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_json(summary_path, summary)
     return summary

@@ -1,0 +1,88 @@
+"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``): is this answer good, yes or no?
+
+The request goes through the judge's own client (:class:`dllm_align.judge.client.ChatClient`: only the
+recipe's ``judge.base_url`` is contacted, the key comes from ``judge.api_key_env`` and never reaches a
+file or a log, retries and deadlines as for ``judge``). The prompt (:data:`TEMPLATE`) asks for a final
+``[[YES]]`` or ``[[NO]]``; a reply with neither is asked once more for the verdict alone, and then
+counted as unjudgeable: that sample is left out of the rows and counted in the summary. Every verdict is
+cached in ``DIR/label_cache.jsonl`` (keyed by model, prompt, answer and settings), so a rerun after a
+kill asks nothing twice. Requests are sent one at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+TEMPLATE = (
+    "You are judging one answer to a user's request. Decide whether the answer is good: correct, helpful "
+    "and responsive to the request. Explain briefly, then end with your verdict on its own line: [[YES]] if "
+    "the answer is good, [[NO]] if it is not.\n\n[Request]\n{prompt}\n\n[Answer]\n{completion}\n"
+)
+FOLLOW_UP = "Your reply gives no final verdict. Answer with exactly [[YES]] or [[NO]] and nothing else."
+_VERDICT = re.compile(r"\[\[(YES|NO)\]\]", re.I)
+CACHE = "label_cache.jsonl"
+
+
+def parse_yes_no(text: str) -> Optional[bool]:
+    """The last ``[[YES]]`` / ``[[NO]]`` of a reply (True / False), or None."""
+    found = _VERDICT.findall(text or "")
+    return None if not found else found[-1].upper() == "YES"
+
+
+class AbsoluteJudge:
+    """A verifier ``(prompt, completion, row) -> True | False | None`` (None: unjudgeable)."""
+
+    def __init__(self, model: str, section, out_dir: Path):
+        from dllm_align.core.io import recover_jsonl
+        from dllm_align.judge.client import ChatClient, read_api_key
+        from dllm_align.judge.run import request_params
+
+        s = section.model_dump()
+        key = read_api_key(s["api_key_env"])
+        self.client = ChatClient(s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"],
+                                 max_retries=s["max_retries"], retry_base_delay=s["retry_base_delay"],
+                                 retry_max_delay=s["retry_max_delay"], retry_after_max=s["retry_after_max"], concurrency=1,
+                                 allow_plain_http=s["allow_plain_http"], env_proxy=s["env_proxy"])
+        self.model, self.params = model, request_params(s)
+        self.path = Path(out_dir) / CACHE
+        self.cache = {r["key"]: r for r in recover_jsonl(self.path) if r.get("verdict") in ("YES", "NO") and "key" in r}
+        self._appender = None
+        self.unjudgeable = 0
+        self.requests = 0
+
+    def _key(self, prompt: str, completion: str) -> str:
+        fields = {"model": self.model, "template": TEMPLATE, "prompt": prompt, "completion": completion, "params": self.params}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+    def __call__(self, prompt: str, completion: str, row: dict) -> Optional[bool]:
+        from dllm_align.core.io import JsonlAppender
+
+        key = self._key(prompt, completion)
+        if key in self.cache:
+            return self.cache[key]["verdict"] == "YES"
+        content = TEMPLATE.replace("{prompt}", prompt).replace("{completion}", completion)
+        history: tuple = ()
+        for _ in range(2):  # the request, then once more for the verdict alone
+            reply = self.client.complete(self.model, content, self.params, history)
+            self.requests += 1
+            v = parse_yes_no(reply.text)
+            if v is not None:
+                entry = {"key": key, "verdict": "YES" if v else "NO", "reply": reply.text, "model": self.model}
+                if self._appender is None:
+                    self._appender = JsonlAppender(self.path)
+                self._appender.write(entry)
+                self.cache[key] = entry
+                return v
+            history = ({"role": "assistant", "content": reply.text}, {"role": "user", "content": FOLLOW_UP})
+        self.unjudgeable += 1
+        return None
+
+    def close(self) -> None:
+        if self._appender is not None:
+            self._appender.close()
+            self._appender = None
+        self.client.close()
