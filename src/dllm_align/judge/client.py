@@ -32,7 +32,7 @@ does not:
 * **Errors name the URL actually requested** (from the request object), and
   every message is scrubbed of the key.
 
-Size: about 600 lines, kept whole: the guarded transport, the SDK client built on it and the retry
+Size: about 640 lines, kept whole: the guarded transport, the SDK client built on it and the retry
 loop share one request state (URL, key scrubbing, limits), and splitting them would export that state.
 """
 
