@@ -145,8 +145,14 @@ def environment(device: str) -> dict:
     return env
 
 
+def _pythonpath() -> str:
+    """The repository's src first, then whatever PYTHONPATH already holds (wheels installed with
+    ``pip install --target DIR`` on a node whose environment is read-only are found there)."""
+    return os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def run_pytest(tiny: bool, device: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     runs = [("gpu-marked", ["-m", "gpu"])]
     if not tiny:
         runs.append(("invariants-and-packing", ["tests/test_invariants.py", "tests/test_invariants_real.py", "tests/test_packing.py",
@@ -243,7 +249,7 @@ def benchmarks(tiny: bool, device: str, out: Path) -> dict:
     if tiny:
         args += ["--quick", "--only", "padding"]
     p = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=420,
-                       env=dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1"))
+                       env=dict(os.environ, PYTHONPATH=_pythonpath(), HF_HUB_OFFLINE="1"))
     print(p.stdout[-20000:] + p.stderr[-20000:], file=sys.stderr)
     if p.returncode != 0:
         raise RuntimeError(f"benchmarks/run.py exited {p.returncode}")
