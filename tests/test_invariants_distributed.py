@@ -70,9 +70,9 @@ def launched(tmp_path_factory, shared_data):
     spec["train"] = [[launch, lora, str(root / f"train-{launch}-{lora}")] for launch in LAUNCHES for lora in (False, True)]
     spec["margins"] += [["fsdp2", "bf16", "cached", lora, "train.fsdp_gather=bf16_layers"] for lora in (False, True)]
     # block diffusion (SDAR's layout): K noisy streams over one shared clean stream, under every wrapper
-    sdar = "model.name_or_path=builtin:tiny-sdar"
-    spec["margins"] += [["ddp", "bf16", "online", False, sdar], ["fsdp1", "bf16", "online", False, sdar],
-                        ["fsdp2", "bf16", "online", True, sdar], ["fsdp2", "no", "online", False, sdar]]
+    sdar = ["model.name_or_path=builtin:tiny-sdar", "data.max_length=160"]  # Qwen's chat turns are longer
+    spec["margins"] += [["ddp", "bf16", "online", False, *sdar], ["fsdp1", "bf16", "online", False, *sdar],
+                        ["fsdp2", "bf16", "online", True, *sdar], ["fsdp2", "no", "online", False, *sdar]]
     spec["train"] += [["fsdp2", False, str(root / f"train-fsdp2-bf16-{g}"), "bf16", f"train.fsdp_gather={g}"]
                       for g in ("fp32", "bf16_layers")]
     spec["grad_storage"] = ["fsdp1", "fsdp2"]

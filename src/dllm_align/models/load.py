@@ -82,7 +82,8 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
-BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream"}
+BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream",
+                  "builtin:toy-sort-base-sdar": "toy_sort_base_sdar"}
 
 
 def _quiet_transformers() -> None:
