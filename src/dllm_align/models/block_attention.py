@@ -27,6 +27,7 @@ right (an activation-checkpointing recompute included, which re-runs the layer w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -42,6 +43,11 @@ class Streams:
     length: int
     blocks: torch.Tensor  # [B, length] block index of each column
     valid: Optional[torch.Tensor] = None  # [B, length] True for real tokens (None: all)
+
+    @cached_property
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`streams_masks`, built once per forward (every layer reads the same two masks)."""
+        return streams_masks(self)
 
 
 def streams_masks(s: Streams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +82,7 @@ def streams_attention(module, query, key, value, attention_mask, dropout: float 
     b, h, _, d = query.shape
     k, t = s.draws, s.length
     n = k * t
-    noisy_mask, clean_mask = streams_masks(s)
-    noisy_mask, clean_mask = noisy_mask.to(query.device), clean_mask.to(query.device)
+    noisy_mask, clean_mask = (m.to(query.device) for m in s.masks)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     clean = sdpa(query[:, :, n:], key[:, :, n:], value[:, :, n:], attn_mask=clean_mask, scale=scaling)
     kc = key[:, :, n:].unsqueeze(2).expand(-1, -1, k, -1, -1)
