@@ -83,13 +83,21 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
                    steps: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    strategy: str = "low_confidence_dynamic", threshold: float = 0.9,
                    stop_ids: Optional[Sequence[int]] = None, use_cache: bool = True,
-                   generator: Optional[torch.Generator] = None, calls: Optional[list] = None) -> torch.Tensor:
+                   generator: Optional[torch.Generator] = None, calls: Optional[list] = None,
+                   rule: str = "sdar") -> torch.Tensor:
     """Decode ``gen_length`` tokens after ``prompt`` [P] (batch 1). Returns the whole canvas [1, total].
 
     ``use_cache=False`` recomputes the whole prefix at every step under the block-causal mask (the
     reference the cached path is checked against). ``generator``: the draws' random stream (default:
     torch's global one, as the published code). ``calls``: a list the number of model calls is appended to.
+
+    ``rule="llada2"``: LLaDA2's published rule (``LLaDA2MoeModelLM.generate``, dllm's ``LLaDA2Sampler``):
+    at most ``steps`` rounds per block (positions still masked after them stay masked), a round never
+    takes more positions than are masked, and the block is recomputed with its prefix at every round
+    (``use_cache`` keeps finished blocks in a cache instead: the same values).
     """
+    if rule not in ("sdar", "llada2"):
+        raise ValueError(f"unknown block rule {rule!r}")
     from transformers import DynamicCache
 
     dtype = next(model.parameters()).dtype
@@ -120,6 +128,12 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
         step = 0
         while True:
             masked = cur == mask_id
+            if rule == "llada2" and step >= steps:
+                if use_cache:  # the block is finished as it stands: store it
+                    model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
+                          past_key_values=cache, use_cache=True)
+                    n_calls += 1
+                break
             n_calls += int(use_cache or bool(masked.any()))
             if not masked.any():
                 if use_cache:
@@ -136,7 +150,8 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
                                use_cache=False).logits[:, lo:hi]
             if step < steps:
                 tok, p = draw(logits, temperature, top_k, top_p, generator)
-                pick = choose(masked[0], p[0], int(sched[step]), strategy, threshold)
+                count = int(sched[step]) if rule == "sdar" else min(int(sched[step]), int(masked.sum()))
+                pick = choose(masked[0], p[0], count, strategy, threshold)
             else:
                 # The schedule is spent and masks remain: the mask id itself was drawn. The published loop
                 # raises an IndexError here; every remaining position is filled, the mask id excluded.

@@ -246,7 +246,7 @@ def _generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, 
     """One batch under the block-diffusion rule (:mod:`dllm_align.generate.block`), prompt by prompt.
 
     ``cache: none`` recomputes every finished block at each step (exact); ``prefix`` / ``dual`` keep
-    finished blocks in a KV cache (the published way). ``threshold`` set: ``low_confidence_dynamic``
+    finished blocks in a KV cache (SDAR's published way). The family says whose rule (``block_rule``). ``threshold`` set: ``low_confidence_dynamic``
     (every position above it, when they are at least the step's count), else ``low_confidence_static``.
     """
     from dllm_align.generate.block import block_generate
@@ -269,7 +269,8 @@ def _generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, 
                                b, settings.steps_per_block, float(settings.temperature), top_k=settings.top_k or 0,
                                top_p=settings.top_p or 1.0, strategy=strategy, threshold=settings.threshold or 1.0,
                                stop_ids=mp.stop_token_ids, use_cache=settings.cache != "none",
-                               generator=torch.Generator(device=dev).manual_seed(int(seed)), calls=calls)
+                               generator=torch.Generator(device=dev).manual_seed(int(seed)), calls=calls,
+                               rule=mp.family.block_rule)
         gen = x[0, len(prompt): len(prompt) + settings.gen_length]
         local.forwards += calls[0]
         local.positions += calls[0] * b

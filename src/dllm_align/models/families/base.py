@@ -61,6 +61,9 @@ class Family:
     decoding: dict = field(default_factory=dict)
     # Block diffusion (LLaDA2.x, SDAR): the published block size; None for whole-sequence diffusion.
     block_size: Optional[int] = None
+    # The published block rule (``dllm_align.generate.block``): "sdar" (SDAR's generate.py) or "llada2"
+    # (LLaDA2MoeModelLM.generate: at most ``steps`` rounds, never more positions than are masked).
+    block_rule: str = "sdar"
     # Why the commands refuse this family's checkpoints (said in full by ``load_model``); None: they do not.
     refuse_reason: Optional[str] = None
 

@@ -118,6 +118,9 @@ LLADA2 = Family(
     mask_token_id=156895,
     stop_tokens=("<|role_end|>", "<|endoftext|>"),
     sampler="block",
+    block_rule="llada2",
+    # LLaDA2's published generate: blocks of 32, 32 rounds per block, threshold 0.95, greedy
+    decoding={"gen_length": 512, "block_length": 32, "steps": 512, "temperature": 0.0, "threshold": 0.95},
     block_size=32,
     refuse_reason=_NOT_YET.format(b=32),
 )
@@ -127,6 +130,7 @@ LLADA21 = Family(
     model_types=("llada21_moe",),
     mask_token_id=156895,
     sampler="block",
+    block_rule="llada2",
     block_size=32,
     refuse_reason=("LLaDA2.1 decodes with token editing (tokens already decoded can be replaced), which is not "
                    "an absorbing-mask likelihood: dllm-align's ELBO would train it wrongly, so it is refused"),
