@@ -199,6 +199,17 @@ def load_mapped(
     return model.eval()
 
 
+def build_seeded(model_cls, config, seed: int):
+    """``model_cls(config)`` with weights drawn from ``torch.manual_seed(seed)``, the global RNG left as it was."""
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.eval()
+
+
 def rebuild_rotary(model) -> None:
     """Recreate the rotary-embedding module from the config: its buffers in fp32, on the CPU."""
     inner = getattr(model, "model", None)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from dllm_align.models.families.base import Family, load_mapped, refuse, special_ids, tag_config, transformers_key
+from dllm_align.models.families.base import (Family, build_seeded, load_mapped, refuse, special_ids, tag_config,
+                                             transformers_key)
 
 _NOT_YET = ("block-diffusion checkpoints (block {b}) are recognised but not yet trained, scored or sampled by "
             "dllm-align: transformers has no body for its MoE layers and dllm-align's own is not in this release "
@@ -90,13 +91,7 @@ def build_sdar_model(tokenizer, hidden_size: int, layers: int, heads: int, inter
         "block_size": block_size, "mask_token_id": tokenizer.mask_token_id, "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
     })
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(cfg)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.eval()
+    return build_seeded(Qwen3ForCausalLM, cfg, seed)
 
 
 SDAR = Family(

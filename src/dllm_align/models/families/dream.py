@@ -24,6 +24,7 @@ import torch
 
 from dllm_align.models.families.base import (
     Family,
+    build_seeded,
     byte_level_tokenizer,
     load_mapped,
     refuse,
@@ -127,13 +128,7 @@ def build_dream_model(tokenizer, hidden_size: int, layers: int, heads: int, inte
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     })
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.eval()
+    return build_seeded(Qwen2ForCausalLM, cfg, seed)
 
 
 DREAM = Family(
