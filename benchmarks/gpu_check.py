@@ -275,7 +275,8 @@ def families(tiny: bool, device: str) -> dict:
         sm = _smoke(rec, 1)
         mp = load_model(name, device=device)
         ids = encode_prompt(mp.tokenizer, [{"role": "user", "content": "Sort 3 1 2"}])
-        comp = generate(mp, [ids], SamplerSettings(gen_length=8, block_length=8, steps=8))[0]
+        block = mp.block_size or 8  # a block-diffusion model decodes in its own blocks
+        comp = generate(mp, [ids], SamplerSettings(gen_length=8, block_length=block, steps=8))[0]
         out[fam] = {"model": name, "bf16_step_seconds": sm["seconds_per_step"], "invariant_ok": sm["invariant"]["ok"],
                     "generated_tokens": len(comp.raw), "stopped": comp.stopped}
     return out

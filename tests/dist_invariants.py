@@ -186,7 +186,7 @@ def grad_storage_probe(run) -> dict:
 
 def main() -> None:
     from dllm_align.data.examples import load_training_examples
-    from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, build_tiny_tokenizer
     from dllm_align.training.loop import _Run, invariant_margins
     from dllm_align.training.train import train
 
@@ -201,7 +201,9 @@ def main() -> None:
         acc = make_accelerator(launch, mp)
         rec = recipe(spec, mp, mode, lora, str(out / f"m-{launch}-{mp}-{mode}-{lora}{'-'.join([''] + sets)}"), *sets)
         torch.manual_seed(rec.train.seed)  # as train() does: the same LoRA init on every rank and launch
-        run = _Run(rec, acc, None, exs)
+        family = BUILTIN_SPECS.get(rec.model.name_or_path, BUILTIN_SPECS["builtin:tiny"]).family
+        run = _Run(rec, acc, None, exs if family == "llada" else
+                   load_training_examples(rec, build_tiny_tokenizer(family), quiet=True))
         seen = rotary_probe(run.mp.model)
         local = invariant_margins(run, steps=2)
         gathered = [None] * acc.num_processes

@@ -108,7 +108,10 @@ def test_shared_clean_stream_equals_2l_form_values_and_gradients(attn, streams):
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a, b)
     worst = max(float((x - y).abs().max() / (x.abs().max() + 1e-12)) for x, y in zip(ga, gb))
     assert worst < 1e-4, worst
-    assert model.config._attn_implementation == attn  # the streams layout is switched off again
+    if streams:  # the model stays on the streams attention, which is plain SDPA when no streams layout is passed
+        assert model.config._attn_implementation == "dllm_block_sdpa"
+        with torch.no_grad():
+            assert torch.allclose(draw_terms_2l(fwd, x0, xt, masked, t, block), a.detach(), atol=1e-6)
     # and the equality is not vacuous: a different draw gives a different value
     assert not torch.allclose(a, draw_terms_2l(fwd, x0, xt.flip(0), masked.flip(0), t, block))
 

@@ -1,6 +1,6 @@
 """Block-diffusion families (issue 24): SDAR loads natively and matches an independent forward under the
-block-diffusion mask; SDAR, LLaDA2.0 and LLaDA2.1 checkpoints are recognised and refused by the commands
-with their reason (the block ELBO and sampler are not wired into them yet).
+block-diffusion mask, and loads through the commands with the streams attention; LLaDA2.0 and LLaDA2.1
+checkpoints are recognised and refused by the commands with their reason.
 
 The SDAR fixture is the published SDAR-1.7B-Chat config.json field for field, sizes and token ids shrunk."""
 
@@ -14,26 +14,9 @@ from dllm_align.core.errors import UserError
 from dllm_align.models.families import family_for_config
 from dllm_align.objective.block import streams_mask
 
+from fixtures.family_checkpoints import sdar_state
+
 FIXTURE = Path(__file__).parent / "fixtures" / "sdar_1.7b_chat_config.json"
-
-
-def sdar_state(cfg: dict, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    d, hd, H, KV, m, V = (cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads",
-                                           "intermediate_size", "vocab_size"))
-
-    def r(*shape, s=0.3):
-        return torch.randn(*shape, generator=g) * s
-
-    sd = {"model.embed_tokens.weight": r(V, d, s=1.0), "model.norm.weight": 1 + r(d, s=0.1), "lm_head.weight": r(V, d)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        sd |= {p + "self_attn.q_proj.weight": r(H * hd, d), p + "self_attn.k_proj.weight": r(KV * hd, d),
-               p + "self_attn.v_proj.weight": r(KV * hd, d), p + "self_attn.o_proj.weight": r(d, H * hd),
-               p + "self_attn.q_norm.weight": 1 + r(hd, s=0.1), p + "self_attn.k_norm.weight": 1 + r(hd, s=0.1),
-               p + "mlp.gate_proj.weight": r(m, d), p + "mlp.up_proj.weight": r(m, d), p + "mlp.down_proj.weight": r(d, m),
-               p + "input_layernorm.weight": 1 + r(d, s=0.1), p + "post_attention_layernorm.weight": 1 + r(d, s=0.1)}
-    return sd
 
 
 def reference_sdar(sd: dict, cfg: dict, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -120,15 +103,28 @@ def test_sdar_moe_is_refused_by_the_native_loader(sdar_folder):
         family_for_config(cfg).load_native(folder, cfg, torch.float32)
 
 
+def test_sdar_checkpoint_loads_through_the_commands_with_the_streams_attention(sdar_folder):
+    from dllm_align.models.block_attention import STREAMS_ATTENTION
+    from dllm_align.models.families.dream import build_dream_tokenizer
+    from dllm_align.models.load import load_model
+
+    folder, cfg, _ = sdar_folder
+    build_dream_tokenizer().save_pretrained(folder)
+    mp = load_model(str(folder), device="cpu")
+    assert mp.family.name == "sdar" and mp.block_size == cfg["block_size"]
+    assert mp.model.config._attn_implementation == STREAMS_ATTENTION
+    with pytest.raises(UserError, match="not available for block-diffusion"):
+        load_model(str(folder), device="cpu", attn_implementation="eager")
+
+
 @pytest.mark.parametrize("model_type,name,why", [
-    ("sdar", "sdar", "block-diffusion"),
     ("llada2_moe", "llada2", "block-diffusion"),
     ("llada21_moe", "llada21", "token editing"),
 ])
 def test_block_diffusion_checkpoints_are_refused_by_the_commands_with_the_reason(tmp_path, model_type, name, why):
     from dllm_align.models.load import load_model
 
-    cfg = {"model_type": model_type, "architectures": ["SDARForCausalLM" if name == "sdar" else "LLaDA2MoeModelLM"],
+    cfg = {"model_type": model_type, "architectures": ["LLaDA2MoeModelLM"],
            "vocab_size": 48, "hidden_size": 32}
     assert family_for_config(cfg).name == name
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -123,7 +123,8 @@ def test_failed_invariant_exits_1(monkeypatch, tmp_path):
 
 
 # --------------------------------------------------------------------------- families
-@pytest.mark.parametrize("name", ["builtin:tiny", "builtin:small", "builtin:tiny-dream", "builtin:small-dream"])
+@pytest.mark.parametrize("name", ["builtin:tiny", "builtin:small", "builtin:tiny-dream", "builtin:small-dream",
+                                  "builtin:tiny-sdar", "builtin:small-sdar"])
 def test_builtin_shapes_count_the_parameters_each_family_builds(name):
     """The estimate's parameter count is the built model's (Dream's tiny model has GQA and its own specials)."""
     from types import SimpleNamespace
@@ -274,3 +275,31 @@ def test_doctor_without_a_hub_fails_at_once_with_one_line(monkeypatch, tmp_path)
     assert r.exit_code == 2
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert lines[0].startswith("Error: could not read the config.json of 'GSAI-ML/LLaDA-8B-Instruct'") and "cannot be reached" in lines[0]
+
+
+def test_block_diffusion_estimate_counts_the_streams_layout():
+    """A block family's row is K noisy streams and one shared clean stream: (K+1) x max_length tokens, the
+    streams masks on their own line, and the per-head q/k norms in the parameter count."""
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.training.memory import Launch, estimate, model_shape
+
+    rec = load_recipe("demo", ["model.name_or_path=builtin:small-sdar", "data.max_length=96"])
+    shape = model_shape(rec)
+    assert shape.block_size == 4 and shape.qk_norm
+    k, b, T = rec.train_n_mc(), rec.train.batch_size, rec.data.max_length
+    est = estimate(shape, rec, Launch(), autocast=False)
+    assert est.tokens == b * (k + 1) * T
+    assert est.lines["block-diffusion stream masks (bool)"] == b * 3 * T * T
+    assert any("shared clean stream" in n for n in est.notes)
+    whole = estimate(model_shape(load_recipe("demo", ["model.name_or_path=builtin:small", "data.max_length=96"])),
+                     rec, Launch(), autocast=False)
+    assert whole.tokens == b * k * T
+
+
+def test_doctor_smoke_on_a_block_family(tmp_path):
+    """`doctor --smoke` runs real block-diffusion steps: every step-0 margin exactly 0 (fp32, CPU)."""
+    res = runner.invoke(app, ["doctor", "demo", "--smoke", "2", "--json", "-o", str(tmp_path / "run"),
+                              "--set", "model.name_or_path=builtin:tiny-sdar", "--set", "data.max_length=96"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)["smoke"]
+    assert s["invariant"]["max_abs_margin"] == 0.0 and s["invariant"]["ok"] and s["invariant"]["rows"] == 32

@@ -450,16 +450,16 @@ def test_two_processes_give_the_single_process_result(tiny, tmp_path):
 
 
 # --------------------------------------------------------------------------- another family
-@pytest.fixture(scope="module")
-def tiny_dream():
+@pytest.fixture(scope="module", params=["builtin:tiny-dream", "builtin:tiny-sdar"])
+def tiny_dream(request):
     from dllm_align.models.load import load_model
 
-    return load_model("builtin:tiny-dream")
+    return load_model(request.param)
 
 
-def test_dream_family_through_the_harness(tiny_dream, tmp_path):
-    """`evaluate` on a Dream-format model: generation by the family's rule (Dream's), likelihoods
-    through the shifted ELBO; the harness returns what direct calls return."""
+def test_other_families_through_the_harness(tiny_dream, tmp_path):
+    """`evaluate` on a Dream-format model (generation by Dream's rule, likelihoods through the shifted ELBO)
+    and on a block-diffusion one (the block rule, the block ELBO): the harness returns what direct calls return."""
     texts = direct_texts(tiny_dream, GEN_QUESTIONS, chat=True)
     stop, answers = stop_and_answers(texts)
     (tmp_path / "gen").mkdir()

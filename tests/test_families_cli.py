@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from dllm_align.cli.app import app
 from dllm_align.models.load import build_tiny_tokenizer
 
-from fixtures.family_checkpoints import dream_config, dream_state, lladamoe_config, lladamoe_state, write_checkpoint
+from fixtures.family_checkpoints import (dream_config, dream_state, lladamoe_config, lladamoe_state, sdar_config,
+                                        sdar_state, write_checkpoint)
 from fixtures.sort_toy import write_pairs
 
 runner = CliRunner()
@@ -27,10 +28,11 @@ def models(tmp_path_factory):
     moe = write_checkpoint(root / "moe", lladamoe_config(tok), lladamoe_state(lladamoe_config(tok)), tok)
     dtok = build_tiny_tokenizer("dream")
     dream = write_checkpoint(root / "dream", dream_config(dtok), dream_state(dream_config(dtok)), dtok)
-    return {"llada": "builtin:tiny", "dream": str(dream), "llada_moe": str(moe), "root": root}
+    sdar = write_checkpoint(root / "sdar", sdar_config(dtok), sdar_state(sdar_config(dtok)), dtok)
+    return {"llada": "builtin:tiny", "dream": str(dream), "llada_moe": str(moe), "sdar": str(sdar), "root": root}
 
 
-def _recipe(root: Path, model: str, name: str, **train) -> Path:
+def _recipe(root: Path, model: str, name: str, block: int = 6, **train) -> Path:
     data = write_pairs(root / f"{name}.pairs.jsonl", n=8)
     rec = {
         "name": name,
@@ -38,7 +40,8 @@ def _recipe(root: Path, model: str, name: str, **train) -> Path:
         "data": {"train": str(data), "test": str(data), "format": "paired", "max_length": 96},
         "reference": {"n_mc": 2, "batch_size": 8, "shard_size": 8},
         "train": {"lr": 1e-3, "batch_size": 4, "global_batch_size": 4, "max_steps": 1, **train},
-        "generate": {"gen_length": 6, "block_length": 6, "steps": 6, "batch_size": 4, "limit": 3},
+        "generate": {"gen_length": 6 if block == 6 else 8, "block_length": block, "steps": 6 if block == 6 else 8,
+                     "batch_size": 4, "limit": 3},
     }
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec))
@@ -57,10 +60,10 @@ def _reset_accelerate():
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
-@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe"])
+@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe", "sdar"])
 def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fresh_accelerate):
     root = models["root"]
-    rec = _recipe(root, models[family], f"kto-{family}-{precision}")
+    rec = _recipe(root, models[family], f"kto-{family}-{precision}", block=4 if family == "sdar" else 6)
     run = root / f"run-{family}-{precision}"
     mp = ["--set", f"train.mixed_precision={precision}"]
     res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run), *mp])
@@ -93,12 +96,13 @@ def test_llada_sampler_fast_mode_runs_for_the_family(models, family):
     assert "cache is not available" not in res.stderr  # the key/value cache applies to both bodies
 
 
+@pytest.mark.parametrize("family", ["dream", "sdar"])
 @pytest.mark.parametrize("objective,extra", [("sft", {}), ("vrpo", {}), ("elbo_kto", {"lora": {"enabled": True, "r": 4}})])
-def test_other_objectives_and_lora_on_dream(models, objective, extra, fresh_accelerate):
+def test_other_objectives_and_lora(models, family, objective, extra, fresh_accelerate):
     pytest.importorskip("peft") if extra else None
     root = models["root"]
-    rec = _recipe(root, models["dream"], f"{objective}-dream-{bool(extra)}", objective=objective, **extra)
-    run = root / f"run-{objective}-{bool(extra)}"
+    rec = _recipe(root, models[family], f"{objective}-{family}-{bool(extra)}", objective=objective, **extra)
+    run = root / f"run-{objective}-{family}-{bool(extra)}"
     if objective != "sft":
         res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run)])
         assert res.exit_code == 0, res.output

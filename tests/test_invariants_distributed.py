@@ -3,7 +3,7 @@
 One ``torchrun`` launch (tests/dist_invariants.py) checks every configuration,
 so the suite pays for one process start-up:
 
-* the step-0 invariant: every row's margin is exactly 0 (CPU; see
+* the step-0 invariant (also for a block-diffusion model, online): every row's margin is exactly 0 (CPU; see
   test_invariants.py for why exactly) for DDP / FSDP1 / FSDP2 x fp32 / bf16
   autocast x (cached reference, no LoRA) and (online reference, LoRA);
 * the rotary frequencies the forward uses are fp32 under FSDP + bf16, and the
@@ -69,6 +69,10 @@ def launched(tmp_path_factory, shared_data):
     spec["margins"] += [[launch, mp, "online", True] for launch in LAUNCHES for mp in ("no", "bf16")]
     spec["train"] = [[launch, lora, str(root / f"train-{launch}-{lora}")] for launch in LAUNCHES for lora in (False, True)]
     spec["margins"] += [["fsdp2", "bf16", "cached", lora, "train.fsdp_gather=bf16_layers"] for lora in (False, True)]
+    # block diffusion (SDAR's layout): K noisy streams over one shared clean stream, under every wrapper
+    sdar = ["model.name_or_path=builtin:tiny-sdar", "data.max_length=160"]  # Qwen's chat turns are longer
+    spec["margins"] += [["ddp", "bf16", "online", False, *sdar], ["fsdp1", "bf16", "online", False, *sdar],
+                        ["fsdp2", "bf16", "online", True, *sdar], ["fsdp2", "no", "online", False, *sdar]]
     spec["train"] += [["fsdp2", False, str(root / f"train-fsdp2-bf16-{g}"), "bf16", f"train.fsdp_gather={g}"]
                       for g in ("fp32", "bf16_layers")]
     spec["grad_storage"] = ["fsdp1", "fsdp2"]
@@ -108,7 +112,9 @@ def launched(tmp_path_factory, shared_data):
 
 def test_step0_margins_are_zero_on_every_launch(launched):
     res = launched["results"]["margins"]
-    assert len(res) == 14  # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on)
+    # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 4 block-diffusion runs
+    assert len(res) == 18
+    assert sum("tiny-sdar" in key for key in res) == 4
     for key, r in res.items():
         launch = key.split("/")[0]
         assert r["rows"] == 8, key  # 2 global steps x 4 rows, gathered from both ranks

@@ -35,7 +35,7 @@ def generate(
     fast: Annotated[bool, typer.Option("--fast", help="Fast decoding: dual key/value cache and confidence threshold 0.9 (unless set otherwise).", metavar="")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", help="Key/value reuse within a block: none, prefix or dual.")] = None,
     threshold: Annotated[Optional[float], typer.Option("--threshold", help="Commit every candidate above this confidence (fast mode).")] = None,
-    sampler: Annotated[Optional[str], typer.Option("--sampler", help="auto (the model family's rule), llada or dream.")] = None,
+    sampler: Annotated[Optional[str], typer.Option("--sampler", help="auto (the model family's rule), llada, dream or block.")] = None,
     alg: Annotated[Optional[str], typer.Option("--alg", help="Dream rule: origin, maskgit_plus, topk_margin or entropy.")] = None,
     alg_temp: Annotated[Optional[float], typer.Option("--alg-temp", help="Dream rule: > 0 draws the committed positions.")] = None,
     top_p: Annotated[Optional[float], typer.Option("--top-p", help="Dream rule: nucleus filtering of the candidates.")] = None,

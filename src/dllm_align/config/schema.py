@@ -197,8 +197,9 @@ class TrainSection(Section):
 class GenerateSection(Section):
     """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generate.sampler / dream_sampler."""
 
-    sampler: Literal["auto", "llada", "dream"] = Field(
-        "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, or Dream's diffusion_generate."
+    sampler: Literal["auto", "llada", "dream", "block"] = Field(
+        "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, Dream's diffusion_generate, "
+        "or block diffusion's (SDAR: block by block with a KV cache)."
     )
 
     gen_length: int = Field(512, ge=1, description="Tokens generated per prompt (paper: 512).")

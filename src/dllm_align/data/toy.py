@@ -126,13 +126,13 @@ ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 
 
 def install_base(folder: str, name: str = "toy_sort_base") -> str:
-    """Copy a trained base model (the ``toy_sort_base`` or ``toy_sort_base_dream`` recipe's final/
-    folder) into the package as ``builtin:toy-sort-base`` (or ``builtin:toy-sort-base-dream``)."""
+    """Copy a trained base model (the ``toy_sort_base``, ``toy_sort_base_dream`` or ``toy_sort_base_sdar``
+    recipe's final/ folder) into the package as ``builtin:toy-sort-base`` (or ``-dream``, ``-sdar``)."""
     import shutil
     from pathlib import Path
 
-    if name not in ("toy_sort_base", "toy_sort_base_dream"):
-        raise SystemExit(f"unknown packaged base {name!r} (toy_sort_base or toy_sort_base_dream)")
+    if name not in ("toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar"):
+        raise SystemExit(f"unknown packaged base {name!r} (toy_sort_base, toy_sort_base_dream or toy_sort_base_sdar)")
     src = Path(folder)
     dst = Path(__file__).resolve().parents[1] / "assets" / name
     dst.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ The rule, from the published code:
 * the canvas is ``ceil((prompt + gen_length) / b) * b`` tokens, blocks counted from the sequence start; the
   prompt's full blocks are prefilled into the cache under the block-causal mask; the block holding the
   prompt's tail (if any) is decoded like the others, its prompt tokens never masked;
-* each block runs up to ``steps + 1`` iterations: the block alone is fed against the cache (not stored);
+* each block runs up to ``steps + 1`` iterations (one more, filling every position left, if the mask id
+  itself was drawn and the schedule is spent; the published loop stops there with an IndexError): the block alone is fed against the cache (not stored);
   a token is drawn for every position with ``torch.multinomial`` over softmax(logits / temperature) (after
   top-k / top-p), and its probability is its confidence; ``low_confidence_dynamic`` unmasks every masked
   position whose confidence exceeds the threshold when there are at least as many as the schedule's count
@@ -31,10 +32,18 @@ def transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
     return out
 
 
-def draw(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """Tokens and their probabilities, one multinomial draw per position (the published order of operations)."""
+def draw(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+         generator: Optional[torch.Generator] = None):
+    """Tokens and their probabilities, one multinomial draw per position (the published order of operations).
+
+    ``temperature`` 0 (dllm-align's greedy setting; the published code divides by it) takes the most
+    probable token, its softmax probability as the confidence."""
     shape = logits.shape[:-1]
-    logits = logits.reshape(-1, logits.shape[-1])
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    if temperature == 0:
+        probs = torch.softmax(logits, dim=-1)
+        p, tok = probs.max(dim=-1)
+        return tok.view(*shape), p.view(*shape)
     if temperature != 1.0:
         logits = logits / temperature
     if top_k > 0:
@@ -47,7 +56,7 @@ def draw(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
         drop[..., 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    tok = torch.multinomial(probs, num_samples=1)
+    tok = torch.multinomial(probs, num_samples=1, generator=generator)
     return tok.view(*shape), torch.gather(probs, -1, tok).view(*shape)
 
 
@@ -73,11 +82,13 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
 def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, block_length: int = 4,
                    steps: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    strategy: str = "low_confidence_dynamic", threshold: float = 0.9,
-                   stop_ids: Optional[Sequence[int]] = None, use_cache: bool = True) -> torch.Tensor:
+                   stop_ids: Optional[Sequence[int]] = None, use_cache: bool = True,
+                   generator: Optional[torch.Generator] = None, calls: Optional[list] = None) -> torch.Tensor:
     """Decode ``gen_length`` tokens after ``prompt`` [P] (batch 1). Returns the whole canvas [1, total].
 
     ``use_cache=False`` recomputes the whole prefix at every step under the block-causal mask (the
-    reference the cached path is checked against).
+    reference the cached path is checked against). ``generator``: the draws' random stream (default:
+    torch's global one, as the published code). ``calls``: a list the number of model calls is appended to.
     """
     from transformers import DynamicCache
 
@@ -101,12 +112,15 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
     if use_cache and prefill:
         model(input_ids=x[:, :prefill], position_ids=pos[:, :prefill], attention_mask=additive(causal[:prefill, :prefill]),
               past_key_values=cache, use_cache=True)
+    n_calls = int(use_cache and prefill > 0)
     sched = transfer_schedule(block_length, steps)
     for b in range(plen // block_length, n_blocks):
         lo, hi = b * block_length, (b + 1) * block_length
         cur = x[:, lo:hi].clone()
-        for step in range(steps + 1):
+        step = 0
+        while True:
             masked = cur == mask_id
+            n_calls += int(use_cache or bool(masked.any()))
             if not masked.any():
                 if use_cache:
                     model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
@@ -120,10 +134,20 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
                 ids = torch.cat([x[:, :lo], cur], dim=1)
                 logits = model(input_ids=ids, position_ids=pos[:, :hi], attention_mask=additive(causal[:hi, :hi]),
                                use_cache=False).logits[:, lo:hi]
-            tok, p = draw(logits, temperature, top_k, top_p)
-            pick = choose(masked[0], p[0], int(sched[step]), strategy, threshold)
+            if step < steps:
+                tok, p = draw(logits, temperature, top_k, top_p, generator)
+                pick = choose(masked[0], p[0], int(sched[step]), strategy, threshold)
+            else:
+                # The schedule is spent and masks remain: the mask id itself was drawn. The published loop
+                # raises an IndexError here; every remaining position is filled, the mask id excluded.
+                tok, _ = draw(logits.float().index_fill(-1, torch.tensor([mask_id], device=dev), -torch.inf),
+                              temperature, top_k, top_p, generator)
+                pick = masked[0]
             cur[0, pick] = tok[0, pick]
+            step += 1
         x[:, lo:hi] = cur
         if stop_ids and any(bool((x[0, plen:] == s).any()) for s in stop_ids):
             break
+    if calls is not None:
+        calls.append(n_calls)
     return x

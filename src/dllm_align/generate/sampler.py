@@ -242,6 +242,44 @@ def _generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, 
     return out
 
 
+def _generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
+    """One batch under the block-diffusion rule (:mod:`dllm_align.generate.block`), prompt by prompt.
+
+    ``cache: none`` recomputes every finished block at each step (exact); ``prefix`` / ``dual`` keep
+    finished blocks in a KV cache (the published way). ``threshold`` set: ``low_confidence_dynamic``
+    (every position above it, when they are at least the step's count), else ``low_confidence_static``.
+    """
+    from dllm_align.generate.block import block_generate
+
+    b = mp.block_size
+    if b is None:
+        raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
+    if settings.block_length != b:
+        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
+                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+    dev = mp.device
+    stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
+    local = SamplerStats(prompts=len(prompts))
+    strategy = "low_confidence_static" if settings.threshold is None else "low_confidence_dynamic"
+    out = []
+    for prompt, seed in zip(prompts, seeds):
+        calls: list[int] = []
+        with mp._autocast(dev.type):
+            x = block_generate(mp.model, torch.tensor(list(prompt), device=dev), mp.mask_token_id, settings.gen_length,
+                               b, settings.steps_per_block, float(settings.temperature), top_k=settings.top_k or 0,
+                               top_p=settings.top_p or 1.0, strategy=strategy, threshold=settings.threshold or 1.0,
+                               stop_ids=mp.stop_token_ids, use_cache=settings.cache != "none",
+                               generator=torch.Generator(device=dev).manual_seed(int(seed)), calls=calls)
+        gen = x[0, len(prompt): len(prompt) + settings.gen_length]
+        local.forwards += calls[0]
+        local.positions += calls[0] * b
+        out.append(_completion(mp, gen, stops, calls[0], local))
+    local.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.add(local)
+    return out
+
+
 @torch.no_grad()
 def generate_batch(
     mp,
@@ -273,6 +311,8 @@ def generate_batch(
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
     if settings.sampler == "dream":
         return _generate_batch_dream(mp, prompts, settings, seeds, stats, t0)
+    if settings.sampler == "block":
+        return _generate_batch_block(mp, prompts, settings, seeds, stats, t0)
     dev = mp.device
     mask_id = mp.mask_token_id
     P = max(len(p) for p in prompts)

@@ -14,7 +14,7 @@ from dllm_align.core.errors import UserError
 
 
 REMASKING = ("low_confidence", "random")
-SAMPLERS = ("auto", "llada", "dream")  # auto: the model family's published rule
+SAMPLERS = ("auto", "llada", "dream", "block")  # auto: the model family's published rule
 CACHES = ("none", "prefix", "dual")
 FAST_CACHE = "dual"
 FAST_THRESHOLD = 0.9  # Fast-dLLM's default confidence threshold
@@ -122,7 +122,9 @@ class SamplerSettings:
             if self.cfg > 0:
                 out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
         elif self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
-            out.append("top_p / top_k belong to the Dream rule (generate.sampler: dream)")
+            out.append("top_p / top_k belong to the Dream and block rules (generate.sampler: dream or block)")
+        elif self.sampler == "block" and self.cfg > 0:
+            out.append("cfg applies to the LLaDA sampler only (the block rule has no guidance)")
         return out
 
     def check(self) -> None:

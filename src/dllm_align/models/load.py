@@ -67,7 +67,7 @@ class TinySpec:
     intermediate_size: int = 128
     max_position_embeddings: int = 4096
     seed: int = 0
-    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens
+    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens; "sdar": block diffusion
 
 
 # Random-init models built from code (no files), deterministic by spec.
@@ -76,11 +76,14 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     "builtin:small": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256),  # the toy demo's base
     "builtin:tiny-dream": TinySpec(family="dream"),  # Dream's layout and manners at the tiny size
     "builtin:small-dream": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="dream"),
+    "builtin:tiny-sdar": TinySpec(family="sdar"),  # block diffusion (SDAR's Qwen3 layout, block 4) at the tiny size
+    "builtin:small-sdar": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="sdar"),
 }
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
-BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream"}
+BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream",
+                  "builtin:toy-sort-base-sdar": "toy_sort_base_sdar"}
 
 
 def _quiet_transformers() -> None:
@@ -104,7 +107,7 @@ def build_tiny_tokenizer(family: str = "llada"):
     fed to the tiny model; one token is one UTF-8 byte. ``family="dream"`` gives
     Dream's special tokens and chat template instead.
     """
-    if family == "dream":
+    if family in ("dream", "sdar"):  # SDAR is Qwen-tokenised too: <|im_start|> / <|im_end|> turns
         from dllm_align.models.families.dream import build_dream_tokenizer
 
         return build_dream_tokenizer()
@@ -125,6 +128,11 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
 
         return build_dream_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
                                  spec.max_position_embeddings, spec.seed)
+    if spec.family == "sdar":
+        from dllm_align.models.families.block import build_sdar_model
+
+        return build_sdar_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                                spec.max_position_embeddings, spec.seed)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -386,7 +394,11 @@ def load_model(
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
-    if attn_implementation and (isinstance(path, str) or native is not None):
+    from dllm_align.models.families import family_of
+
+    if family_of(model).block_size:
+        _block_attention(model, attn_implementation)
+    elif attn_implementation and (isinstance(path, str) or native is not None):
         _set_attention(model, attn_implementation)  # the other loads passed it to from_pretrained
     model.to(device)
     from dllm_align.models.precision import keep_fp32_buffers
@@ -405,6 +417,24 @@ def _set_attention(model, impl: str) -> None:
             f"model.attn_implementation: {impl} is not available here ({_one_line(e, 120)})",
             hint="use sdpa (always available), or install the kernel's package on a CUDA machine",
         ) from None
+
+
+def _block_attention(model, impl: Optional[str]) -> None:
+    """A block-diffusion model runs the streams attention (SDPA per stream; ``models.block_attention``)."""
+    from dllm_align.models.block_attention import STREAMS_ATTENTION, use_streams_attention
+
+    if impl not in (None, "sdpa", STREAMS_ATTENTION):
+        raise UserError(
+            f"model.attn_implementation: {impl} is not available for block-diffusion models",
+            hint="use sdpa: their training attention (K noisy streams over one clean stream) runs on SDPA; "
+                 "FlexAttention and flash kernels for it are not written yet",
+        )
+    if not type(model).__module__.startswith("transformers."):
+        raise UserError(
+            f"{type(model).__name__}: a block-diffusion model must load natively (its attention is dllm-align's)",
+            hint="set model.trust_remote_code: false; the checkpoint's own code cannot run the shared clean stream",
+        )
+    use_streams_attention(model)
 
 
 def _one_line(e: BaseException, n: int = 200) -> str:

@@ -15,6 +15,7 @@ import torch
 from dllm_align.core.errors import UserError
 
 if TYPE_CHECKING:
+    from dllm_align.models.block_attention import Streams
     from dllm_align.models.precision import Precision
 
 
@@ -95,6 +96,13 @@ class MaskPredictor:
         return next(self.model.parameters()).device
 
     @property
+    def block_size(self) -> Optional[int]:
+        """The block size of a block-diffusion family (the checkpoint's config wins); None otherwise."""
+        if not self.family.block_size:
+            return None
+        return int(getattr(getattr(self.model, "config", None), "block_size", None) or self.family.block_size)
+
+    @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
@@ -135,8 +143,18 @@ class MaskPredictor:
         p = self.precision
         return None if p is None or p.autocast is None or p.autocast == p.weights else p.autocast
 
-    def _forward_args(self, input_ids, attention_mask, packed: Optional[torch.Tensor]) -> dict:
-        """Keyword arguments of the network call: padded rows, or packed rows (:func:`packed_attention`)."""
+    def _forward_args(self, input_ids, attention_mask, packed: Optional[torch.Tensor],
+                      streams: Optional["Streams"] = None) -> dict:
+        """Keyword arguments of the network call: padded rows, packed rows (:func:`packed_attention`), or
+        block-diffusion streams rows (``dllm_align.models.block_attention``: every stream of a row at the
+        positions of its sequence; ``attention_mask`` is not used, ``streams.valid`` says what is real)."""
+        if streams is not None:
+            from dllm_align.models.block_attention import STREAMS_ATTENTION, uses_streams_attention
+
+            if not uses_streams_attention(self.model):
+                raise RuntimeError(f"block-diffusion streams need the {STREAMS_ATTENTION} attention (load_model sets it)")
+            pos = self.position_ids(streams.valid, streams.blocks.shape, input_ids.device).repeat(1, streams.draws + 1)
+            return dict(input_ids=input_ids, position_ids=pos, dllm_streams=streams)
         if packed is None:
             pos = self.position_ids(attention_mask, input_ids.shape, input_ids.device)
             return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
@@ -152,7 +170,8 @@ class MaskPredictor:
         return dict(input_ids=input_ids, attention_mask=mask, position_ids=packed_positions(packed), **extra)
 
     def hidden(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None,
+        streams: Optional["Streams"] = None,
     ) -> torch.Tensor:
         """Final hidden states [B, T, H] (after the last norm).
 
@@ -163,7 +182,7 @@ class MaskPredictor:
         if not self.separable:
             raise RuntimeError("hidden() needs a model whose output head is separable")
         with self._autocast(input_ids.device.type):
-            out = self._body(**self._forward_args(input_ids, attention_mask, packed), use_cache=False)
+            out = self._body(**self._forward_args(input_ids, attention_mask, packed, streams), use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return h[:, : input_ids.shape[1]]  # [B, T]: a flex width rounding is dropped
 
@@ -189,6 +208,7 @@ class MaskPredictor:
         cols: torch.Tensor,
         targets: torch.Tensor,
         packed: Optional[torch.Tensor] = None,
+        streams: Optional["Streams"] = None,
     ) -> torch.Tensor:
         """log p(targets) at positions (rows, cols), in fp32, computing logits only there.
 
@@ -198,13 +218,14 @@ class MaskPredictor:
         gathered for position j is j - 1's, clamped at the first position of j's own
         sequence (of its packed sequence when packed, so a sequence with an empty
         prompt never reads its row-mate's output: the same value as unpacked).
+        ``streams``: rows in the block-diffusion streams layout (:meth:`_forward_args`).
         """
         src = self.family.source_positions(cols)
         if packed is not None and self.family.logit_shift:
             first = cols - packed_positions(packed)[rows, cols]
             src = torch.maximum(src, first)
         if self.separable:
-            h = self.hidden(input_ids, attention_mask, packed)[rows, src]  # [N, H]: only the scored positions
+            h = self.hidden(input_ids, attention_mask, packed, streams)[rows, src]  # [N, H]: only the scored positions
             w = self._plain_head_weight()
             if w is not None and self.head_chunk:
                 # The chunked head computes its matmul in the autocast dtype explicitly (an
@@ -213,7 +234,7 @@ class MaskPredictor:
             logits = self.head(h)
         else:
             with self._autocast(input_ids.device.type):
-                out = self.model(**self._forward_args(input_ids, attention_mask, packed))
+                out = self.model(**self._forward_args(input_ids, attention_mask, packed, streams))
             logits = (out.logits if hasattr(out, "logits") else out[0])[rows, src]  # unshifted output, read at src
         logits = logits.float()
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -96,56 +96,18 @@ def hf_forward(model) -> Forward:
     return run
 
 
-STREAMS_ATTENTION = "dllm_block_streams"
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def streams_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, dllm_streams=None, **_):
-    """Attention over ``[x_t^1; ...; x_t^K; x_0]`` computed stream by stream (what a block-sparse kernel does).
-
-    Each noisy stream's queries meet only their own L keys and the clean stream's L keys (2L), the clean
-    stream's queries only its own L: K*2L^2 + L^2 scores instead of ((K+1)L)^2 under a dense mask. The
-    masks are the same three parts as :func:`streams_mask`. ``query`` [B, H, T, D]; returns [B, T, H, D].
-    """
-    draws, length, block_size = dllm_streams
-    groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    b, h, _, d = query.shape
-    two = streams_mask(length, block_size, 1).to(query.device)
-    n = draws * length
-    clean = torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, n:], key[:, :, n:], value[:, :, n:], attn_mask=two[length:, length:], scale=scaling)
-    kc = key[:, :, n:].unsqueeze(2).expand(-1, -1, draws, -1, -1)
-    vc = value[:, :, n:].unsqueeze(2).expand(-1, -1, draws, -1, -1)
-    kn = torch.cat([key[:, :, :n].view(b, h, draws, length, d), kc], dim=3)
-    vn = torch.cat([value[:, :, :n].view(b, h, draws, length, d), vc], dim=3)
-    noisy = torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, :n].view(b, h, draws, length, d), kn, vn, attn_mask=two[:length], scale=scaling)
-    out = torch.cat([noisy.reshape(b, h, n, d), clean], dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_streams_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(STREAMS_ATTENTION, streams_attention)
-
-
 def hf_streams_forward(model, draws: int, length: int, block_size: int) -> Forward:
-    """A transformers body run with :func:`streams_attention` for a (K+1)L streams layout (mask argument ignored)."""
-    _register_streams_attention()
+    """A transformers body run with the streams attention (``dllm_align.models.block_attention``) for a
+    (K+1)L streams layout of unpadded rows (the mask argument is ignored). The model is switched to that
+    attention for good: it is plain SDPA whenever no streams layout is passed."""
+    from dllm_align.models.block_attention import Streams, use_streams_attention
+
+    use_streams_attention(model)
 
     def run(ids, positions, mask):
-        previous = model.config._attn_implementation
-        model.config._attn_implementation = STREAMS_ATTENTION
-        try:
-            return model(input_ids=ids, position_ids=positions, use_cache=False,
-                         dllm_streams=(draws, length, block_size)).logits
-        finally:
-            model.config._attn_implementation = previous
+        blocks = block_of(torch.arange(length, device=ids.device), block_size).expand(ids.shape[0], -1)
+        return model(input_ids=ids, position_ids=positions, use_cache=False,
+                     dllm_streams=Streams(draws, length, blocks)).logits
 
     return run
 
@@ -208,3 +170,47 @@ def exact_block_elbo(forward: Forward, x0: torch.Tensor, maskable: torch.Tensor,
         term = draw_terms_2l(forward, x0, xt[None], m[None], torch.ones(1), block_size, bidirectional)
         total += weight * float(term[0])
     return total
+
+
+# --------------------------------------------------------------------------- the block ELBO of the commands
+def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], block_size: int,
+                    max_rows_per_forward: Optional[int] = None) -> torch.Tensor:
+    """Per-draw sums of log p at the masked positions [B*K], for a block-diffusion family.
+
+    ``nb`` is :func:`dllm_align.objective.elbo.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
+    b). Each forward call takes a group of rows, each laid out as ``[x_t^{j1}; ...; x_t^{jc}; x_0]`` (c
+    draws and the clean stream, (c+1)T tokens) and run with the streams attention
+    (``dllm_align.models.block_attention``): the value of every draw is what the published 2L form gives,
+    the clean stream once per row and call. Blocks are counted from each row's first real token;
+    padding is never attended to. ``max_rows_per_forward`` bounds the tokens of one call to about that
+    many rows of T (at least one row with one draw).
+    """
+    from dllm_align.models.block_attention import Streams
+    from dllm_align.models.predictor import MaskPredictor
+
+    B, K = nb.B, nb.K
+    T = input_ids.shape[1]
+    dev = nb.input_ids.device
+    pos = MaskPredictor.position_ids(attention_mask, input_ids.shape, input_ids.device)
+    blocks = block_of(pos, block_size).to(dev)
+    valid = None if attention_mask is None else attention_mask.bool().to(dev)
+    budget = max_rows_per_forward or B * (K + 1)
+    rows_per_call = B if budget >= 2 * B else max(1, budget // 2)
+    draws_per_call = max(1, min(K, budget // rows_per_call - 1))
+    row_of = torch.div(nb.rows, K, rounding_mode="floor")
+    draw_of = nb.rows - row_of * K
+    parts = [torch.zeros(B * K, dtype=torch.float32, device=dev)]
+    for r0 in range(0, B, rows_per_call):
+        r1 = min(r0 + rows_per_call, B)
+        for j0 in range(0, K, draws_per_call):
+            j1 = min(j0 + draws_per_call, K)
+            c = j1 - j0
+            noisy = nb.input_ids.view(B, K, T)[r0:r1, j0:j1].reshape(r1 - r0, c * T)
+            ids = torch.cat([noisy, input_ids[r0:r1].to(dev)], dim=1)  # [rows, (c+1)T]
+            sel = (row_of >= r0) & (row_of < r1) & (draw_of >= j0) & (draw_of < j1)
+            rr, jj = row_of[sel], draw_of[sel]
+            cc = (jj - j0) * T + nb.cols[sel]
+            streams = Streams(c, T, blocks[r0:r1], None if valid is None else valid[r0:r1])
+            lp = mp.target_logprobs(ids, None, rr - r0, cc, nb.targets[sel], streams=streams)
+            parts.append(torch.zeros(B * K, dtype=torch.float32, device=lp.device).index_add(0, rr * K + jj, lp))
+    return torch.stack(parts).sum(0)  # each draw's sum comes from one call: the others add exact zeros

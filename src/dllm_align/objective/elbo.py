@@ -207,8 +207,25 @@ def elbo_draws(
     A family that scores position j from the output at j-1 (Dream's shifted
     logits) stays inside the sequence: a scored (completion) position is never
     a sequence's first, since the prompt comes before it.
+
+    A block-diffusion family (``mp.block_size``) scores each draw given its own
+    noisy block and the clean earlier blocks: the draws of a row go through the
+    network as one streams row ``[x_t^1; ...; x_t^K; x_0]`` with the clean
+    stream computed once (:func:`dllm_align.objective.block.block_draw_sums`).
+    The masks and weights are the same function of (seed, id, draw, L): the
+    l-estimator's expectation is the block ELBO with t uniform on (0, 1], since
+    a mask hiding n of L tokens gets the same total weight, 1 / (n C(L, n)),
+    under both (``objective/block.py``, ``mask_weight``).
     """
     nb = make_noisy_batch(input_ids, attention_mask, completion_mask, ids, cfg, mp.mask_token_id, draws)
+    block_size = getattr(mp, "block_size", None)
+    if block_size:
+        from dllm_align.objective.block import block_draw_sums
+
+        # Packing is not written for streams rows: packed recipes run their right-padded rows, which
+        # give the same values (padding is never attended to); only the compute on padding differs.
+        total = block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward)
+        return (total.double() * nb.weight).float().view(nb.B, nb.K)
     BK = nb.B * nb.K
     chunk = max_rows_per_forward or BK
     if pack_length is not None:

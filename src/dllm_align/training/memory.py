@@ -36,6 +36,9 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
   reduce-scatters every micro-batch (``training.loop._Run._sync``), DDP's
   gradients are whole anyway;
+* block diffusion (``block_size`` in the config): a row is K noisy streams and one shared clean
+  stream, (K+1) x max_length tokens (``dllm_align.models.block_attention``), the clean stream never
+  scored; plus the streams attention's boolean masks (3 x max_length^2 bytes per row);
 * packed rows under SDPA or eager attention: the [rows, 1, L, L] boolean block
   mask and its bf16 additive form (3 bytes per entry; flash and flex take
   sequence offsets instead);
@@ -82,6 +85,10 @@ class ModelShape:
     active_experts: int = 0
     expert_intermediate: int = 0
     moe_layers: int = 0
+    # Per-head RMSNorm on queries and keys in every layer (Qwen3 / SDAR layouts).
+    qk_norm: bool = False
+    # Block diffusion (SDAR, LLaDA2.x): the block size; 0 for whole-sequence diffusion.
+    block_size: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -95,7 +102,7 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         """A dense layer (attention, SwiGLU, two norms)."""
-        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim * self.qk_norm
 
     @property
     def moe_layer_params(self) -> int:
@@ -131,6 +138,7 @@ class ModelShape:
         """Parameters inside nn.Linear modules (stored in bf16 by an autocast reference)."""
         d = self.hidden
         norms = self.layers * 2 * d + (self.moe_layers * 2 * self.head_dim if self.moe_layers else 0)
+        norms += (self.layers - self.moe_layers) * 2 * self.head_dim * self.qk_norm
         return self.body_params - norms + (0 if self.tied else self.vocab * d)
 
     def lora_params(self, r: int, targets: list[str]) -> int:
@@ -202,6 +210,10 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         mlp = cfg.get("dense_intermediate_size") or cfg.get("intermediate_size") or ei
     else:
         mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
+    from dllm_align.models.families import family_for_config
+
+    fam = family_for_config(cfg)
+    block = int(cfg.get("block_size") or fam.block_size) if fam.block_size else 0
     kv = pick("num_key_value_heads", "n_kv_heads", default=heads)
     if heads % kv:
         raise UserError(f"{source or 'config.json'}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
@@ -214,6 +226,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         intermediate=_whole(cfg, "intermediate_size", mlp, source=source),
         tied=bool(cfg.get("tie_word_embeddings", cfg.get("weight_tying", False))),
         source=source,
+        qk_norm=cfg.get("model_type") in ("qwen3", "sdar") and not experts,
+        block_size=block,
         **moe,
     )
 
@@ -338,7 +352,10 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     wbytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
     d, i, L = shape.hidden, shape.active_intermediate, shape.layers
     k = recipe.train_n_mc()
-    rows = t.batch_size * (2 if t.objective == "vrpo" else 1) * k
+    units = t.batch_size * (2 if t.objective == "vrpo" else 1)
+    rows = units * k
+    if shape.block_size:  # block diffusion: a row is K noisy streams and one shared clean stream
+        rows = units * (k + 1)
     if t.rows_per_forward:
         rows = min(rows, t.rows_per_forward)
     tokens = rows * recipe.data.max_length
@@ -356,7 +373,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     per_token_layer = (36 * d + 10 * i) if autocast else (44 * d + 16 * i)
     working = tokens * per_token_layer + tokens * i * 4
     ckpt_inputs = L * tokens * d * act
-    head = HEAD_CHUNK * shape.vocab * (4 + 2) + (tokens // 2) * d * 4 * 2
+    scored = tokens * k // (k + 1) if shape.block_size else tokens  # the clean stream is never scored
+    head = HEAD_CHUNK * shape.vocab * (4 + 2) + (scored // 2) * d * 4 * 2
     with_ckpt = ckpt_inputs + working + head
     without_ckpt = L * tokens * per_token_layer + tokens * i * 4 + head
     ckpt = launch.activation_checkpointing or recipe.model.gradient_checkpointing
@@ -374,6 +392,12 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
         L_max = recipe.data.max_length
         lines["packed attention masks (bool + bf16 bias)"] = rows * L_max * L_max * 3
     notes = []
+    if shape.block_size:
+        T_max = recipe.data.max_length
+        # the streams attention's boolean masks per row: noisy queries over (own, clean) keys, clean over clean
+        lines["block-diffusion stream masks (bool)"] = min(units, rows) * 3 * T_max * T_max
+        notes.append(f"block diffusion (block {shape.block_size}): {k} noisy streams and one shared clean stream, "
+                     f"{k + 1} x {T_max} tokens of body per row (2 x {k} x {T_max} without the shared stream)")
     if recipe.model.attn_implementation == "eager":
         lines["eager attention scores"] = rows * shape.heads * recipe.data.max_length**2 * 4
         notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")

@@ -50,19 +50,20 @@ class PolicyScorer(torch.nn.Module):
         self.model = mp.model
         self.__dict__["_mp"] = mp  # not a submodule: it only holds references
 
-    def forward(self, input_ids, attention_mask, rows, cols, targets, packed=None):
-        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets, packed=packed)
+    def forward(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
+        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets, packed=packed, streams=streams)
 
 
 class _ViaModule:
     """Duck-typed MaskPredictor for ``elbo_draws`` that routes through a (wrapped) PolicyScorer."""
 
-    def __init__(self, module, mask_token_id: int):
+    def __init__(self, module, mask_token_id: int, block_size=None):
         self.module = module
         self.mask_token_id = mask_token_id
+        self.block_size = block_size
 
-    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None):
-        return self.module(input_ids, attention_mask, rows, cols, targets, packed)
+    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
+        return self.module(input_ids, attention_mask, rows, cols, targets, packed, streams)
 
 
 # --------------------------------------------------------------------------- margin watch

@@ -1,9 +1,10 @@
 """Block-diffusion families: SDAR (JetLM), LLaDA2.0 and LLaDA2.1 (inclusionAI).
 
-They are recognised so that a checkpoint of theirs is refused with its reason instead of being trained
-with the whole-sequence likelihood, which is the wrong one for them: the commands do not run their block
-ELBO or block sampler yet (docs/block_diffusion.md; the masks and the block ELBO are in
-``dllm_align.objective.block``).
+SDAR is trained, scored and sampled by every command: its block ELBO (``dllm_align.objective.block``)
+runs the K noisy streams and one shared clean stream through the streams attention
+(``dllm_align.models.block_attention``), which every block family is loaded with; its sampler is
+``dllm_align.generate.block``. The LLaDA2 families are recognised and refused with their reason
+(docs/block_diffusion.md).
 
 * **SDAR** (``architectures: [SDARForCausalLM]``, ``model_type: sdar``; the published config.json of
   SDAR-1.7B-Chat): a Qwen3 body (per-head RMSNorm on queries and keys, GQA, SwiGLU, RMSNorm pre-norm,
@@ -31,9 +32,8 @@ import torch
 
 from dllm_align.models.families.base import Family, load_mapped, refuse, special_ids, tag_config, transformers_key
 
-_NOT_YET = ("block-diffusion checkpoints (block {b}) are recognised but not yet trained, scored or sampled by "
-            "dllm-align: its block ELBO and block sampler are not wired into the commands (see "
-            "docs/block_diffusion.md)")
+_NOT_YET = ("block-diffusion checkpoints (block {b}) load into dllm-align's native LLaDA2.0 body but are not yet "
+            "trained, scored or sampled by the commands (see docs/block_diffusion.md)")
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -75,6 +75,29 @@ def load_sdar_native(folder: Path, cfg: dict, dtype: torch.dtype):
     from transformers import Qwen3ForCausalLM
 
     return load_mapped(folder, Qwen3ForCausalLM, sdar_config_to_qwen3(cfg), dtype, transformers_key, "SDAR")
+
+
+def build_sdar_model(tokenizer, hidden_size: int, layers: int, heads: int, intermediate_size: int,
+                     max_position_embeddings: int, seed: int, block_size: int = 4):
+    """A random tiny SDAR-format model (Qwen3 body, GQA, per-head q/k norms), deterministic by seed; its
+    config is translated from an SDAR-shaped config.json, so it goes through the same checks as a checkpoint."""
+    from transformers import Qwen3ForCausalLM
+
+    cfg = sdar_config_to_qwen3({
+        "architectures": ["SDARForCausalLM"], "model_type": "sdar", "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": hidden_size // heads,
+        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "block_size": block_size, "mask_token_id": tokenizer.mask_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+    })
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.eval()
 
 
 # --------------------------------------------------------------------------- LLaDA2.0
@@ -169,8 +192,10 @@ SDAR = Family(
     mask_token_id=151669,
     stop_tokens=("<|im_end|>", "<|endoftext|>"),
     load_native=load_sdar_native,
+    sampler="block",
+    # SDAR's serving defaults (block 4, low_confidence_dynamic at 0.9); steps = one per token of a block
+    decoding={"gen_length": 512, "block_length": 4, "steps": 512, "temperature": 1.0, "threshold": 0.9},
     block_size=4,
-    refuse_reason=_NOT_YET.format(b=4),
 )
 
 LLADA2 = Family(
@@ -179,6 +204,7 @@ LLADA2 = Family(
     mask_token_id=156895,
     stop_tokens=("<|role_end|>", "<|endoftext|>"),
     load_native=load_llada2_native,
+    sampler="block",
     block_size=32,
     refuse_reason=_NOT_YET.format(b=32),
 )
@@ -187,6 +213,7 @@ LLADA21 = Family(
     name="llada21",
     model_types=("llada21_moe",),
     mask_token_id=156895,
+    sampler="block",
     block_size=32,
     refuse_reason=("LLaDA2.1 decodes with token editing (tokens already decoded can be replaced), which is not "
                    "an absorbing-mask likelihood: dllm-align's ELBO would train it wrongly, so it is refused"),

@@ -235,8 +235,8 @@ class Llada2Attention(nn.Module):
         q, k = apply_partial_rotary(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        impl = self.config._attn_implementation or "sdpa"
-        attend = eager_attention if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        # (calling ``get_interface`` is also what lets transformers' set_attn_implementation switch this body)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation or "sdpa", eager_attention)
         out, _ = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
                         scaling=self.scaling, **kwargs)
         return self.dense(out.reshape(b, t, -1).contiguous())
