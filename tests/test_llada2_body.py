@@ -395,3 +395,33 @@ def test_gradients_flow():
     assert grads["model.layers.1.mlp.gate.weight"].abs().sum() > 0  # the router learns through its weights
     assert sum(grads[n] is not None for n in grads if ".experts." in n) >= 3  # the chosen experts' matrices
     assert model.model.layers[1].mlp.gate.expert_bias.grad is None
+
+
+def test_block_sampler_with_a_cache_equals_recomputing_the_prefix():
+    """The block sampler's cached path (prefill, crop) runs on the body token for token like the uncached one."""
+    from dllm_align.generate.block import block_generate
+    from dllm_align.models.load import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer("llada")
+    model = build_llada2_model(tok, 32, 2, 4, 48, 64, seed=5, block_size=4)
+    randomize(model, 16)
+    for prompt in ([1, 2, 3], [5, 6, 7, 8, 9]):
+        outs = [block_generate(model, torch.tensor(prompt), mask_id=tok.mask_token_id, gen_length=10, block_length=4,
+                               steps=4, temperature=0.0, threshold=0.9, use_cache=cached)[0] for cached in (True, False)]
+        assert torch.equal(outs[0], outs[1])
+        assert not (outs[0] == tok.mask_token_id).any()
+
+
+def test_2d_mask_is_key_padding_and_padding_changes_nothing():
+    from dllm_align.models.load import build_tiny_tokenizer
+
+    model = build_llada2_model(build_tiny_tokenizer("llada"), 32, 2, 4, 48, 64, seed=6)
+    randomize(model, 17)
+    ids = torch.randint(0, 250, (1, 10), generator=torch.Generator().manual_seed(18))
+    padded = torch.cat([ids, torch.full((1, 4), 257)], dim=1)
+    keep = torch.cat([torch.ones(1, 10), torch.zeros(1, 4)], dim=1).long()
+    with torch.no_grad():
+        alone = model(ids).logits
+        got = model(padded, attention_mask=keep).logits[:, :10]
+        assert (alone - got).abs().max().item() <= 1e-5
+        assert (alone - model(padded).logits[:, :10]).abs().max().item() > 1e-3  # unmasked padding does matter
