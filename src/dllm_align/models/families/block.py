@@ -15,7 +15,8 @@ runs the K noisy streams and one shared clean stream through the streams attenti
 * **LLaDA2.0** (``model_type: llada2_moe``, ``LLaDA2MoeModelLM``): an MoE body transformers has no
   twin of (fused ``query_key_value``, partial rotary 0.5 by default, a sigmoid router with an expert
   bias, grouped top-k over ``n_group`` / ``topk_group`` groups, ``routed_scaling_factor``, shared
-  experts); block 32, mask id 156895.
+  experts), so dllm-align carries its own (``families/llada2_body.py``) and loads the checkpoint into
+  it with the published weight names; block 32, mask id 156895.
 * **LLaDA2.1** (``model_type: llada21_moe``, the same class name): adds token editing (already decoded
   tokens can be replaced), which is not an absorbing-mask likelihood: refused by name.
 
@@ -25,15 +26,15 @@ The LLaDA2 families are told apart by ``model_type`` only, since both publish ``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from dllm_align.models.families.base import (Family, build_seeded, load_mapped, refuse, special_ids, tag_config,
                                              transformers_key)
 
-_NOT_YET = ("block-diffusion checkpoints (block {b}) are recognised but not yet trained, scored or sampled by "
-            "dllm-align: transformers has no body for its MoE layers and dllm-align's own is not in this release "
-            "(see docs/block_diffusion.md)")
+_NOT_YET = ("block-diffusion checkpoints (block {b}) load into dllm-align's native LLaDA2.0 body but are not yet "
+            "trained, scored or sampled by the commands (see docs/block_diffusion.md)")
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -94,6 +95,91 @@ def build_sdar_model(tokenizer, hidden_size: int, layers: int, heads: int, inter
     return build_seeded(Qwen3ForCausalLM, cfg, seed)
 
 
+# --------------------------------------------------------------------------- LLaDA2.0
+def llada2_config(cfg: dict):
+    """A LLaDA2.0 ``config.json`` as the native body's config (every option it does not reproduce named).
+
+    Fields a config.json omits take the published configuration class's defaults, as its own code would.
+    """
+    import inspect
+
+    from dllm_align.models.families.llada2_body import Llada2MoeConfig, check_shapes
+
+    no = []
+    if cfg.get("use_qk_norm", True) is False:
+        no.append("use_qk_norm=false (the hub's modeling code normalises queries and keys regardless, the dllm "
+                  "library's copy skips it: the checkpoint's meaning is ambiguous)")
+    for key in ("rope_scaling", "use_sliding_window", "tie_word_embeddings", "norm_head", "norm_softmax",
+                "using_split_qkv_in_self_attention", "output_router_logits"):
+        if cfg.get(key):
+            no.append(f"{key}={cfg[key]!r}")
+    for key, want in (("use_rmsnorm", True), ("norm_topk_prob", True), ("moe_router_enable_expert_bias", True)):
+        if key in cfg and cfg[key] is not want:
+            no.append(f"{key}={cfg[key]!r}")
+    if cfg.get("score_function", "sigmoid") != "sigmoid":
+        no.append(f"score_function={cfg['score_function']!r}")
+    if str(cfg.get("router_dtype", "fp32")) not in ("fp32", "float32"):
+        no.append(f"router_dtype={cfg['router_dtype']!r}")
+    # Training-time attention dropout (the published class's default is 0.1; the published checkpoints
+    # say 0.0): dllm-align's objectives and its streams attention assume a deterministic body.
+    if float(cfg.get("attention_dropout", 0.1)) != 0.0:
+        no.append(f"attention_dropout={cfg.get('attention_dropout', '0.1 (the published default; missing)')}")
+    published = [n for n in inspect.signature(Llada2MoeConfig.__init__).parameters if n not in ("self", "kwargs")]
+    fields = {k: cfg[k] for k in published if k in cfg and k not in ("rope_scaling", "pad_token_id")}
+    ids = {**special_ids(cfg), "pad_token_id": cfg.get("pad_token_id", 126081)}
+    if no:
+        refuse("LLaDA2.0", no)
+    config = Llada2MoeConfig(**fields, **ids)
+    if cfg.get("rotary_dim") is not None and cfg["rotary_dim"] != config.rope_dim:
+        no.append(f"rotary_dim={cfg['rotary_dim']} (the published code rotates int(head_dim * "
+                  f"partial_rotary_factor) = {config.rope_dim} dimensions)")
+    pad = config.pad_token_id
+    if pad is not None and not 0 <= pad < config.vocab_size:
+        no.append(f"pad_token_id={pad} outside the vocabulary ({config.vocab_size}; the embedding's padding row)")
+    refuse("LLaDA2.0", no + check_shapes(config))
+    config.block_size = int(cfg.get("block_size", 32))
+    return tag_config(config, cfg, "llada2", 156895)
+
+
+def load_llada2_native(folder: Path, cfg: dict, dtype: torch.dtype):
+    """A LLaDA2.0 checkpoint in the native body: the published weight names, no renaming."""
+    from dllm_align.models.families.llada2_body import Llada2MoeModelLM
+
+    return load_mapped(folder, Llada2MoeModelLM, llada2_config(cfg), dtype, lambda key: key, "LLaDA2.0")
+
+
+def build_llada2_model(tokenizer, hidden_size: int, layers: int, heads: int, intermediate_size: int,
+                       max_position_embeddings: int, seed: int, num_experts: int = 4,
+                       num_key_value_heads: Optional[int] = None, num_experts_per_tok: int = 2,
+                       n_group: int = 2, topk_group: int = 1, moe_intermediate_size: Optional[int] = None,
+                       num_shared_experts: int = 1, first_k_dense_replace: int = 1, block_size: int = 32):
+    """A random tiny LLaDA2.0 model (the published layout: first layer dense, then MoE layers with a
+    shared expert; GQA, partial rotary 0.5, base 600000), deterministic by seed."""
+    kv = num_key_value_heads or next(k for k in (heads // 4, heads // 2, heads, 1) if k and heads % k == 0)
+    config = llada2_config({
+        "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": hidden_size // heads, "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6, "rope_theta": 600000, "partial_rotary_factor": 0.5, "use_bias": False,
+        "use_qkv_bias": False, "use_qk_norm": True, "attention_dropout": 0.0, "embedding_dropout": 0.0,
+        "output_dropout": 0.0, "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+        "n_group": n_group, "topk_group": topk_group, "num_shared_experts": num_shared_experts,
+        "moe_intermediate_size": moe_intermediate_size or max(1, intermediate_size // 2),
+        "first_k_dense_replace": first_k_dense_replace, "routed_scaling_factor": 2.5, "use_cache": False,
+        "mask_token_id": tokenizer.mask_token_id, "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "block_size": block_size,
+    })
+    from dllm_align.models.families.llada2_body import Llada2MoeModelLM
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Llada2MoeModelLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.eval()
+
+
 SDAR = Family(
     name="sdar",
     model_types=("sdar",),
@@ -112,6 +198,7 @@ LLADA2 = Family(
     model_types=("llada2_moe",),
     mask_token_id=156895,
     stop_tokens=("<|role_end|>", "<|endoftext|>"),
+    load_native=load_llada2_native,
     sampler="block",
     block_rule="llada2",
     # LLaDA2's published generate: blocks of 32, 32 rounds per block, threshold 0.95, greedy
