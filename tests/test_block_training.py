@@ -130,38 +130,41 @@ def sdar_toy(tmp_path_factory):
     return {"root": root, "data": write_pairs(root / "pairs.jsonl", n=16), "caches": {}}
 
 
-def _sdar_recipe(toy, mp, *sets):
+def _block_recipe(toy, model, mp, *sets):
     from dllm_align.config.recipe import load_recipe
 
     return load_recipe(None, [
-        "model.name_or_path=builtin:tiny-sdar", f"data.train={toy['data']}", "data.format=paired", "data.max_length=160",
+        f"model.name_or_path={model}", f"data.train={toy['data']}", "data.format=paired", "data.max_length=160",
         "reference.n_mc=4", "reference.shard_size=8", "reference.batch_size=16",
-        f"reference.cache={toy['root'] / ('cache-' + mp)}", f"train.mixed_precision={mp}", "train.batch_size=4",
-        "train.lr=1e-3", "train.warmup_ratio=0", *sets], output_dir=str(toy["root"] / "run"))
+        f"reference.cache={toy['root'] / ('cache-' + model.split(':')[-1] + '-' + mp)}", f"train.mixed_precision={mp}",
+        "train.batch_size=4", "train.lr=1e-3", "train.warmup_ratio=0", *sets], output_dir=str(toy["root"] / "run"))
 
 
 @pytest.mark.parametrize("mp", ["no", "bf16"])
 @pytest.mark.parametrize("mode", ["cached", "online"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_step0_margins_are_zero_for_a_block_family(sdar_toy, fresh_accelerate, mp, mode, lora):
+@pytest.mark.parametrize("model,block", [("builtin:tiny-sdar", 4), ("builtin:tiny-llada2", 8)])
+def test_step0_margins_are_zero_for_a_block_family(sdar_toy, fresh_accelerate, model, block, mp, mode, lora):
     """Policy = reference before the first update: every margin exactly 0 (CPU; the cache made in batches of
-    16, training in micro-batches of 4, each row's streams computed alone)."""
+    16, training in micro-batches of 4, each row's streams computed alone), SDAR's dense body and LLaDA2.0's MoE."""
     from dllm_align.data.examples import load_training_examples, make_collate
-    from dllm_align.models.load import build_tiny_tokenizer
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_tokenizer
     from dllm_align.training import reference as ref
     from dllm_align.training.loop import _Run, invariant_margins
     from dllm_align.training.setup import make_accelerator
 
-    tok = build_tiny_tokenizer("sdar")
-    if mp not in sdar_toy["caches"]:
-        rec = _sdar_recipe(sdar_toy, mp)
+    tok = build_tiny_tokenizer(BUILTIN_SPECS[model].family)
+    if (model, mp) not in sdar_toy["caches"]:
+        rec = _block_recipe(sdar_toy, model, mp)
         exs = load_training_examples(rec, tok, quiet=True)
         ref.precompute(rec, exs, make_collate(rec, tok), None, None)
-        sdar_toy["caches"][mp] = exs
+        sdar_toy["caches"][model, mp] = exs
     sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
-    rec = _sdar_recipe(sdar_toy, mp, *sets)
-    run = _Run(rec, make_accelerator(rec), None, sdar_toy["caches"][mp])
-    assert run.mp.block_size == 4
+    if lora and "llada2" in model:
+        sets.append("train.lora.target_modules=[query_key_value,dense]")
+    rec = _block_recipe(sdar_toy, model, mp, *sets)
+    run = _Run(rec, make_accelerator(rec), None, sdar_toy["caches"][model, mp])
+    assert run.mp.block_size == block
     margins = invariant_margins(run, steps=3)
     assert len(margins) == 12
     assert max(abs(v) for v in margins.values()) == 0.0

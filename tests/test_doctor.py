@@ -124,7 +124,7 @@ def test_failed_invariant_exits_1(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------- families
 @pytest.mark.parametrize("name", ["builtin:tiny", "builtin:small", "builtin:tiny-dream", "builtin:small-dream",
-                                  "builtin:tiny-sdar", "builtin:small-sdar"])
+                                  "builtin:tiny-sdar", "builtin:small-sdar", "builtin:tiny-llada2"])
 def test_builtin_shapes_count_the_parameters_each_family_builds(name):
     """The estimate's parameter count is the built model's (Dream's tiny model has GQA and its own specials)."""
     from types import SimpleNamespace
@@ -303,3 +303,27 @@ def test_doctor_smoke_on_a_block_family(tmp_path):
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)["smoke"]
     assert s["invariant"]["max_abs_margin"] == 0.0 and s["invariant"]["ok"] and s["invariant"]["rows"] == 32
+
+
+def test_fsdp_8gpu_estimate_for_llada2_mini_counts_every_expert_and_the_streams(tmp_path):
+    """LLaDA2.0-mini's published config.json (the fixture's fields at the published sizes): 16.26B parameters
+    counted expert by expert (256 routed experts of width 512 and one shared in each of 19 MoE layers, the
+    first layer dense), about 1.4B active per token; a row is 9 x 4,096 tokens (K = 8 noisy streams and the
+    clean one)."""
+    cfg = json.loads((REPO / "tests" / "fixtures" / "llada2_mini_config.json").read_text())
+    cfg.update(num_hidden_layers=20, hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512,
+               num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=256, num_experts_per_tok=8,
+               vocab_size=157184, rotary_dim=64, pad_token_id=156892, max_position_embeddings=16384)
+    (tmp_path / "llada2").mkdir()
+    (tmp_path / "llada2" / "config.json").write_text(json.dumps(cfg))
+    res = runner.invoke(app, ["doctor", "llada2_mini_kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"),
+                              "--set", f"model.name_or_path={tmp_path / 'llada2'}", "-o", str(tmp_path / "run"), "--json"])
+    assert res.exit_code in (0, 1), res.output
+    mem = json.loads(res.stdout)["memory"]
+    d, hd, kv, m, e, v = 2048, 128, 4, 512, 256, 157184
+    attn = d * (16 * hd + 2 * kv * hd) + 16 * hd * d + 2 * hd  # fused qkv, dense, q/k norms
+    dense = attn + 3 * d * 5120 + 2 * d
+    moe = attn + d * e + e * 3 * d * m + 3 * d * m + 2 * d  # router, routed experts, one shared expert, norms
+    want = dense + 19 * moe + 2 * v * d + d
+    assert mem["model"]["params"] == want and 16.2e9 < want < 16.3e9
+    assert mem["tokens_per_forward"] == (8 + 1) * 4096

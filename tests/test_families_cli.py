@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from dllm_align.cli.app import app
 from dllm_align.models.load import build_tiny_tokenizer
 
-from fixtures.family_checkpoints import (dream_config, dream_state, lladamoe_config, lladamoe_state, sdar_config,
-                                        sdar_state, write_checkpoint)
+from fixtures.family_checkpoints import (dream_config, dream_state, llada2_config, llada2_state, lladamoe_config,
+                                        lladamoe_state, sdar_config, sdar_state, write_checkpoint)
 from fixtures.sort_toy import write_pairs
 
 runner = CliRunner()
@@ -29,7 +29,9 @@ def models(tmp_path_factory):
     dtok = build_tiny_tokenizer("dream")
     dream = write_checkpoint(root / "dream", dream_config(dtok), dream_state(dream_config(dtok)), dtok)
     sdar = write_checkpoint(root / "sdar", sdar_config(dtok), sdar_state(sdar_config(dtok)), dtok)
-    return {"llada": "builtin:tiny", "dream": str(dream), "llada_moe": str(moe), "sdar": str(sdar), "root": root}
+    llada2 = write_checkpoint(root / "llada2", llada2_config(tok), llada2_state(llada2_config(tok)), tok)
+    return {"llada": "builtin:tiny", "dream": str(dream), "llada_moe": str(moe), "sdar": str(sdar), "llada2": str(llada2),
+            "root": root}
 
 
 def _recipe(root: Path, model: str, name: str, block: int = 6, **train) -> Path:
@@ -40,8 +42,8 @@ def _recipe(root: Path, model: str, name: str, block: int = 6, **train) -> Path:
         "data": {"train": str(data), "test": str(data), "format": "paired", "max_length": 96},
         "reference": {"n_mc": 2, "batch_size": 8, "shard_size": 8},
         "train": {"lr": 1e-3, "batch_size": 4, "global_batch_size": 4, "max_steps": 1, **train},
-        "generate": {"gen_length": 6 if block == 6 else 8, "block_length": block, "steps": 6 if block == 6 else 8,
-                     "batch_size": 4, "limit": 3},
+        "generate": {"gen_length": {6: 6, 4: 8}.get(block, block), "block_length": block,
+                     "steps": {6: 6, 4: 8}.get(block, block), "batch_size": 4, "limit": 3},
     }
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec))
@@ -60,10 +62,10 @@ def _reset_accelerate():
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
-@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "llada_moe", "sdar", "llada2"])
 def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fresh_accelerate):
     root = models["root"]
-    rec = _recipe(root, models[family], f"kto-{family}-{precision}", block=4 if family == "sdar" else 6)
+    rec = _recipe(root, models[family], f"kto-{family}-{precision}", block={"sdar": 4, "llada2": 32}.get(family, 6))
     run = root / f"run-{family}-{precision}"
     mp = ["--set", f"train.mixed_precision={precision}"]
     res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run), *mp])
@@ -96,10 +98,12 @@ def test_llada_sampler_fast_mode_runs_for_the_family(models, family):
     assert "cache is not available" not in res.stderr  # the key/value cache applies to both bodies
 
 
-@pytest.mark.parametrize("family", ["dream", "sdar"])
+@pytest.mark.parametrize("family", ["dream", "sdar", "llada2"])
 @pytest.mark.parametrize("objective,extra", [("sft", {}), ("vrpo", {}), ("elbo_kto", {"lora": {"enabled": True, "r": 4}})])
 def test_other_objectives_and_lora(models, family, objective, extra, fresh_accelerate):
     pytest.importorskip("peft") if extra else None
+    if extra and family == "llada2":  # LLaDA2.0's attention projections: the fused query_key_value and dense
+        extra = {"lora": {**extra["lora"], "target_modules": ["query_key_value", "dense"]}}
     root = models["root"]
     rec = _recipe(root, models[family], f"{objective}-{family}-{bool(extra)}", objective=objective, **extra)
     run = root / f"run-{objective}-{family}-{bool(extra)}"

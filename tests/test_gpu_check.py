@@ -34,5 +34,6 @@ def test_gpu_check_runs_end_to_end_on_cpu_tiny(tmp_path):
         assert doc[padding]["seconds_per_step"] > 0 and doc[padding]["projected_8gpu_minutes"]["paper"] == {"precompute": 37, "training": 172}
     fam = r["parts"]["families"]
     assert fam["llada"]["generated_tokens"] == 8 and fam["dream"]["invariant_ok"]
-    assert fam["sdar"]["generated_tokens"] == 8 and fam["sdar"]["invariant_ok"]  # block diffusion
+    for block in ("sdar", "llada2"):  # block diffusion: a dense Qwen3 body and the LLaDA2.0 MoE body
+        assert fam[block]["generated_tokens"] == 8 and fam[block]["invariant_ok"]
     assert json.loads((tmp_path / "benchmarks.json").read_text())

@@ -73,6 +73,13 @@ def launched(tmp_path_factory, shared_data):
     sdar = ["model.name_or_path=builtin:tiny-sdar", "data.max_length=160"]  # Qwen's chat turns are longer
     spec["margins"] += [["ddp", "bf16", "online", False, *sdar], ["fsdp1", "bf16", "online", False, *sdar],
                         ["fsdp2", "bf16", "online", True, *sdar], ["fsdp2", "no", "online", False, *sdar]]
+    # LLaDA2.0's MoE body (first layer dense, experts and a shared expert; blocks of 8)
+    llada2 = ["model.name_or_path=builtin:tiny-llada2", "data.max_length=160"]
+    spec["margins"] += [["ddp", "bf16", "online", False, *llada2],
+                        ["fsdp2", "bf16", "online", True, *llada2, "train.lora.target_modules=[query_key_value,dense]"]]
+    # three DDP steps on it: experts no token picked still get a (zero) gradient on every rank
+    spec["train"] += [["ddp", False, str(root / "train-ddp-llada2"), "no", "model.name_or_path=builtin:tiny-llada2",
+                       "reference.mode=online"]]
     spec["train"] += [["fsdp2", False, str(root / f"train-fsdp2-bf16-{g}"), "bf16", f"train.fsdp_gather={g}"]
                       for g in ("fp32", "bf16_layers")]
     spec["grad_storage"] = ["fsdp1", "fsdp2"]
@@ -93,6 +100,12 @@ def launched(tmp_path_factory, shared_data):
 
     # one process: the same global batch (2 micro-batches of 2)
     single = {}
+    _reset_accelerate()
+    torch.manual_seed(0)
+    rec = d.recipe(spec, "no", "online", False, str(root / "train-single-llada2"), "train.max_steps=3",
+                   f"train.max_grad_norm={CLIP}", "model.name_or_path=builtin:tiny-llada2")
+    train(rec, examples=exs)
+    single["llada2"] = rec.output_dir
     for lora in (False, True):
         _reset_accelerate()
         torch.manual_seed(0)
@@ -112,9 +125,9 @@ def launched(tmp_path_factory, shared_data):
 
 def test_step0_margins_are_zero_on_every_launch(launched):
     res = launched["results"]["margins"]
-    # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 4 block-diffusion runs
-    assert len(res) == 18
-    assert sum("tiny-sdar" in key for key in res) == 4
+    # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 6 block-diffusion runs
+    assert len(res) == 20
+    assert sum("tiny-sdar" in key for key in res) == 4 and sum("tiny-llada2" in key for key in res) == 2
     for key, r in res.items():
         launch = key.split("/")[0]
         assert r["rows"] == 8, key  # 2 global steps x 4 rows, gathered from both ranks
@@ -167,6 +180,19 @@ def test_same_weights_after_three_clipped_steps(launched, lora):
     changed = any(not torch.equal(want[k], load_file(str(single_dir.parent / "train-single-False" / "final" / "model.safetensors"))[k])
                   for k in want) if lora else True
     assert changed
+
+
+def test_ddp_trains_the_llada2_moe_body_like_one_process(launched):
+    """DDP needs a gradient for every parameter on every rank: experts no token picked run on zero rows while
+    gradients are recorded. Three clipped DDP steps end with the single-process weights."""
+    from safetensors.torch import load_file
+
+    want = load_file(str(Path(launched["single"]["llada2"]) / "final" / "model.safetensors"))
+    d = launched["results"]["train"]["ddp/lora=False/no/builtin:tiny-llada2"]
+    got = load_file(str(Path(d["dir"]) / "final" / "model.safetensors"))
+    assert got.keys() == want.keys() and any(".experts." in k for k in want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("launch", ["fsdp1", "fsdp2"])

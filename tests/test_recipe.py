@@ -173,7 +173,7 @@ def test_paper_recipes_sample_uniformly_and_score_like_the_paper_code(name):
     assert r.train.baseline == "global_mean"
 
 
-@pytest.mark.parametrize("name", ["dream_kto_mix_14k", "llada_moe_kto_mix_14k", "sdar_kto_mix_14k"])
+@pytest.mark.parametrize("name", ["dream_kto_mix_14k", "llada_moe_kto_mix_14k", "sdar_kto_mix_14k", "llada2_mini_kto_mix_14k"])
 def test_family_recipes_score_as_their_family_does(name):
     """The paper's EOS padding belongs to the LLaDA paper recipe: other families' recipes keep the paper's
     KTO settings but score without a visible end-of-text tail, and say why in the file."""

@@ -67,7 +67,7 @@ class TinySpec:
     intermediate_size: int = 128
     max_position_embeddings: int = 4096
     seed: int = 0
-    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens; "sdar": block diffusion
+    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens; "sdar", "llada2": block diffusion
 
 
 # Random-init models built from code (no files), deterministic by spec.
@@ -78,6 +78,9 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     "builtin:small-dream": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="dream"),
     "builtin:tiny-sdar": TinySpec(family="sdar"),  # block diffusion (SDAR's Qwen3 layout, block 4) at the tiny size
     "builtin:small-sdar": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="sdar"),
+    # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
+    # size, with blocks of 8 so that short rows span several blocks (the published block is 32)
+    "builtin:tiny-llada2": TinySpec(family="llada2"),
 }
 
 
@@ -133,6 +136,11 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
 
         return build_sdar_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
                                 spec.max_position_embeddings, spec.seed)
+    if spec.family == "llada2":
+        from dllm_align.models.families.block import build_llada2_model
+
+        return build_llada2_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                                  spec.max_position_embeddings, spec.seed, block_size=8)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -429,7 +437,7 @@ def _block_attention(model, impl: Optional[str]) -> None:
             hint="use sdpa: their training attention (K noisy streams over one clean stream) runs on SDPA; "
                  "FlexAttention and flash kernels for it are not written yet",
         )
-    if not type(model).__module__.startswith("transformers."):
+    if not type(model).__module__.startswith(("transformers.", "dllm_align.")):
         raise UserError(
             f"{type(model).__name__}: a block-diffusion model must load natively (its attention is dllm-align's)",
             hint="set model.trust_remote_code: false; the checkpoint's own code cannot run the shared clean stream",

@@ -85,7 +85,9 @@ class ModelShape:
     active_experts: int = 0
     expert_intermediate: int = 0
     moe_layers: int = 0
-    # Per-head RMSNorm on queries and keys in every layer (Qwen3 / SDAR layouts).
+    # Shared experts (LLaDA2.0): one SwiGLU of this width every token runs in each MoE layer.
+    shared_intermediate: int = 0
+    # Per-head RMSNorm on queries and keys in every layer (Qwen3 / SDAR / LLaDA2 layouts).
     qk_norm: bool = False
     # Block diffusion (SDAR, LLaDA2.x): the block size; 0 for whole-sequence diffusion.
     block_size: int = 0
@@ -108,7 +110,8 @@ class ModelShape:
     def moe_layer_params(self) -> int:
         """A mixture-of-experts layer (attention, router, every expert, norms incl. per-head q/k)."""
         d = self.hidden
-        return self.attention_params + d * self.experts + self.experts * 3 * d * self.expert_intermediate + 2 * d + 2 * self.head_dim
+        return (self.attention_params + d * self.experts + self.experts * 3 * d * self.expert_intermediate + 2 * d
+                + 2 * self.head_dim + 3 * d * self.shared_intermediate)
 
     @property
     def largest_layer_params(self) -> int:
@@ -118,7 +121,7 @@ class ModelShape:
     def active_intermediate(self) -> int:
         """The widest per-token MLP activation: the dense width, or the active experts' summed width."""
         dense = self.intermediate if self.moe_layers < self.layers else 0
-        return max(dense, self.active_experts * self.expert_intermediate if self.moe_layers else 0)
+        return max(dense, self.active_experts * self.expert_intermediate + self.shared_intermediate if self.moe_layers else 0)
 
     @property
     def embedding_params(self) -> int:
@@ -143,7 +146,8 @@ class ModelShape:
 
     def lora_params(self, r: int, targets: list[str]) -> int:
         d, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
-        attn = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d)}
+        attn = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+                "query_key_value": (d, d + 2 * kv), "dense": (d, d)}  # LLaDA2.0's fused names
         mlp = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
         ei = self.expert_intermediate
         expert_mlp = {"gate_proj": (d, ei), "up_proj": (d, ei), "down_proj": (ei, d)}
@@ -199,6 +203,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         freq = cfg.get("moe_layer_freq")
         if isinstance(freq, list):
             moe_layers = sum(1 for f in freq[:layers] if f)
+        elif cfg.get("first_k_dense_replace") is not None:  # LLaDA2.0: the first k layers dense
+            moe_layers = max(0, layers - int(cfg["first_k_dense_replace"]))
         else:
             step = int(cfg.get("decoder_sparse_step") or 1)
             dense_only = set(cfg.get("mlp_only_layers") or [])
@@ -206,7 +212,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         top_k = pick("num_experts_per_tok", "moe_topk")
         if top_k > experts:
             raise UserError(f"{source or 'config.json'}: num_experts_per_tok {top_k} is more than num_experts {experts}")
-        moe = dict(experts=experts, active_experts=top_k, expert_intermediate=ei, moe_layers=moe_layers)
+        moe = dict(experts=experts, active_experts=top_k, expert_intermediate=ei, moe_layers=moe_layers,
+                   shared_intermediate=ei * int(cfg.get("num_shared_experts") or 0))
         mlp = cfg.get("dense_intermediate_size") or cfg.get("intermediate_size") or ei
     else:
         mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
@@ -226,7 +233,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         intermediate=_whole(cfg, "intermediate_size", mlp, source=source),
         tied=bool(cfg.get("tie_word_embeddings", cfg.get("weight_tying", False))),
         source=source,
-        qk_norm=cfg.get("model_type") in ("qwen3", "sdar") and not experts,
+        qk_norm=(cfg.get("model_type") in ("qwen3", "sdar") and not experts)
+        or (cfg.get("model_type") in ("llada2_moe", "llada21_moe") and cfg.get("use_qk_norm", True) is not False),
         block_size=block,
         **moe,
     )

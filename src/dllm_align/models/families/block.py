@@ -1,10 +1,10 @@
 """Block-diffusion families: SDAR (JetLM), LLaDA2.0 and LLaDA2.1 (inclusionAI).
 
-SDAR is trained, scored and sampled by every command: its block ELBO (``dllm_align.objective.block``)
-runs the K noisy streams and one shared clean stream through the streams attention
-(``dllm_align.models.block_attention``), which every block family is loaded with; its sampler is
-``dllm_align.generate.block``. The LLaDA2 families are recognised and refused with their reason
-(docs/block_diffusion.md).
+SDAR and LLaDA2.0 are trained, scored and sampled by every command: the block ELBO
+(``dllm_align.objective.block``) runs the K noisy streams and one shared clean stream through the
+streams attention (``dllm_align.models.block_attention``), which every block family is loaded with; the
+sampler is ``dllm_align.generate.block`` with each family's published rule. LLaDA2.1 is recognised and
+refused with its reason (docs/block_diffusion.md).
 
 * **SDAR** (``architectures: [SDARForCausalLM]``, ``model_type: sdar``; the published config.json of
   SDAR-1.7B-Chat): a Qwen3 body (per-head RMSNorm on queries and keys, GQA, SwiGLU, RMSNorm pre-norm,
@@ -32,9 +32,6 @@ import torch
 
 from dllm_align.models.families.base import (Family, build_seeded, load_mapped, refuse, special_ids, tag_config,
                                              transformers_key)
-
-_NOT_YET = ("block-diffusion checkpoints (block {b}) load into dllm-align's native LLaDA2.0 body but are not yet "
-            "trained, scored or sampled by the commands (see docs/block_diffusion.md)")
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -171,13 +168,7 @@ def build_llada2_model(tokenizer, hidden_size: int, layers: int, heads: int, int
     })
     from dllm_align.models.families.llada2_body import Llada2MoeModelLM
 
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Llada2MoeModelLM(config)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.eval()
+    return build_seeded(Llada2MoeModelLM, config, seed)
 
 
 SDAR = Family(
@@ -204,7 +195,6 @@ LLADA2 = Family(
     # LLaDA2's published generate: blocks of 32, 32 rounds per block, threshold 0.95, greedy
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "temperature": 0.0, "threshold": 0.95},
     block_size=32,
-    refuse_reason=_NOT_YET.format(b=32),
 )
 
 LLADA21 = Family(

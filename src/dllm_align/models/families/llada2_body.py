@@ -301,7 +301,11 @@ class Llada2SparseMoe(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         chosen, weights, _ = self.gate(flat)
         out = torch.zeros(flat.shape, dtype=weights.dtype, device=flat.device)
-        for e in torch.unique(chosen).tolist():  # only the experts some token picked
+        # Only the experts some token picked, unless gradients are being recorded: then every expert runs
+        # (an expert no token picked on zero rows: nothing is added), so that each one has a gradient, of
+        # zeros, on every process, as DistributedDataParallel requires of every parameter.
+        every = torch.is_grad_enabled()
+        for e in (range(len(self.experts)) if every else torch.unique(chosen).tolist()):
             tok, slot = torch.where(chosen == e)
             out.index_add_(0, tok, self.experts[e](flat[tok]).to(weights.dtype) * weights[tok, slot, None])
         y = out.to(x.dtype).view(x.shape)
