@@ -114,7 +114,7 @@ def test_sdar_checkpoint_loads_through_the_commands_with_the_streams_attention(s
     assert mp.family.name == "sdar" and mp.block_size == cfg["block_size"]
     assert mp.model.config._attn_implementation == STREAMS_ATTENTION
     with pytest.raises(UserError, match="not available for block-diffusion"):
-        load_model(str(folder), device="cpu", attn_implementation="eager")
+        load_model(str(folder), device="cpu", attn_implementation="flash_attention_2")
 
 
 def test_llada21_checkpoints_are_refused_by_the_commands_with_the_reason(tmp_path):

@@ -22,6 +22,15 @@ The function is registered with transformers as the attention implementation ``d
 called without the ``dllm_streams`` argument (generation, ordinary forwards) it is transformers' own
 SDPA attention, so a block family loads once, with this implementation, and every forward of it is
 right (an activation-checkpointing recompute included, which re-runs the layer with the same arguments).
+Two more carry the same streams layout to other kernels (``model.attn_implementation``):
+
+* ``dllm_block_eager`` (``eager``): the whole (K+1)T row under one dense additive mask, transformers'
+  eager attention (the reference the others are checked against; scores grow as ((K+1)T)^2);
+* ``dllm_block_flex`` (``flex_attention``): torch's FlexAttention over the whole row with a BlockMask
+  of the three-part rule (:func:`streams_mask_mod`), so that only the (query block, key block) pairs
+  the rule allows are computed: a noisy block meets its own block and the earlier clean blocks, never
+  another stream; ordinary forwards (generation) run SDPA. Trains on CUDA (torch has no FlexAttention
+  backward on the CPU).
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ from typing import Optional
 import torch
 
 STREAMS_ATTENTION = "dllm_block_sdpa"
+STREAMS_EAGER = "dllm_block_eager"
+STREAMS_FLEX = "dllm_block_flex"
+# model.attn_implementation -> the streams variant a block family is loaded with
+VARIANTS = {None: STREAMS_ATTENTION, "sdpa": STREAMS_ATTENTION, "eager": STREAMS_EAGER, "flex_attention": STREAMS_FLEX}
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,38 @@ def streams_masks(s: Streams) -> tuple[torch.Tensor, torch.Tensor]:
     clean = (bk <= bq) & vk
     noisy = torch.cat([own, earlier_clean], dim=-1)
     return noisy[:, None, None], clean[:, None]
+
+
+def dense_streams_mask(s: Streams) -> torch.Tensor:
+    """The whole row's boolean mask [B, 1, N, N], N = (draws+1) * length (the eager variant's)."""
+    k, t = s.draws, s.length
+    noisy, clean = s.masks
+    b = s.blocks.shape[0]
+    full = torch.zeros(b, (k + 1) * t, (k + 1) * t, dtype=torch.bool, device=s.blocks.device)
+    for j in range(k):
+        rows = slice(j * t, (j + 1) * t)
+        full[:, rows, rows] = noisy[:, 0, 0, :, :t]
+        full[:, rows, k * t:] = noisy[:, 0, 0, :, t:]
+    full[:, k * t:, k * t:] = clean[:, 0]
+    return full[:, None]
+
+
+def streams_mask_mod(s: Streams):
+    """The three-part rule as a FlexAttention ``mask_mod`` over the whole (K+1)T row."""
+    k, t = s.draws, s.length
+    blocks = s.blocks
+    valid = s.valid if s.valid is not None else torch.ones_like(blocks, dtype=torch.bool)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        sq, sk = q_idx // t, kv_idx // t
+        bq, bk = blocks[b, q_idx % t], blocks[b, kv_idx % t]
+        clean_q, clean_k = sq == k, sk == k
+        own = (sq == sk) & ~clean_q & (bq == bk)
+        to_clean = ~clean_q & clean_k & (bk < bq)
+        clean_causal = clean_q & clean_k & (bk <= bq)
+        return (own | to_clean | clean_causal) & valid[b, kv_idx % t]
+
+    return mask_mod
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -94,21 +139,61 @@ def streams_attention(module, query, key, value, attention_mask, dropout: float 
     return out.transpose(1, 2).contiguous(), None
 
 
+def streams_attention_eager(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                            dllm_streams: Optional[Streams] = None, **kwargs):
+    """The streams layout under one dense additive mask (:func:`dense_streams_mask`), transformers' eager
+    attention; plain eager attention without ``dllm_streams``."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    if dllm_streams is not None:
+        allowed = dense_streams_mask(dllm_streams).to(query.device)
+        attention_mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~allowed, torch.finfo(query.dtype).min)
+    return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _flex_block_mask(s: Streams, n: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cache = s.__dict__.setdefault("_flex", {})
+    if device not in cache:  # one BlockMask per forward (every layer reads it)
+        cache[device] = create_block_mask(streams_mask_mod(s), s.blocks.shape[0], None, n, n, device=device)
+    return cache[device]
+
+
+def streams_attention_flex(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           dllm_streams: Optional[Streams] = None, **kwargs):
+    """The streams layout with torch's FlexAttention and a BlockMask of the three-part rule; SDPA without
+    ``dllm_streams`` (generation's short block-causal forwards gain nothing from a compiled kernel)."""
+    if dllm_streams is None:
+        return streams_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask = _flex_block_mask(dllm_streams, query.shape[2], query.device)
+    groups = query.shape[1] // key.shape[1]
+    out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
-    """Make ``dllm_block_sdpa`` known to transformers (attention and mask creation: SDPA's masks)."""
+    """Make the streams variants known to transformers (attention, and mask creation: each kernel's own)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-    AttentionInterface.register(STREAMS_ATTENTION, streams_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(STREAMS_ATTENTION, sdpa_mask)
+    for name, fn, masks in ((STREAMS_ATTENTION, streams_attention, sdpa_mask),
+                            (STREAMS_EAGER, streams_attention_eager, eager_mask),
+                            (STREAMS_FLEX, streams_attention_flex, sdpa_mask)):
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, masks)
 
 
-def use_streams_attention(model) -> None:
-    """Switch a loaded block-diffusion model to :func:`streams_attention` (SDPA everywhere else)."""
+def use_streams_attention(model, impl: Optional[str] = None) -> None:
+    """Switch a loaded block-diffusion model to the streams variant of ``impl`` (sdpa, eager or
+    flex_attention; :data:`VARIANTS`), which is the plain kernel everywhere else."""
     register()
-    model.set_attn_implementation(STREAMS_ATTENTION)
+    model.set_attn_implementation(VARIANTS[impl])
 
 
 def uses_streams_attention(model) -> bool:
     cfg = getattr(model, "config", None)
-    return getattr(cfg, "_attn_implementation", None) == STREAMS_ATTENTION
+    return getattr(cfg, "_attn_implementation", None) in (STREAMS_ATTENTION, STREAMS_EAGER, STREAMS_FLEX)

@@ -428,21 +428,22 @@ def _set_attention(model, impl: str) -> None:
 
 
 def _block_attention(model, impl: Optional[str]) -> None:
-    """A block-diffusion model runs the streams attention (SDPA per stream; ``models.block_attention``)."""
-    from dllm_align.models.block_attention import STREAMS_ATTENTION, use_streams_attention
+    """A block-diffusion model runs the streams attention (``models.block_attention``) on sdpa (default),
+    eager or FlexAttention; flash has no kernel for its layout and is refused by name."""
+    from dllm_align.models.block_attention import VARIANTS, use_streams_attention
 
-    if impl not in (None, "sdpa", STREAMS_ATTENTION):
+    if impl not in VARIANTS and impl not in VARIANTS.values():
         raise UserError(
             f"model.attn_implementation: {impl} is not available for block-diffusion models",
-            hint="use sdpa: their training attention (K noisy streams over one clean stream) runs on SDPA; "
-                 "FlexAttention and flash kernels for it are not written yet",
+            hint="use sdpa (the default), flex_attention (CUDA) or eager: their training attention (K noisy streams "
+                 "over one clean stream) has no flash kernel",
         )
     if not type(model).__module__.startswith(("transformers.", "dllm_align.")):
         raise UserError(
             f"{type(model).__name__}: a block-diffusion model must load natively (its attention is dllm-align's)",
             hint="set model.trust_remote_code: false; the checkpoint's own code cannot run the shared clean stream",
         )
-    use_streams_attention(model)
+    use_streams_attention(model, next((k for k, v in VARIANTS.items() if v == impl), impl))
 
 
 def _one_line(e: BaseException, n: int = 200) -> str:
