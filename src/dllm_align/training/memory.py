@@ -38,7 +38,10 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   gradients are whole anyway;
 * block diffusion (``block_size`` in the config): a row is K noisy streams and one shared clean
   stream, (K+1) x max_length tokens (``dllm_align.models.block_attention``), the clean stream never
-  scored; plus the streams attention's boolean masks (3 x max_length^2 bytes per row);
+  scored; plus the streams attention's boolean masks (3 x max_length^2 bytes per row) and the
+  keys and values it concatenates per noisy stream (4 x heads x head_dim per noisy token and layer,
+  kept for the backward). SDPA's memory-efficient CUDA kernel keeps no score matrix; the CPU's math
+  kernel does (not counted: ``doctor`` sizes GPUs);
 * packed rows under SDPA or eager attention: the [rows, 1, L, L] boolean block
   mask and its bf16 additive form (3 bytes per entry; flash and flex take
   sequence offsets instead);
@@ -389,6 +392,14 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["activations" + (" (checkpointed layer inputs)" if ckpt else " (every layer)")] = ckpt_inputs if ckpt else L * tokens * per_token_layer
     lines["activations (one layer working set + backward)"] = working if ckpt else tokens * i * 4
     lines["output head (chunked)"] = head
+    if shape.block_size:
+        # the streams attention concatenates each noisy stream's keys and values with the clean stream's
+        # ([rows, heads, K, 2T, head_dim] each) and the backward keeps both: 4 x heads x head_dim per noisy token
+        noisy = tokens * k // (k + 1)
+        kv = noisy * 4 * shape.heads * shape.head_dim * (2 if autocast else wbytes)
+        lines["block-diffusion streams K/V copies (saved for backward)"] = kv if ckpt else L * kv
+        with_ckpt += kv
+        without_ckpt += L * kv
     if autocast:
         body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
         lines["autocast bf16 weight copies (saved for backward)"] = (shape.largest_layer_params if ckpt else body_linear) * 2
@@ -411,7 +422,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
         notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
     lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
     copies = "autocast bf16 weight copies (saved for backward)"
-    fixed = sum(v for kk, v in lines.items() if not kk.startswith(("activations", "output head (chunked)", copies)))
+    fixed = sum(v for kk, v in lines.items()
+                if not kk.startswith(("activations", "output head (chunked)", copies, "block-diffusion streams K/V")))
     total = sum(lines.values())
     if autocast:
         body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
