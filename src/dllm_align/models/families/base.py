@@ -232,6 +232,36 @@ def special_ids(cfg: dict) -> dict:
             "pad_token_id": cfg.get("pad_token_id"), "is_causal": False}
 
 
+def qwen_fields(cfg: dict) -> tuple[list[str], dict]:
+    """A Qwen-style config.json (Dream's Qwen2, SDAR's Qwen3) read for a native transformers Qwen config:
+    the options the native bodies do not reproduce, named, and the fields both configs take."""
+    unsupported = []
+    if cfg.get("use_sliding_window"):
+        unsupported.append("use_sliding_window=true")
+    if cfg.get("rope_scaling"):
+        unsupported.append(f"rope_scaling={cfg['rope_scaling']!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={cfg['hidden_act']!r}")
+    heads = cfg["num_attention_heads"]
+    fields = dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        # A missing rope_theta takes the published configuration classes' default (10000), not the
+        # checkpoints' 1e6: the folder is read as the published code would read it.
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))},
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        use_sliding_window=False,
+        **special_ids(cfg),
+    )
+    return unsupported, fields
+
+
 def tag_config(config, cfg: dict, family: str, default_mask_id: int):
     """Record the mask id and family on a translated config (saved with every export)."""
     config.mask_token_id = cfg.get("mask_token_id", default_mask_id)

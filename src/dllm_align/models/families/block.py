@@ -30,41 +30,20 @@ from typing import Optional
 
 import torch
 
-from dllm_align.models.families.base import (Family, build_seeded, load_mapped, refuse, special_ids, tag_config,
-                                             transformers_key)
+from dllm_align.models.families.base import (Family, build_seeded, load_mapped, qwen_fields, refuse, special_ids,
+                                             tag_config, transformers_key)
 
 
 def sdar_config_to_qwen3(cfg: dict):
     """Translate an SDAR ``config.json`` into a ``Qwen3Config`` (unsupported options named)."""
     from transformers import Qwen3Config
 
-    unsupported = []
+    unsupported, fields = qwen_fields(cfg)
     if "num_experts" in cfg or "SDARMoeForCausalLM" in (cfg.get("architectures") or []):
-        unsupported.append("the MoE variant (SDARMoeForCausalLM)")
-    if cfg.get("rope_scaling"):
-        unsupported.append(f"rope_scaling={cfg['rope_scaling']!r}")
-    if cfg.get("use_sliding_window"):
-        unsupported.append("use_sliding_window=true")
-    if cfg.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={cfg['hidden_act']!r}")
+        unsupported.insert(0, "the MoE variant (SDARMoeForCausalLM)")
     refuse("SDAR", unsupported)
-    heads = cfg["num_attention_heads"]
-    q = Qwen3Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))},
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        use_sliding_window=False,
-        **special_ids(cfg),
-    )
+    q = Qwen3Config(**fields, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                    attention_bias=bool(cfg.get("attention_bias", False)))
     q.block_size = int(cfg.get("block_size", 4))
     return tag_config(q, cfg, "sdar", 151669)
 

@@ -27,8 +27,8 @@ from dllm_align.models.families.base import (
     build_seeded,
     byte_level_tokenizer,
     load_mapped,
+    qwen_fields,
     refuse,
-    special_ids,
     tag_config,
     transformers_key,
 )
@@ -56,33 +56,12 @@ def dream_config_to_qwen2(cfg: dict):
     """Translate a Dream ``config.json`` into a bidirectional ``Qwen2Config`` (unsupported options named)."""
     from transformers import Qwen2Config
 
-    unsupported = []
-    if cfg.get("use_sliding_window"):
-        unsupported.append("use_sliding_window=true")
-    if cfg.get("rope_scaling"):
-        unsupported.append(f"rope_scaling={cfg['rope_scaling']!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={cfg['hidden_act']!r}")
+    unsupported, fields = qwen_fields(cfg)
     heads = cfg["num_attention_heads"]
     if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
         unsupported.append(f"head_dim={cfg['head_dim']}")
     refuse("Dream", unsupported)
-    q = Qwen2Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        # A missing rope_theta takes the published configuration class's default (10000), not the
-        # checkpoints' 1e6: the folder is read as the published code would read it.
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))},
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        use_sliding_window=False,
-        **special_ids(cfg),
-    )
+    q = Qwen2Config(**fields)
     return tag_config(q, cfg, "dream", 151666)
 
 
