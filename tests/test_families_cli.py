@@ -114,3 +114,27 @@ def test_other_objectives_and_lora(models, family, objective, extra, fresh_accel
     assert res.exit_code == 0, res.output
     (row,) = _metrics(run)
     assert row["loss"] == row["loss"]  # finite, not NaN
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_families_decode_exact_and_fast(models, family):
+    """`generate` on a block family: exact (finished blocks recomputed at every step) and `--fast` (a KV cache
+    over finished blocks and the 0.9 confidence threshold) both run the family's own block rule."""
+    root = models["root"]
+    block = {"sdar": 4, "llada2": 32}[family]
+    rec = _recipe(root, models[family], f"blockgen-{family}", block=block)
+    rows = {}
+    for mode, extra in (("exact", ["--set", "generate.cache=none"]), ("fast", ["--fast"])):
+        out = root / f"blockgen-{family}-{mode}.jsonl"
+        res = runner.invoke(app, ["generate", str(rec), "--output", str(out), "--device", "cpu", *extra])
+        assert res.exit_code == 0, res.output
+        rows[mode] = [json.loads(x) for x in out.read_text().splitlines()]
+        assert len(rows[mode]) == 3 and all("completion" in r for r in rows[mode])
+    from dllm_align.core.errors import UserError
+    from dllm_align.generate.sampler import generate
+    from dllm_align.generate.settings import SamplerSettings
+    from dllm_align.models.load import load_model
+
+    with pytest.raises(UserError, match="differs from the model's block size"):  # refused by name
+        generate(load_model(models[family]), [[1, 2, 3]], SamplerSettings(gen_length=2 * block, block_length=2 * block,
+                                                                          steps=2 * block))
