@@ -16,7 +16,9 @@ draws) are those of K separate 2L rows, at (K+1)T tokens of body instead of 2KT.
 
 Blocks are counted from each sequence's first real token (``blocks`` [B, T]: the block index of every
 column); ``valid`` [B, T] marks real tokens, and padding is never a key, so a padded row scores exactly
-what it scores alone.
+what it scores alone. Packed rows (``docs`` [B, T]: the sequence of each column) hold several
+sequences, each stream of the row holding all of them at the same columns; no query sees another
+sequence's keys, so each sequence scores what it scores alone.
 
 The function is registered with transformers as the attention implementation ``dllm_block_sdpa``:
 called without the ``dllm_streams`` argument (generation, ordinary forwards) it is transformers' own
@@ -56,6 +58,7 @@ class Streams:
     length: int
     blocks: torch.Tensor  # [B, length] block index of each column
     valid: Optional[torch.Tensor] = None  # [B, length] True for real tokens (None: all)
+    docs: Optional[torch.Tensor] = None  # [B, length] the sequence of each column in packed rows (None: one)
 
     @cached_property
     def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +73,14 @@ def streams_masks(s: Streams) -> tuple[torch.Tensor, torch.Tensor]:
     bk = s.blocks[:, None, :]
     valid = s.valid if s.valid is not None else torch.ones_like(s.blocks, dtype=torch.bool)
     vk = valid[:, None, :]
-    own = (bq == bk) & vk
+    if s.docs is not None:  # packed rows: never across sequences
+        vk = vk & (s.docs[:, :, None] == s.docs[:, None, :])
+    # a query that is not a real token (padding, a packed row's tail) sees itself, so that no row of the
+    # softmax is empty; its output is never read
+    alone = ~valid[:, :, None] & torch.eye(s.length, dtype=torch.bool, device=s.blocks.device)
+    own = (bq == bk) & vk | alone
     earlier_clean = (bk < bq) & vk
-    clean = (bk <= bq) & vk
+    clean = (bk <= bq) & vk | alone
     noisy = torch.cat([own, earlier_clean], dim=-1)
     return noisy[:, None, None], clean[:, None]
 
@@ -96,15 +104,19 @@ def streams_mask_mod(s: Streams):
     k, t = s.draws, s.length
     blocks = s.blocks
     valid = s.valid if s.valid is not None else torch.ones_like(blocks, dtype=torch.bool)
+    docs = s.docs if s.docs is not None else torch.zeros_like(blocks)
 
     def mask_mod(b, h, q_idx, kv_idx):
         sq, sk = q_idx // t, kv_idx // t
-        bq, bk = blocks[b, q_idx % t], blocks[b, kv_idx % t]
+        pq, pk = q_idx % t, kv_idx % t
+        bq, bk = blocks[b, pq], blocks[b, pk]
         clean_q, clean_k = sq == k, sk == k
         own = (sq == sk) & ~clean_q & (bq == bk)
         to_clean = ~clean_q & clean_k & (bk < bq)
         clean_causal = clean_q & clean_k & (bk <= bq)
-        return (own | to_clean | clean_causal) & valid[b, kv_idx % t]
+        same = (docs[b, pq] == docs[b, pk]) & valid[b, pk]
+        alone = ~valid[b, pq] & (q_idx == kv_idx)
+        return ((own | to_clean | clean_causal) & same) | alone
 
     return mask_mod
 

@@ -174,7 +174,7 @@ def exact_block_elbo(forward: Forward, x0: torch.Tensor, maskable: torch.Tensor,
 
 # --------------------------------------------------------------------------- the block ELBO of the commands
 def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], block_size: int,
-                    max_rows_per_forward: Optional[int] = None) -> torch.Tensor:
+                    max_rows_per_forward: Optional[int] = None, pack_length: Optional[int] = None) -> torch.Tensor:
     """Per-draw sums of log p at the masked positions [B*K], for a block-diffusion family.
 
     ``nb`` is :func:`dllm_align.objective.elbo.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
@@ -184,9 +184,17 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
     the clean stream once per row and call. Blocks are counted from each row's first real token;
     padding is never attended to. ``max_rows_per_forward`` bounds the tokens of one call to about that
     many rows of T (at least one row with one draw).
+
+    ``pack_length`` (``data.padding: packed``, right-padded rows with an attention mask): the sequences are
+    packed into rows of at most that many tokens first (``data.batching.pack_rows``), every stream of a
+    packed row holding the same sequences at the same columns, and no sequence sees another
+    (``Streams.docs``): the values of the padded layout, without the compute on padding.
     """
     from dllm_align.models.block_attention import Streams
     from dllm_align.models.predictor import MaskPredictor
+
+    if pack_length is not None and attention_mask is not None:
+        return _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
 
     B, K = nb.B, nb.K
     T = input_ids.shape[1]
@@ -194,9 +202,7 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
     pos = MaskPredictor.position_ids(attention_mask, input_ids.shape, input_ids.device)
     blocks = block_of(pos, block_size).to(dev)
     valid = None if attention_mask is None else attention_mask.bool().to(dev)
-    budget = max_rows_per_forward or B * (K + 1)
-    rows_per_call = B if budget >= 2 * B else max(1, budget // 2)
-    draws_per_call = max(1, min(K, budget // rows_per_call - 1))
+    rows_per_call, draws_per_call = _calls(B, K, max_rows_per_forward)
     row_of = torch.div(nb.rows, K, rounding_mode="floor")
     draw_of = nb.rows - row_of * K
     parts = [torch.zeros(B * K, dtype=torch.float32, device=dev)]
@@ -214,3 +220,45 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
             lp = mp.target_logprobs(ids, None, rr - r0, cc, nb.targets[sel], streams=streams)
             parts.append(torch.zeros(B * K, dtype=torch.float32, device=lp.device).index_add(0, rr * K + jj, lp))
     return torch.stack(parts).sum(0)  # each draw's sum comes from one call: the others add exact zeros
+
+
+def _calls(rows: int, draws: int, max_rows_per_forward: Optional[int]) -> tuple[int, int]:
+    """Rows and draws per forward call for a budget of about ``max_rows_per_forward`` rows of T tokens."""
+    budget = max_rows_per_forward or rows * (draws + 1)
+    per_call = rows if budget >= 2 * rows else max(1, budget // 2)
+    return per_call, max(1, min(draws, budget // per_call - 1))
+
+
+def _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length):
+    """:func:`block_draw_sums` on packed rows (its docstring)."""
+    from dllm_align.data.batching import pack_rows
+    from dllm_align.models.block_attention import Streams
+    from dllm_align.models.predictor import packed_positions
+
+    B, K = nb.B, nb.K
+    dev = nb.input_ids.device
+    p = pack_rows(input_ids, attention_mask.sum(dim=1).tolist(), pack_length)
+    R, P = p.input_ids.shape
+    layout = p.layout.to(dev)
+    blocks = block_of(packed_positions(layout), block_size)
+    row_of, offset = p.row_of.to(dev), p.offset.to(dev)
+    seq = torch.div(nb.rows, K, rounding_mode="floor")
+    draw = nb.rows - seq * K
+    noisy = p.input_ids.to(dev)[:, None, :].repeat(1, K, 1)  # [R, K, P]: draw j of every sequence of the row
+    noisy[row_of[seq], draw, offset[seq] + nb.cols] = mp.mask_token_id
+    clean = p.input_ids.to(dev)
+    rows_per_call, draws_per_call = _calls(R, K, max_rows_per_forward)
+    parts = [torch.zeros(B * K, dtype=torch.float32, device=dev)]
+    for r0 in range(0, R, rows_per_call):
+        r1 = min(r0 + rows_per_call, R)
+        for j0 in range(0, K, draws_per_call):
+            j1 = min(j0 + draws_per_call, K)
+            ids = torch.cat([noisy[r0:r1, j0:j1].reshape(r1 - r0, -1), clean[r0:r1]], dim=1)
+            sel = (row_of[seq] >= r0) & (row_of[seq] < r1) & (draw >= j0) & (draw < j1)
+            s, j = seq[sel], draw[sel]
+            rr = row_of[s] - r0
+            cc = (j - j0) * P + offset[s] + nb.cols[sel]
+            streams = Streams(j1 - j0, P, blocks[r0:r1], layout[r0:r1] >= 0, layout[r0:r1])
+            lp = mp.target_logprobs(ids, None, rr, cc, nb.targets[sel], streams=streams)
+            parts.append(torch.zeros(B * K, dtype=torch.float32, device=lp.device).index_add(0, s * K + j, lp))
+    return torch.stack(parts).sum(0)

@@ -211,7 +211,8 @@ def elbo_draws(
     A block-diffusion family (``mp.block_size``) scores each draw given its own
     noisy block and the clean earlier blocks: the draws of a row go through the
     network as one streams row ``[x_t^1; ...; x_t^K; x_0]`` with the clean
-    stream computed once (:func:`dllm_align.objective.block.block_draw_sums`).
+    stream computed once (:func:`dllm_align.objective.block.block_draw_sums`;
+    ``pack_length`` packs its rows too).
     The masks and weights are the same function of (seed, id, draw, L): the
     l-estimator's expectation is the block ELBO with t uniform on (0, 1], since
     a mask hiding n of L tokens gets the same total weight, 1 / (n C(L, n)),
@@ -222,9 +223,7 @@ def elbo_draws(
     if block_size:
         from dllm_align.objective.block import block_draw_sums
 
-        # Packing is not written for streams rows: packed recipes run their right-padded rows, which
-        # give the same values (padding is never attended to); only the compute on padding differs.
-        total = block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward)
+        total = block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
         return (total.double() * nb.weight).float().view(nb.B, nb.K)
     BK = nb.B * nb.K
     chunk = max_rows_per_forward or BK

@@ -407,7 +407,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         lines["FSDP unsharded gradients before reduce-scatter (root + 1 layer)"] = (
             (shape.embedding_params + d + shape.largest_layer_params) * 4 if not t.lora.enabled else 0)
-    if recipe.data.padding == "packed" and (recipe.model.attn_implementation or "sdpa") in ("sdpa", "eager"):
+    if recipe.data.padding == "packed" and (recipe.model.attn_implementation or "sdpa") in ("sdpa", "eager") \
+            and not shape.block_size:  # a block family's masks are its streams masks, counted below
         L_max = recipe.data.max_length
         lines["packed attention masks (bool + bf16 bias)"] = rows * L_max * L_max * 3
     notes = []
