@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from typer.testing import CliRunner
 from dllm_align.cli.app import app
 
 lm_eval = pytest.importorskip("lm_eval")
+import lm_eval.api.instance  # noqa: E402  (the Instance class, whatever ran before)
 
 from dllm_align.evaluate import harness as E  # noqa: E402
 from dllm_align.evaluate import run as R  # noqa: E402
@@ -99,6 +101,12 @@ def write_mc_task(folder: Path, labels: list[int], name: str = "toy_mc") -> None
 
 
 # --------------------------------------------------------------------------- direct computations
+def settings_for(mp) -> SamplerSettings:
+    """SETTINGS, in the model's own blocks where it is a block-diffusion model (its sampler refuses others)."""
+    b = getattr(mp, "block_size", None)
+    return SETTINGS if not b else replace(SETTINGS, gen_length=b, block_length=b, steps=4)
+
+
 def direct_texts(mp, questions, chat: bool, batch_size: int = 4) -> list[str]:
     tok = mp.tokenizer
     if chat:
@@ -106,7 +114,7 @@ def direct_texts(mp, questions, chat: bool, batch_size: int = 4) -> list[str]:
     else:
         prompts = [list(tok(q, add_special_tokens=False)["input_ids"]) for q in questions]
     seeds = [row_seed(SETTINGS.seed, E.request_id(q)) for q in questions]
-    return [c.text for c in generate(mp, prompts, SETTINGS, seeds=seeds, batch_size=batch_size)]
+    return [c.text for c in generate(mp, prompts, settings_for(mp), seeds=seeds, batch_size=batch_size)]
 
 
 def direct_elbo(mp, context: str, continuation: str, n_mc: int = MC_NUM, stratified: bool = True) -> torch.Tensor:
@@ -133,7 +141,8 @@ def stop_and_answers(texts: list[str]) -> tuple[str, list[str]]:
 
 
 def make_lm(mp, **kw) -> E.DiffusionLM:
-    args = dict(mc_num=MC_NUM, batch_size=4, gen_length=SETTINGS.gen_length, block_length=SETTINGS.block_length, steps=SETTINGS.steps)
+    st = settings_for(mp)
+    args = dict(mc_num=MC_NUM, batch_size=4, gen_length=st.gen_length, block_length=st.block_length, steps=st.steps)
     args.update(kw)
     return E.DiffusionLM(predictor=mp, **args)
 
@@ -450,7 +459,7 @@ def test_two_processes_give_the_single_process_result(tiny, tmp_path):
 
 
 # --------------------------------------------------------------------------- another family
-@pytest.fixture(scope="module", params=["builtin:tiny-dream", "builtin:tiny-sdar"])
+@pytest.fixture(scope="module", params=["builtin:tiny-dream", "builtin:tiny-sdar", "builtin:tiny-llada2"])
 def tiny_dream(request):
     from dllm_align.models.load import load_model
 
@@ -475,3 +484,13 @@ def test_other_families_through_the_harness(tiny_dream, tmp_path):
     harness_ll = [[r[0][0] for r in s["resps"]] for s in sorted(res["samples"]["toy_mc"], key=lambda s: s["doc_id"])]
     assert torch.allclose(torch.tensor(harness_ll), torch.tensor(direct), atol=1e-4)
     assert res["results"]["toy_mc"]["acc,none"] == pytest.approx(1.0)
+    # greedy_check: the model's own one-token-per-step decode is greedy (a block model decodes in its own
+    # blocks, here 3 tokens of a longer block), a changed last token is not
+    ids = list(tiny_dream.tokenizer("Hello", add_special_tokens=False)["input_ids"])
+    b = getattr(tiny_dream, "block_size", None)
+    n = b or 3
+    st = SamplerSettings(gen_length=n, block_length=n, steps=n, threshold=None)
+    raw = generate(tiny_dream, [ids], st, stop_early=False)[0].raw[:3]
+    other = [raw[0], raw[1], (raw[2] + 1) % len(tiny_dream.tokenizer)]
+    out = make_lm(tiny_dream, greedy_check=True).score_tokens([(ids, raw, "own"), (ids, other, "other")])
+    assert out[0][1] is True and out[1][1] is False

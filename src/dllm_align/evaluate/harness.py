@@ -439,7 +439,10 @@ class DiffusionLM(LM):
 
     def _greedy(self, unique: dict[str, tuple[list[int], list[int]]]) -> dict[str, bool]:
         """Whether decoding the continuation one token per step (low-confidence order, temperature 0)
-        reproduces it: the sampler with gen_length = block_length = steps = L."""
+        reproduces it: the sampler with gen_length = block_length = steps = L.
+
+        A block-diffusion model decodes in its own blocks (the block length is the model's): one token
+        per step over the whole blocks that cover the L tokens, the first L compared."""
         from dllm_align.generate.settings import SamplerSettings
         from dllm_align.generate.sampler import generate
 
@@ -447,11 +450,14 @@ class DiffusionLM(LM):
         for k, (_, cont) in unique.items():
             by_len.setdefault(len(cont), []).append(k)
         out = {}
+        b = getattr(self.mp, "block_size", None)
         for L, ks in by_len.items():
-            st = SamplerSettings(gen_length=L, block_length=L, steps=L, remasking="low_confidence", temperature=0.0)
+            n = -(-L // b) * b if b else L
+            st = SamplerSettings(gen_length=n, block_length=b or L, steps=n, remasking="low_confidence",
+                                 temperature=0.0, threshold=None)
             res = generate(self.mp, [unique[k][0] for k in ks], st, batch_size=self.batch_size, stop_early=False)
             for k, r in zip(ks, res):
-                out[k] = list(r.raw) == list(unique[k][1])
+                out[k] = list(r.raw[:L]) == list(unique[k][1])
         return out
 
     def _pad_id(self) -> int:
