@@ -48,6 +48,22 @@ def test_cached_decode_is_token_identical_to_recomputing_the_prefix():
         assert x.shape[0] == 20 and torch.equal(x[:6], prompt) and not (x == 39).any()
 
 
+def test_cached_decode_passes_the_cache_under_the_bodys_own_name():
+    """transformers 5.2x renamed the forward's ``past_key_values`` to ``cache`` (the old name warns at every
+    call): the sampler asks the body which name it takes, so a decode raises no deprecation warning."""
+    import inspect
+    import warnings
+
+    from dllm_align.generate.block import _cache_argument
+
+    model = tiny()
+    want = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert _cache_argument(model) == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block_generate(model, torch.tensor([3, 7, 1, 9, 4, 4]), mask_id=39, gen_length=8, block_length=4, steps=4)
+
+
 def test_stop_id_ends_after_its_block():
     model = tiny()
     torch.manual_seed(0)

@@ -79,6 +79,15 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _cache_argument(model) -> str:
+    """The name the body's forward takes its KV cache under: ``cache`` from transformers 5.2x on (the old
+    ``past_key_values`` still works there, with a deprecation warning at every call), else ``past_key_values``."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, block_length: int = 4,
                    steps: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    strategy: str = "low_confidence_dynamic", threshold: float = 0.9,
@@ -112,6 +121,7 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
     pos = torch.arange(total, device=dev)[None]
     prefill = (plen // block_length) * block_length
     cache = DynamicCache() if use_cache else None
+    kv = {_cache_argument(model): cache}
 
     def additive(allowed):
         out = torch.zeros(allowed.shape, dtype=dtype, device=dev)
@@ -119,7 +129,7 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
 
     if use_cache and prefill:
         model(input_ids=x[:, :prefill], position_ids=pos[:, :prefill], attention_mask=additive(causal[:prefill, :prefill]),
-              past_key_values=cache, use_cache=True)
+              **kv, use_cache=True)
     n_calls = int(use_cache and prefill > 0)
     sched = transfer_schedule(block_length, steps)
     for b in range(plen // block_length, n_blocks):
@@ -131,18 +141,18 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
             if rule == "llada2" and step >= steps:
                 if use_cache:  # the block is finished as it stands: store it
                     model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
-                          past_key_values=cache, use_cache=True)
+                          **kv, use_cache=True)
                     n_calls += 1
                 break
             n_calls += int(use_cache or bool(masked.any()))
             if not masked.any():
                 if use_cache:
                     model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
-                          past_key_values=cache, use_cache=True)
+                          **kv, use_cache=True)
                 break
             if use_cache:
                 logits = model(input_ids=cur, position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
-                               past_key_values=cache, use_cache=True).logits
+                               **kv, use_cache=True).logits
                 cache.crop(-block_length)  # the block was appended: drop it again (not stored)
             else:
                 ids = torch.cat([x[:, :lo], cur], dim=1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -295,7 +296,11 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False, family=Non
             tok = fix(None, Path(path))
         else:
             try:
-                tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+                with warnings.catch_warnings():
+                    # The tokenizer reads config.json too: a published `rope_scaling: null` (SDAR's) warns
+                    # there, though the model is built from our own translation (rope_parameters).
+                    warnings.filterwarnings("ignore", message="`rope_scaling` is deprecated", category=FutureWarning)
+                    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             except Exception:
                 if fix is None:
                     raise
