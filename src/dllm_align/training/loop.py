@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -235,7 +236,9 @@ class _Run:
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none"
         )
         try:
-            get_peft_model(self.mp.model, cfg)  # injects the adapter layers into mp.model in place
+            with warnings.catch_warnings():  # peft asks the deprecated name of transformers 5.2x (a warning per run)
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+                get_peft_model(self.mp.model, cfg)  # injects the adapter layers into mp.model in place
         except ValueError as e:
             raise UserError(f"train.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
         if resume_from is not None:
