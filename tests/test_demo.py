@@ -59,7 +59,7 @@ def test_ablate_runs_on_the_block_family(tmp_path):
     out = tmp_path / "abl"
     res = runner.invoke(app, ["ablate", "baseline", "demo_block", "--betas", "0.1", "--lrs", "1e-4", "-o", str(out),
                               "--set", "ablate.baselines=[none]", "--set", "train.max_steps=2", "--set", "train.save_every=2",
-                              "--set", "generate.limit=8", "--json"])
+                              "--set", "generate.limit=8", "--set", "data.limit=64", "--json"])
     assert res.exit_code == 0, res.output
     (row,) = json.loads(res.stdout)
     assert row["baseline"] == "none" and row["n"] == 8

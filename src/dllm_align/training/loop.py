@@ -232,9 +232,7 @@ class _Run:
         except ImportError:
             raise UserError("train.lora.enabled needs the peft package", hint="pip install 'dllm-align[lora]'") from None
         lora = self.t.lora
-        cfg = LoraConfig(
-            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none"
-        )
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
         try:
             with warnings.catch_warnings():  # peft asks the deprecated name of transformers 5.2x (a warning per run)
                 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -248,10 +246,8 @@ class _Run:
             named = dict(self.mp.model.named_parameters())
             extra = sorted(set(adapter) - set(named))
             if extra:
-                raise UserError(
-                    f"cannot resume from {resume_from}: its LoRA adapter has weights this run's model lacks ({extra[0]})",
-                    hint="resume with the recipe's original train.lora settings and model",
-                )
+                raise UserError(f"cannot resume from {resume_from}: its LoRA adapter has weights this run's model lacks ({extra[0]})",
+                                hint="resume with the recipe's original train.lora settings and model")
             for k, v in adapter.items():
                 if named[k].shape != v.shape:
                     raise UserError(
