@@ -20,7 +20,7 @@ types for a masked diffusion LM:
 * ``loglikelihood_rolling(text)``: the ELBO of the whole text in the harness's
   disjoint rolling windows (each window conditioned on the tokens before it).
   Perplexities computed from it are upper bounds.
-* ``generate_until(context, gen_kwargs)``: the project's LLaDA sampler
+* ``generate_until(context, gen_kwargs)``: the model family's sampler (LLaDA's, Dream's or the block rule)
   (:mod:`dllm_align.generate.sampler`) with this LM's settings (gen length, block,
   steps, ... set per task by the ``evaluate`` command), the text cut at the
   first of the task's ``until`` strings. The task's ``max_gen_toks``,
@@ -466,7 +466,7 @@ class DiffusionLM(LM):
 
     # -- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Decode each context with the LLaDA sampler (SPEC.md §7) and cut at the task's stop strings."""
+        """Decode each context with the family's sampler (LLaDA's: SPEC.md §7) and cut at the task's stop strings."""
         from dllm_align.core.console import progress
         from dllm_align.generate.sampler import generate
         from dllm_align.generate.settings import row_seed
