@@ -89,7 +89,13 @@ def published(monkeypatch):
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(PUBLISHED)]
         monkeypatch.setitem(sys.modules, name, pkg)
-    return importlib.import_module(name + ".modeling_llada2_moe")
+    try:
+        return importlib.import_module(name + ".modeling_llada2_moe")
+    except ImportError as e:  # e.g. transformers 5.24 dropped modeling_attn_mask_utils, which it imports
+        import transformers
+
+        pytest.skip(f"the published LLaDA2.0 modeling code does not import under transformers {transformers.__version__} "
+                    f"({e}); run this check under transformers 5.23")
 
 
 def published_checkpoint(published, cfg: dict, folder: Path, seed: int = 0):
