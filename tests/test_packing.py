@@ -193,10 +193,16 @@ def _fake_flash_kernels():
 @pytest.fixture()
 def fake_flash(monkeypatch):
     """Patch the stand-in kernels into transformers' own flash dispatch (``_lazy_imports``)."""
+    import inspect
+    import re
+
     from transformers import modeling_flash_attention_utils as fa
 
     dense, varlen, calls = _fake_flash_kernels()
-    monkeypatch.setattr(fa, "_lazy_imports", lambda *a, **k: (dense, varlen, None, fa._pad_input, fa._unpad_input))
+    # what the dispatch unpacks: (dense, varlen, [with_kvcache,] pad, unpad); the kvcache entry came with 5.2x
+    names = re.search(r"([\w, ]+)= _lazy_imports\(", inspect.getsource(fa.lazy_import_flash_attention)).group(1)
+    fns = (dense, varlen, None) if "kvcache" in names else (dense, varlen)
+    monkeypatch.setattr(fa, "_lazy_imports", lambda *a, **k: (*fns, fa._pad_input, fa._unpad_input))
     monkeypatch.setattr(fa, "_loaded_implementation", None)
     yield calls
 

@@ -189,7 +189,7 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
-def eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
     """Plain softmax attention (float32 softmax); a boolean mask becomes the published additive one."""
     key, value = _repeat_kv(key, module.num_key_value_groups), _repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -236,7 +236,7 @@ class Llada2Attention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         # (calling ``get_interface`` is also what lets transformers' set_attn_implementation switch this body)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation or "sdpa", eager_attention)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation or "sdpa", eager_attention_forward)
         out, _ = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
                         scaling=self.scaling, **kwargs)
         return self.dense(out.reshape(b, t, -1).contiguous())
