@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -375,3 +376,19 @@ def test_llada_include_qkv_bias_loads_with_biases_on_q_k_v_only(tmp_path):
     attn.v_proj.bias.data.zero_()
     with torch.no_grad():
         torch.testing.assert_close(b.logits(ids), la, atol=1e-5, rtol=1e-5)  # ... and nothing else differs
+
+
+def test_a_transformers_that_ignores_is_causal_is_refused():
+    """transformers 5.0 and 5.1 build a causal mask whatever config.is_causal says (the suite's
+    bidirectionality test fails there): loading refuses them by name, and the install floor is the same."""
+    import tomllib
+
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.load import MIN_TRANSFORMERS, require_transformers
+
+    with pytest.raises(UserError, match=r"transformers 5\.1\.0 is too old: before 5\.2 it ignores is_causal=False"):
+        require_transformers("5.1.0")
+    require_transformers("5.2.0")
+    require_transformers("5.24.0")
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"transformers>={MIN_TRANSFORMERS},<6" in deps

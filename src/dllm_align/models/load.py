@@ -90,9 +90,30 @@ BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-ba
                   "builtin:toy-sort-base-sdar": "toy_sort_base_sdar"}
 
 
+# The oldest transformers whose attention masks honour ``config.is_causal = False``: 5.0 and 5.1 build a
+# causal mask regardless, so every body here would silently attend left to right (found by running the
+# suite on 5.0.0; it passes whole on 5.2.0 and on the newest release).
+MIN_TRANSFORMERS = "5.2"
+
+
+def require_transformers(version: Optional[str] = None) -> None:
+    """Refuse a transformers release that would make the bidirectional bodies causal."""
+    from packaging.version import Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise UserError(f"transformers {version} is too old: before {MIN_TRANSFORMERS} it ignores is_causal=False, "
+                        "so a diffusion model's attention would be causal",
+                        hint=f"pip install 'transformers>={MIN_TRANSFORMERS},<6'")
+
+
 def _quiet_transformers() -> None:
     import transformers
 
+    require_transformers(transformers.__version__)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
