@@ -134,7 +134,9 @@ def environment(device: str) -> dict:
         except Exception:  # noqa: BLE001 - absent is an answer
             versions[mod] = None
     from dllm_align import __version__
+    from dllm_align.models.load import require_transformers
 
+    require_transformers(versions["transformers"])  # an image's older transformers: said first, by name
     env = {"python": platform.python_version(), "platform": platform.platform(), "dllm_align": __version__,
            "versions": versions, "device": device, "attention_backends": attention_backends(device)}
     if device == "cuda":

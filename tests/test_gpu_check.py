@@ -37,3 +37,22 @@ def test_gpu_check_runs_end_to_end_on_cpu_tiny(tmp_path):
     for block in ("sdar", "llada2"):  # block diffusion: a dense Qwen3 body and the LLaDA2.0 MoE body
         assert fam[block]["generated_tokens"] == 8 and fam[block]["invariant_ok"]
     assert json.loads((tmp_path / "benchmarks.json").read_text())
+
+
+def test_environment_part_names_a_too_old_transformers(monkeypatch):
+    """A GPU image with transformers older than 5.2 (every body would be causal) fails the first part, by name."""
+    import importlib.util
+
+    import pytest
+    import transformers
+
+    from dllm_align.core.errors import UserError
+
+    spec = importlib.util.spec_from_file_location("gpu_check_mod", REPO / "benchmarks" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.environment("cpu")["versions"]["transformers"] == transformers.__version__
+    # (importing the libraries it lists can leave another transformers module object in sys.modules)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.1.0")
+    with pytest.raises(UserError, match=r"transformers 5\.1\.0 is too old"):
+        mod.environment("cpu")
