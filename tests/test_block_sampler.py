@@ -59,9 +59,12 @@ def test_cached_decode_passes_the_cache_under_the_bodys_own_name():
     model = tiny()
     want = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     assert _cache_argument(model) == want
+    grad = []
+    model.register_forward_hook(lambda *_: grad.append(torch.is_grad_enabled()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         block_generate(model, torch.tensor([3, 7, 1, 9, 4, 4]), mask_id=39, gen_length=8, block_length=4, steps=4)
+    assert grad and not any(grad)  # decoding records no graph
 
 
 def test_stop_id_ends_after_its_block():

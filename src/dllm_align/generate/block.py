@@ -78,7 +78,6 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
     return torch.zeros(1, 1, q, k, dtype=dtype)
 
 
-@torch.no_grad()
 def _cache_argument(model) -> str:
     """The name the body's forward takes its KV cache under: ``cache`` from transformers 5.2x on (the old
     ``past_key_values`` still works there, with a deprecation warning at every call), else ``past_key_values``."""
@@ -88,6 +87,7 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+@torch.no_grad()
 def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, block_length: int = 4,
                    steps: int = 4, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    strategy: str = "low_confidence_dynamic", threshold: float = 0.9,
