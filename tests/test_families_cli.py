@@ -138,3 +138,11 @@ def test_block_families_decode_exact_and_fast(models, family):
     with pytest.raises(UserError, match="differs from the model's block size"):  # refused by name
         generate(load_model(models[family]), [[1, 2, 3]], SamplerSettings(gen_length=2 * block, block_length=2 * block,
                                                                           steps=2 * block))
+    # through the command: one Error line, exit 2, and nothing left behind in the output folder
+    out = root / f"foreign-{family}" / "gen.jsonl"
+    out.parent.mkdir()
+    res = runner.invoke(app, ["generate", str(rec), "--output", str(out), "--device", "cpu",
+                              "--set", f"generate.block_length={2 * block}", "--set", f"generate.gen_length={2 * block}",
+                              "--set", f"generate.steps={2 * block}"])
+    assert res.exit_code == 2 and "differs from the model's block size" in res.stderr, res.output
+    assert list(out.parent.iterdir()) == []

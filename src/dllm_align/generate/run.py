@@ -143,7 +143,7 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
     from dllm_align.core import console
     from dllm_align.core.errors import UserError
     from dllm_align.generate.settings import SamplerStats, encode_prompt, length_batches, row_seed
-    from dllm_align.generate.sampler import generate_batch
+    from dllm_align.generate.sampler import generate_batch, settings_for
     from dllm_align.core.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
     from dllm_align.config.recipe import write_run_info
     from dllm_align.core.runfolder import differing, refuse_changes
@@ -189,6 +189,7 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
     mp = mp_loader() if todo else None
     ids: list = []
     if todo:
+        settings_for(mp, settings)  # the rule's needs of this model (e.g. its block length) refused here, not mid-run
         mp.model.eval()
         ids = [encode_prompt(mp.tokenizer, r.messages) for r in todo]
         if rec.data.max_prompt_length is not None:

@@ -242,6 +242,22 @@ def _generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, 
     return out
 
 
+def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
+    """``settings`` for this model: ``sampler: auto`` resolved to its family's rule, then checked, the rule's
+    needs of the model included (the block rule: a block-diffusion model, decoded in its own block length).
+    Callers that write anything check with it first, so a refusal leaves nothing behind."""
+    settings = settings.for_model(mp)
+    settings.check()
+    if settings.sampler == "block":
+        b = mp.block_size
+        if b is None:
+            raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
+        if settings.block_length != b:
+            raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
+                            hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+    return settings
+
+
 def _generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
     """One batch under the block-diffusion rule (:mod:`dllm_align.generate.block`), prompt by prompt.
 
@@ -252,11 +268,6 @@ def _generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, 
     from dllm_align.generate.block import block_generate
 
     b = mp.block_size
-    if b is None:
-        raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
-    if settings.block_length != b:
-        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
-                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")
     dev = mp.device
     stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
     local = SamplerStats(prompts=len(prompts))
@@ -298,8 +309,7 @@ def generate_batch(
     A family whose rule is Dream's (``settings.sampler`` auto or dream) is decoded
     by :func:`dllm_align.generate.dream.generate_batch_dream`.
     """
-    settings = settings.for_model(mp)
-    settings.check()
+    settings = settings_for(mp, settings)
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -503,8 +513,7 @@ def generate(
     ``on_batch(indices, completions)`` is called as each batch finishes (the CLI
     appends rows there, so a killed run keeps what it finished).
     """
-    settings = settings.for_model(mp)
-    settings.check()
+    settings = settings_for(mp, settings)
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1 (got {batch_size})")
     if seeds is None:
