@@ -136,7 +136,8 @@ def environment(device: str) -> dict:
     from dllm_align import __version__
     from dllm_align.models.load import require_transformers
 
-    require_transformers(versions["transformers"])  # an image's older transformers: said first, by name
+    if versions["transformers"]:  # an image's older transformers: said first, by name
+        require_transformers(versions["transformers"])
     env = {"python": platform.python_version(), "platform": platform.platform(), "dllm_align": __version__,
            "versions": versions, "device": device, "attention_backends": attention_backends(device)}
     if device == "cuda":

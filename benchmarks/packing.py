@@ -60,9 +60,9 @@ def save_body_model(folder: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models.load import _quiet_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import _ready_transformers, build_tiny_tokenizer
 
-    _quiet_transformers()
+    _ready_transformers()
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,

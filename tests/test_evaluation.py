@@ -441,7 +441,7 @@ def test_two_processes_give_the_single_process_result(tiny, tmp_path):
     recipe = _recipe(tmp_path, {"gen": {"task": "toy_gen"}, "mc": {"task": "toy_mc"}})
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dllm_align", "evaluate", str(recipe), "--include-path", str(tasks_dir), "--json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)

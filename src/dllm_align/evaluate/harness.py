@@ -453,8 +453,7 @@ class DiffusionLM(LM):
         b = getattr(self.mp, "block_size", None)
         for L, ks in by_len.items():
             n = -(-L // b) * b if b else L
-            st = SamplerSettings(gen_length=n, block_length=b or L, steps=n, remasking="low_confidence",
-                                 temperature=0.0, threshold=None)
+            st = SamplerSettings(gen_length=n, block_length=b or L, steps=n, remasking="low_confidence", temperature=0.0)
             res = generate(self.mp, [unique[k][0] for k in ks], st, batch_size=self.batch_size, stop_early=False)
             for k, r in zip(ks, res):
                 out[k] = list(r.raw[:L]) == list(unique[k][1])

@@ -96,21 +96,19 @@ BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-ba
 MIN_TRANSFORMERS = "5.2"
 
 
-def require_transformers(version: Optional[str] = None) -> None:
+def require_transformers(version: str) -> None:
     """Refuse a transformers release that would make the bidirectional bodies causal."""
     from packaging.version import Version
 
-    if version is None:
-        import transformers
-
-        version = transformers.__version__
     if Version(version) < Version(MIN_TRANSFORMERS):
         raise UserError(f"transformers {version} is too old: before {MIN_TRANSFORMERS} it ignores is_causal=False, "
                         "so a diffusion model's attention would be causal",
                         hint=f"pip install 'transformers>={MIN_TRANSFORMERS},<6'")
 
 
-def _quiet_transformers() -> None:
+def _ready_transformers() -> None:
+    """Before any model or tokenizer is made: refuse a transformers that would make the bodies causal,
+    and quiet its logging and progress bars."""
     import transformers
 
     require_transformers(transformers.__version__)
@@ -146,7 +144,7 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
     """A randomly initialised tiny bidirectional Llama; deterministic for a given spec."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    _quiet_transformers()
+    _ready_transformers()
     tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
     if spec.family == "dream":
         from dllm_align.models.families.dream import build_dream_model
@@ -279,7 +277,7 @@ def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Pa
     from dllm_align.data.read import _hub_reachable
 
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    _quiet_transformers()  # no stray huggingface_hub log line before the one Error line
+    _ready_transformers()  # no stray huggingface_hub log line before the one Error line
     try:
         return Path(hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=True))
     except Exception:
@@ -307,7 +305,7 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False, family=Non
     """The tokenizer of a model folder (``family``: its fix-ups, e.g. a native twin of a remote-code class)."""
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    _ready_transformers()
     if str(path) in BUILTIN_SPECS:
         return build_tiny_tokenizer(BUILTIN_SPECS[str(path)].family)
     fix = None if (family is None or trust_remote_code) else family.fix_tokenizer
@@ -356,7 +354,7 @@ def load_model(
     """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
     from dllm_align.core.console import warn
 
-    _quiet_transformers()
+    _ready_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
     family = native = None
