@@ -177,7 +177,7 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
                     max_rows_per_forward: Optional[int] = None, pack_length: Optional[int] = None) -> torch.Tensor:
     """Per-draw sums of log p at the masked positions [B*K], for a block-diffusion family.
 
-    ``nb`` is :func:`dllm_align.objective.elbo.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
+    ``nb`` is :func:`dllm_align.objective.draws.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
     b). Each forward call takes a group of rows, each laid out as ``[x_t^{j1}; ...; x_t^{jc}; x_0]`` (c
     draws and the clean stream, (c+1)T tokens) and run with the streams attention
     (``dllm_align.models.block_attention``): the value of every draw is what the published 2L form gives,
