@@ -5,17 +5,21 @@ Masks come from a counter-based hash (SplitMix64) on the CPU, so they are the sa
 process count, any library version and after a restart. Policy and reference call the same function, so
 they share masks (common random numbers: the VRPO variance reduction the paper relies on). The hash
 (:func:`example_key`, :func:`splitmix64`) is for every likelihood's draws; a new noise process takes its
-own stream tags.
+own stream tags. :class:`AbsorbingMask` is the part of the likelihood component (``objective.likelihood``)
+that masked and block diffusion share.
 """
 
 from __future__ import annotations
 
 import hashlib
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from dllm_align.objective.likelihood import Likelihood
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -160,3 +164,24 @@ def make_noisy_batch(
     return NoisyBatch(
         noisy.to(dev), am, rows_t.to(dev), cols_t.to(dev), targets.to(dev), weight.to(dev), B, K
     )
+
+
+# --------------------------------------------------------------------------- the shared likelihood part
+class AbsorbingMask(Likelihood):
+    """What the absorbing-mask likelihoods share: the draws (:func:`draw_masks`) and the terms, each draw's
+    weight times its sum of log p at the masked positions. A subclass says how the noisy rows go through the
+    network (:meth:`draw_sums`) and what that costs (``footprint``)."""
+
+    def draws(self, example_id: str, length: int, cfg: DrawConfig) -> tuple[np.ndarray, np.ndarray]:
+        return draw_masks(example_id, length, cfg)
+
+    def draw_terms(self, mp, input_ids, attention_mask, completion_mask, ids, cfg, *, max_rows_per_forward=None,
+                   draws=None, pack_length=None) -> torch.Tensor:
+        nb = make_noisy_batch(input_ids, attention_mask, completion_mask, ids, cfg, mp.mask_token_id, draws)
+        total = self.draw_sums(mp, nb, input_ids, attention_mask, max_rows_per_forward, pack_length)  # [B*K]
+        return (total.double() * nb.weight).float().view(nb.B, nb.K)
+
+    @abstractmethod
+    def draw_sums(self, mp, nb: NoisyBatch, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                  max_rows_per_forward: Optional[int], pack_length: Optional[int]) -> torch.Tensor:
+        """Per-draw sums of log p at the masked positions [B*K] (row b*K + j: draw j of row b)."""

@@ -1,25 +1,15 @@
-"""The Monte Carlo ELBO of a masked diffusion LM (paper Appendix A, eq. elbo-l).
+"""The Monte Carlo ELBO of any model: the registry of likelihoods by name, and the entry points every
+command calls (:func:`elbo_draws`, :func:`elbo`).
 
-For a prompt x and a completion y of L tokens, one draw is
+A model's family names its likelihood (``Family.likelihood``); :data:`LIKELIHOODS` maps that name to the
+component (``objective.likelihood``) that draws the noise and computes the per-draw terms: ``"masked"``,
+whole-sequence absorbing-mask diffusion (``objective.masked``), and ``"block"``, block diffusion
+(``objective.block``). A new noise process is one module and one line here.
 
-1. l ~ Uniform{1, ..., L};
-2. exactly l of the L completion positions, uniformly without replacement, are
-   replaced by the mask token;
-3. one forward pass of the mask predictor on (x, masked y); sum log p(y_i | .)
-   over the masked positions;
-4. weight by L / l.
-
-B_hat is the mean over K draws. The t-formulation (eq. elbo-t: mask each token
-with probability t ~ U(0, 1], weight 1/t) has the same expectation:
-sum_l g(l) / l, where g(l) is the expected log-likelihood sum of a random
-l-subset (the Beta integral gives C(L,l) B(l, L-l+1) = 1/l). Its variance is
-much larger (the 1/t weight has a heavy tail); it is here for comparison.
-
-Masks are a pure function of (seed, example id, draw index, L), computed with
-a counter-based hash (SplitMix64) on the CPU, so they are the same on any
-device, any process count, any library version and after a restart. Policy and
-reference call the same function, so they share masks (common random numbers:
-the VRPO variance reduction the paper relies on).
+The draws are pure functions of (seed, example id, draw index, L) (``objective.draws``), so policy and
+reference share them (common random numbers: the VRPO variance reduction the paper relies on); the names
+callers import from here (``DrawConfig``, ``draw_masks``, ``make_noisy_batch``, ``exact_elbo``) live in
+``objective.draws`` and ``objective.masked``.
 """
 
 from __future__ import annotations
@@ -28,6 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from dllm_align.core.errors import UserError
+from dllm_align.objective.block import BLOCK
 from dllm_align.objective.draws import (  # noqa: F401  (the draws' names, where callers import them)
     DrawConfig,
     NoisyBatch,
@@ -36,7 +28,23 @@ from dllm_align.objective.draws import (  # noqa: F401  (the draws' names, where
     make_noisy_batch,
     splitmix64,
 )
-from dllm_align.objective.masked import exact_elbo, masked_draw_sums  # noqa: F401
+from dllm_align.objective.likelihood import Likelihood
+from dllm_align.objective.masked import MASKED, exact_elbo  # noqa: F401
+
+# Every likelihood by the name a family gives (``Family.likelihood``).
+LIKELIHOODS: dict[str, Likelihood] = {lik.name: lik for lik in (MASKED, BLOCK)}
+
+
+def get_likelihood(name: str) -> Likelihood:
+    """The likelihood component registered under ``name``; an unknown name is one error naming the known ones."""
+    if name not in LIKELIHOODS:
+        raise UserError(f"unknown likelihood '{name}'", hint=f"known: {', '.join(LIKELIHOODS)}")
+    return LIKELIHOODS[name]
+
+
+def likelihood_of(mp) -> Likelihood:
+    """The likelihood of a model (``mp.likelihood``: its family's, by name)."""
+    return get_likelihood(mp.likelihood)
 
 
 def elbo_draws(
@@ -50,42 +58,22 @@ def elbo_draws(
     draws: Optional[Sequence[int]] = None,
     pack_length: Optional[int] = None,
 ) -> torch.Tensor:
-    """Per-draw ELBO values [B, K] (fp32, differentiable through ``mp``).
+    """Per-draw ELBO values [B, K] (fp32, differentiable through ``mp``) from the model's likelihood
+    (:func:`likelihood_of`; ``Likelihood.draw_terms``).
 
-    Value of draw k of row b: weight_k * sum over masked positions of
-    log p(y_i | masked sequence). Logits are computed only at masked positions
-    (``MaskPredictor.target_logprobs``). Rows (B*K noisy sequences) are run in
-    forward calls of at most ``max_rows_per_forward`` rows (default: all).
-
-    ``pack_length`` (``data.padding: packed``): the noisy sequences of each
-    forward call are packed into as few rows of that many tokens as fit, with
-    block-diagonal bidirectional attention and positions restarting per
-    sequence, so no compute goes to padding. Every sequence sees exactly what
-    it sees alone, so the values equal the padded ones up to float rounding.
-    Needs right-padded rows with an ``attention_mask`` (``padding: none`` layout).
-    A family that scores position j from the output at j-1 (Dream's shifted
-    logits) stays inside the sequence: a scored (completion) position is never
-    a sequence's first, since the prompt comes before it.
-
-    A block-diffusion family (``mp.block_size``) scores each draw given its own
-    noisy block and the clean earlier blocks: the draws of a row go through the
-    network as one streams row ``[x_t^1; ...; x_t^K; x_0]`` with the clean
-    stream computed once (:func:`dllm_align.objective.block.block_draw_sums`;
-    ``pack_length`` packs its rows too).
-    The masks and weights are the same function of (seed, id, draw, L): the
-    l-estimator's expectation is the block ELBO with t uniform on (0, 1], since
-    a mask hiding n of L tokens gets the same total weight, 1 / (n C(L, n)),
-    under both (``objective/block.py``, ``mask_weight``).
+    The value of draw k of row b is that draw's ELBO term (masked and block diffusion: the draw's weight
+    times its sum of log p(y_i | noisy sequence) over the masked positions); the mean over draws is the row's
+    ELBO estimate. Policy and reference make the
+    same call and get the same draws. Rows are run in forward calls of about ``max_rows_per_forward`` rows of
+    T tokens (default: all); ``draws`` selects a subset of the K draw indices (default all), used to split an
+    example's draws across forward calls; ``pack_length`` (``data.padding: packed``) packs the noisy
+    sequences into rows of that many tokens, each sequence seeing exactly what it sees alone (right-padded
+    rows with an ``attention_mask``).
     """
-    nb = make_noisy_batch(input_ids, attention_mask, completion_mask, ids, cfg, mp.mask_token_id, draws)
-    block_size = getattr(mp, "block_size", None)
-    if block_size:
-        from dllm_align.objective.block import block_draw_sums
-
-        total = block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
-        return (total.double() * nb.weight).float().view(nb.B, nb.K)
-    total = masked_draw_sums(mp, nb, max_rows_per_forward, pack_length)  # [B*K]
-    return (total.double() * nb.weight).float().view(nb.B, nb.K)
+    return likelihood_of(mp).draw_terms(
+        mp, input_ids, attention_mask, completion_mask, ids, cfg,
+        max_rows_per_forward=max_rows_per_forward, draws=draws, pack_length=pack_length,
+    )
 
 
 def elbo(

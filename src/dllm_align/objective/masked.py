@@ -1,5 +1,21 @@
-"""Masked (absorbing) diffusion: the whole-sequence Monte Carlo ELBO (paper Appendix A, eq. elbo-l) of LLaDA,
-Dream and LLaDA-MoE, and its exact value by enumeration.
+"""Masked (absorbing) diffusion: the whole-sequence Monte Carlo ELBO of LLaDA, Dream and LLaDA-MoE (paper
+Appendix A, eq. elbo-l), the likelihood component ``"masked"``, and its exact value by enumeration.
+
+For a prompt x and a completion y of L tokens, one draw is
+
+1. l ~ Uniform{1, ..., L};
+2. exactly l of the L completion positions, uniformly without replacement, are
+   replaced by the mask token;
+3. one forward pass of the mask predictor on (x, masked y); sum log p(y_i | .)
+   over the masked positions;
+4. weight by L / l.
+
+B_hat is the mean over K draws. The t-formulation (eq. elbo-t: mask each token
+with probability t ~ U(0, 1], weight 1/t) has the same expectation:
+sum_l g(l) / l, where g(l) is the expected log-likelihood sum of a random
+l-subset (the Beta integral gives C(L,l) B(l, L-l+1) = 1/l). Its variance is
+much larger (the 1/t weight has a heavy tail); it is here for comparison.
+The masks and weights are :func:`dllm_align.objective.draws.draw_masks`.
 """
 
 from __future__ import annotations
@@ -11,12 +27,24 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.data.batching import pack_rows
-from dllm_align.objective.draws import NoisyBatch
+from dllm_align.objective.draws import AbsorbingMask, NoisyBatch
+from dllm_align.objective.likelihood import Footprint
 
 
 def masked_draw_sums(mp, nb: NoisyBatch, max_rows_per_forward: Optional[int] = None,
                      pack_length: Optional[int] = None) -> torch.Tensor:
-    """Per-draw sums of log p at the masked positions [B*K] (``elbo_draws``' docstring)."""
+    """Per-draw sums of log p at the masked positions [B*K]: B*K noisy sequences, run in forward calls of at
+    most ``max_rows_per_forward`` rows (default: all), logits only at the masked positions
+    (``MaskPredictor.target_logprobs``).
+
+    ``pack_length`` (``data.padding: packed``): the noisy sequences of each forward call are packed into as
+    few rows of that many tokens as fit, with block-diagonal bidirectional attention and positions restarting
+    per sequence, so no compute goes to padding. Every sequence sees exactly what it sees alone, so the values
+    equal the padded ones up to float rounding. Needs right-padded rows with an ``attention_mask``
+    (``padding: none`` layout). A family that scores position j from the output at j-1 (Dream's shifted
+    logits) stays inside the sequence: a scored (completion) position is never a sequence's first, since the
+    prompt comes before it.
+    """
     BK = nb.B * nb.K
     chunk = max_rows_per_forward or BK
     if pack_length is not None:
@@ -39,6 +67,22 @@ def masked_draw_sums(mp, nb: NoisyBatch, max_rows_per_forward: Optional[int] = N
         s = torch.zeros(stop - start, dtype=torch.float32, device=lp.device)
         sums.append(s.index_add(0, r, lp))
     return torch.cat(sums)  # [B*K]
+
+
+
+class MaskedDiffusion(AbsorbingMask):
+    """Whole-sequence masked diffusion: each draw is one noisy copy of the sequence (the module docstring)."""
+
+    name = "masked"
+
+    def draw_sums(self, mp, nb, input_ids, attention_mask, max_rows_per_forward, pack_length) -> torch.Tensor:
+        return masked_draw_sums(mp, nb, max_rows_per_forward, pack_length)
+
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
+        return Footprint(rows=draws, scored_rows=draws)
+
+
+MASKED = MaskedDiffusion()
 
 
 # --------------------------------------------------------------------------- reference values
