@@ -83,5 +83,6 @@ class Likelihood(ABC):
     @abstractmethod
     def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
         """What one training unit's ``draws`` draws of ``length`` tokens put through the body of a model of
-        ``shape`` (``training.memory.ModelShape``: heads, head_dim, the family's block size, ...);
+        ``shape`` (``training.memory.ModelShape``: heads, head_dim, the family's block size, ..., and the
+        config.json as read, ``shape.config``, for a size only this likelihood uses);
         ``compute_bytes``: bytes of one activation element in the compute precision."""

@@ -103,6 +103,8 @@ class ModelShape:
     likelihood: str = "masked"
     # Block diffusion (SDAR, LLaDA2.x): the block size (the config's, else the family's); 0 for none.
     block_size: int = 0
+    # The config.json as read: what a likelihood's footprint needs beyond these fields.
+    config: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def head_dim(self) -> int:
@@ -248,6 +250,7 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         or (cfg.get("model_type") in ("llada2_moe", "llada21_moe") and cfg.get("use_qk_norm", True) is not False),
         likelihood=fam.likelihood,
         block_size=fam.block_size_in(cfg) or 0,
+        config=cfg,
         **moe,
     )
 
