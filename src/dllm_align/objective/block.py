@@ -1,4 +1,5 @@
-"""Block diffusion (LLaDA2.x, SDAR, BD3-LM): the training attention masks and the block ELBO.
+"""Block diffusion (LLaDA2.x, SDAR, BD3-LM): the training attention masks, the block ELBO and its likelihood
+component (``"block"``, :class:`BlockDiffusion`).
 
 Facts this module follows (from the published training code, dllm's ``core/trainers/bd3lm.py`` and the
 serving tables that pair ``LLaDA2MoeModelLM`` with block 32 / mask 156895 and ``SDARForCausalLM`` with
