@@ -84,7 +84,7 @@ def test_block_elbo_draws_equal_the_2l_form_values_and_gradients(padded, rows_pe
     worst = max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(g_got, g_want))
     assert worst < 1e-4, worst
     # not vacuous: the whole-sequence (bidirectional) reading of the same draws differs
-    wrong = elbo_draws(type("NoBlocks", (), {"block_size": None, "mask_token_id": mp.mask_token_id,
+    wrong = elbo_draws(type("NoBlocks", (), {"likelihood": "masked", "mask_token_id": mp.mask_token_id,
                                              "target_logprobs": mp.target_logprobs})(), ids, am, cm, names, cfg)
     assert (wrong - got).abs().max() > 0.1
 

@@ -98,9 +98,12 @@ class MaskPredictor:
     @property
     def block_size(self) -> Optional[int]:
         """The block size of a block-diffusion family (the checkpoint's config wins); None otherwise."""
-        if not self.family.block_size:
-            return None
-        return int(getattr(getattr(self.model, "config", None), "block_size", None) or self.family.block_size)
+        return self.family.block_size_in(getattr(self.model, "config", None))
+
+    @property
+    def likelihood(self) -> str:
+        """The name of the family's likelihood (``dllm_align.objective.elbo.LIKELIHOODS``)."""
+        return self.family.likelihood
 
     @property
     def vocab_size(self) -> int:

@@ -176,7 +176,7 @@ class _Run:
             from dllm_align.training.setup import preserve_checkpoint_rng
 
             preserve_checkpoint_rng(self.module)  # FSDP2's layer checkpoints replay the forward's dropout masks
-        self.policy = _ViaModule(self.module, self.mp.mask_token_id, self.mp.block_size)
+        self.policy = _ViaModule(self.module, self.mp.mask_token_id, self.mp.block_size, self.mp.likelihood)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
         # -- state to continue

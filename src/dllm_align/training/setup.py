@@ -57,10 +57,11 @@ class PolicyScorer(torch.nn.Module):
 class _ViaModule:
     """Duck-typed MaskPredictor for ``elbo_draws`` that routes through a (wrapped) PolicyScorer."""
 
-    def __init__(self, module, mask_token_id: int, block_size=None):
+    def __init__(self, module, mask_token_id: int, block_size: Optional[int], likelihood: str):
         self.module = module
         self.mask_token_id = mask_token_id
         self.block_size = block_size
+        self.likelihood = likelihood
 
     def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
         return self.module(input_ids, attention_mask, rows, cols, targets, packed, streams)

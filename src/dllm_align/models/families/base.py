@@ -3,9 +3,9 @@
 A :class:`Family` is a plain record: how a checkpoint of that family loads
 natively (a config translation and a weight-name mapping onto a transformers
 architecture), its special tokens, how its logits line up with positions, its
-end-of-turn tokens, the decoder layer class that FSDP wraps, and the decoding
-rule its authors publish. The rest of dllm-align asks the family; it never
-branches on a family's name. Adding a family is one module in this package
+end-of-turn tokens, the decoder layer class that FSDP wraps, the decoding
+rule its authors publish and, by name, the likelihood (noise process) its ELBO
+uses. The rest of dllm-align asks the family; it never branches on a family's name. Adding a family is one module in this package
 (plus its tests) and one line in ``families/__init__.py``.
 """
 
@@ -59,6 +59,9 @@ class Family:
     fix_tokenizer: Optional[Callable[[Any, Path], Any]] = None
     # Published decoding defaults, written into the bundled recipes.
     decoding: dict = field(default_factory=dict)
+    # The noise process and its ELBO, by name in ``dllm_align.objective.elbo.LIKELIHOODS``: "masked"
+    # (whole-sequence absorbing-mask diffusion) or "block" (block diffusion over ``block_size`` blocks).
+    likelihood: str = "masked"
     # Block diffusion (LLaDA2.x, SDAR): the published block size; None for whole-sequence diffusion.
     block_size: Optional[int] = None
     # The published block rule (``dllm_align.generate.block``): "sdar" (SDAR's generate.py) or "llada2"
@@ -66,6 +69,14 @@ class Family:
     block_rule: str = "sdar"
     # Why the commands refuse this family's checkpoints (said in full by ``load_model``); None: they do not.
     refuse_reason: Optional[str] = None
+
+    def block_size_in(self, config: dict | Any) -> Optional[int]:
+        """The block size of one checkpoint (a config.json dict or a transformers config): its config's
+        ``block_size``, else the published one; None for a whole-sequence family."""
+        if not self.block_size:
+            return None
+        value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
+        return int(value or self.block_size)
 
     def source_positions(self, cols: torch.Tensor) -> torch.Tensor:
         """The output positions whose hidden states score positions ``cols``."""
