@@ -148,11 +148,11 @@ def test_dream_rule_refuses_llada_only_options():
 
     for kw in ({"cache": "dual"}, {"threshold": 0.9}, {"cfg": 1.0}):
         with pytest.raises(UserError, match="LLaDA sampler"):
-            SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="dream", **kw).check()
+            SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="dream", **kw)
     with pytest.raises(UserError, match="Dream and block rules"):
-        SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="llada", top_p=0.9).check()
+        SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="llada", top_p=0.9)
     with pytest.raises(UserError, match="block rule has no guidance"):
-        SamplerSettings(gen_length=8, block_length=4, steps=8, sampler="block", cfg=1.0).check()
+        SamplerSettings(gen_length=8, block_length=4, steps=8, sampler="block", cfg=1.0)
 
 
 def test_text_is_rendered_as_the_published_code_renders_it(dream):

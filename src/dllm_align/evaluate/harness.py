@@ -206,8 +206,9 @@ class DiffusionLM(LM):
     def configure(self, *, sampler=None, batch_size=None, mc_num=None, mc_seed=None, stratified=None, greedy_check=None) -> None:
         """Change settings between tasks (the ``evaluate`` command sets each task's decoding here)."""
         if sampler is not None:
-            sampler.check()
-            self.sampler = sampler
+            from dllm_align.generate.settings import SamplerSettings
+
+            self.sampler = SamplerSettings.from_section(sampler)
         if batch_size is not None:
             try:
                 bs = int(batch_size)

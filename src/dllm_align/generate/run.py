@@ -57,7 +57,6 @@ def run_generate(
 
     g = rec.generate
     settings = SamplerSettings.from_section(g)
-    settings.check()
 
     # -- where the prompts come from
     if prompts is not None:

@@ -246,8 +246,7 @@ def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
     """``settings`` for this model: ``sampler: auto`` resolved to its family's rule, then checked, the rule's
     needs of the model included (the block rule: a block-diffusion model, decoded in its own block length).
     Callers that write anything check with it first, so a refusal leaves nothing behind."""
-    settings = settings.for_model(mp)
-    settings.check()
+    settings = SamplerSettings.from_section(settings).for_model(mp)
     if settings.sampler == "block":
         b = mp.block_size
         if b is None:

@@ -84,7 +84,8 @@ def _prompt_text(messages: list) -> str:
 
 
 def _settings(recipe, temperature: Optional[float]):
-    from dllm_align.generate.settings import FAST_CACHE, FAST_THRESHOLD, SamplerSettings
+    from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
+    from dllm_align.generate.settings import SamplerSettings
 
     s = SamplerSettings.from_section(recipe.generate)
     upd = {}
@@ -94,9 +95,7 @@ def _settings(recipe, temperature: Optional[float]):
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
     if s.cache == "none" and s.threshold is None:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
-    import dataclasses
-
-    return dataclasses.replace(s, **upd)
+    return s.replace(**upd)
 
 
 def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[str] = None, split: str = "train",
