@@ -293,7 +293,7 @@ def make_lm(recipe, name_or_path: str) -> DiffusionLM:
         pretrained=name_or_path, predictor=mp, batch_size=ev.batch_size, mc_num=ev.mc_num, mc_seed=ev.mc_seed,
         stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length, packing=ev.packing,
         gen_length=g.gen_length, block_length=g.block_length, steps=g.steps, remasking=g.remasking,
-        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed,
+        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed, backend=g.backend,
     )
 
 

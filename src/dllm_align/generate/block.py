@@ -25,7 +25,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from dllm_align.core.errors import UserError
 from dllm_align.generate.canvas import completion
+from dllm_align.generate.rules import DecodingRule, register_rule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
 
@@ -182,7 +184,7 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
     return x
 
 
-def generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
+def generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
     """One batch under the block-diffusion rule (:mod:`dllm_align.generate.block`), prompt by prompt.
 
     ``cache: none`` recomputes every finished block at each step (exact); ``prefix`` / ``dual`` keep
@@ -212,3 +214,16 @@ def generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t
     if stats is not None:
         stats.add(local)
     return out
+
+
+def check_block_model(mp, settings: SamplerSettings) -> None:
+    """The block rule decodes a block-diffusion model in the block length it was trained with."""
+    b = mp.block_size
+    if b is None:
+        raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
+    if settings.block_length != b:
+        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
+                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+
+
+register_rule(DecodingRule("block", generate_batch_block, check_block_model))

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.generate.canvas import canvas, completion
+from dllm_align.generate.rules import DecodingRule, register_rule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -138,8 +139,8 @@ def denoise(mp, x: torch.Tensor, attn: torch.Tensor, settings, gens: Sequence[to
     return forwards
 
 
-def generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
-    """One batch under Dream's rule (:mod:`dllm_align.generate.dream` denoises the canvas)."""
+def generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
+    """One batch under Dream's rule (:func:`denoise` decodes the canvas; the rule has no early stop)."""
     x, attn = canvas(mp, prompts, settings.gen_length)
     P = x.shape[1] - settings.gen_length
     gens = [torch.Generator(device=mp.device).manual_seed(int(s)) for s in seeds]
@@ -152,3 +153,6 @@ def generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t
     if stats is not None:
         stats.add(local)
     return out
+
+
+register_rule(DecodingRule("dream", generate_batch_dream))

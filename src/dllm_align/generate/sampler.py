@@ -78,9 +78,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from dllm_align.core.errors import UserError
-from dllm_align.generate.block import generate_batch_block
+from dllm_align.generate import block, dream  # noqa: F401 (their rules register on import)
 from dllm_align.generate.canvas import canvas, completion, first_stop
-from dllm_align.generate.dream import generate_batch_dream
+from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule
 
 
@@ -187,21 +187,6 @@ def _kv_forward_for(mp) -> Optional[_KVForward]:
 
 
 # --------------------------------------------------------------------------- the sampler
-def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
-    """``settings`` for this model: ``sampler: auto`` resolved to its family's rule, then checked, the rule's
-    needs of the model included (the block rule: a block-diffusion model, decoded in its own block length).
-    Callers that write anything check with it first, so a refusal leaves nothing behind."""
-    settings = SamplerSettings.from_section(settings).for_model(mp)
-    if settings.sampler == "block":
-        b = mp.block_size
-        if b is None:
-            raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
-        if settings.block_length != b:
-            raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
-                            hint=f"set generate.block_length: {b} (the blocks it was trained with)")
-    return settings
-
-
 @torch.no_grad()
 def _generate_batch_llada(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
     """One batch under LLaDA's rule, exact or fast (the module docstring)."""
@@ -379,6 +364,9 @@ def _generate_batch_llada(mp, prompts, settings: SamplerSettings, seeds, stats, 
     return results  # type: ignore[return-value]
 
 
+register_rule(DecodingRule("llada", _generate_batch_llada))
+
+
 @torch.no_grad()
 def generate_batch(
     mp,
@@ -393,8 +381,8 @@ def generate_batch(
 
     ``seeds``: one per prompt (default: :func:`row_seed` of ``settings.seed`` and
     the prompt's index in this call; the CLI passes the prompt ids instead).
-    A family whose rule is Dream's (``settings.sampler`` auto or dream) is decoded
-    by :func:`dllm_align.generate.dream.generate_batch_dream`.
+    The rule is ``settings.sampler``'s (auto: the model family's), looked up by name in
+    :data:`dllm_align.generate.rules.RULES`.
     """
     settings = settings_for(mp, settings)
     if not prompts:
@@ -407,11 +395,7 @@ def generate_batch(
         seeds = [row_seed(settings.seed, i) for i in range(B)]
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
-    if settings.sampler == "dream":
-        return generate_batch_dream(mp, prompts, settings, seeds, stats, t0)
-    if settings.sampler == "block":
-        return generate_batch_block(mp, prompts, settings, seeds, stats, t0)
-    return _generate_batch_llada(mp, prompts, settings, seeds, stats, t0, stop_early)
+    return rule_for(settings.sampler).decode_batch(mp, prompts, settings, seeds, stats, t0, stop_early)
 
 
 def generate(

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from pydantic import ConfigDict, ValidationError
 
-from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD, GenerateSection  # noqa: F401 (FAST_*: re-exported)
+from dllm_align.config.schema import GenerateSection
 from dllm_align.core.errors import UserError
 
 # Keys of the generate section that say how a run is organised, not which tokens a prompt gets.
