@@ -295,7 +295,6 @@ def load_recipe(
     name_or_path: str | None,
     overrides: list[str] | None = None,
     output_dir: str | None = None,
-    labels: Optional[dict[str, str]] = None,
     flags: Optional[dict[str, tuple[str, Any]]] = None,
 ) -> Recipe:
     """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
@@ -303,8 +302,7 @@ def load_recipe(
     ``flags`` is how a command's flags reach the recipe: dotted key -> (the flag, its value), e.g.
     ``{"generate.gen_length": ("--gen-length", 64)}``. Each value is set as it is (0, False, "" and None
     included: pass only the flags given), after the ``--set`` overrides, and validated with the recipe;
-    its errors name the flag. ``labels`` names the flag behind a ``--set``-style override string instead;
-    other overrides are named as ``--set key=value``.
+    its errors name the flag. Errors in ``--set`` overrides are named as ``--set key=value``.
     """
     if name_or_path is None:
         raw, source = {}, "(defaults)"
@@ -314,10 +312,8 @@ def load_recipe(
     problems = apply_overrides(raw, overrides or [])
     given: dict[str, str] = {}
     for ov in overrides or []:
-        key, _, val = ov.partition("=")
-        key = ".".join(p for p in key.strip().split(".") if p)
-        flag = (labels or {}).get(key)
-        given[key] = f"{flag} {val}" if flag else f"--set {ov}"
+        key = ov.partition("=")[0]
+        given[".".join(p for p in key.strip().split(".") if p)] = f"--set {ov}"
     for key, (flag, value) in (flags or {}).items():
         _set_path(raw, key.split("."), value)
         given[key] = _shown(flag, value)

@@ -201,7 +201,8 @@ FAST_THRESHOLD = 0.9
 
 
 class GenerateSection(Section):
-    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generate.sampler / dream_sampler.
+    """Decoding: the backend, the rule (LLaDA's block sampler, Dream's, block diffusion's) and its settings; read by
+    `generate`, `label` / `online` and `evaluate`'s generation tasks (modules in dllm_align.generate).
 
     The samplers read these settings themselves (``dllm_align.generate.settings.SamplerSettings`` derives from this
     class), so every check of a setting is here."""
