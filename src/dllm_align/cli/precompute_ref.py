@@ -6,12 +6,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command
 
 OutputOpt = Annotated[
     Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir); the cache goes to DIR/ref_cache.")
 ]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set reference.n_mc=4 (repeatable).")]
 
 
 @command("precompute-ref")

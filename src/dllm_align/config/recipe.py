@@ -181,18 +181,29 @@ def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
         if not parts:
             problems.append(f"--set {ov!r}: empty key")
             continue
-        node = raw
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if not isinstance(nxt, dict):
-                nxt = {}
-                node[p] = nxt
-            node = nxt
         try:
-            node[parts[-1]] = _parse_value(val)
+            _set_path(raw, parts, _parse_value(val))
         except ValueError as e:
             problems.append(f"--set {key.strip()}: {e}")
     return problems
+
+
+def _set_path(raw: dict, parts: list[str], value: Any) -> None:
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _shown(flag: str, value: Any) -> str:
+    """A flag as the user gave it, for error messages."""
+    if isinstance(value, bool):
+        return flag
+    return f"{flag} {', '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -284,13 +295,14 @@ def load_recipe(
     name_or_path: str | None,
     overrides: list[str] | None = None,
     output_dir: str | None = None,
-    labels: Optional[dict[str, str]] = None,
+    flags: Optional[dict[str, tuple[str, Any]]] = None,
 ) -> Recipe:
     """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
 
-    ``labels`` maps an overridden dotted key to the flag that set it (``generate.gen_length``
-    -> ``--gen-length``), so that its errors name the flag; other overrides are named as
-    ``--set key=value``.
+    ``flags`` is how a command's flags reach the recipe: dotted key -> (the flag, its value), e.g.
+    ``{"generate.gen_length": ("--gen-length", 64)}``. Each value is set as it is (0, False, "" and None
+    included: pass only the flags given), after the ``--set`` overrides, and validated with the recipe;
+    its errors name the flag. Errors in ``--set`` overrides are named as ``--set key=value``.
     """
     if name_or_path is None:
         raw, source = {}, "(defaults)"
@@ -300,10 +312,11 @@ def load_recipe(
     problems = apply_overrides(raw, overrides or [])
     given: dict[str, str] = {}
     for ov in overrides or []:
-        key, _, val = ov.partition("=")
-        key = ".".join(p for p in key.strip().split(".") if p)
-        flag = (labels or {}).get(key)
-        given[key] = f"{flag} {val}" if flag else f"--set {ov}"
+        key = ov.partition("=")[0]
+        given[".".join(p for p in key.strip().split(".") if p)] = f"--set {ov}"
+    for key, (flag, value) in (flags or {}).items():
+        _set_path(raw, key.split("."), value)
+        given[key] = _shown(flag, value)
     if output_dir is not None:
         raw["output_dir"] = output_dir
         given["output_dir"] = f"-o {output_dir}"

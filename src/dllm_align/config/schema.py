@@ -194,9 +194,23 @@ class TrainSection(Section):
 
 
 # --------------------------------------------------------------------------- generate
-class GenerateSection(Section):
-    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generate.sampler / dream_sampler."""
+# Fast mode (`generate --fast`, and `label` / `online` sampling when the recipe decodes exactly): the dual
+# key/value cache and Fast-dLLM's default confidence threshold.
+FAST_CACHE = "dual"
+FAST_THRESHOLD = 0.9
 
+
+class GenerateSection(Section):
+    """Decoding: the backend, the rule (LLaDA's block sampler, Dream's, block diffusion's) and its settings; read by
+    `generate`, `label` / `online` and `evaluate`'s generation tasks (modules in dllm_align.generate).
+
+    The samplers read these settings themselves (``dllm_align.generate.settings.SamplerSettings`` derives from this
+    class), so every check of a setting is here."""
+
+    backend: str = Field(
+        "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
+        "other names are generation backends registered in dllm_align.generate.backend."
+    )
     sampler: Literal["auto", "llada", "dream", "block"] = Field(
         "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, Dream's diffusion_generate, "
         "or block diffusion's (SDAR: block by block with a KV cache)."
@@ -242,9 +256,26 @@ class GenerateSection(Section):
             blocks = self.gen_length // self.block_length
             if self.steps % blocks:
                 problems.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({blocks})")
+        problems += self._rule_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _rule_problems(self) -> list[str]:
+        """Settings the chosen rule has no use for ("auto" is checked once the model names its rule)."""
+        if self.sampler == "dream":
+            out = []
+            if self.cache != "none" or self.threshold is not None:
+                out.append("the Dream rule decodes one canvas: cache and threshold apply to the LLaDA sampler "
+                           "(generate.sampler: llada)")
+            if self.cfg > 0:
+                out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
+            return out
+        if self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
+            return ["top_p / top_k belong to the Dream and block rules (generate.sampler: dream or block)"]
+        if self.sampler == "block" and self.cfg > 0:
+            return ["cfg applies to the LLaDA sampler only (the block rule has no guidance)"]
+        return []
 
 
 # --------------------------------------------------------------------------- judge

@@ -20,8 +20,8 @@ types for a masked diffusion LM:
 * ``loglikelihood_rolling(text)``: the ELBO of the whole text in the harness's
   disjoint rolling windows (each window conditioned on the tokens before it).
   Perplexities computed from it are upper bounds.
-* ``generate_until(context, gen_kwargs)``: the model family's sampler (LLaDA's, Dream's or the block rule)
-  (:mod:`dllm_align.generate.sampler`) with this LM's settings (gen length, block,
+* ``generate_until(context, gen_kwargs)``: the generator of ``backend`` (:mod:`dllm_align.generate.backend`;
+  in process: the model family's rule, LLaDA's, Dream's or the block rule) with this LM's settings (gen length, block,
   steps, ... set per task by the ``evaluate`` command), the text cut at the
   first of the task's ``until`` strings. The task's ``max_gen_toks``,
   ``do_sample`` and ``temperature`` are not used: a diffusion sampler's
@@ -119,7 +119,7 @@ def eval_device() -> torch.device:
 _ARG_NAMES = (
     "pretrained", "revision", "tokenizer", "dtype", "device", "trust_remote_code", "mask_token_id",
     "batch_size", "mc_num", "mc_seed", "stratified", "greedy_check", "max_length", "packing",
-    "gen_length", "block_length", "steps", "remasking", "temperature", "cfg", "cache", "threshold", "seed",
+    "gen_length", "block_length", "steps", "remasking", "temperature", "cfg", "cache", "threshold", "seed", "backend",
 )
 
 
@@ -151,15 +151,17 @@ class DiffusionLM(LM):
         greedy_check: bool = False,
         max_length: Optional[int] = None,
         packing: bool = True,
-        gen_length: int = 512,
-        block_length: int = 32,
-        steps: int = 512,
-        remasking: str = "low_confidence",
-        temperature: float = 0.0,
-        cfg: float = 0.0,
-        cache: str = "none",
+        # Decoding: None takes the recipe schema's default (``generate`` section).
+        gen_length: Optional[int] = None,
+        block_length: Optional[int] = None,
+        steps: Optional[int] = None,
+        remasking: Optional[str] = None,
+        temperature: Optional[float] = None,
+        cfg: Optional[float] = None,
+        cache: Optional[str] = None,
         threshold: Optional[float] = None,
-        seed: int = 0,
+        seed: Optional[int] = None,
+        backend: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # passed by the harness; batches here are fixed-size
         **unknown,
     ) -> None:
@@ -174,6 +176,13 @@ class DiffusionLM(LM):
         self._state = _dist_state()
         if self._state is not None:
             self._rank, self._world_size = self._state.process_index, self._state.num_processes
+        from dllm_align.generate.backend import backend_factory, make_generator
+        from dllm_align.generate.settings import SamplerSettings
+
+        given = dict(gen_length=gen_length, block_length=block_length, steps=steps, remasking=remasking, temperature=temperature,
+                     cfg=cfg, cache=cache, threshold=threshold, seed=seed, backend=backend)
+        sampler = SamplerSettings(**{k: v for k, v in given.items() if v is not None})
+        backend_factory(sampler.backend)  # refused before the model is loaded
         if predictor is None:
             from dllm_align.models.load import load_model
 
@@ -182,7 +191,8 @@ class DiffusionLM(LM):
                 pretrained, revision=revision, dtype=dtype, device=dev, trust_remote_code=bool(trust_remote_code),
                 mask_token_id=mask_token_id, tokenizer=tokenizer,
             )
-        self.mp = predictor
+        self.mp = predictor  # scores loglikelihoods; sampling goes through the generator
+        self.generator = make_generator(sampler.backend, name_or_path=str(pretrained), predictor=predictor)
         self.tokenizer = predictor.tokenizer
         self.pretrained = str(pretrained)
         self._device = predictor.device
@@ -192,22 +202,15 @@ class DiffusionLM(LM):
         self.configure(
             batch_size=batch_size, mc_num=mc_num, mc_seed=mc_seed, stratified=stratified, greedy_check=greedy_check,
         )
-        from dllm_align.generate.settings import SamplerSettings
-
-        self.configure(
-            sampler=SamplerSettings(
-                gen_length=int(gen_length), block_length=int(block_length), steps=int(steps), remasking=remasking,
-                temperature=float(temperature), cfg=float(cfg), cache=cache,
-                threshold=None if threshold is None else float(threshold), seed=int(seed),
-            )
-        )
+        self.configure(sampler=sampler)
 
     # -- settings
     def configure(self, *, sampler=None, batch_size=None, mc_num=None, mc_seed=None, stratified=None, greedy_check=None) -> None:
         """Change settings between tasks (the ``evaluate`` command sets each task's decoding here)."""
         if sampler is not None:
-            sampler.check()
-            self.sampler = sampler
+            from dllm_align.generate.settings import SamplerSettings
+
+            self.sampler = SamplerSettings.from_section(sampler)
         if batch_size is not None:
             try:
                 bs = int(batch_size)
@@ -444,7 +447,6 @@ class DiffusionLM(LM):
         A block-diffusion model decodes in its own blocks (the block length is the model's): one token
         per step over the whole blocks that cover the L tokens, the first L compared."""
         from dllm_align.generate.settings import SamplerSettings
-        from dllm_align.generate.sampler import generate
 
         by_len: dict[int, list[str]] = {}
         for k, (_, cont) in unique.items():
@@ -454,7 +456,7 @@ class DiffusionLM(LM):
         for L, ks in by_len.items():
             n = -(-L // b) * b if b else L
             st = SamplerSettings(gen_length=n, block_length=b or L, steps=n, remasking="low_confidence", temperature=0.0)
-            res = generate(self.mp, [unique[k][0] for k in ks], st, batch_size=self.batch_size, stop_early=False)
+            res = self.generator.generate([unique[k][0] for k in ks], st, batch_size=self.batch_size, stop_early=False)
             for k, r in zip(ks, res):
                 out[k] = list(r.raw[:L]) == list(unique[k][1])
         return out
@@ -467,7 +469,6 @@ class DiffusionLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Decode each context with the family's sampler (LLaDA's: SPEC.md §7) and cut at the task's stop strings."""
         from dllm_align.core.console import progress
-        from dllm_align.generate.sampler import generate
         from dllm_align.generate.settings import row_seed
 
         st = self.sampler
@@ -500,7 +501,7 @@ class DiffusionLM(LM):
                 if not disable_tqdm and self.rank == 0:
                     bar.advance(len(idx))
 
-            done = generate(self.mp, prompts, st, seeds=seeds, batch_size=self.batch_size, on_batch=advance)
+            done = self.generator.generate(prompts, st, seeds, batch_size=self.batch_size, on_batch=advance)
         out = []
         for req, j, until in zip(requests, slot, stops):
             text = truncate_at_stops(done[j].text, until)

@@ -5,7 +5,6 @@ side (:func:`comparison_rows`).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import hashlib
 import json
@@ -69,22 +68,21 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     plans = []
     for key in keys:
         t = ev.tasks.get(key) or EvalTask()
-        sampler = dataclasses.replace(
-            base,
-            gen_length=t.gen_length or base.gen_length,
-            block_length=t.block_length or base.block_length,
-            steps=t.steps or base.steps,
-        )
-        probs = sampler.problems()
-        if probs:
-            raise UserError(f"evaluate.tasks.{key}: " + "; ".join(probs))
+        try:
+            sampler = base.replace(
+                gen_length=base.gen_length if t.gen_length is None else t.gen_length,
+                block_length=base.block_length if t.block_length is None else t.block_length,
+                steps=base.steps if t.steps is None else t.steps,
+            )
+        except UserError as e:
+            raise UserError(f"evaluate.tasks.{key}: {e.message.removeprefix('invalid generation settings: ')}") from None
         plans.append(
             TaskPlan(
                 key=key,
                 harness_task=t.task or key,
                 sampler=sampler,
                 num_fewshot=t.num_fewshot,
-                limit=limit or t.limit or ev.limit,
+                limit=next((v for v in (limit, t.limit, ev.limit) if v is not None), None),
                 metric=t.metric,
                 apply_chat_template=ev.apply_chat_template if t.apply_chat_template is None else t.apply_chat_template,
             )
@@ -295,7 +293,7 @@ def make_lm(recipe, name_or_path: str) -> DiffusionLM:
         pretrained=name_or_path, predictor=mp, batch_size=ev.batch_size, mc_num=ev.mc_num, mc_seed=ev.mc_seed,
         stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length, packing=ev.packing,
         gen_length=g.gen_length, block_length=g.block_length, steps=g.steps, remasking=g.remasking,
-        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed,
+        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed, backend=g.backend,
     )
 
 
