@@ -100,7 +100,7 @@ def test_the_design_page_has_its_anchors():
     """The anchors the code points to, by name: the test fails if a heading is renamed."""
     have = _anchors(ROOT / "docs" / "design.md")
     for anchor in ("the-masked-diffusion-elbo", "masks-and-seeds", "the-step-batch", "the-elbo-kto-loss", "baselines",
-                   "class-weights", "vrpo", "sft", "the-block-diffusion-elbo", "precision", "the-step-0-invariant",
+                   "class-weights", "vrpo", "sft", "the-block-diffusion-elbo", "model-families", "precision", "the-step-0-invariant",
                    "the-reference-cache", "generation", "the-llada-rule", "the-dream-rule", "the-block-rule", "judging",
                    "lc-awr", "errors-and-exit-codes", "atomic-writes-and-resume", "inputs-and-run-folders", "secrets",
                    "untrusted-code-and-files", "standard-output-and-standard-error"):
