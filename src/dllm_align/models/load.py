@@ -8,7 +8,7 @@ Three kinds of model load the same way (:func:`load_model`):
 * Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.models.families``)
   - mapped onto a native bidirectional transformers model; no
   ``trust_remote_code`` needed, and the result supports gradient checkpointing,
-  SDPA / flash attention and KV caches (SPEC.md sections 10 and 11).
+  SDPA / flash attention and KV caches (docs/design.md#model-families).
 * Anything transformers can load (``AutoModelForCausalLM``, or ``AutoModel``
   with ``trust_remote_code`` when the user turns it on).
 
