@@ -227,9 +227,9 @@ def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
             f"model '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
             hint="pass a local folder (model.name_or_path: /path/to/model) or unset HF_HUB_OFFLINE",
         )
-    from dllm_align.data.read import _hub_reachable
+    from dllm_align.data.read import hub_reachable
 
-    if not _hub_reachable():
+    if not hub_reachable():
         raise UserError(f"model '{repo_id}' is not in the local Hugging Face cache and the Hugging Face Hub cannot be reached",
                         hint="pass a local folder (model.name_or_path: /path/to/model), or run where the hub is reachable")
     try:
@@ -274,7 +274,7 @@ def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Pa
         return Path(resolve_model_path(name_or_path, revision)) / "config.json"
     from huggingface_hub import hf_hub_download
 
-    from dllm_align.data.read import _hub_reachable
+    from dllm_align.data.read import hub_reachable
 
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     _ready_transformers()  # no stray huggingface_hub log line before the one Error line
@@ -282,7 +282,7 @@ def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Pa
         return Path(hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=True))
     except Exception:
         pass  # not cached: fetch it, if the hub can be reached at all
-    if not offline and not _hub_reachable():
+    if not offline and not hub_reachable():
         # A quick probe rather than the client's retries (about 28 s on a machine without a network).
         raise UserError(f"could not read the config.json of '{name_or_path}': it is not cached and the Hugging Face Hub "
                         "cannot be reached", hint="pass a local model folder, or run where the hub is reachable")
