@@ -40,25 +40,6 @@ from dllm_align.models.predictor import MaskPredictor
 
 BUILTIN_TINY = "builtin:tiny"
 
-# Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
-BOS = "<|startoftext|>"
-EOS = "<|endoftext|>"
-EOT = "<|eot_id|>"
-START_HEADER = "<|start_header_id|>"
-END_HEADER = "<|end_header_id|>"
-MASK = "<|mdm_mask|>"
-SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT, MASK]
-
-# LLaDA's chat format: role headers, content, end-of-turn; the generation
-# prompt opens the assistant turn.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -134,16 +115,13 @@ def build_tiny_tokenizer(family: str = "llada"):
         from dllm_align.models.families.dream import build_dream_tokenizer
 
         return build_dream_tokenizer()
-    from dllm_align.models.families.base import byte_level_tokenizer
+    from dllm_align.models.families.llada import build_llada_tokenizer
 
-    return byte_level_tokenizer(SPECIAL_TOKENS, bos=BOS, eos=EOS, mask=MASK, extra=[START_HEADER, END_HEADER, EOT],
-                                chat_template=CHAT_TEMPLATE)
+    return build_llada_tokenizer()
 
 
 def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
     """A randomly initialised tiny bidirectional Llama; deterministic for a given spec."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     _ready_transformers()
     tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
     if spec.family == "dream":
@@ -161,30 +139,10 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
 
         return build_llada2_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
                                   spec.max_position_embeddings, spec.seed, block_size=8)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        is_causal=False,
-    )
-    cfg.mask_token_id = tokenizer.mask_token_id
-    cfg.dllm_align_family = "llada"
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(cfg)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.eval()
+    from dllm_align.models.families.llada import build_llada_model
+
+    return build_llada_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                             spec.max_position_embeddings, spec.seed)
 
 
 def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
