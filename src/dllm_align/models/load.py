@@ -2,9 +2,10 @@
 
 Three kinds of model load the same way (:func:`load_model`):
 
-* ``builtin:tiny`` - a tiny bidirectional transformer (Llama architecture with
-  ``is_causal = False``) and a byte-level tokenizer, both built from code with
-  no network. Used by tests, the demo and CI.
+* ``builtin:tiny`` and the other ``BUILTIN_SPECS`` - a tiny random model of a
+  family's layout (``builtin:tiny``: LLaDA's, a Llama body with ``is_causal = False``)
+  and a byte-level tokenizer, both built from code by the family
+  (``Family.build_tiny``) with no network. Used by tests, the demo and CI.
 * Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.models.families``)
   - mapped onto a native bidirectional transformers model; no
   ``trust_remote_code`` needed, and the result supports gradient checkpointing,
@@ -49,7 +50,7 @@ class TinySpec:
     intermediate_size: int = 128
     max_position_embeddings: int = 4096
     seed: int = 0
-    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens; "sdar", "llada2": block diffusion
+    family: str = "llada"  # the family that builds it (its Family's tiny_tokenizer and build_tiny)
 
 
 # Random-init models built from code (no files), deterministic by spec.
@@ -61,7 +62,7 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     "builtin:tiny-sdar": TinySpec(family="sdar"),  # block diffusion (SDAR's Qwen3 layout, block 4) at the tiny size
     "builtin:small-sdar": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="sdar"),
     # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
-    # size, with blocks of 8 so that short rows span several blocks (the published block is 32)
+    # size, with blocks of 8 (families/block.py's build_tiny_llada2)
     "builtin:tiny-llada2": TinySpec(family="llada2"),
 }
 
@@ -104,45 +105,33 @@ def _ready_transformers() -> None:
 
 
 # --------------------------------------------------------------------------- tiny model
+def _tiny_family(family: str):
+    """The family that makes a built-in model (its ``tiny_tokenizer`` and ``build_tiny``); one without them is refused."""
+    from dllm_align.models.families import FAMILIES, get_family
+
+    fam = get_family(family)
+    if fam.build_tiny is None or fam.tiny_tokenizer is None:
+        have = ", ".join(f.name for f in FAMILIES.values() if f.build_tiny is not None)
+        raise UserError(f"model family '{fam.name}' has no built-in model", hint=f"families with one: {have}")
+    return fam
+
+
 def build_tiny_tokenizer(family: str = "llada"):
-    """A byte-level tokenizer (256 byte symbols + LLaDA-style specials) with a chat template.
+    """The byte-level tokenizer of a family's built-in models: its special tokens and chat template.
 
     Every string round-trips exactly, so any real text (the kto-mix rows) can be
-    fed to the tiny model; one token is one UTF-8 byte. ``family="dream"`` gives
-    Dream's special tokens and chat template instead.
+    fed to a tiny model; one token is one UTF-8 byte.
     """
-    if family in ("dream", "sdar"):  # SDAR is Qwen-tokenised too: <|im_start|> / <|im_end|> turns
-        from dllm_align.models.families.dream import build_dream_tokenizer
-
-        return build_dream_tokenizer()
-    from dllm_align.models.families.llada import build_llada_tokenizer
-
-    return build_llada_tokenizer()
+    return _tiny_family(family).tiny_tokenizer()
 
 
 def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
-    """A randomly initialised tiny bidirectional Llama; deterministic for a given spec."""
+    """A randomly initialised built-in model of ``spec.family``'s layout; deterministic for a given spec."""
     _ready_transformers()
-    tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
-    if spec.family == "dream":
-        from dllm_align.models.families.dream import build_dream_model
-
-        return build_dream_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                                 spec.max_position_embeddings, spec.seed)
-    if spec.family == "sdar":
-        from dllm_align.models.families.block import build_sdar_model
-
-        return build_sdar_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                                spec.max_position_embeddings, spec.seed)
-    if spec.family == "llada2":
-        from dllm_align.models.families.block import build_llada2_model
-
-        return build_llada2_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                                  spec.max_position_embeddings, spec.seed, block_size=8)
-    from dllm_align.models.families.llada import build_llada_model
-
-    return build_llada_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                             spec.max_position_embeddings, spec.seed)
+    fam = _tiny_family(spec.family)
+    tokenizer = tokenizer or fam.tiny_tokenizer()
+    return fam.build_tiny(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                          spec.max_position_embeddings, spec.seed)
 
 
 def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:

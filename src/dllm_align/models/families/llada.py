@@ -190,4 +190,6 @@ LLADA = Family(
     sampler="llada",
     load_native=load_llada_native,
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "remasking": "low_confidence"},
+    tiny_tokenizer=build_llada_tokenizer,
+    build_tiny=build_llada_model,
 )
