@@ -316,7 +316,7 @@ def test_doctor_without_a_hub_fails_at_once_with_one_line(monkeypatch, tmp_path)
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
-    monkeypatch.setattr(read, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(read, "hub_reachable", lambda timeout=3.0: False)
     r = CliRunner().invoke(app, ["doctor", "kto_mix_14k"])
     assert r.exit_code == 2
     lines = [line for line in r.output.splitlines() if line.strip()]

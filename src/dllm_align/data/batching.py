@@ -1,4 +1,5 @@
-"""Batches: padding (SPEC.md section 2, "Length") and a length-grouped, process-count-free batch plan.
+"""Batches: padding (docs/design.md#tokens-padding-and-packing) and a process-count-free batch plan
+(docs/design.md#the-step-batch).
 
 Padding (``data.padding``)
     ``paper``: every row is right-padded with the pad id (EOS) to ``max_length``,
@@ -16,7 +17,7 @@ The batch plan
     Training draws *global* batches: the rows of one optimiser step across all
     processes and gradient-accumulation micro-batches
     (``global = per_device * world * grad_accum``). ELBO-KTO's baseline is a mean
-    over that global batch (SPEC.md section 4), so the global batches must not
+    over that global batch (docs/design.md#baselines), so the global batches must not
     depend on how many processes share the work. :func:`plan_batches` builds the
     list of global batches from (seed, epoch) alone; :func:`shard` then hands
     each process its micro-batches of each global batch. 1 x 8, 2 x 4 and 4 x 2

@@ -3,7 +3,7 @@
 A prompt asks to sort digits; the *desirable* completion is the ascending
 sort, the *undesirable* one the descending sort (a plausible, fluent, wrong
 answer that shares every token with the right one - the hard case for
-likelihood-based alignment, SPEC.md section 4). Quality is computable, so a
+likelihood-based alignment, docs/design.md#class-weights). Quality is computable, so a
 rule judge compares two completions exactly.
 
 Everything is a pure function of a seed, so the demo is reproducible on any

@@ -34,8 +34,9 @@ def judgement_key(judge: str, template: str, prompt: str, first: str, second: st
                   max_tokens: int, token_param: str = "max_tokens") -> str:
     """Cache key of one API judgement: everything that shapes the request. The
     answers are positional (``first`` is shown as Answer A), so the order is part
-    of the key. Settings added later enter the hash only when they differ from
-    the old behaviour, so existing caches stay valid."""
+    of the key. ``token_param`` enters the hash only when it is not the default
+    ``max_tokens``, so a request that sends ``max_tokens`` keeps the key it has in
+    caches written before the setting existed."""
     fields: dict[str, Any] = {
         "v": CACHE_VERSION,
         "judge": judge,

@@ -4,8 +4,8 @@ A :class:`Family` is a plain record: how a checkpoint of that family loads
 natively (a config translation and a weight-name mapping onto a transformers
 architecture), its special tokens, how its logits line up with positions, its
 end-of-turn tokens, the decoder layer class that FSDP wraps, the decoding
-rule its authors publish and, by name, the likelihood (noise process) its ELBO
-uses. The rest of dllm-align asks the family; it never branches on a family's name. Adding a family is one module in this package
+rule its authors publish, by name the likelihood (noise process) its ELBO uses, and how its built-in tiny model
+is made. The rest of dllm-align asks the family; it never branches on a family's name. Adding a family is one module in this package
 (plus its tests) and one line in ``families/__init__.py``.
 """
 
@@ -69,6 +69,11 @@ class Family:
     block_rule: str = "sdar"
     # Why the commands refuse this family's checkpoints (said in full by ``load_model``); None: they do not.
     refuse_reason: Optional[str] = None
+    # The family's built-in models (``builtin:*``, the table in ``models/load.py``): a byte-level tokenizer with
+    # its special tokens, and (tokenizer, hidden_size, layers, heads, intermediate_size, max_position_embeddings,
+    # seed) -> a random model of its layout, deterministic by seed. None: the family has no built-in model.
+    tiny_tokenizer: Optional[Callable[[], Any]] = None
+    build_tiny: Optional[Callable[..., torch.nn.Module]] = None
 
     def block_size_in(self, config: dict | Any) -> Optional[int]:
         """The block size of one checkpoint (a config.json dict or a transformers config): its config's

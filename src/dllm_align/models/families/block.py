@@ -32,6 +32,8 @@ import torch
 
 from dllm_align.models.families.base import (Family, build_seeded, load_mapped, qwen_fields, refuse, special_ids,
                                              tag_config, transformers_key)
+from dllm_align.models.families.dream import build_dream_tokenizer
+from dllm_align.models.families.llada import build_llada_tokenizer
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -150,6 +152,13 @@ def build_llada2_model(tokenizer, hidden_size: int, layers: int, heads: int, int
     return build_seeded(Llada2MoeModelLM, config, seed)
 
 
+def build_tiny_llada2(tokenizer, hidden_size: int, layers: int, heads: int, intermediate_size: int,
+                      max_position_embeddings: int, seed: int):
+    """The built-in LLaDA2.0 models: blocks of 8 (the published block is 32) so that short rows span several blocks."""
+    return build_llada2_model(tokenizer, hidden_size, layers, heads, intermediate_size, max_position_embeddings, seed,
+                              block_size=8)
+
+
 SDAR = Family(
     name="sdar",
     model_types=("sdar",),
@@ -162,6 +171,9 @@ SDAR = Family(
     # SDAR's serving defaults (block 4, low_confidence_dynamic at 0.9); steps = one per token of a block
     decoding={"gen_length": 512, "block_length": 4, "steps": 512, "temperature": 1.0, "threshold": 0.9},
     block_size=4,
+    # SDAR is Qwen-tokenised as Dream is: <|im_start|> / <|im_end|> turns
+    tiny_tokenizer=build_dream_tokenizer,
+    build_tiny=build_sdar_model,
 )
 
 LLADA2 = Family(
@@ -176,6 +188,8 @@ LLADA2 = Family(
     # LLaDA2's published generate: blocks of 32, 32 rounds per block, threshold 0.95, greedy
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "temperature": 0.0, "threshold": 0.95},
     block_size=32,
+    tiny_tokenizer=build_llada_tokenizer,
+    build_tiny=build_tiny_llada2,
 )
 
 LLADA21 = Family(

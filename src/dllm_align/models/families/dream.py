@@ -124,4 +124,6 @@ DREAM = Family(
     fix_tokenizer=fix_dream_tokenizer,
     # The model card's example: 512 new tokens, 512 steps, temperature 0.2, top_p 0.95, entropy order.
     decoding={"gen_length": 512, "steps": 512, "temperature": 0.2, "top_p": 0.95, "alg": "entropy", "alg_temp": 0.0},
+    tiny_tokenizer=build_dream_tokenizer,
+    build_tiny=build_dream_model,
 )
