@@ -189,7 +189,7 @@ def straightforward_train(model, examples, collate, batch: int, cfg, ref: dict, 
     import torch
 
     from dllm_align.data.batching import plan_batches
-    from dllm_align.objective.losses import elbo_kto_loss
+    from dllm_align.objective.elbo_kto import elbo_kto_loss
     from dllm_align.training.setup import build_optimizer
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=False, drop_last=True)
@@ -249,7 +249,7 @@ def check_equal(mp, examples, collate, cfg, batch: int, device: str) -> dict:
 
     from dllm_align.data.batching import plan_batches
     from dllm_align.objective.elbo import elbo_draws
-    from dllm_align.objective.losses import elbo_kto_loss
+    from dllm_align.objective.elbo_kto import elbo_kto_loss
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=True, drop_last=True)
     b = _to(collate([examples[i] for i in plan[0]]), device)

@@ -37,7 +37,8 @@ def test_pairs_by_hand():
 def kl_toy(tmp_path_factory):
     """16 sorting pairs and a reference cache that holds the kl pairs of a global batch of 4 (3 steps)."""
     from dllm_align.training import reference as ref
-    from dllm_align.data.examples import load_training_examples, make_collate, planned_kl_examples
+    from dllm_align.data.examples import load_training_examples, make_collate
+    from dllm_align.objective.elbo_kto import planned_kl_examples
     from dllm_align.models.load import load_model
 
     from fixtures.sort_toy import write_pairs

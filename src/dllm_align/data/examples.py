@@ -145,29 +145,3 @@ def planned_batches(recipe, lengths: Sequence[int], G: int, total: int) -> list[
         out.extend(plan[: total - len(out)])
         epoch += 1
     return out
-
-
-def planned_kl_examples(recipe, examples: Sequence) -> list:
-    """Every mismatched pair a ``train.baseline: kl`` run of this recipe will score (for ``precompute-ref``), deduplicated.
-
-    Needs ``train.global_batch_size``: the pairs come from the global batches,
-    which must not depend on how many processes train.
-    """
-    t = recipe.train
-    if t.global_batch_size is None:
-        raise UserError(
-            "train.baseline kl with a cached reference needs train.global_batch_size: its mismatched pairs come from the "
-            "global batches, which precompute-ref must know before training",
-            hint="set train.global_batch_size (paper: 8), or use reference.mode: online",
-        )
-    units = make_units(examples, t.objective, t.sft_rows)
-    G = t.global_batch_size
-    per_epoch, total = step_count(t, len(units), G)
-    if per_epoch < 1:
-        return []
-    lengths = [sum(ex.length for ex in u) for u in units]
-    seen: dict[str, object] = {}
-    for batch in planned_batches(recipe, lengths, G, total):
-        for ex in kl_examples([units[i][0] for i in batch], recipe.data.max_length):
-            seen.setdefault(ex.id, ex)
-    return list(seen.values())

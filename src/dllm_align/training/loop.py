@@ -332,8 +332,8 @@ class _Run:
 
     @torch.no_grad()
     def kl_baseline(self, kl_micro: list[list]) -> torch.Tensor:
-        """z0 of the step (:func:`dllm_align.objective.losses.kl_reference_point`): every process's pairs, every micro-batch."""
-        from dllm_align.objective.losses import kl_reference_point
+        """z0 of the step (:func:`dllm_align.objective.elbo_kto.kl_reference_point`): every process's pairs, every micro-batch."""
+        from dllm_align.objective.elbo_kto import kl_reference_point
 
         total = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
         for exs in kl_micro:
@@ -428,7 +428,9 @@ class _Run:
 
         ``kl_micro``: this process's mismatched pairs (``train.baseline: kl``).
         """
-        from dllm_align.objective.losses import elbo_kto_loss, sft_loss, vrpo_loss
+        from dllm_align.objective.elbo_kto import elbo_kto_loss
+        from dllm_align.objective.sft import sft_loss
+        from dllm_align.objective.vrpo import vrpo_loss
 
         batches = []
         for units in micro:

@@ -394,7 +394,7 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
     if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
-        from dllm_align.data.examples import planned_kl_examples
+        from dllm_align.objective.elbo_kto import planned_kl_examples
 
         examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)

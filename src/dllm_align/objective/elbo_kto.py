@@ -1,24 +1,14 @@
-"""Losses as pure tensor functions (paper eq. gb-kto-elbo, SPEC.md sections 4 and 6).
-
-They take ELBO values (or margins) already computed; the training loop decides
-how values are gathered across processes and micro-batches.
-"""
+"""ELBO-KTO (paper eq. gb-kto-elbo): the loss over ELBO margins, its baselines and KTO's z0."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-SATURATION = 6.0  # |beta * s * (r - b)| beyond this: sigmoid'(.) < 2.5e-3, the row gives ~no gradient
-
-
-@dataclass
-class KTOTerms:
-    loss: torch.Tensor  # scalar: this chunk's share of the step loss
-    metrics: dict[str, float]
+from dllm_align.core.errors import UserError
+from dllm_align.data.examples import kl_examples, make_units, planned_batches, step_count
+from dllm_align.objective.base import SATURATION, LossTerms
 
 
 def baseline_of(margins: torch.Tensor, kind: str) -> torch.Tensor:
@@ -60,7 +50,7 @@ def elbo_kto_loss(
     baseline: Optional[torch.Tensor] = None,
     baseline_kind: str = "global_mean",
     normalizer: Optional[float] = None,
-) -> KTOTerms:
+) -> LossTerms:
     """ELBO-KTO (eq. gb-kto-elbo).
 
     r_i = B_pol(y_i|x_i) - B_ref(y_i|x_i);  s_i = +1 (desirable) / -1;
@@ -93,44 +83,30 @@ def elbo_kto_loss(
             "baseline": float(b),
             "saturated": int((z.abs() > SATURATION).sum()),
         }
-    return KTOTerms(loss, metrics)
+    return LossTerms(loss, metrics)
 
 
-def vrpo_loss(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    *,
-    beta: float,
-    normalizer: Optional[float] = None,
-) -> KTOTerms:
-    """The paired VRPO / DPO-with-ELBO objective of LLaDA 1.5 (SPEC.md section 6).
+def planned_kl_examples(recipe, examples: Sequence) -> list:
+    """Every mismatched pair a ``train.baseline: kl`` run of this recipe will score (for ``precompute-ref``), deduplicated.
 
-    loss = -(1/m) sum_j log sigmoid(beta * [(B_pol(w) - B_pol(l)) - (B_ref(w) - B_ref(l))]).
+    Needs ``train.global_batch_size``: the pairs come from the global batches,
+    which must not depend on how many processes train.
     """
-    logits = beta * ((policy_chosen - policy_rejected) - (ref_chosen - ref_rejected).detach())
-    m = float(normalizer if normalizer is not None else logits.numel())
-    per = -F.logsigmoid(logits)
-    with torch.no_grad():
-        metrics = {
-            "loss_sum": float(per.sum()),
-            "n": int(logits.numel()),
-            "reward_sum_chosen": float((policy_chosen - ref_chosen).sum()),
-            "reward_sum_rejected": float((policy_rejected - ref_rejected).sum()),
-            "accuracy_sum": float((logits > 0).float().sum()),
-            "saturated": int((logits.abs() > SATURATION).sum()),
-        }
-    return KTOTerms(per.sum() / m, metrics)
-
-
-def sft_loss(policy_elbo: torch.Tensor, completion_len: torch.Tensor, *, normalizer: Optional[float] = None) -> KTOTerms:
-    """Masked-diffusion SFT: the negative ELBO per completion token, averaged over rows.
-
-    loss = -(1/m) sum_i B_hat(y_i | x_i) / L_i  (LLaDA's SFT normalises by answer length).
-    """
-    per = -policy_elbo / completion_len.to(policy_elbo.dtype).clamp_min(1)
-    m = float(normalizer if normalizer is not None else per.numel())
-    with torch.no_grad():
-        metrics = {"loss_sum": float(per.sum()), "n": int(per.numel())}
-    return KTOTerms(per.sum() / m, metrics)
+    t = recipe.train
+    if t.global_batch_size is None:
+        raise UserError(
+            "train.baseline kl with a cached reference needs train.global_batch_size: its mismatched pairs come from the "
+            "global batches, which precompute-ref must know before training",
+            hint="set train.global_batch_size (paper: 8), or use reference.mode: online",
+        )
+    units = make_units(examples, t.objective, t.sft_rows)
+    G = t.global_batch_size
+    per_epoch, total = step_count(t, len(units), G)
+    if per_epoch < 1:
+        return []
+    lengths = [sum(ex.length for ex in u) for u in units]
+    seen: dict[str, object] = {}
+    for batch in planned_batches(recipe, lengths, G, total):
+        for ex in kl_examples([units[i][0] for i in batch], recipe.data.max_length):
+            seen.setdefault(ex.id, ex)
+    return list(seen.values())
