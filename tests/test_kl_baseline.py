@@ -77,7 +77,7 @@ def test_z0_is_the_clamped_mean_margin_of_the_step_pairs(kl_toy):
     from accelerate import Accelerator
 
     run = _Run(rec, Accelerator(cpu=True), None, kl_toy["examples"])
-    pairs = [p for mb in run.kl_micro_batches(2) for p in mb]  # 4 micro-batches of 1 on one process
+    pairs = [p for mb in run.extra_micro_batches(2) for p in mb]  # 4 micro-batches of 1 on one process
     assert len(pairs) == 4 and all(p.id.startswith("kl(") for p in pairs)
     pol = load_model(str(rec.output_dir) + "/checkpoints/step-2")
     base = load_model("builtin:tiny")

@@ -224,7 +224,7 @@ def test_sft_raises_the_elbo(toy):
     train(rec, examples=toy["examples"])
     m = metrics(rec.output_dir)
     assert m[-1]["loss"] < m[0]["loss"] - 0.5  # loss = -ELBO per token
-    assert m[0]["reward_desirable"] is None and m[0]["baseline"] is None
+    assert "reward_desirable" not in m[0] and "baseline" not in m[0]  # SFT reports no margins
 
 
 # --------------------------------------------------------------------------- checkpoints, LoRA, failures

@@ -1,5 +1,9 @@
 """Stage 3, the objective: the Monte Carlo ELBO estimator with shared masks (`elbo`, paper eq. elbo-l) and the
-losses, one module per objective (`elbo_kto` with its baselines, `vrpo`, `sft`; `base`: what they share), as pure functions of tensors.
+objectives, one module each (`elbo_kto` with its baselines, `vrpo`, `sft`): the loss as a pure function of ELBO
+values, and what the training loop asks of the objective (`base`: the `Objective` interface and its registry by name).
 
 May import: `core`, `config`, `data`, `models`.
 """
+
+# The built-in objectives register themselves by name (objective.base.get_objective finds them).
+from dllm_align.objective import elbo_kto, sft, vrpo  # noqa: E402,F401

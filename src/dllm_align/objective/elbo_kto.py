@@ -1,4 +1,16 @@
-"""ELBO-KTO (paper eq. gb-kto-elbo): the loss over ELBO margins, its baselines and KTO's z0."""
+"""ELBO-KTO (paper eq. gb-kto-elbo): unpaired labelled rows, the loss over ELBO margins, its reference points.
+
+The step's reference point b (``train.baseline``)
+    ``global_mean`` (the paper): the mean margin over the whole global batch of
+    the optimiser step, stop-gradient. With one micro-batch per process the
+    margins of the gradient pass are gathered between its forward and its
+    backward. With gradient accumulation every margin of the step is needed
+    before the first backward, so a no-grad pass over this process's
+    micro-batches computes them first (the masks are a pure function of the
+    example id, and the dropout masks are replayed), then the gradient pass uses
+    that b. ``none``: 0. ``kl``: KTO's z0 from the step's mismatched pairs
+    (:func:`kl_reference_point`), one extra no-grad policy pass.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +19,19 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.core.errors import UserError
-from dllm_align.data.examples import kl_examples, make_units, planned_batches, step_count
-from dllm_align.objective.base import SATURATION, LossTerms
+from dllm_align.data.examples import kl_examples, planned_batches, step_count
+from dllm_align.objective.base import SATURATION, LossTerms, Objective, StepInputs, margin_status, register_objective
 
 
 def baseline_of(margins: torch.Tensor, kind: str) -> torch.Tensor:
-    """The reference point b_hat: the mean margin of the whole step batch (stop-gradient), or 0."""
+    """The reference point b_hat: the mean margin of the whole step batch (stop-gradient), or 0.
+
+    ``margins``: every margin of the step (all processes, all micro-batches). The
+    mean is taken in float64: a step's margins can be many and close together.
+    """
     if kind == "global_mean":
-        return margins.detach().mean()
+        m = margins.detach()
+        return m.double().mean().to(m.dtype)
     if kind == "none":
         return margins.new_zeros(())
     if kind == "kl":
@@ -99,7 +116,7 @@ def planned_kl_examples(recipe, examples: Sequence) -> list:
             "global batches, which precompute-ref must know before training",
             hint="set train.global_batch_size (paper: 8), or use reference.mode: online",
         )
-    units = make_units(examples, t.objective, t.sft_rows)
+    units = ElboKto(t).make_units(examples)
     G = t.global_batch_size
     per_epoch, total = step_count(t, len(units), G)
     if per_epoch < 1:
@@ -110,3 +127,107 @@ def planned_kl_examples(recipe, examples: Sequence) -> list:
         for ex in kl_examples([units[i][0] for i in batch], recipe.data.max_length):
             seen.setdefault(ex.id, ex)
     return list(seen.values())
+
+
+@register_objective
+class ElboKto(Objective):
+    """ELBO-KTO over unpaired rows, each labelled desirable or undesirable."""
+
+    name = "elbo_kto"
+    replays_dropout = True  # the global_mean baseline's no-grad pass and the gradient pass see the same masks
+    summed = ("loss_sum", "n", "n_desirable", "n_undesirable", "reward_sum_desirable", "reward_sum_undesirable", "saturated")
+    metric_names = ("loss", "reward_desirable", "reward_undesirable", "baseline", "saturation")
+    step_legend = (
+        "r+ / r- = mean reward margin (policy ELBO minus reference ELBO, nats) of the desirable / undesirable rows, "
+        "b = the step's mean-margin baseline, sat = share of rows with a saturated sigmoid (no gradient)"
+    )
+
+    def make_units(self, examples: Sequence) -> list[tuple]:
+        missing = [ex.id for ex in examples if ex.label is None]
+        if missing:
+            raise UserError(f"objective elbo_kto needs a label on every row; row '{missing[0]}' has none")
+        return [(ex,) for ex in examples]
+
+    def is_extra_row(self, example) -> bool:
+        return example.label is None  # the kl baseline's mismatched pairs carry no label
+
+    def check_units(self, units: Sequence[tuple], global_batch: int, main: bool) -> None:
+        if self.uses_extra_rows and global_batch < 2:
+            raise UserError("train.baseline kl needs a global batch of at least 2 rows (each prompt is paired with another row's completion)")
+        if main:
+            from dllm_align.data.imbalance import check_weight_ratio
+
+            n_d = sum(1 for u in units if u[0].label)
+            # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
+            w = self.weights
+            check_weight_ratio(n_d, len(units) - n_d, w.desirable, w.undesirable, chosen=w.chosen)
+
+    @property
+    def uses_extra_rows(self) -> bool:
+        return self.t.baseline == "kl"
+
+    def extra_rows(self, batch_units: Sequence[tuple], max_length: int) -> list:
+        return kl_examples([u[0] for u in batch_units], max_length) if self.uses_extra_rows else []
+
+    def reference_extras(self, recipe, examples: Sequence) -> list:
+        return planned_kl_examples(recipe, examples) if self.uses_extra_rows else []
+
+    def extra_rows_missing(self, cache, example_id, recorded):
+        return UserError(
+            f"reference cache {cache} holds no reference ELBOs for the kl baseline's mismatched pairs "
+            f"(e.g. '{example_id}'; the cache was made with train.baseline {recorded.get('baseline')!r})",
+            hint="run `dllm-align precompute-ref` with this recipe: train.baseline kl and the same "
+            "train.global_batch_size, train.seed, data.group_by_length and step count",
+        )
+
+    def begin_step(self, step: StepInputs) -> None:
+        kind = self.t.baseline
+        baseline = None  # global_mean with one micro-batch: from the gradient pass's own margins (loss)
+        if kind == "none":
+            baseline = torch.zeros((), device=step.device)
+        elif kind == "kl":
+            baseline = self._kl_baseline(step)
+        elif len(step.batches) > 1:
+            margins = []
+            with torch.no_grad():  # every margin of the step before any backward
+                for a, (b, rf) in enumerate(zip(step.batches, step.references)):
+                    with step.same_dropout(a):
+                        margins.append(step.policy_elbo(b).float() - rf)
+            baseline = baseline_of(step.gather(torch.cat(margins)), kind)
+        step.state["baseline"] = baseline
+
+    @torch.no_grad()
+    def _kl_baseline(self, step: StepInputs) -> torch.Tensor:
+        """z0 of the step (:func:`kl_reference_point`): every process's pairs, every micro-batch."""
+        total = torch.zeros(2, dtype=torch.float64, device=step.device)
+        for b in step.extra_batches:
+            r = step.policy_elbo(b).float() - step.reference_elbo(b)
+            total[0] += r.double().sum()
+            total[1] += r.numel()
+        total = step.sum_over_processes(total)
+        return kl_reference_point(total[0], total[1]).to(step.device)
+
+    def loss(self, policy, reference, batch, step):
+        if step.state["baseline"] is None:
+            step.state["baseline"] = baseline_of(step.gather(policy.detach().float() - reference), self.t.baseline)
+        return elbo_kto_loss(
+            policy, reference, batch["labels"].to(policy.device), beta=self.t.beta,
+            lambda_desirable=self.weights.desirable, lambda_undesirable=self.weights.undesirable,
+            baseline=step.state["baseline"], normalizer=step.normalizer,
+        )
+
+    def reduce(self, sums, step):
+        n = max(sums["n"], 1.0)
+        return {
+            "loss": sums["loss_sum"] / n,
+            "reward_desirable": sums["reward_sum_desirable"] / sums["n_desirable"] if sums["n_desirable"] else None,
+            "reward_undesirable": sums["reward_sum_undesirable"] / sums["n_undesirable"] if sums["n_undesirable"] else None,
+            "baseline": float(step.state["baseline"]),
+            "saturation": sums["saturated"] / n,
+        }
+
+    def status(self, m):
+        return margin_status(m)
+
+    def watched_margin(self, m):
+        return m["reward_desirable"]

@@ -287,7 +287,7 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
                 "total_steps": run.total,
                 "epoch_seconds": run.steps_per_epoch * per_step,
                 "training_seconds": run.total * per_step,
-                "precompute_seconds": precompute_s if rec.train.objective != "sft" else 0.0,
+                "precompute_seconds": precompute_s if run.objective.needs_reference else 0.0,
                 "generation_prompts": n_prompts,
                 "generation_seconds": (n_prompts or 0) * gen_per_prompt / run.world,
                 "how": "epoch/training: median s/step x steps; precompute: the step-0 no-grad forward per row x K_ref/K' "

@@ -60,7 +60,8 @@ import torch
 
 from dllm_align.training import checkpoint
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.data.examples import kl_examples, load_training_examples, make_collate, make_units, step_count
+from dllm_align.data.examples import load_training_examples, make_collate, step_count
+from dllm_align.objective.base import ClassWeights, StepInputs, objective_for
 from dllm_align.training.setup import MarginWatch, PolicyScorer, _ViaModule, _is_fsdp, _seeded_rng, build_optimizer, class_weights, clip_global_grad_norm, fsdp_wrap_family_layer, grad_accum_for, lr_at
 
 
@@ -78,6 +79,9 @@ class _Run:
         self.recipe = recipe
         self.acc = accelerator
         self.t = recipe.train
+        self.lambda_d, self.lambda_u = class_weights(recipe)
+        chosen = bool({"lambda_desirable", "lambda_undesirable"} & self.t.model_fields_set) or bool(recipe.data.weights_file)
+        self.objective = objective_for(self.t, ClassWeights(self.lambda_d, self.lambda_u, chosen))
         self.out = Path(recipe.output_dir)
         self.main = accelerator.is_main_process
         self.world = accelerator.num_processes
@@ -110,33 +114,22 @@ class _Run:
         if examples is None:
             examples = load_training_examples(recipe, self.tokenizer, quiet=not self.main)
         self.examples = examples
-        self.units = make_units(examples, self.t.objective, self.t.sft_rows)
-        self.rows_per_unit = 2 if self.t.objective == "vrpo" else 1
+        self.units = self.objective.make_units(examples)
+        self.rows_per_unit = self.objective.rows_per_unit
         self.collate = make_collate(recipe, self.tokenizer)
         self.pack_length = recipe.data.max_length if recipe.data.padding == "packed" else None
         self.accum = grad_accum_for(self.t, self.world)
         self.G = self.t.batch_size * self.accum * self.world
         if len(self.units) < self.G:
-            what = "pairs" if self.t.objective == "vrpo" else "rows"
             raise UserError(
-                f"the training set has {len(self.units)} {what}, fewer than one global batch "
+                f"the training set has {len(self.units)} {self.objective.unit_name}, fewer than one global batch "
                 f"(train.batch_size {self.t.batch_size} x grad_accum {self.accum} x {self.world} process(es) = {self.G})"
             )
         self.lengths = [sum(ex.length for ex in u) for u in self.units]
         self.steps_per_epoch, self.total = step_count(self.t, len(self.units), self.G)
-        self.kl = self.t.objective == "elbo_kto" and self.t.baseline == "kl"
-        if self.kl and self.G < 2:
-            raise UserError("train.baseline kl needs a global batch of at least 2 rows (each prompt is paired with another row's completion)")
+        self.objective.check_units(self.units, self.G, self.main)
         self.dropped_per_epoch = len(self.units) - self.steps_per_epoch * self.G
         self._plans: dict[int, list[list[int]]] = {}
-        self.lambda_d, self.lambda_u = class_weights(recipe)
-        if self.t.objective == "elbo_kto" and self.main:
-            from dllm_align.data.imbalance import check_weight_ratio
-
-            n_d = sum(1 for u in self.units if u[0].label)
-            # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
-            chosen = bool({"lambda_desirable", "lambda_undesirable"} & self.t.model_fields_set) or bool(recipe.data.weights_file)
-            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u, chosen=chosen)
 
         # -- draws: the policy uses the reference's masks (draws 0..K'-1 of the K-draw set)
         self.cfg = DrawConfig.from_reference(recipe.reference)
@@ -146,7 +139,7 @@ class _Run:
         # -- reference
         self.cache = None
         self.ref_mp = None
-        if self.t.objective != "sft":
+        if self.objective.needs_reference:
             self._setup_reference()
 
         # -- distributed wrapping, optimiser
@@ -190,17 +183,13 @@ class _Run:
         if self.main:
             n_params = sum(p.numel() for p in self.params)
             info(
-                f"train: objective {self.t.objective}, {len(self.units):,} {'pairs' if self.rows_per_unit == 2 else 'rows'}, "
+                f"train: objective {self.objective.name}, {len(self.units):,} {self.objective.unit_name}, "
                 f"global batch {self.G} ({self.world} process(es) x {self.accum} micro-batch(es) x {self.t.batch_size}), "
                 f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
                 f"mixed precision {accelerator.mixed_precision}"
             )
-            if self.t.objective != "sft":  # the step line's abbreviations, said once
-                info(
-                    "train: step lines show r+ / r- = mean reward margin (policy ELBO minus reference ELBO, nats) of "
-                    "the desirable / undesirable rows, b = the step's mean-margin baseline, sat = share of rows with a "
-                    "saturated sigmoid (no gradient)"
-                )
+            if self.objective.step_legend:  # the step line's abbreviations, said once
+                info(f"train: step lines show {self.objective.step_legend}")
             if self.dropped_per_epoch:
                 info(f"train: {self.dropped_per_epoch} row(s) per epoch do not fill a global batch and are left out of that epoch")
             if accelerator.device.type == "cpu" and self.t.mixed_precision == "auto":
@@ -278,21 +267,16 @@ class _Run:
             known_files=cache.weight_files(),
         )
         used = [ex for u in self.units for ex in u]
-        if self.kl:
+        if self.objective.uses_extra_rows:
             from dllm_align.data.examples import planned_batches
 
             pairs = {}
             for batch in planned_batches(self.recipe, self.lengths, self.G, self.total):
-                for ex in kl_examples([self.units[i][0] for i in batch], self.recipe.data.max_length):
+                for ex in self.objective.extra_rows([self.units[i] for i in batch], self.recipe.data.max_length):
                     pairs.setdefault(ex.id, ex)
             missing = next((i for i in pairs if i not in cache._digests), None)
             if missing is not None:
-                raise UserError(
-                    f"reference cache {folder} holds no reference ELBOs for the kl baseline's mismatched pairs "
-                    f"(e.g. '{missing}'; the cache was made with train.baseline {cache.manifest['fingerprint'].get('baseline')!r})",
-                    hint="run `dllm-align precompute-ref` with this recipe: train.baseline kl and the same "
-                    "train.global_batch_size, train.seed, data.group_by_length and step count",
-                )
+                raise self.objective.extra_rows_missing(folder, missing, cache.manifest["fingerprint"])
             used += list(pairs.values())
         cache.check(fp, used, self.k)
         self.cache = cache
@@ -321,29 +305,14 @@ class _Run:
         assert len(mine) == self.accum, (len(mine), self.accum)
         return [[self.units[i] for i in m] for m in mine]
 
-    def kl_micro_batches(self, step: int) -> list[list]:
-        """This process's mismatched pairs of step ``step`` (``train.baseline: kl``): pair i goes where row i goes."""
+    def extra_micro_batches(self, step: int) -> list[list]:
+        """This process's extra rows of step ``step`` (the objective's, e.g. the kl baseline's pairs): row i goes where unit i goes."""
         from dllm_align.data.batching import shard
 
         epoch, j = divmod(step, self.steps_per_epoch)
         batch = self.plan(epoch)[j]
-        pairs = kl_examples([self.units[i][0] for i in batch], self.recipe.data.max_length)
-        return [[pairs[p] for p in m] for m in shard(list(range(len(batch))), self.rank, self.world, self.t.batch_size)]
-
-    @torch.no_grad()
-    def kl_baseline(self, kl_micro: list[list]) -> torch.Tensor:
-        """z0 of the step (:func:`dllm_align.objective.elbo_kto.kl_reference_point`): every process's pairs, every micro-batch."""
-        from dllm_align.objective.elbo_kto import kl_reference_point
-
-        total = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
-        for exs in kl_micro:
-            b = self._to_dev(self.collate(exs))
-            r = self.policy_elbo(b).float() - self.reference_elbo(b)
-            total[0] += r.double().sum()
-            total[1] += r.numel()
-        if self.world > 1:
-            total = self.acc.reduce(total, reduction="sum")
-        return kl_reference_point(total[0], total[1]).to(self.acc.device)
+        extra = self.objective.extra_rows([self.units[i] for i in batch], self.recipe.data.max_length)
+        return [[extra[p] for p in m] for m in shard(list(range(len(batch))), self.rank, self.world, self.t.batch_size)]
 
     # ---------------------------------------------------------------- ELBO values
     def _to_dev(self, batch: dict) -> dict:
@@ -391,9 +360,13 @@ class _Run:
         )
         return v.float().mean(dim=1)
 
-    def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
-        allv = self.acc.gather(local.detach().float().contiguous()) if self.world > 1 else local.detach().float()
-        return allv.double().mean().float()
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every process's values (float32, detached), concatenated."""
+        local = local.detach().float()
+        return self.acc.gather(local.contiguous()) if self.world > 1 else local
+
+    def _sum_over_processes(self, t: torch.Tensor) -> torch.Tensor:
+        return self.acc.reduce(t, reduction="sum") if self.world > 1 else t
 
     # ---------------------------------------------------------------- one optimiser step
     def _same_dropout(self, micro: int):
@@ -423,84 +396,39 @@ class _Run:
             return contextlib.nullcontext()
         return self.acc.no_sync(self.module)
 
-    def run_step(self, micro: list[list[tuple]], kl_micro: Optional[list[list]] = None) -> dict:
-        """Forward/backward over this process's micro-batches; returns summed metrics (local).
+    def run_step(self, micro: list[list[tuple]], extra_micro: Optional[list[list]] = None) -> dict:
+        """Forward/backward over this process's micro-batches; returns the objective's summed metrics (local).
 
-        ``kl_micro``: this process's mismatched pairs (``train.baseline: kl``).
+        ``extra_micro``: this process's extra rows of the step (:meth:`extra_micro_batches`).
         """
-        from dllm_align.objective.elbo_kto import elbo_kto_loss
-        from dllm_align.objective.sft import sft_loss
-        from dllm_align.objective.vrpo import vrpo_loss
-
+        obj = self.objective
         batches = []
         for units in micro:
             rows = [ex for u in units for ex in u]  # vrpo: chosen, rejected, chosen, rejected, ...
             batches.append(self._to_dev(self.collate(rows)))
-        norm = self.G / self.world  # DDP averages over processes: this makes the sum over all units / G
-        acc = {"loss_sum": 0.0, "n": 0, "n_d": 0, "n_u": 0, "r_d": 0.0, "r_u": 0.0, "saturated": 0, "accuracy": 0.0, "baseline": float("nan")}
-        acc["tokens"] = sum(ex.length for units in micro for u in units for ex in u)  # real tokens, padding excluded
-        obj = self.t.objective
+        step = StepInputs(
+            batches=batches,
+            references=[self.reference_elbo(b) if obj.needs_reference else None for b in batches],
+            extra_batches=[self._to_dev(self.collate(exs)) for exs in extra_micro or []],
+            normalizer=self.G / self.world,  # DDP averages over processes: this makes the sum over all units / G
+            device=self.acc.device,
+            policy_elbo=self.policy_elbo,
+            reference_elbo=self.reference_elbo,
+            gather=self._gather,
+            sum_over_processes=self._sum_over_processes,
+            same_dropout=self._same_dropout,
+        )
+        obj.begin_step(step)
+        sums = dict.fromkeys(obj.summed, 0)
         A = len(batches)
-
-        if obj == "elbo_kto":
-            refs = [self.reference_elbo(b) for b in batches]
-            baseline = None
-            if self.t.baseline == "none":
-                baseline = torch.zeros((), device=self.acc.device)
-            elif self.t.baseline == "kl":
-                baseline = self.kl_baseline(kl_micro)
-            elif A > 1:
-                margins = []
-                with torch.no_grad():  # every margin of the step before any backward
-                    for a, (b, rf) in enumerate(zip(batches, refs)):
-                        with self._same_dropout(a):
-                            margins.append(self.policy_elbo(b).float() - rf)
-                baseline = self._global_mean(torch.cat(margins))
-            for a, (b, rf) in enumerate(zip(batches, refs)):
-                with self._sync(a == A - 1), self._same_dropout(a):
-                    pol = self.policy_elbo(b)
-                    if baseline is None:
-                        baseline = self._global_mean(pol.detach().float() - rf)
-                    terms = elbo_kto_loss(
-                        pol, rf, b["labels"].to(pol.device), beta=self.t.beta,
-                        lambda_desirable=self.lambda_d, lambda_undesirable=self.lambda_u,
-                        baseline=baseline, normalizer=norm,
-                    )
-                    self.acc.backward(terms.loss)
-                m = terms.metrics
-                acc["loss_sum"] += m["loss_sum"]
-                acc["n"] += m["n"]
-                acc["n_d"] += m["n_desirable"]
-                acc["n_u"] += m["n_undesirable"]
-                acc["r_d"] += m["reward_sum_desirable"]
-                acc["r_u"] += m["reward_sum_undesirable"]
-                acc["saturated"] += m["saturated"]
-            acc["baseline"] = float(baseline)
-        elif obj == "sft":
-            for a, b in enumerate(batches):
-                with self._sync(a == A - 1):
-                    pol = self.policy_elbo(b)
-                    terms = sft_loss(pol, b["completion_len"], normalizer=norm)
-                    self.acc.backward(terms.loss)
-                acc["loss_sum"] += terms.metrics["loss_sum"]
-                acc["n"] += terms.metrics["n"]
-        else:  # vrpo: rows alternate chosen / rejected
-            for a, b in enumerate(batches):
-                rf = self.reference_elbo(b)
-                with self._sync(a == A - 1):
-                    pol = self.policy_elbo(b)
-                    terms = vrpo_loss(pol[0::2], pol[1::2], rf[0::2], rf[1::2], beta=self.t.beta, normalizer=norm)
-                    self.acc.backward(terms.loss)
-                m = terms.metrics
-                acc["loss_sum"] += m["loss_sum"]
-                acc["n"] += m["n"]
-                acc["n_d"] += m["n"]
-                acc["n_u"] += m["n"]
-                acc["r_d"] += m["reward_sum_chosen"]
-                acc["r_u"] += m["reward_sum_rejected"]
-                acc["saturated"] += m["saturated"]
-                acc["accuracy"] += m["accuracy_sum"]
-        return acc
+        for a, (b, rf) in enumerate(zip(batches, step.references)):
+            with self._sync(a == A - 1), (self._same_dropout(a) if obj.replays_dropout else contextlib.nullcontext()):
+                terms = obj.loss(self.policy_elbo(b), rf, b, step)
+                self.acc.backward(terms.loss)
+            for k in obj.summed:
+                sums[k] += terms.metrics[k]
+        sums["tokens"] = sum(ex.length for units in micro for u in units for ex in u)  # real tokens, padding excluded
+        return {"sums": sums, "step": step}
 
     def step_once(self, last_ckpt: Optional[Path] = None) -> tuple[float, dict, float]:
         """One optimiser step: forward/backward, global clip, the rank-agreed finite check, update.
@@ -511,8 +439,8 @@ class _Run:
         lr = lr_at(self.step, self.total, t.lr, t.warmup_ratio, t.scheduler)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        kl_micro = self.kl_micro_batches(self.step) if self.kl else None
-        m = self.reduce(self.run_step(self.micro_batches(self.step), kl_micro))
+        extra = self.extra_micro_batches(self.step) if self.objective.uses_extra_rows else None
+        m = self.reduce(self.run_step(self.micro_batches(self.step), extra))
         clip = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
         self.acc.unscale_gradients()  # fp16 loss scaling (a no-op otherwise)
         grad_norm = clip_global_grad_norm(self.params, clip, sharded=self.fsdp, device=self.acc.device)
@@ -530,23 +458,14 @@ class _Run:
         self.step = human_step
         return lr, m, grad_norm
 
-    def reduce(self, acc: dict) -> dict:
-        keys = ["loss_sum", "n", "n_d", "n_u", "r_d", "r_u", "saturated", "accuracy", "tokens"]
-        t = torch.tensor([float(acc[k]) for k in keys], dtype=torch.float64, device=self.acc.device)
+    def reduce(self, local: dict) -> dict:
+        """The step's metrics: the objective's sums over every process, reduced by the objective."""
+        keys = [*self.objective.summed, "tokens"]
+        t = torch.tensor([float(local["sums"][k]) for k in keys], dtype=torch.float64, device=self.acc.device)
         if self.world > 1:
             t = self.acc.reduce(t, reduction="sum")
         s = dict(zip(keys, t.tolist()))
-        n = max(s["n"], 1.0)
-        out = {"loss": s["loss_sum"] / n}
-        if self.t.objective == "sft":
-            out.update(reward_desirable=None, reward_undesirable=None, baseline=None, saturation=None)
-        else:
-            out["reward_desirable"] = s["r_d"] / s["n_d"] if s["n_d"] else None
-            out["reward_undesirable"] = s["r_u"] / s["n_u"] if s["n_u"] else None
-            out["baseline"] = acc["baseline"] if self.t.objective == "elbo_kto" else None
-            out["saturation"] = s["saturated"] / n
-            if self.t.objective == "vrpo":
-                out["reward_accuracy"] = s["accuracy"] / n
+        out = self.objective.reduce(s, local["step"])
         out["tokens"] = int(s["tokens"])
         return out
 
@@ -582,19 +501,5 @@ def invariant_margins(run: "_Run", steps: int = 1) -> dict[str, float]:
     return out
 
 
-def _status(m: dict, lr: float, tok_s: float) -> str:
-    parts = [f"loss {m['loss']:.4f}"]
-    if m.get("reward_desirable") is not None:
-        parts.append(f"r+ {m['reward_desirable']:+.3f}")
-    if m.get("reward_undesirable") is not None:
-        parts.append(f"r- {m['reward_undesirable']:+.3f}")
-    if m.get("baseline") is not None:
-        parts.append(f"b {m['baseline']:+.3f}")
-    if m.get("saturation") is not None:
-        parts.append(f"sat {m['saturation']:.0%}")
-    parts.append(f"lr {lr:.2e}")
-    parts.append(f"{tok_s:,.0f} tok/s")
-    return " | ".join(parts)
-
-
-
+def _status(objective, m: dict, lr: float, tok_s: float) -> str:
+    return " | ".join([*objective.status(m), f"lr {lr:.2e}", f"{tok_s:,.0f} tok/s"])

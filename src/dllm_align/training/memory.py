@@ -66,6 +66,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.objective.base import objective_for
+
 GiB = 1024**3
 RESERVE = 2 * GiB
 HEAD_CHUNK = 128
@@ -363,7 +365,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     wbytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
     d, i, L = shape.hidden, shape.active_intermediate, shape.layers
     k = recipe.train_n_mc()
-    units = t.batch_size * (2 if t.objective == "vrpo" else 1)
+    objective = objective_for(t)
+    units = t.batch_size * objective.rows_per_unit
     rows = units * k
     if shape.block_size:  # block diffusion: a row is K noisy streams and one shared clean stream
         rows = units * (k + 1)
@@ -377,7 +380,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         layer_bytes = 2 if (autocast and t.fsdp_gather == "bf16_layers" and launch.fsdp_version == 2) else wbytes
         lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden) * wbytes + 2 * shape.largest_layer_params * layer_bytes
-    if t.objective != "sft" and recipe.reference.mode == "online":
+    if objective.needs_reference and recipe.reference.mode == "online":
         lin = shape.linear_params
         lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
     act = 4 if (autocast or wbytes == 4) else 2
@@ -451,6 +454,6 @@ def advice(est: Estimate, shape: ModelShape, recipe, launch: Launch, capacity: i
                    f"{est.total_with_checkpointing / GiB:.1f} GiB")
     if est.tokens and est.total > capacity:
         out.append("lower train.rows_per_forward (draws scored per forward) to cut activation memory")
-    if recipe.reference.mode == "online" and recipe.train.objective != "sft":
+    if recipe.reference.mode == "online" and objective_for(recipe.train).needs_reference:
         out.append("use reference.mode: cached (precompute-ref) so the reference is not resident")
     return out

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dllm_align.core.errors import UserError
+from dllm_align.objective.base import objective_for
 from dllm_align.training.cache import FORMAT_VERSION, MANIFEST, SHARD_FMT, STRICT_FIELDS, ShardError, _read_manifest, _refuse_other_settings, _sha256_file, cache_dir, composition_global_batch, elbo_range_problem, example_digest, fingerprint, read_shard, reference_name, write_shard
 
 
@@ -121,13 +122,13 @@ def micro_batch_groups(recipe, examples: Sequence) -> list[list[int]]:
     mismatched pairs) follow, longest first, in groups of ``reference.batch_size``.
     """
     from dllm_align.data.batching import plan_batches
-    from dllm_align.data.examples import make_units
 
     t = recipe.train
+    objective = objective_for(t)
     pos = {ex.id: i for i, ex in enumerate(examples)}
-    rows = [ex for ex in examples if ex.label is not None] if t.objective == "elbo_kto" else list(examples)
+    rows = [ex for ex in examples if not objective.is_extra_row(ex)]
     try:
-        units = make_units(rows, t.objective, t.sft_rows) if rows else []
+        units = objective.make_units(rows) if rows else []
     except UserError:
         units = []
     groups: list[list[int]] = []
@@ -291,6 +292,7 @@ def precompute(
         t0 = time.perf_counter()
         rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
         pack = recipe.data.max_length if recipe.data.padding == "packed" else None
+        objective = objective_for(recipe.train)
         if is_main:
             info(
                 f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of ~{size} "
@@ -311,7 +313,7 @@ def precompute(
                 at = 0
                 for g in my_groups:
                     exs = [examples[i] for i in g]
-                    if recipe.train.objective == "elbo_kto" and any(ex.label is None for ex in exs):
+                    if any(objective.is_extra_row(ex) for ex in exs):
                         # not a training micro-batch (the kl baseline's pairs): batched as before
                         v = reference_values(ref_mp, exs, collate, cfg, len(exs), rows, pack_length=pack)
                     else:
@@ -393,10 +395,8 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
-        from dllm_align.objective.elbo_kto import planned_kl_examples
-
-        examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
+    # the objective's extra rows of every step (the kl baseline's mismatched pairs)
+    examples = examples + objective_for(recipe.train).reference_extras(recipe, examples)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")

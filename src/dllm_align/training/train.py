@@ -38,6 +38,7 @@ def train(
     """
     from dllm_align.core.io import DirLock, recover_jsonl
     from dllm_align.core.runfolder import check_training_settings
+    from dllm_align.objective.base import objective_for
     from dllm_align.training.cache import cache_dir
 
     acc = accelerator or make_accelerator(recipe)
@@ -51,7 +52,7 @@ def train(
     if acc.is_main_process:
         try:
             lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
-            if recipe.reference.mode == "cached" and recipe.train.objective != "sft":
+            if recipe.reference.mode == "cached" and objective_for(recipe.train).needs_reference:
                 # The cache must stay the one this run trains against: a `precompute-ref --overwrite`
                 # into it is refused while the run lasts (it takes the exclusive lock).
                 cdir = cache_dir(recipe)
@@ -142,26 +143,21 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
                 row = {
                     "step": run.step,
                     "epoch": round(run.step / run.steps_per_epoch, 4),
-                    "loss": m["loss"],
-                    "reward_desirable": m["reward_desirable"],
-                    "reward_undesirable": m["reward_undesirable"],
-                    "baseline": m["baseline"],
-                    "saturation": m["saturation"],
+                    **{k: m[k] for k in run.objective.metric_names},
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "tokens_per_s": m["tokens"] / dt,
                     "examples_per_s": step_examples / dt,
                     "seconds": dt,
                 }
-                if "reward_accuracy" in m:
-                    row["reward_accuracy"] = m["reward_accuracy"]
                 history.append(row)
                 if acc.is_main_process:
                     appender.write(row)
-                    bar.advance(1, status=_status(m, lr, row["tokens_per_s"]))
+                    line = _status(run.objective, m, lr, row["tokens_per_s"])
+                    bar.advance(1, status=line)
                     if run.step % t.log_every == 0 and not _bar_on():
-                        info(f"step {run.step}/{run.total}: " + _status(m, lr, row["tokens_per_s"]))
-                    msg = run.margin_watch.add(run.step, m["reward_desirable"] if t.objective == "elbo_kto" else None)
+                        info(f"step {run.step}/{run.total}: " + line)
+                    msg = run.margin_watch.add(run.step, run.objective.watched_margin(m))
                     if msg:
                         warn(msg)
                 if acc.log_with and run.step % t.log_every == 0:
