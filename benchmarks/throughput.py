@@ -190,7 +190,7 @@ def straightforward_train(model, examples, collate, batch: int, cfg, ref: dict, 
 
     from dllm_align.data.batching import plan_batches
     from dllm_align.objective.elbo_kto import elbo_kto_loss
-    from dllm_align.training.setup import build_optimizer
+    from dllm_align.training.optim import build_optimizer
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=False, drop_last=True)
     opt = build_optimizer(model.named_parameters(), train_section)

@@ -116,7 +116,7 @@ def rotary_probe(model):
 
 def grad_norm_probe(run) -> dict:
     """One backward on this rank's rows: each rank's shard-local gradient norm and the global one."""
-    from dllm_align.training.setup import clip_global_grad_norm
+    from dllm_align.training.optim import clip_global_grad_norm
 
     units = run.micro_batches(0)[0]
     b = run._to_dev(run.collate([ex for u in units for ex in u]))

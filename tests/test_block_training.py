@@ -151,7 +151,7 @@ def test_step0_margins_are_zero_for_a_block_family(sdar_toy, fresh_accelerate, m
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_tokenizer
     from dllm_align.training import reference as ref
     from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     tok = build_tiny_tokenizer(BUILTIN_SPECS[model].family)
     if (model, mp) not in sdar_toy["caches"]:
@@ -214,7 +214,7 @@ def test_step0_margins_are_zero_for_a_block_family_on_real_rows(shared_data, tmp
     from dllm_align.models.load import build_tiny_tokenizer
     from dllm_align.training import reference as ref
     from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     from fixtures.real_rows import write_real_rows
 

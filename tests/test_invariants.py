@@ -68,7 +68,7 @@ def cache_for(toy, mp: str):
 @pytest.mark.parametrize("lora", [False, True])
 def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lora):
     from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     exs = cache_for(toy, mp)
     sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
@@ -99,7 +99,7 @@ def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     from dllm_align.training import cache as refcache
     from dllm_align.core.errors import UserError
     from dllm_align.training.loop import _Run
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     exs = cache_for(toy, "no")
     rec = recipe(toy, "bf16", f"reference.cache={toy['root'] / 'cache-no'}")
@@ -117,7 +117,7 @@ def test_cache_made_with_one_attention_backend_refused_by_another_by_field(toy, 
     from dllm_align.core.errors import UserError
     from dllm_align.training import cache as refcache
     from dllm_align.training.loop import _Run
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     exs = cache_for(toy, mp)  # made with the default backend (sdpa); flash needs bf16 compute
     manifest = json.loads((toy["root"] / f"cache-{mp}" / "manifest.json").read_text())
@@ -237,7 +237,7 @@ def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, 
     train(rec, examples=exs)  # the accumulation path runs with dropout
     # exact check through the library: the same step's two passes give the same margins
     from dllm_align.training.loop import _Run
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
@@ -299,7 +299,7 @@ def test_lora_dropout_gradient_under_fsdp2_activation_checkpointing_equals_unche
     from peft import LoraConfig, get_peft_model
 
     from dllm_align.models.load import load_model
-    from dllm_align.training.setup import preserve_checkpoint_rng
+    from dllm_align.training.distributed import preserve_checkpoint_rng
 
     mp = load_model("builtin:tiny")
     get_peft_model(mp.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj", "up_proj"]))

@@ -43,7 +43,7 @@ def test_step0_margins_exact_on_real_rows_cached_and_online(real, fresh_accelera
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.training import reference as ref
     from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     rec = _recipe(real, mp, padding, "cached", f"run-{mp}-{padding}")
     ref_mp = ref.load_reference(rec, "cpu")

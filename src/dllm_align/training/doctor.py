@@ -208,7 +208,7 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
     from dllm_align.core.console import info
     from dllm_align.training.cache import cache_dir
     from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.distributed import make_accelerator
 
     _remove_stale_smoke_folders()
     tmp = Path(tempfile.mkdtemp(prefix=f"{SMOKE_PREFIX}{os.getpid()}-"))

@@ -62,7 +62,11 @@ from dllm_align.training import checkpoint
 from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.data.examples import load_training_examples, make_collate, step_count
 from dllm_align.objective.base import ClassWeights, StepInputs, objective_for
-from dllm_align.training.setup import MarginWatch, PolicyScorer, _ViaModule, _is_fsdp, _seeded_rng, build_optimizer, class_weights, clip_global_grad_norm, fsdp_wrap_family_layer, grad_accum_for, lr_at
+from dllm_align.training.monitor import MarginWatch
+from dllm_align.training.policy import PolicyScorer, _ViaModule
+from dllm_align.training.distributed import _is_fsdp, _seeded_rng, fsdp_wrap_family_layer
+from dllm_align.training.optim import build_optimizer, clip_global_grad_norm, lr_at
+from dllm_align.training.plan import class_weights, grad_accum_for
 
 
 # --------------------------------------------------------------------------- the loop
@@ -73,7 +77,7 @@ class _Run:
         from dllm_align.core.console import info
         from dllm_align.objective.elbo import DrawConfig
         from dllm_align.models.load import check_max_length, load_from_section
-        from dllm_align.training.setup import check_trainable_on
+        from dllm_align.training.plan import check_trainable_on
         from dllm_align.models.precision import precision_for
 
         self.recipe = recipe
@@ -166,7 +170,7 @@ class _Run:
             opt = build_optimizer(self.module.named_parameters(), self.t, fused_ok=not self.fsdp)
             self.optimizer = accelerator.prepare(opt)
         if self.fsdp:
-            from dllm_align.training.setup import preserve_checkpoint_rng
+            from dllm_align.training.distributed import preserve_checkpoint_rng
 
             preserve_checkpoint_rng(self.module)  # FSDP2's layer checkpoints replay the forward's dropout masks
         self.policy = _ViaModule(self.module, self.mp.mask_token_id, self.mp.block_size)

@@ -17,7 +17,8 @@ from dllm_align.training.checkpoint import (
     FINAL, METRICS, TMP_FINAL, _clear_previous, prepare_output,
 )
 from dllm_align.core.errors import UserError
-from dllm_align.training.setup import TrainResult, _fault, _flat, make_accelerator
+from dllm_align.training.monitor import TrainResult, _fault, _flat
+from dllm_align.training.distributed import make_accelerator
 from dllm_align.training.loop import _Run, _status
 
 
