@@ -183,7 +183,7 @@ def _to(batch: dict, device: str) -> dict:
 def straightforward_train(model, examples, collate, batch: int, cfg, ref: dict, device: str, train_section) -> dict:
     """Time one epoch of straightforward ELBO-KTO steps over random batches.
 
-    The optimiser is the training loop's own (``training.build_optimizer``): the
+    The optimiser is the training loop's own (``training.optim.build_optimizer``): the
     comparison is about how the ELBO is computed, not about the optimiser.
     """
     import torch

@@ -68,7 +68,7 @@ def test_z0_is_the_clamped_mean_margin_of_the_step_pairs(kl_toy):
     from dllm_align.data.batching import collate
     from dllm_align.objective.elbo import DrawConfig, elbo
     from dllm_align.models.load import load_model
-    from dllm_align.training.loop import _Run
+    from dllm_align.training.train import setup_run
 
     rec = _run(kl_toy, "z0", "train.global_batch_size=4", "train.save_every=1", "train.keep_checkpoints=5")
     m = metrics(rec.output_dir)
@@ -76,8 +76,8 @@ def test_z0_is_the_clamped_mean_margin_of_the_step_pairs(kl_toy):
     # the pairs of step 3 (index 2) from the run's own plan
     from accelerate import Accelerator
 
-    run = _Run(rec, Accelerator(cpu=True), None, kl_toy["examples"])
-    pairs = [p for mb in run.extra_micro_batches(2) for p in mb]  # 4 micro-batches of 1 on one process
+    run = setup_run(rec, Accelerator(cpu=True), None, kl_toy["examples"])
+    pairs = [p for mb in run.data.extra_micro_batches(2, run.plan) for p in mb]  # 4 micro-batches of 1 on one process
     assert len(pairs) == 4 and all(p.id.startswith("kl(") for p in pairs)
     pol = load_model(str(rec.output_dir) + "/checkpoints/step-2")
     base = load_model("builtin:tiny")

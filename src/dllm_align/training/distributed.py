@@ -36,7 +36,7 @@ def make_accelerator(recipe):
     )
 
 
-def _is_fsdp(accelerator) -> bool:
+def is_fsdp(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type == DistributedType.FSDP

@@ -34,7 +34,7 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * FSDP's unsharded gradients before their reduce-scatter: the root unit's
   (embeddings, head, final norm: the last unit reduced, ~3.9 GiB fp32 for
   LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
-  reduce-scatters every micro-batch (``training.loop._Run._sync``), DDP's
+  reduce-scatters every micro-batch (``training.loop.Run.sync``), DDP's
   gradients are whole anyway;
 * block diffusion (``block_size`` in the config): a row is K noisy streams and one shared clean
   stream, (K+1) x max_length tokens (``dllm_align.models.block_attention``), the clean stream never

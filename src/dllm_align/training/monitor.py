@@ -88,3 +88,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = json.dumps(v)
     return out
+
+
+def status_line(parts: list[str], lr: float, tok_s: float) -> str:
+    """A step's progress line: the objective's parts, then the learning rate and the throughput."""
+    return " | ".join([*parts, f"lr {lr:.2e}", f"{tok_s:,.0f} tok/s"])

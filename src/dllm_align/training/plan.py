@@ -1,11 +1,70 @@
-"""What a run derives from its recipe and launch before anything loads: accumulation, class weights, the device check.
+"""The run's plan: what a training run derives from its recipe and its launch, computed once before anything
+loads (the objective and its class weights, the precision, the packed-row length, the draws, the process layout
+and the global batch), as one frozen record the setup steps and the step take.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
+from dllm_align.config.schema import TrainSection
 from dllm_align.core.errors import UserError
+from dllm_align.data.batching import pack_length_of
+from dllm_align.models.precision import Precision, precision_for
+from dllm_align.objective.base import ClassWeights, Objective, objective_for
+from dllm_align.objective.elbo import DrawConfig
+from dllm_align.training.distributed import is_fsdp
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """The derived values of one run on one process."""
+
+    objective: Objective
+    precision: Precision  # one precision for the policy and the reference (models.precision)
+    pack_length: Optional[int]  # pack each forward's noisy rows into rows of this length (data.padding: packed)
+    draws: DrawConfig  # the reference's draw set; the policy uses draws 0..k-1 of it
+    k: int
+    device: torch.device
+    world: int  # processes
+    rank: int
+    main: bool
+    fsdp: bool
+    accum: int  # micro-batches per process and step
+    global_batch: int  # units per optimiser step: train.batch_size x accum x world
+
+    @property
+    def draw_ids(self) -> list[int]:
+        return list(range(self.k))
+
+
+def make_plan(recipe, accelerator) -> TrainPlan:
+    """The plan of ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train first)."""
+    t = recipe.train
+    check_trainable_on(recipe, accelerator.device)
+    world = accelerator.num_processes
+    ld, lu = class_weights(recipe)
+    # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
+    chosen = bool({"lambda_desirable", "lambda_undesirable"} & t.model_fields_set) or bool(recipe.data.weights_file)
+    accum = grad_accum_for(t, world)
+    return TrainPlan(
+        objective=objective_for(t, ClassWeights(ld, lu, chosen)),
+        precision=precision_for(recipe, accelerator.device),
+        pack_length=pack_length_of(recipe.data),
+        draws=DrawConfig.from_reference(recipe.reference),
+        k=recipe.train_n_mc(),
+        device=accelerator.device,
+        world=world,
+        rank=accelerator.process_index,
+        main=accelerator.is_main_process,
+        fsdp=is_fsdp(accelerator),
+        accum=accum,
+        global_batch=t.batch_size * accum * world,
+    )
+
 
 def check_trainable_on(recipe, device) -> None:
     """Refuse, before anything loads, a setting this device cannot train with. torch's FlexAttention has a
@@ -16,7 +75,7 @@ def check_trainable_on(recipe, device) -> None:
                         hint="use sdpa (or eager) for CPU training; flex_attention on CUDA")
 
 
-def grad_accum_for(t, world: int) -> int:
+def grad_accum_for(t: TrainSection, world: int) -> int:
     """Micro-batches per step: train.grad_accum, or derived from train.global_batch_size and the process count."""
     if t.global_batch_size is None:
         return t.grad_accum
