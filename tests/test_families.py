@@ -259,7 +259,7 @@ def test_saved_checkpoint_keeps_its_family(tmp_path):
 def test_fsdp_wraps_the_family_decoder_layer(tmp_path):
     from types import SimpleNamespace
 
-    from dllm_align.training.setup import fsdp_wrap_family_layer
+    from dllm_align.training.distributed import fsdp_wrap_family_layer
 
     for name, layer in (("builtin:tiny-dream", "Qwen2DecoderLayer"), ("builtin:tiny", "LlamaDecoderLayer")):
         plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])

@@ -124,7 +124,12 @@ class LoraSection(Section):
 
 
 class TrainSection(Section):
-    objective: Literal["elbo_kto", "sft", "vrpo"] = "elbo_kto"
+    objective: str = Field(
+        "elbo_kto",
+        description="The training objective by its registered name: elbo_kto (the paper), sft (masked-diffusion SFT), "
+        "vrpo (LLaDA 1.5's paired objective). The names are checked against the objective registry when a command "
+        "first asks for the objective (dllm_align.objective.base.register_objective adds one).",
+    )
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
     baseline: Literal["global_mean", "none", "kl"] = Field(
         "global_mean",

@@ -87,6 +87,12 @@ def collate(examples: Sequence, padding: str, max_length: int, pad_id: int) -> d
     }
 
 
+def pack_length_of(data) -> Optional[int]:
+    """The length of the rows a forward packs its noisy sequences into (``data.padding: packed``; the ``data``
+    section), or None: ``packed`` collates like ``none`` and the ELBO estimator does the packing."""
+    return data.max_length if data.padding == "packed" else None
+
+
 def _rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed % (1 << 63), epoch]))
 

@@ -36,7 +36,7 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * FSDP's unsharded gradients before their reduce-scatter: the root unit's
   (embeddings, head, final norm: the last unit reduced, ~3.9 GiB fp32 for
   LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
-  reduce-scatters every micro-batch (``training.loop._Run._sync``), DDP's
+  reduce-scatters every micro-batch (``training.loop.Run.sync``), DDP's
   gradients are whole anyway;
 * what the likelihood adds (its footprint: keys and values its attention copies and keeps, its own
   masks). Block diffusion: a row is K noisy streams and one shared clean stream, (K+1) x max_length
@@ -70,6 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import get_likelihood
 
 GiB = 1024**3
@@ -375,7 +376,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     wbytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
     d, i, L = shape.hidden, shape.active_intermediate, shape.layers
     k = recipe.train_n_mc()
-    units = t.batch_size * (2 if t.objective == "vrpo" else 1)
+    objective = objective_for(t)
+    units = t.batch_size * objective.rows_per_unit
     foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes)
     rows = units * foot.rows
     if t.rows_per_forward:
@@ -388,7 +390,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         layer_bytes = 2 if (autocast and t.fsdp_gather == "bf16_layers" and launch.fsdp_version == 2) else wbytes
         lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden) * wbytes + 2 * shape.largest_layer_params * layer_bytes
-    if t.objective != "sft" and recipe.reference.mode == "online":
+    if objective.needs_reference and recipe.reference.mode == "online":
         lin = shape.linear_params
         lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
     act = 4 if (autocast or wbytes == 4) else 2
@@ -457,6 +459,6 @@ def advice(est: Estimate, shape: ModelShape, recipe, launch: Launch, capacity: i
                    f"{est.total_with_checkpointing / GiB:.1f} GiB")
     if est.tokens and est.total > capacity:
         out.append("lower train.rows_per_forward (draws scored per forward) to cut activation memory")
-    if recipe.reference.mode == "online" and recipe.train.objective != "sft":
+    if recipe.reference.mode == "online" and objective_for(recipe.train).needs_reference:
         out.append("use reference.mode: cached (precompute-ref) so the reference is not resident")
     return out

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from dllm_align.core.errors import UserError
+from dllm_align.data.batching import pack_length_of
+from dllm_align.objective.base import objective_for
 from dllm_align.training.cache import FORMAT_VERSION, MANIFEST, SHARD_FMT, STRICT_FIELDS, ShardError, _read_manifest, _refuse_other_settings, _sha256_file, cache_dir, composition_global_batch, elbo_range_problem, example_digest, fingerprint, read_shard, reference_name, write_shard
 
 
@@ -51,6 +53,74 @@ def load_reference(recipe, device):
     for p in mp.model.parameters():
         p.requires_grad_(False)
     return mp
+
+
+# --------------------------------------------------------------------------- during training
+class TrainingReference:
+    """B_hat_ref of a training step: the cached draws, or the resident reference model's (``reference.mode``)."""
+
+    def __init__(self, cache=None, model=None):
+        self.cache = cache
+        self.model = model
+
+    @torch.no_grad()
+    def elbo(self, batch: dict, plan, rows_per_forward: Optional[int]) -> torch.Tensor:
+        """[B]: the mean of draws 0..plan.k-1 (the policy's draws) of each row of a collated batch."""
+        if self.cache is not None:
+            return self.cache.lookup(batch["ids"], plan.k).mean(dim=1).to(plan.device)
+        from dllm_align.objective.elbo import elbo_draws
+
+        v = elbo_draws(
+            self.model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["completion_mask"],
+            batch["ids"],
+            plan.draws,
+            max_rows_per_forward=rows_per_forward,
+            draws=plan.draw_ids,
+            pack_length=plan.pack_length,
+        )
+        return v.float().mean(dim=1)
+
+
+def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
+    """The reference of a training run: loaded resident (``online``), or the cache, checked to hold every row
+    the run will score (its units and the objective's extra rows) under this run's fingerprint."""
+    from dllm_align.core.console import info
+    from dllm_align.data.examples import planned_batches
+    from dllm_align.training.cache import ReferenceCache
+
+    if recipe.reference.mode == "online":
+        ref = TrainingReference(model=load_reference(recipe, plan.device))
+        if plan.main:
+            info(f"train: reference computed online ({reference_name(recipe)}, resident)")
+        return ref
+    folder = cache_dir(recipe)
+    cache = ReferenceCache.open(folder)
+    fp = fingerprint(
+        recipe,
+        tokenizer=policy_mp.tokenizer,
+        mask_token_id=policy_mp.mask_token_id,
+        device=plan.device,
+        examples=data.examples,
+        known_files=cache.weight_files(),
+    )
+    used = [ex for u in data.units for ex in u]
+    objective = plan.objective
+    if objective.uses_extra_rows:
+        extra = {}
+        for batch in planned_batches(recipe, data.lengths, plan.global_batch, data.total):
+            for ex in objective.extra_rows([data.units[i] for i in batch], recipe.data.max_length):
+                extra.setdefault(ex.id, ex)
+        missing = next((i for i in extra if i not in cache._digests), None)
+        if missing is not None:
+            raise objective.extra_rows_missing(folder, missing, cache.manifest["fingerprint"])
+        used += list(extra.values())
+    cache.check(fp, used, plan.k)
+    if plan.main:
+        info(f"train: reference from cache {folder} (K={cache.K}, using {plan.k})")
+    return TrainingReference(cache=cache)
 
 
 def draw_config(recipe, n_mc: Optional[int] = None):
@@ -121,13 +191,13 @@ def micro_batch_groups(recipe, examples: Sequence) -> list[list[int]]:
     mismatched pairs) follow, longest first, in groups of ``reference.batch_size``.
     """
     from dllm_align.data.batching import plan_batches
-    from dllm_align.data.examples import make_units
 
     t = recipe.train
+    objective = objective_for(t)
     pos = {ex.id: i for i, ex in enumerate(examples)}
-    rows = [ex for ex in examples if ex.label is not None] if t.objective == "elbo_kto" else list(examples)
+    rows = [ex for ex in examples if not objective.is_extra_row(ex)]
     try:
-        units = make_units(rows, t.objective, t.sft_rows) if rows else []
+        units = objective.make_units(rows) if rows else []
     except UserError:
         units = []
     groups: list[list[int]] = []
@@ -290,7 +360,8 @@ def precompute(
         n_todo = sum(bounds[s][1] - bounds[s][0] for s in todo)
         t0 = time.perf_counter()
         rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
-        pack = recipe.data.max_length if recipe.data.padding == "packed" else None
+        pack = pack_length_of(recipe.data)
+        objective = objective_for(recipe.train)
         if is_main:
             info(
                 f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of ~{size} "
@@ -311,7 +382,7 @@ def precompute(
                 at = 0
                 for g in my_groups:
                     exs = [examples[i] for i in g]
-                    if recipe.train.objective == "elbo_kto" and any(ex.label is None for ex in exs):
+                    if any(objective.is_extra_row(ex) for ex in exs):
                         # not a training micro-batch (the kl baseline's pairs): batched as before
                         v = reference_values(ref_mp, exs, collate, cfg, len(exs), rows, pack_length=pack)
                     else:
@@ -393,10 +464,8 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
-        from dllm_align.data.examples import planned_kl_examples
-
-        examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
+    # the objective's extra rows of every step (the kl baseline's mismatched pairs)
+    examples = examples + objective_for(recipe.train).reference_extras(recipe, examples)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")
