@@ -8,6 +8,7 @@ import contextlib
 
 import torch
 
+
 def make_accelerator(recipe):
     from accelerate import Accelerator
     from accelerate.utils import is_tensorboard_available, is_wandb_available

@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -37,6 +38,12 @@ from dllm_align.training.distributed import _seeded_rng
 from dllm_align.training.optim import clip_global_grad_norm, lr_at
 from dllm_align.training.plan import TrainPlan
 from dllm_align.training.policy import Trainable
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from dllm_align.models.predictor import MaskPredictor
+    from dllm_align.training.reference import TrainingReference
 
 
 # --------------------------------------------------------------------------- the data
@@ -114,13 +121,13 @@ def load_data(recipe, plan: TrainPlan, tokenizer, examples: Optional[list] = Non
 class Run:
     """A set-up run: its plan, data, policy, reference and state; the step methods the loop and the checks call."""
 
-    accelerator: object
+    accelerator: "Accelerator"
     train: TrainSection
     plan: TrainPlan
     data: TrainData
-    mp: object  # the policy's MaskPredictor (unwrapped: tokenizer, config, block size)
+    mp: "MaskPredictor"  # the policy unwrapped (tokenizer, config, block size)
     policy: Trainable
-    reference: object  # training.reference.TrainingReference, or None when the objective needs none
+    reference: Optional["TrainingReference"]  # None when the objective needs none
     record: RunRecord
     state: TrainState
 
@@ -227,7 +234,7 @@ class Run:
         """One micro-batch's rows, unit by unit (vrpo: chosen, rejected, chosen, rejected, ...)."""
         return self.data.collate([ex for u in units for ex in u])
 
-    def step_once(self, last_ckpt=None) -> tuple[float, dict, float]:
+    def step_once(self, last_ckpt: Optional[Path] = None) -> tuple[float, dict, float]:
         """One optimiser step: forward/backward, global clip, the rank-agreed finite check, update.
 
         Returns (lr, reduced metrics, gradient norm before clipping).

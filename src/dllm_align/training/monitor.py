@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+
 @dataclass
 class MarginWatch:
     """Warn when the desirable class's mean margin keeps falling (SPEC.md section 4 caution).

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+
 def lr_at(step: int, total: int, peak: float, warmup_ratio: float, kind: str) -> float:
     """Learning rate of optimiser step ``step`` (0-based) out of ``total`` (module docstring)."""
     warm = math.ceil(warmup_ratio * total) if warmup_ratio > 0 else 0
