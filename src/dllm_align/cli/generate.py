@@ -1,4 +1,5 @@
-"""``dllm-align generate``: completions for a prompt set with the LLaDA sampler (SPEC.md §7).
+"""``dllm-align generate``: completions for a prompt set with the model family's decoding rule
+(docs/design.md#generation).
 
 Thin: resolve the recipe (each flag sets its ``generate.*`` key and is validated by the
 schema with the recipe), and hand it to the generator of ``generate.backend``

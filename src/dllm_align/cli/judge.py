@@ -1,4 +1,4 @@
-"""``dllm-align judge``: pairwise judging of two generation files (SPEC.md section 8)."""
+"""``dllm-align judge``: pairwise judging of two generation files (docs/design.md#judging)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example (SPEC.md section 5)."""
+"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example.
+
+The cache and what invalidates it: docs/design.md#the-reference-cache.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""Downstream evaluation through lm-evaluation-harness (paper Table 4 and Appendix C, SPEC.md §9).
+"""Downstream evaluation through lm-evaluation-harness (paper Table 4 and Appendix C;
+docs/design.md#evaluation).
 
 :class:`DiffusionLM` is an ``lm_eval.api.model.LM`` registered as
 ``dllm_align`` (alias ``dllm-align``). It answers the harness's three request
 types for a masked diffusion LM:
 
 * ``loglikelihood(context, continuation)``: the Monte Carlo ELBO of the
-  continuation given the context (SPEC.md §3, eq. elbo-l; the context is the
+  continuation given the context (docs/design.md#the-masked-diffusion-elbo; the context is the
   prompt, the continuation the "completion"). The ELBO is a lower bound on
   log p, and it is what LLaDA's own evaluation reports. Masks are a pure
   function of (``mc_seed``, the request text), so a request scores the same in
@@ -357,7 +358,7 @@ class DiffusionLM(LM):
 
     # -- loglikelihood
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """The Monte Carlo ELBO of each continuation given its context (SPEC.md §3)."""
+        """The Monte Carlo ELBO of each continuation given its context (docs/design.md#evaluation)."""
         items = []
         for req in requests:
             context, continuation = req.args
@@ -467,7 +468,10 @@ class DiffusionLM(LM):
 
     # -- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Decode each context with the family's sampler (LLaDA's: SPEC.md §7) and cut at the task's stop strings."""
+        """Decode each context with the family's decoding rule and cut at the task's stop strings.
+
+        The rules: docs/design.md#generation.
+        """
         from dllm_align.core.console import progress
         from dllm_align.generate.settings import row_seed
 

@@ -1,6 +1,6 @@
-"""The LLaDA sampler (SPEC.md section 7), in an exact and a fast mode.
+"""The LLaDA sampler (docs/design.md#the-llada-rule), in an exact and a fast mode (docs/design.md#fast-mode).
 
-Exact mode is the semi-autoregressive sampler of LLaDA (SPEC.md §7, the
+Exact mode is the semi-autoregressive sampler of LLaDA (docs/design.md#the-llada-rule, the
 paper's decoding settings of Appendix C / Table 4):
 
 * the prompt is followed by ``gen_length`` mask tokens, decoded in blocks of

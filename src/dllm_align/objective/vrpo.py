@@ -20,7 +20,7 @@ def vrpo_loss(
     beta: float,
     normalizer: Optional[float] = None,
 ) -> LossTerms:
-    """The paired VRPO / DPO-with-ELBO objective of LLaDA 1.5 (SPEC.md section 6).
+    """The paired VRPO / DPO-with-ELBO objective of LLaDA 1.5 (docs/design.md#vrpo).
 
     loss = -(1/m) sum_j log sigmoid(beta * [(B_pol(w) - B_pol(l)) - (B_ref(w) - B_ref(l))]).
     """

@@ -1,4 +1,4 @@
-"""The reference cache: its layout, fingerprint, shards and reader (SPEC.md section 5).
+"""The reference cache: its layout, fingerprint, shards and reader (docs/design.md#the-reference-cache).
 
 Cache layout (``<output_dir>/ref_cache`` unless ``reference.cache`` says otherwise)::
 
@@ -163,7 +163,7 @@ def folder_weights_digest(folder: Path, known: Optional[dict] = None) -> tuple[s
 # --------------------------------------------------------------------------- fingerprint
 @dataclass
 class Fingerprint:
-    """Everything that changes the cached numbers (SPEC.md section 5)."""
+    """Everything that changes the cached numbers (docs/design.md#the-reference-cache)."""
 
     fields: dict
     weight_files: list  # per-file digests, kept so later checks need not reread the weights

@@ -68,7 +68,7 @@ def preserve_checkpoint_rng(model: torch.nn.Module) -> int:
     the backward's recompute then draws new dropout masks (LoRA dropout), and the gradient
     belongs to another forward than the loss (26% relative gradient error at dropout 0.3).
     The wrapper's checkpoint function is rebuilt with ``preserve_rng_state=True``: the
-    recompute replays the forward's masks, as without checkpointing (issue 22, defect 3).
+    recompute replays the forward's masks, as without checkpointing.
     """
     from functools import partial
 

@@ -26,15 +26,15 @@ those rows), and on CUDA kernels may pick reduction orders by shape; in both
 cases a margin is allowed ``8 eps sqrt(L)`` nats for a row of L completion
 tokens (eps = 2^-8 under bf16 autocast, 2^-23 in fp32): one rounding flip per
 scored log-probability, summed as a random walk, with a safety factor of 8. A
-precision mismatch (issue 13 defect 2: 0.06-0.11 nats mean on the toy, 1.55
-nats spread at L = 161) is far outside it on short rows.
+precision mismatch (a bf16-autocast policy against an fp32 reference: 0.06-0.11
+nats mean margin on the toy, 1.55 nats spread at L = 161) is far outside it on short rows.
 
 How many rows: at least :data:`INVARIANT_ROWS` rows and two global steps (each
 of at least one micro-batch), so that rows of different widths and different
 packed row-mates are checked: a composition difference rounds every scored
 log-probability of a row whose forward is shaped unlike the cache's, so it
-shows on every such row (on 16 real rows the old longest-first precompute gave
-a nonzero margin on 16 of 16 in bf16).
+shows on every such row (on 16 real rows, scoring the reference longest first
+instead of in training's micro-batches gives a nonzero margin on 16 of 16 in bf16).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import numpy as np
 
 @dataclass
 class MarginWatch:
-    """Warn when the desirable class's mean margin keeps falling (SPEC.md section 4 caution).
+    """Warn when the desirable class's mean margin keeps falling (likelihood displacement: docs/design.md#class-weights).
 
     The per-step desirable margins are averaged over windows of ``window``
     steps; three consecutive falling windows ending below zero trigger one

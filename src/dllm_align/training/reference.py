@@ -1,4 +1,4 @@
-"""Reference ELBO precompute and its cache (SPEC.md section 5).
+"""Reference ELBO precompute and its cache (docs/design.md#the-reference-cache).
 
 B_hat_ref depends only on the frozen reference model and the masks, and the
 masks are a pure function of (seed, example id, draw, L) (``elbo.draw_masks``),

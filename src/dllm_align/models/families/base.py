@@ -49,7 +49,7 @@ class Family:
     # skip_special_tokens=True; Dream's keeps every token before the end of text (Qwen2's added
     # tokens such as <|box_end|> stay in the text).
     decode_keeps_special: bool = False
-    # The decoding rule of the family's own code: "llada" (SPEC.md section 7), "dream"
+    # The decoding rule of the family's own code (docs/design.md#generation): "llada", "dream"
     # (``diffusion_generate``: one canvas, timestep schedule, confidence rules) or "block" (block
     # diffusion: block by block with a KV cache over finished blocks, ``dllm_align.generate.block``).
     sampler: str = "llada"

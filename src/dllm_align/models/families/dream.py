@@ -1,6 +1,6 @@
 """Dream (``Dream-org/Dream-v0-Instruct-7B``, ``model_type: Dream``) and models built on it (DiffuCoder).
 
-Facts from the published config and code (SPEC.md section 11):
+Facts from the published config and code (docs/design.md#model-families):
 
 * the body is a Qwen2 block (q/k/v with bias, o_proj without, RMSNorm, SwiGLU,
   rotary base 1e6) with non-causal attention and an untied head; its weight

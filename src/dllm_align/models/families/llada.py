@@ -1,6 +1,6 @@
 """LLaDA and LLaDA-1.5 (``model_type: llada``), and the built-in tiny models, which share their manners.
 
-Native loading (SPEC.md section 10): LLaDA's blocks are Llama blocks with
+Native loading (docs/design.md#model-families): LLaDA's blocks are Llama blocks with
 other weight names, so the checkpoint maps onto a transformers
 ``LlamaForCausalLM`` with ``is_causal = False`` (no remote code; gradient
 checkpointing, SDPA / flash attention and the sampler's key/value cache come
