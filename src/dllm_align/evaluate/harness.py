@@ -49,10 +49,19 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from dllm_align.config.recipe import bundled_dir
+from dllm_align.core.console import progress, warn
 from dllm_align.core.errors import UserError
+from dllm_align.generate.backend import backend_factory, make_generator
+from dllm_align.generate.settings import SamplerSettings, row_seed
+from dllm_align.models.load import load_model
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
 
 
 
@@ -62,8 +71,6 @@ log = logging.getLogger("dllm_align.evaluate.harness")
 
 def bundled_task_dir() -> Path:
     """The bundled task YAMLs (generative HellaSwag for the paper's Table 4), beside the recipes."""
-    from dllm_align.config.recipe import bundled_dir
-
     return bundled_dir() / "tasks"
 
 
@@ -102,7 +109,6 @@ def _dist_state():
     """accelerate's process state when launched with several processes, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    from accelerate import PartialState
 
     # On a CPU-only machine accelerate needs cpu=True to pick gloo (torchrun launches).
     return PartialState(cpu=not torch.cuda.is_available())
@@ -177,16 +183,12 @@ class DiffusionLM(LM):
         self._state = _dist_state()
         if self._state is not None:
             self._rank, self._world_size = self._state.process_index, self._state.num_processes
-        from dllm_align.generate.backend import backend_factory, make_generator
-        from dllm_align.generate.settings import SamplerSettings
 
         given = dict(gen_length=gen_length, block_length=block_length, steps=steps, remasking=remasking, temperature=temperature,
                      cfg=cfg, cache=cache, threshold=threshold, seed=seed, backend=backend)
         sampler = SamplerSettings(**{k: v for k, v in given.items() if v is not None})
         backend_factory(sampler.backend)  # refused before the model is loaded
         if predictor is None:
-            from dllm_align.models.load import load_model
-
             dev = torch.device(device) if device and self._state is None else eval_device()
             predictor = load_model(
                 pretrained, revision=revision, dtype=dtype, device=dev, trust_remote_code=bool(trust_remote_code),
@@ -209,8 +211,6 @@ class DiffusionLM(LM):
     def configure(self, *, sampler=None, batch_size=None, mc_num=None, mc_seed=None, stratified=None, greedy_check=None) -> None:
         """Change settings between tasks (the ``evaluate`` command sets each task's decoding here)."""
         if sampler is not None:
-            from dllm_align.generate.settings import SamplerSettings
-
             self.sampler = SamplerSettings.from_section(sampler)
         if batch_size is not None:
             try:
@@ -232,8 +232,6 @@ class DiffusionLM(LM):
             self.greedy_check = bool(greedy_check)
 
     def draw_config(self):
-        from dllm_align.objective.elbo import DrawConfig
-
         return DrawConfig(n_mc=self.mc_num, seed=self.mc_seed, estimator="l", stratified=self.stratified)
 
     # -- harness properties
@@ -301,7 +299,6 @@ class DiffusionLM(LM):
     def all_gather(self, tensor):
         if self.world_size <= 1:
             return tensor
-        from accelerate.utils import gather
 
         return gather(tensor)
 
@@ -350,7 +347,6 @@ class DiffusionLM(LM):
         if len(ctx) > room:
             if "truncate" not in self._warned:
                 self._warned.add("truncate")
-                from dllm_align.core.console import warn
 
                 warn(f"prompts longer than {room} tokens lose their head to fit max_length {self.max_length}")
             ctx = ctx[-room:]
@@ -371,8 +367,6 @@ class DiffusionLM(LM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """ELBO of whole texts over the harness's disjoint rolling windows (a lower bound on log p)."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         items, owner = [], []
         for i, req in enumerate(requests):
             (text,) = req.args
@@ -402,9 +396,6 @@ class DiffusionLM(LM):
         rows of ``max_length`` with block-diagonal attention when ``packing``
         is on (``elbo_draws``: the same values, no compute on padding).
         """
-        from dllm_align.core.console import progress
-        from dllm_align.objective.elbo import elbo_draws
-
         cfg = self.draw_config()
         unique: dict[str, tuple[list[int], list[int]]] = {}
         for ctx, cont, rid in items:
@@ -447,8 +438,6 @@ class DiffusionLM(LM):
 
         A block-diffusion model decodes in its own blocks (the block length is the model's): one token
         per step over the whole blocks that cover the L tokens, the first L compared."""
-        from dllm_align.generate.settings import SamplerSettings
-
         by_len: dict[int, list[str]] = {}
         for k, (_, cont) in unique.items():
             by_len.setdefault(len(cont), []).append(k)
@@ -472,9 +461,6 @@ class DiffusionLM(LM):
 
         The rules: docs/design.md#generation.
         """
-        from dllm_align.core.console import progress
-        from dllm_align.generate.settings import row_seed
-
         st = self.sampler
         deterministic = st.temperature == 0 and st.remasking == "low_confidence"
         room = self.max_length - st.gen_length

@@ -39,6 +39,7 @@ instead of in training's micro-batches gives a nonzero margin on 16 of 16 in bf1
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import signal
@@ -52,7 +53,17 @@ from typing import Optional
 
 import torch
 
+from dllm_align.core.console import info
+from dllm_align.core.errors import UserError
+from dllm_align.data.load import load_prompts
+from dllm_align.training.cache import cache_dir, composition, dataset_digest
+from dllm_align.training.distributed import make_accelerator
+from dllm_align.training.loop import invariant_margins
 from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
+from dllm_align.training.train import setup_run
+
+# Imported where used: resource (POSIX only; the peak-memory line) and torch.nn.attention (probed
+# inside a try: the report says whether this torch has FlexAttention).
 
 H100_BYTES = 81559 * 1024**2  # what torch reports for an 80 GB H100
 
@@ -78,10 +89,6 @@ def _free_disk(path: Path) -> int:
 
 def environment(recipe, launch: Launch, shape) -> dict:
     """Devices, bf16, attention backends, NCCL, disk and host RAM against what the recipe needs."""
-    import importlib.util
-
-    from dllm_align.training.cache import cache_dir
-
     env: dict = {"torch": torch.__version__}
     cuda = torch.cuda.is_available()
     devices = []
@@ -205,12 +212,6 @@ def _peak_rss() -> int:
 
 def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
-    from dllm_align.core.console import info
-    from dllm_align.training.cache import cache_dir
-    from dllm_align.training.distributed import make_accelerator
-    from dllm_align.training.loop import invariant_margins
-    from dllm_align.training.train import setup_run
-
     _remove_stale_smoke_folders()
     tmp = Path(tempfile.mkdtemp(prefix=f"{SMOKE_PREFIX}{os.getpid()}-"))
     # SIGTERM (a scheduler's time limit) ends the smoke through its `finally`, so the folder goes too;
@@ -330,7 +331,6 @@ def _same_composition(recipe, examples: list, cache, mode: str) -> tuple[bool, O
     its recorded micro-batch composition is this run's), and a note when not."""
     if mode != "cached" or cache is None:
         return True, None
-    from dllm_align.training.cache import composition, dataset_digest
 
     fp = cache.manifest["fingerprint"]
     was = fp.get("composition")
@@ -345,9 +345,6 @@ def _same_composition(recipe, examples: list, cache, mode: str) -> tuple[bool, O
 
 
 def _count_prompts(rec) -> Optional[int]:
-    from dllm_align.data.load import load_prompts
-    from dllm_align.core.errors import UserError
-
     g = rec.generate
     source = rec.data.test if g.split == "test" else rec.data.train
     split = rec.data.test_split if g.split == "test" else rec.data.train_split

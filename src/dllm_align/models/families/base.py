@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from safetensors import safe_open
 
 from dllm_align.core.errors import UserError
+
+# tokenizers and transformers are imported inside the builders: the family records are read (which family
+# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch.
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
@@ -181,8 +185,6 @@ def load_mapped(
     frequencies are not weights: they are rebuilt in fp32 from the config
     (never trusted from a file, never left on the meta device).
     """
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = model_cls(config)
     if prepare is not None:
