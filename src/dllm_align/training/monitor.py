@@ -11,6 +11,9 @@ from typing import Optional
 
 import numpy as np
 
+from dllm_align.core import faults
+
+
 @dataclass
 class MarginWatch:
     """Warn when the desirable class's mean margin keeps falling (likelihood displacement: docs/design.md#class-weights).
@@ -72,8 +75,6 @@ class TrainResult:
 
 
 def _fault(kind: str, step: Optional[int] = None) -> None:
-    from dllm_align.core import faults
-
     faults.at(kind, step)
 
 
