@@ -5,6 +5,9 @@ Thin: resolve the recipe (each flag sets its ``generate.*`` key and is validated
 schema with the recipe), and hand it to the generator of ``generate.backend``
 (:mod:`dllm_align.generate.backend`).
 The resumable, multi-process output logic lives in :func:`dllm_align.generate.run.run_generate`.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
 """
 
 from __future__ import annotations

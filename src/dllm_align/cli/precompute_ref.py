@@ -1,6 +1,9 @@
 """``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example.
 
 The cache and what invalidates it: docs/design.md#the-reference-cache.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
 """
 
 from __future__ import annotations
