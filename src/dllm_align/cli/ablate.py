@@ -1,4 +1,8 @@
-"""``dllm-align ablate``: sweeps that reproduce the paper's Table 3 and Figure 1."""
+"""``dllm-align ablate``: sweeps that reproduce the paper's Table 3 and Figure 1.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

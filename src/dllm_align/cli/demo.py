@@ -1,4 +1,8 @@
-"""``dllm-align demo``: the embedded default, end to end on a CPU with no network."""
+"""``dllm-align demo``: the embedded default, end to end on a CPU with no network.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""``dllm-align doctor``: check the node, the memory and a few real steps before a long run."""
+"""``dllm-align doctor``: check the node, the memory and a few real steps before a long run.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
-"""``dllm-align generate``: completions for a prompt set with the LLaDA sampler (SPEC.md §7).
+"""``dllm-align generate``: completions for a prompt set with the model family's decoding rule
+(docs/design.md#generation).
 
 Thin: resolve the recipe (each flag sets its ``generate.*`` key and is validated by the
 schema with the recipe), and hand it to the generator of ``generate.backend``
 (:mod:`dllm_align.generate.backend`).
 The resumable, multi-process output logic lives in :func:`dllm_align.generate.run.run_generate`.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
 """
 
 from __future__ import annotations

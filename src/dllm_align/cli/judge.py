@@ -1,4 +1,8 @@
-"""``dllm-align judge``: pairwise judging of two generation files (SPEC.md section 8)."""
+"""``dllm-align judge``: pairwise judging of two generation files (docs/design.md#judging).
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

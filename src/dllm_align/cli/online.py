@@ -1,4 +1,8 @@
-"""``dllm-align online``: ELBO-KTO on the policy's own samples, labelled by a verifier, in rounds."""
+"""``dllm-align online``: ELBO-KTO on the policy's own samples, labelled by a verifier, in rounds.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example (SPEC.md section 5)."""
+"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example.
+
+The cache and what invalidates it: docs/design.md#the-reference-cache.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

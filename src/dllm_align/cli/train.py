@@ -1,4 +1,8 @@
-"""``dllm-align train``: ELBO-KTO (default), masked-diffusion SFT or paired VRPO on accelerate."""
+"""``dllm-align train``: ELBO-KTO (default), masked-diffusion SFT or paired VRPO on accelerate.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

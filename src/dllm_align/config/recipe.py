@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +27,8 @@ from pydantic import BaseModel, ValidationError
 
 from dllm_align.core.errors import UserError
 from dllm_align.config.schema import Recipe
+from dllm_align.core.io import atomic_write_text, note_input
+from dllm_align.core.runfolder import recipe_record
 
 
 # --------------------------------------------------------------------------- loading
@@ -242,8 +245,6 @@ for _tag in ("binary", "set", "omap", "pairs"):
 
 
 def read_yaml(path: Path) -> dict:
-    from dllm_align.core.io import note_input
-
     note_input(path, "recipe")
     try:
         text = path.read_text(encoding="utf-8")
@@ -355,8 +356,6 @@ def git_revision() -> str | None:
 
 
 def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
     for pkg in ("dllm-align", "torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "peft", "lm-eval"):
         try:
@@ -373,9 +372,6 @@ def write_run_info(recipe: Recipe, out_dir: str | Path, command: str, changes: O
     so one command never replaces another's. ``changes`` (settings let through on a
     resume) are added to those recorded before, so the record keeps the run's history.
     """
-    from dllm_align.core.io import atomic_write_text
-    from dllm_align.core.runfolder import recipe_record
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(recipe_record(out, command), to_yaml(recipe))

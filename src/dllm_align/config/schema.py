@@ -166,7 +166,10 @@ class TrainSection(Section):
         "all", description="objective sft: train on every row, or on desirable rows only."
     )
     margin_watch_window: int = Field(
-        25, ge=1, description="Steps per window of the falling-desirable-margin warning (SPEC.md section 4 caution)."
+        25,
+        ge=1,
+        description="Steps per window of the warning that the desirable rows' mean margin keeps falling "
+        "(docs/design.md#class-weights).",
     )
     n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
@@ -285,7 +288,7 @@ class GenerateSection(Section):
 
 # --------------------------------------------------------------------------- judge
 class JudgeSection(Section):
-    """Pairwise judging (SPEC.md section 8; `dllm-align judge`)."""
+    """Pairwise judging (`dllm-align judge`; docs/design.md#judging)."""
 
     judges: list[str] = Field(
         default_factory=lambda: ["gpt-4o-mini"],

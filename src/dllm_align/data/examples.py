@@ -56,7 +56,7 @@ def step_count(t, n_units: int, G: int) -> tuple[int, int]:
         return per_epoch, t.max_steps
     exact = t.epochs * per_epoch
     if 0 < exact < 0.5:
-        # A fraction of an epoch that is not even half a step was rounding up to one step, silently.
+        # Less than half a step's worth of epochs would otherwise round up to a whole step without a word.
         raise UserError(
             f"train.epochs {t.epochs:g} is {exact:.3g} optimiser steps of {per_epoch} per epoch "
             f"({n_units} units in global batches of {G}): less than half a step",

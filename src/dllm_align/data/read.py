@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import note_input
+from dllm_align.data import toy
 from dllm_align.data.rows import Record, Table, _Bad, _DATA_SUFFIXES, _TEXT_SUFFIXES
 
 
@@ -204,8 +206,6 @@ def _lone_surrogate(obj: Any) -> bool:
 
 
 def _read_file(path: Path, kind: str, allow_txt: bool) -> Table:
-    from dllm_align.core.io import note_input
-
     note_input(path, "input data")
     if kind == "txt" and not allow_txt:
         raise UserError(
@@ -360,7 +360,6 @@ def _read_builtin(name: str, split: Optional[str]) -> Table:
     """Data sets built from code (no files, no network): the demo's toy sorting task."""
     if name not in BUILTIN_DATA:
         raise UserError(f"unknown built-in data set '{name}'", hint=f"built-in data sets: {', '.join(BUILTIN_DATA)}")
-    from dllm_align.data import toy
 
     split = split or "train"
     prompts = toy.splits()

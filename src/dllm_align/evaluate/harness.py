@@ -1,11 +1,12 @@
-"""Downstream evaluation through lm-evaluation-harness (paper Table 4 and Appendix C, SPEC.md §9).
+"""Downstream evaluation through lm-evaluation-harness (paper Table 4 and Appendix C;
+docs/design.md#evaluation).
 
 :class:`DiffusionLM` is an ``lm_eval.api.model.LM`` registered as
 ``dllm_align`` (alias ``dllm-align``). It answers the harness's three request
 types for a masked diffusion LM:
 
 * ``loglikelihood(context, continuation)``: the Monte Carlo ELBO of the
-  continuation given the context (SPEC.md §3, eq. elbo-l; the context is the
+  continuation given the context (docs/design.md#the-masked-diffusion-elbo; the context is the
   prompt, the continuation the "completion"). The ELBO is a lower bound on
   log p, and it is what LLaDA's own evaluation reports. Masks are a pure
   function of (``mc_seed``, the request text), so a request scores the same in
@@ -48,10 +49,19 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from dllm_align.config.recipe import bundled_dir
+from dllm_align.core.console import progress, warn
 from dllm_align.core.errors import UserError
+from dllm_align.generate.backend import backend_factory, make_generator
+from dllm_align.generate.settings import SamplerSettings, row_seed
+from dllm_align.models.load import load_model
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
 
 
 
@@ -61,8 +71,6 @@ log = logging.getLogger("dllm_align.evaluate.harness")
 
 def bundled_task_dir() -> Path:
     """The bundled task YAMLs (generative HellaSwag for the paper's Table 4), beside the recipes."""
-    from dllm_align.config.recipe import bundled_dir
-
     return bundled_dir() / "tasks"
 
 
@@ -101,7 +109,6 @@ def _dist_state():
     """accelerate's process state when launched with several processes, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    from accelerate import PartialState
 
     # On a CPU-only machine accelerate needs cpu=True to pick gloo (torchrun launches).
     return PartialState(cpu=not torch.cuda.is_available())
@@ -176,16 +183,12 @@ class DiffusionLM(LM):
         self._state = _dist_state()
         if self._state is not None:
             self._rank, self._world_size = self._state.process_index, self._state.num_processes
-        from dllm_align.generate.backend import backend_factory, make_generator
-        from dllm_align.generate.settings import SamplerSettings
 
         given = dict(gen_length=gen_length, block_length=block_length, steps=steps, remasking=remasking, temperature=temperature,
                      cfg=cfg, cache=cache, threshold=threshold, seed=seed, backend=backend)
         sampler = SamplerSettings(**{k: v for k, v in given.items() if v is not None})
         backend_factory(sampler.backend)  # refused before the model is loaded
         if predictor is None:
-            from dllm_align.models.load import load_model
-
             dev = torch.device(device) if device and self._state is None else eval_device()
             predictor = load_model(
                 pretrained, revision=revision, dtype=dtype, device=dev, trust_remote_code=bool(trust_remote_code),
@@ -208,8 +211,6 @@ class DiffusionLM(LM):
     def configure(self, *, sampler=None, batch_size=None, mc_num=None, mc_seed=None, stratified=None, greedy_check=None) -> None:
         """Change settings between tasks (the ``evaluate`` command sets each task's decoding here)."""
         if sampler is not None:
-            from dllm_align.generate.settings import SamplerSettings
-
             self.sampler = SamplerSettings.from_section(sampler)
         if batch_size is not None:
             try:
@@ -231,8 +232,6 @@ class DiffusionLM(LM):
             self.greedy_check = bool(greedy_check)
 
     def draw_config(self):
-        from dllm_align.objective.elbo import DrawConfig
-
         return DrawConfig(n_mc=self.mc_num, seed=self.mc_seed, estimator="l", stratified=self.stratified)
 
     # -- harness properties
@@ -300,7 +299,6 @@ class DiffusionLM(LM):
     def all_gather(self, tensor):
         if self.world_size <= 1:
             return tensor
-        from accelerate.utils import gather
 
         return gather(tensor)
 
@@ -349,7 +347,6 @@ class DiffusionLM(LM):
         if len(ctx) > room:
             if "truncate" not in self._warned:
                 self._warned.add("truncate")
-                from dllm_align.core.console import warn
 
                 warn(f"prompts longer than {room} tokens lose their head to fit max_length {self.max_length}")
             ctx = ctx[-room:]
@@ -357,7 +354,7 @@ class DiffusionLM(LM):
 
     # -- loglikelihood
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """The Monte Carlo ELBO of each continuation given its context (SPEC.md §3)."""
+        """The Monte Carlo ELBO of each continuation given its context (docs/design.md#evaluation)."""
         items = []
         for req in requests:
             context, continuation = req.args
@@ -370,8 +367,6 @@ class DiffusionLM(LM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """ELBO of whole texts over the harness's disjoint rolling windows (a lower bound on log p)."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         items, owner = [], []
         for i, req in enumerate(requests):
             (text,) = req.args
@@ -401,9 +396,6 @@ class DiffusionLM(LM):
         rows of ``max_length`` with block-diagonal attention when ``packing``
         is on (``elbo_draws``: the same values, no compute on padding).
         """
-        from dllm_align.core.console import progress
-        from dllm_align.objective.elbo import elbo_draws
-
         cfg = self.draw_config()
         unique: dict[str, tuple[list[int], list[int]]] = {}
         for ctx, cont, rid in items:
@@ -446,8 +438,6 @@ class DiffusionLM(LM):
 
         A block-diffusion model decodes in its own blocks (the block length is the model's): one token
         per step over the whole blocks that cover the L tokens, the first L compared."""
-        from dllm_align.generate.settings import SamplerSettings
-
         by_len: dict[int, list[str]] = {}
         for k, (_, cont) in unique.items():
             by_len.setdefault(len(cont), []).append(k)
@@ -467,10 +457,10 @@ class DiffusionLM(LM):
 
     # -- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Decode each context with the family's sampler (LLaDA's: SPEC.md §7) and cut at the task's stop strings."""
-        from dllm_align.core.console import progress
-        from dllm_align.generate.settings import row_seed
+        """Decode each context with the family's decoding rule and cut at the task's stop strings.
 
+        The rules: docs/design.md#generation.
+        """
         st = self.sampler
         deterministic = st.temperature == 0 and st.remasking == "low_confidence"
         room = self.max_length - st.gen_length

@@ -6,17 +6,26 @@ side (:func:`comparison_rows`).
 from __future__ import annotations
 
 import difflib
+import gc
 import hashlib
 import json
 import os
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import lm_eval
 import torch
+from lm_eval.tasks import TaskManager
 
+from dllm_align.config.schema import EvalTask
+from dllm_align.core.console import info as _info
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import atomic_write_json, atomic_write_text
 from dllm_align.evaluate.harness import DiffusionLM, HARNESS_NAME, bundled_task_dir, eval_device
+from dllm_align.generate.settings import SamplerSettings
+from dllm_align.models.load import load_from_section
 
 
 # --------------------------------------------------------------------------- the evaluate command
@@ -53,9 +62,6 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     ``generate`` section; ``limit`` (the command line) wins over the task's and
     the section's.
     """
-    from dllm_align.generate.settings import SamplerSettings
-    from dllm_align.config.schema import EvalTask
-
     ev = recipe.evaluate
     if keys is None:
         keys = list(ev.tasks)
@@ -97,8 +103,6 @@ def task_manager(names: Sequence[str], include_path: Optional[str | Sequence[str
     every name is found in the include paths (the bundled task folder and the
     user's) the built-in index is skipped.
     """
-    from lm_eval.tasks import TaskManager
-
     paths = [str(bundled_task_dir())] if bundled_task_dir().is_dir() else []
     if include_path:
         for p in [include_path] if isinstance(include_path, (str, Path)) else include_path:
@@ -148,8 +152,6 @@ def model_fingerprint(name_or_path: str, revision: Optional[str] = None) -> str:
 
 
 def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section) -> dict:
-    from importlib.metadata import version
-
     return {
         "model": model_fp,
         "tokenizer": model_section.tokenizer,
@@ -172,8 +174,6 @@ def _jsonable(obj):
 
 def run_task(lm: DiffusionLM, plan: TaskPlan, ev, tm) -> Optional[dict]:
     """One harness run of one task with the plan's settings; the harness's result dict on rank 0, None elsewhere."""
-    import lm_eval
-
     lm.configure(sampler=plan.sampler)
     if ev.allow_code_execution:
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the harness's code_eval metric checks this
@@ -218,9 +218,6 @@ def evaluate_model(
     comparison against the same base, resumes). The model is loaded only if a
     task has to run.
     """
-    from dllm_align.core.console import info as _info
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     def info(msg: str) -> None:
@@ -270,7 +267,6 @@ def evaluate_model(
         per_task[plan.key] = res
     if lm is not None:  # free the weights before the next model loads
         del lm
-        import gc
 
         gc.collect()
         if torch.cuda.is_available():
@@ -284,8 +280,6 @@ def evaluate_model(
 
 def make_lm(recipe, name_or_path: str) -> DiffusionLM:
     """Load ``name_or_path`` as the recipe's model section describes and wrap it for the harness."""
-    from dllm_align.models.load import load_from_section
-
     ev = recipe.evaluate
     mp = load_from_section(recipe.model, device=eval_device(), name_or_path=name_or_path)
     g = recipe.generate

@@ -20,6 +20,7 @@ The cache is transformers' ``DynamicCache``; a step that must not store is cropp
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Optional, Sequence
 
@@ -29,6 +30,9 @@ from dllm_align.core.errors import UserError
 from dllm_align.generate.canvas import completion
 from dllm_align.generate.rules import DecodingRule, register_rule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
+
+# transformers is imported where the block rule runs: transformers takes longer to import than torch, and the generator factory
+# (generate/backend.py) imports this module for every backend, served ones included.
 
 
 def transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
@@ -87,8 +91,6 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
 def _cache_argument(model) -> str:
     """The name the body's forward takes its KV cache under: ``cache`` from transformers 5.2x on (the old
     ``past_key_values`` still works there, with a deprecation warning at every call), else ``past_key_values``."""
-    import inspect
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 

@@ -1,6 +1,6 @@
 """Dream's published decoding rule (``diffusion_generate``), for families whose sampler is "dream".
 
-The rule, as Dream's own generation code applies it (SPEC.md section 11):
+The rule, as Dream's own generation code applies it (docs/design.md#the-dream-rule):
 
 * one canvas: the prompt followed by ``gen_length`` mask tokens; no blocks, no
   early stop; ``steps`` model calls;

@@ -1,6 +1,6 @@
-"""The LLaDA sampler (SPEC.md section 7), in an exact and a fast mode.
+"""The LLaDA sampler (docs/design.md#the-llada-rule), in an exact and a fast mode (docs/design.md#fast-mode).
 
-Exact mode is the semi-autoregressive sampler of LLaDA (SPEC.md §7, the
+Exact mode is the semi-autoregressive sampler of LLaDA (docs/design.md#the-llada-rule, the
 paper's decoding settings of Appendix C / Table 4):
 
 * the prompt is followed by ``gen_length`` mask tokens, decoded in blocks of
@@ -77,11 +77,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
 from dllm_align.generate import block, dream  # noqa: F401 (their rules register on import)
 from dllm_align.generate.canvas import canvas, completion, first_stop
 from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule
+
+# transformers is imported where the fast mode builds its cache: transformers takes longer to import than torch, and the generator
+# factory (generate/backend.py) imports this module for every backend, served ones included.
 
 
 # --------------------------------------------------------------------------- cached forward
@@ -176,8 +180,6 @@ def _kv_forward_for(mp) -> Optional[_KVForward]:
     why = _KVForward.unsupported(mp.model) if mp.separable else "the model's output head is not separable"
     if why is not None:
         if why not in _WARNED:
-            from dllm_align.core.console import warn
-
             warn(f"fast mode cache is not available ({why}); recomputing the whole sequence at every step")
             _WARNED.add(why)
         return None

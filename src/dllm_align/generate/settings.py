@@ -74,7 +74,7 @@ def _problems(err: ValidationError) -> list[str]:
 
 
 def transfer_schedule(n: int, s: int) -> list[int]:
-    """Tokens committed at each of the s steps of a block with n masked tokens (SPEC.md §7)."""
+    """Tokens committed at each of the s steps of a block with n masked tokens (docs/design.md#the-llada-rule)."""
     return [n // s + (1 if i < n % s else 0) for i in range(s)]
 
 
@@ -121,7 +121,7 @@ class SamplerStats:
 
 # --------------------------------------------------------------------------- prompts
 def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Prompt ids: the chat template with the generation prompt added (SPEC.md §2).
+    """Prompt ids: the chat template with the generation prompt added (docs/design.md#tokens-padding-and-packing).
 
     Rendered to text and encoded without extra special tokens, exactly as
     :mod:`dllm_align.data.tokenize` encodes training prompts, so a prompt decodes

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dllm_align.core.io import JsonlAppender, recover_jsonl
+
 CACHE_VERSION = 1
 
 
@@ -55,8 +57,6 @@ def judgement_key(judge: str, template: str, prompt: str, first: str, second: st
 
 def load_cache(path: Path) -> dict[str, dict]:
     """``{key: row}`` of the finished judgements in ``path`` (first line per key wins)."""
-    from dllm_align.core.io import recover_jsonl
-
     cache: dict[str, dict] = {}
     for row in recover_jsonl(path):
         key, verdict = row.get("key"), row.get("verdict")
@@ -78,8 +78,6 @@ class CacheWriter:
         if row["key"] in self.cache:
             return False
         if self._appender is None:
-            from dllm_align.core.io import JsonlAppender
-
             self._appender = JsonlAppender(self.path)
         self._appender.write(row)
         self.cache[row["key"]] = row

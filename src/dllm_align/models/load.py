@@ -24,18 +24,37 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from packaging.version import Version
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import fsync_tree, verify_checksums
+from dllm_align.data.read import hub_reachable
+from dllm_align.models.block_attention import VARIANTS, use_streams_attention
+from dllm_align.models.families import (
+    FAMILIES,
+    describe_config,
+    family_for_config,
+    family_of,
+    get_family,
+    native_family,
+)
+from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
     pass
 from dllm_align.models.predictor import MaskPredictor
+
+# transformers and huggingface_hub are imported inside the functions that build a model or reach the
+# Hub: the memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch.
 
 
 
@@ -80,8 +99,6 @@ MIN_TRANSFORMERS = "5.2"
 
 def require_transformers(version: str) -> None:
     """Refuse a transformers release that would make the bidirectional bodies causal."""
-    from packaging.version import Version
-
     if Version(version) < Version(MIN_TRANSFORMERS):
         raise UserError(f"transformers {version} is too old: before {MIN_TRANSFORMERS} it ignores is_causal=False, "
                         "so a diffusion model's attention would be causal",
@@ -107,8 +124,6 @@ def _ready_transformers() -> None:
 # --------------------------------------------------------------------------- tiny model
 def _tiny_family(family: str):
     """The family that makes a built-in model (its ``tiny_tokenizer`` and ``build_tiny``); one without them is refused."""
-    from dllm_align.models.families import FAMILIES, get_family
-
     fam = get_family(family)
     if fam.build_tiny is None or fam.tiny_tokenizer is None:
         have = ", ".join(f.name for f in FAMILIES.values() if f.build_tiny is not None)
@@ -136,11 +151,6 @@ def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
 
 def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     """Write the tiny model and tokenizer as a model folder (built beside ``path``, then renamed into place)."""
-    import shutil
-    import tempfile
-
-    from dllm_align.core.io import fsync_tree
-
     tok = build_tiny_tokenizer(spec.family)
     model = build_tiny_model(tok, spec)
     path = Path(path)
@@ -174,7 +184,6 @@ def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
             f"model '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
             hint="pass a local folder (model.name_or_path: /path/to/model) or unset HF_HUB_OFFLINE",
         )
-    from dllm_align.data.read import hub_reachable
 
     if not hub_reachable():
         raise UserError(f"model '{repo_id}' is not in the local Hugging Face cache and the Hugging Face Hub cannot be reached",
@@ -220,8 +229,6 @@ def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Pa
     if name_or_path.startswith("builtin:") or p.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         return Path(resolve_model_path(name_or_path, revision)) / "config.json"
     from huggingface_hub import hf_hub_download
-
-    from dllm_align.data.read import hub_reachable
 
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     _ready_transformers()  # no stray huggingface_hub log line before the one Error line
@@ -299,8 +306,6 @@ def load_model(
     tokenizer: Optional[str] = None,
 ) -> "MaskPredictor":
     """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
-    from dllm_align.core.console import warn
-
     _ready_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
@@ -309,8 +314,6 @@ def load_model(
         tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
-        from dllm_align.core.io import verify_checksums
-
         path = Path(path)
         try:
             cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -325,7 +328,6 @@ def load_model(
                          hint="the folder was damaged after it was written; use an earlier checkpoint")
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
-        from dllm_align.models.families import family_for_config, native_family
 
         family = family_for_config(cfg)
         if family.refuse_reason:
@@ -348,8 +350,6 @@ def load_model(
             try:
                 conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             except ValueError as e:
-                from dllm_align.models.families import FAMILIES, describe_config
-
                 raise UserError(
                     f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
                     f"does not know it ({str(e).splitlines()[0][:120]})",
@@ -373,14 +373,12 @@ def load_model(
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
-    from dllm_align.models.families import family_of
 
     if family_of(model).block_size:
         _block_attention(model, attn_implementation)
     elif attn_implementation and (isinstance(path, str) or native is not None):
         _set_attention(model, attn_implementation)  # the other loads passed it to from_pretrained
     model.to(device)
-    from dllm_align.models.precision import keep_fp32_buffers
 
     keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
@@ -401,8 +399,6 @@ def _set_attention(model, impl: str) -> None:
 def _block_attention(model, impl: Optional[str]) -> None:
     """A block-diffusion model runs the streams attention (``models.block_attention``) on sdpa (default),
     eager or FlexAttention; flash has no kernel for its layout and is refused by name."""
-    from dllm_align.models.block_attention import VARIANTS, use_streams_attention
-
     if impl not in VARIANTS and impl not in VARIANTS.values():
         raise UserError(
             f"model.attn_implementation: {impl} is not available for block-diffusion models",

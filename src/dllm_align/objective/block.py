@@ -29,6 +29,9 @@ from typing import Callable, Optional
 
 import torch
 
+from dllm_align.data.batching import pack_rows
+from dllm_align.models.block_attention import Streams, use_streams_attention
+from dllm_align.models.predictor import MaskPredictor, packed_positions
 from dllm_align.objective.draws import AbsorbingMask
 from dllm_align.objective.likelihood import Footprint
 
@@ -104,8 +107,6 @@ def hf_streams_forward(model, draws: int, length: int, block_size: int) -> Forwa
     """A transformers body run with the streams attention (``dllm_align.models.block_attention``) for a
     (K+1)L streams layout of unpadded rows (the mask argument is ignored). The model is switched to that
     attention for good: it is plain SDPA whenever no streams layout is passed."""
-    from dllm_align.models.block_attention import Streams, use_streams_attention
-
     use_streams_attention(model)
 
     def run(ids, positions, mask):
@@ -194,9 +195,6 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
     packed row holding the same sequences at the same columns, and no sequence sees another
     (``Streams.docs``): the values of the padded layout, without the compute on padding.
     """
-    from dllm_align.models.block_attention import Streams
-    from dllm_align.models.predictor import MaskPredictor
-
     if pack_length is not None and attention_mask is not None:
         return _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
 
@@ -235,10 +233,6 @@ def _calls(rows: int, draws: int, max_rows_per_forward: Optional[int]) -> tuple[
 
 def _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length):
     """:func:`block_draw_sums` on packed rows (its docstring)."""
-    from dllm_align.data.batching import pack_rows
-    from dllm_align.models.block_attention import Streams
-    from dllm_align.models.predictor import packed_positions
-
     B, K = nb.B, nb.K
     dev = nb.input_ids.device
     p = pack_rows(input_ids, attention_mask.sum(dim=1).tolist(), pack_length)

@@ -20,6 +20,7 @@ import torch
 
 from dllm_align.core.errors import UserError
 from dllm_align.data.examples import kl_examples, planned_batches, step_count
+from dllm_align.data.imbalance import check_weight_ratio
 from dllm_align.objective.base import SATURATION, LossTerms, Objective, StepInputs, margin_status, register_objective
 
 
@@ -155,8 +156,6 @@ class ElboKto(Objective):
         if self.uses_extra_rows and global_batch < 2:
             raise UserError("train.baseline kl needs a global batch of at least 2 rows (each prompt is paired with another row's completion)")
         if main:
-            from dllm_align.data.imbalance import check_weight_ratio
-
             n_d = sum(1 for u in units if u[0].label)
             # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
             w = self.weights

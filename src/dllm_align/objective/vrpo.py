@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
 from dllm_align.objective.base import SATURATION, LossTerms, Objective, margin_status, register_objective
 
@@ -20,7 +21,7 @@ def vrpo_loss(
     beta: float,
     normalizer: Optional[float] = None,
 ) -> LossTerms:
-    """The paired VRPO / DPO-with-ELBO objective of LLaDA 1.5 (SPEC.md section 6).
+    """The paired VRPO / DPO-with-ELBO objective of LLaDA 1.5 (docs/design.md#vrpo).
 
     loss = -(1/m) sum_j log sigmoid(beta * [(B_pol(w) - B_pol(l)) - (B_ref(w) - B_ref(l))]).
     """
@@ -71,8 +72,6 @@ class Vrpo(Objective):
             else:
                 broken.append(pid)
         if broken:
-            from dllm_align.core.console import warn
-
             warn(f"vrpo: {len(broken)} pair id(s) without exactly one chosen and one rejected row are skipped (e.g. '{broken[0]}')")
         if not units:
             raise UserError("objective vrpo: no complete (chosen, rejected) pairs in the training data")

@@ -26,11 +26,19 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import load_file, save_file
 
 from dllm_align.config.schema import LoraSection
 from dllm_align.core import faults
+from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import _fsync_dir, disk_errors, fsync_tree, verify_checksums, write_checksums
 from dllm_align.training.monitor import MarginWatch
+
+# Imported where used: peft (an optional extra: only LoRA runs save adapters), torch.distributed.tensor
+# (public from torch 2.5, pyproject allows 2.4; only FSDP2 states hold DTensors) and the FSDP1 names of
+# torch.distributed.fsdp (only an FSDP1 run needs them).
 
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
@@ -115,9 +123,6 @@ def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
 
 def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB") -> None:
     """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     sd = dict(state_dict)
     if getattr(config, "tie_word_embeddings", False):
@@ -139,7 +144,6 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
 def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
     """A PEFT adapter folder (``PeftModel.from_pretrained(base, folder)`` loads it)."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -223,16 +227,12 @@ def save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, state
     """Write checkpoint ``step-N`` of run folder ``out`` (a temporary folder, fsynced and renamed): a full disk is
     one error naming the checkpoint, and the half-written folder is removed by the next run. ``keep``: how many
     checkpoints stay."""
-    from dllm_align.core.io import disk_errors
-
     with disk_errors(out / CHECKPOINTS / f"step-{state.step}", "write checkpoint"):
         return _save_checkpoint(out, saver, optimizer, record, state, history, lora, keep)
 
 
 def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, state: TrainState, history: list,
                      lora: LoraSection, keep: int) -> Path:
-    from safetensors.torch import save_file
-
     acc, main = saver.accelerator, saver.main
     root = out / CHECKPOINTS
     final = root / f"step-{state.step}"
@@ -285,7 +285,6 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
             "recipe": r["recipe"],
             "last_metrics": history[-1] if history else None,
         }
-        from dllm_align.core.io import _fsync_dir, fsync_tree, write_checksums
 
         (tmp / STATE).write_text(json.dumps(doc, indent=2))
         write_checksums(tmp)  # last: a folder whose checksums verify is complete
@@ -307,10 +306,6 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
 def load_state(folder: Path, record: RunRecord, optimizer, *, rank: int, main: bool, margin_window: int) -> TrainState:
     """Continue from checkpoint ``folder``: refuse one written by another run than ``record``'s, load the
     optimiser's and this rank's RNG state, and return the state to continue from."""
-    from safetensors.torch import load_file
-
-    from dllm_align.core.console import info
-
     st = read_state(folder)
     checks = [
         ("global batch size", st["global_batch_size"], record.global_batch_size),
@@ -357,8 +352,6 @@ def load_state(folder: Path, record: RunRecord, optimizer, *, rank: int, main: b
 
 def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
     """Check the run folder; returns the checkpoint to resume from (or None)."""
-    from dllm_align.core.console import info
-
     out = Path(recipe.output_dir)
     ckpt = find_checkpoint(out)
     started = (out / CHECKPOINTS).exists() or (out / FINAL).exists() or (out / METRICS).exists()
@@ -409,8 +402,6 @@ def read_state(folder: Path) -> dict:
 
 def verify_checkpoint(folder: Path) -> dict:
     """Refuse a checkpoint whose files do not match their checksums; returns its state."""
-    from dllm_align.core.io import verify_checksums
-
     older = sorted(
         (p for p in folder.parent.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit() and p != folder),
         key=lambda p: int(p.name[5:]),
@@ -431,9 +422,6 @@ def _remove_partial_checkpoints(out: Path) -> None:
 
 def _finish_interrupted_export(out: Path) -> None:
     """A ``.tmp-final`` whose checksums verify was complete when the run was killed: move it into place."""
-    from dllm_align.core.console import info
-    from dllm_align.core.io import _fsync_dir, verify_checksums
-
     tmp = out / TMP_FINAL
     if not tmp.is_dir():
         return

@@ -5,18 +5,23 @@ replay the RNG, and a seeded RNG scope.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from functools import partial
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, is_tensorboard_available, is_wandb_available
+
+from dllm_align.core.console import warn
+from dllm_align.models.families.base import Family
+from dllm_align.models.precision import accelerator_kwargs, resolve_mixed_precision
+
+# checkpoint_wrapper is imported where FSDP activation checkpointing is set up: its path is private
+# (torch.distributed.algorithms._checkpoint) and only an FSDP run with gradient checkpointing needs it.
+
 
 
 def make_accelerator(recipe):
-    from accelerate import Accelerator
-    from accelerate.utils import is_tensorboard_available, is_wandb_available
-
-    from dllm_align.core.console import warn
-
-    from dllm_align.models.precision import resolve_mixed_precision
-
     cuda = torch.cuda.is_available()
     mp = resolve_mixed_precision(recipe.train.mixed_precision, "cuda" if cuda else "cpu")
     trackers = []
@@ -26,7 +31,6 @@ def make_accelerator(recipe):
             trackers.append(t)
         else:
             warn(f"train.trackers: {t} is not installed; not logging to it (pip install {t})")
-    from dllm_align.models.precision import accelerator_kwargs
 
     return Accelerator(
         cpu=not cuda,
@@ -38,8 +42,6 @@ def make_accelerator(recipe):
 
 
 def is_fsdp(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
     return accelerator.distributed_type == DistributedType.FSDP
 
 
@@ -51,8 +53,6 @@ def fsdp_wrap_family_layer(plugin, model) -> None:
     accelerate would stop on a class it cannot find. A config that names classes
     the model has is left as it is.
     """
-    from dllm_align.models.families.base import Family
-
     cls = Family.decoder_layer_class(model)
     if cls is None:
         return
@@ -69,10 +69,8 @@ def preserve_checkpoint_rng(model: torch.nn.Module) -> int:
     the backward's recompute then draws new dropout masks (LoRA dropout), and the gradient
     belongs to another forward than the loss (26% relative gradient error at dropout 0.3).
     The wrapper's checkpoint function is rebuilt with ``preserve_rng_state=True``: the
-    recompute replays the forward's masks, as without checkpointing (issue 22, defect 3).
+    recompute replays the forward's masks, as without checkpointing.
     """
-    from functools import partial
-
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     n = 0
@@ -86,8 +84,6 @@ def preserve_checkpoint_rng(model: torch.nn.Module) -> int:
 
 @contextlib.contextmanager
 def _seeded_rng(key: tuple, device):
-    import hashlib
-
     seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
     devices = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

@@ -26,19 +26,20 @@ those rows), and on CUDA kernels may pick reduction orders by shape; in both
 cases a margin is allowed ``8 eps sqrt(L)`` nats for a row of L completion
 tokens (eps = 2^-8 under bf16 autocast, 2^-23 in fp32): one rounding flip per
 scored log-probability, summed as a random walk, with a safety factor of 8. A
-precision mismatch (issue 13 defect 2: 0.06-0.11 nats mean on the toy, 1.55
-nats spread at L = 161) is far outside it on short rows.
+precision mismatch (a bf16-autocast policy against an fp32 reference: 0.06-0.11
+nats mean margin on the toy, 1.55 nats spread at L = 161) is far outside it on short rows.
 
 How many rows: at least :data:`INVARIANT_ROWS` rows and two global steps (each
 of at least one micro-batch), so that rows of different widths and different
 packed row-mates are checked: a composition difference rounds every scored
 log-probability of a row whose forward is shaped unlike the cache's, so it
-shows on every such row (on 16 real rows the old longest-first precompute gave
-a nonzero margin on 16 of 16 in bf16).
+shows on every such row (on 16 real rows, scoring the reference longest first
+instead of in training's micro-batches gives a nonzero margin on 16 of 16 in bf16).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import signal
@@ -52,7 +53,17 @@ from typing import Optional
 
 import torch
 
+from dllm_align.core.console import info
+from dllm_align.core.errors import UserError
+from dllm_align.data.load import load_prompts
+from dllm_align.training.cache import cache_dir, composition, dataset_digest
+from dllm_align.training.distributed import make_accelerator
+from dllm_align.training.loop import invariant_margins
 from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
+from dllm_align.training.train import setup_run
+
+# Imported where used: resource (POSIX only; the peak-memory line) and torch.nn.attention (probed
+# inside a try: the report says whether this torch has FlexAttention).
 
 H100_BYTES = 81559 * 1024**2  # what torch reports for an 80 GB H100
 
@@ -78,10 +89,6 @@ def _free_disk(path: Path) -> int:
 
 def environment(recipe, launch: Launch, shape) -> dict:
     """Devices, bf16, attention backends, NCCL, disk and host RAM against what the recipe needs."""
-    import importlib.util
-
-    from dllm_align.training.cache import cache_dir
-
     env: dict = {"torch": torch.__version__}
     cuda = torch.cuda.is_available()
     devices = []
@@ -205,12 +212,6 @@ def _peak_rss() -> int:
 
 def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
-    from dllm_align.core.console import info
-    from dllm_align.training.cache import cache_dir
-    from dllm_align.training.distributed import make_accelerator
-    from dllm_align.training.loop import invariant_margins
-    from dllm_align.training.train import setup_run
-
     _remove_stale_smoke_folders()
     tmp = Path(tempfile.mkdtemp(prefix=f"{SMOKE_PREFIX}{os.getpid()}-"))
     # SIGTERM (a scheduler's time limit) ends the smoke through its `finally`, so the folder goes too;
@@ -330,7 +331,6 @@ def _same_composition(recipe, examples: list, cache, mode: str) -> tuple[bool, O
     its recorded micro-batch composition is this run's), and a note when not."""
     if mode != "cached" or cache is None:
         return True, None
-    from dllm_align.training.cache import composition, dataset_digest
 
     fp = cache.manifest["fingerprint"]
     was = fp.get("composition")
@@ -345,9 +345,6 @@ def _same_composition(recipe, examples: list, cache, mode: str) -> tuple[bool, O
 
 
 def _count_prompts(rec) -> Optional[int]:
-    from dllm_align.data.load import load_prompts
-    from dllm_align.core.errors import UserError
-
     g = rec.generate
     source = rec.data.test if g.split == "test" else rec.data.train
     split = rec.data.test_split if g.split == "test" else rec.data.train_split

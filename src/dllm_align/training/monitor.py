@@ -11,10 +11,12 @@ from typing import Optional
 
 import numpy as np
 
+from dllm_align.core import faults
+
 
 @dataclass
 class MarginWatch:
-    """Warn when the desirable class's mean margin keeps falling (SPEC.md section 4 caution).
+    """Warn when the desirable class's mean margin keeps falling (likelihood displacement: docs/design.md#class-weights).
 
     The per-step desirable margins are averaged over windows of ``window``
     steps; three consecutive falling windows ending below zero trigger one
@@ -73,8 +75,6 @@ class TrainResult:
 
 
 def _fault(kind: str, step: Optional[int] = None) -> None:
-    from dllm_align.core import faults
-
     faults.at(kind, step)
 
 

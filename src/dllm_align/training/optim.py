@@ -65,8 +65,8 @@ def clip_global_grad_norm(params: list, max_norm: float, *, sharded: bool, devic
     the ranks, so every rank gets the true global norm, clips by the same
     factor and sees the same non-finite value (a NaN or inf anywhere reaches
     all ranks through the sum). The per-shard fallback accelerate uses when
-    not given every parameter (LoRA: only the adapters train) clipped each rank
-    by its own shard's norm (issue 13, defect 3). Under DDP and on one process
+    not given every parameter (LoRA: only the adapters train) would clip each rank
+    by its own shard's norm, and the ranks would step with different factors. Under DDP and on one process
     the gradients are whole and identical on every rank.
     """
     grads = []

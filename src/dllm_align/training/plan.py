@@ -11,8 +11,10 @@ from typing import Optional
 import torch
 
 from dllm_align.config.schema import TrainSection
+from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
+from dllm_align.data.imbalance import read_weights_file
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
 from dllm_align.objective.elbo import DrawConfig
@@ -91,9 +93,6 @@ def grad_accum_for(t: TrainSection, world: int) -> int:
 
 def class_weights(recipe) -> tuple[float, float]:
     if recipe.data.weights_file:
-        from dllm_align.core.console import info
-        from dllm_align.data.imbalance import read_weights_file
-
         ld, lu = read_weights_file(recipe.data.weights_file)
         info(f"class weights from {recipe.data.weights_file}: lambda_D {ld:g}, lambda_U {lu:g}")
         return ld, lu

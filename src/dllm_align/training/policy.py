@@ -10,13 +10,19 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from dllm_align.config.schema import LoraSection, TrainSection
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
+from dllm_align.models.families.base import Family
+from dllm_align.models.load import check_max_length, load_from_section
+from dllm_align.models.precision import fsdp2_bf16_layer_units, fsdp_mixed_precision
 from dllm_align.training.distributed import fsdp_wrap_family_layer, preserve_checkpoint_rng
 from dllm_align.training.optim import build_optimizer
 from dllm_align.training.plan import TrainPlan
+
+# peft is imported where LoRA is applied: it is an optional extra (`pip install 'dllm-align[lora]'`).
 
 
 class PolicyScorer(torch.nn.Module):
@@ -55,8 +61,6 @@ class PolicyView:
 def load_policy(recipe, plan: TrainPlan, accelerator, resume_from: Optional[Path]):
     """The policy's MaskPredictor in training mode: fp32 master weights unless the recipe pins a dtype (autocast
     does bf16 on GPU), its LoRA adapters, or a resumed full fine-tune's weights."""
-    from dllm_align.models.load import check_max_length, load_from_section
-
     section = recipe.model
     if section.dtype == "auto":
         section = section.model_copy(update={"dtype": "float32"})
@@ -89,7 +93,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, resume_from: Optional[
         raise UserError(f"train.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
     if resume_from is None:
         return
-    from safetensors.torch import load_file
 
     adapter = load_file(str(resume_from / "adapter.safetensors"))
     named = dict(model.named_parameters())
@@ -120,8 +123,6 @@ class Trainable:
 def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
     """Wrap the policy for the launch (FSDP: the family's layers as units, fp32 gathers unless asked) and build AdamW."""
     if plan.fsdp:
-        from dllm_align.models.precision import fsdp_mixed_precision
-
         # accelerate's default casts parameters and buffers (the rotary frequencies) to
         # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
         plugin = accelerator.state.fsdp_plugin
@@ -149,9 +150,6 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
 
 def bf16_layer_units(model: torch.nn.Module, plugin, plan: TrainPlan, accelerator) -> None:
     """``train.fsdp_gather: bf16_layers`` (FSDP2 + bf16 autocast): decoder layers gathered in bf16."""
-    from dllm_align.models.families.base import Family
-    from dllm_align.models.precision import fsdp2_bf16_layer_units
-
     if getattr(plugin, "fsdp_version", 1) != 2:
         raise UserError("train.fsdp_gather bf16_layers needs an FSDP2 launch (fsdp_version: 2 in the accelerate config)")
     if plan.precision.autocast != torch.bfloat16:

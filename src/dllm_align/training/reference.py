@@ -1,4 +1,4 @@
-"""Reference ELBO precompute and its cache (SPEC.md section 5).
+"""Reference ELBO precompute and its cache (docs/design.md#the-reference-cache).
 
 B_hat_ref depends only on the frozen reference model and the masks, and the
 masks are a pure function of (seed, example id, draw, L) (``elbo.draw_masks``),
@@ -25,11 +25,37 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 
-from dllm_align.core.errors import UserError
-from dllm_align.data.batching import pack_length_of
+from dllm_align.config.recipe import write_run_info
+from dllm_align.core.console import info, progress, warn
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import DirLock, atomic_write_json
+from dllm_align.data.batching import pack_length_of, plan_batches
+from dllm_align.data.examples import load_training_examples, make_collate, planned_batches
+from dllm_align.models.load import check_max_length, load_from_section
+from dllm_align.models.precision import accelerator_kwargs, precision_for, prepare_reference
 from dllm_align.objective.base import objective_for
-from dllm_align.training.cache import FORMAT_VERSION, MANIFEST, SHARD_FMT, STRICT_FIELDS, ShardError, _read_manifest, _refuse_other_settings, _sha256_file, cache_dir, composition_global_batch, elbo_range_problem, example_digest, fingerprint, read_shard, reference_name, write_shard
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
+from dllm_align.training.cache import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARD_FMT,
+    STRICT_FIELDS,
+    ReferenceCache,
+    ShardError,
+    _read_manifest,
+    _refuse_other_settings,
+    _sha256_file,
+    cache_dir,
+    composition_global_batch,
+    elbo_range_problem,
+    example_digest,
+    fingerprint,
+    read_shard,
+    reference_name,
+    write_shard,
+)
 
 
 # --------------------------------------------------------------------------- computing
@@ -40,9 +66,6 @@ def load_reference(recipe, device):
     online one are the same function of the same weights as the policy before its
     first update (:mod:`dllm_align.models.precision`).
     """
-    from dllm_align.models.load import check_max_length, load_from_section
-    from dllm_align.models.precision import precision_for, prepare_reference
-
     prec = precision_for(recipe, device)
     section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
     mp = load_from_section(section, device, name_or_path=reference_name(recipe))
@@ -68,7 +91,6 @@ class TrainingReference:
         """[B]: the mean of draws 0..plan.k-1 (the policy's draws) of each row of a collated batch."""
         if self.cache is not None:
             return self.cache.lookup(batch["ids"], plan.k).mean(dim=1).to(plan.device)
-        from dllm_align.objective.elbo import elbo_draws
 
         v = elbo_draws(
             self.model,
@@ -87,10 +109,6 @@ class TrainingReference:
 def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
     """The reference of a training run: loaded resident (``online``), or the cache, checked to hold every row
     the run will score (its units and the objective's extra rows) under this run's fingerprint."""
-    from dllm_align.core.console import info
-    from dllm_align.data.examples import planned_batches
-    from dllm_align.training.cache import ReferenceCache
-
     if recipe.reference.mode == "online":
         ref = TrainingReference(model=load_reference(recipe, plan.device))
         if plan.main:
@@ -124,8 +142,6 @@ def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
 
 
 def draw_config(recipe, n_mc: Optional[int] = None):
-    from dllm_align.objective.elbo import DrawConfig
-
     return DrawConfig.from_reference(recipe.reference, n_mc)
 
 
@@ -147,8 +163,6 @@ def reference_values(
     its own example's tokens and masks. ``pack_length``: pack the noisy
     sequences of each forward into rows of that length (``data.padding: packed``).
     """
-    from dllm_align.objective.elbo import elbo_draws
-
     K = cfg.n_mc if draws is None else len(draws)
     out = np.zeros((len(examples), K), dtype=np.float32)
     order = sorted(range(len(examples)), key=lambda i: -(len(examples[i].prompt_ids) + len(examples[i].completion_ids)))
@@ -190,8 +204,6 @@ def micro_batch_groups(recipe, examples: Sequence) -> list[list[int]]:
     one process is then assumed). The rows no micro-batch holds (the kl baseline's
     mismatched pairs) follow, longest first, in groups of ``reference.batch_size``.
     """
-    from dllm_align.data.batching import plan_batches
-
     t = recipe.train
     objective = objective_for(t)
     pos = {ex.id: i for i, ex in enumerate(examples)}
@@ -222,8 +234,6 @@ def group_values(ref_mp, examples: Sequence, collate: Callable[[list], dict], cf
     (same collated rows, ``rows_per_forward`` chunks, packing); draws beyond them
     (a cache with more draws than this recipe's run uses) from a second call.
     """
-    from dllm_align.objective.elbo import elbo_draws
-
     dev = ref_mp.device
     b = collate(list(examples))
     args = (ref_mp, b["input_ids"].to(dev), b["attention_mask"].to(dev) if b.get("attention_mask") is not None else None,
@@ -275,9 +285,6 @@ def precompute(
     shard) made with other settings is refused, naming every field that
     differs, unless ``overwrite``: it is never silently replaced.
     """
-    from dllm_align.core.console import info, progress, warn
-    from dllm_align.core.io import atomic_write_json
-
     rank = accelerator.process_index if accelerator else 0
     world = accelerator.num_processes if accelerator else 1
     is_main = rank == 0
@@ -291,7 +298,6 @@ def precompute(
 
     out = cache_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
-    from dllm_align.core.io import DirLock
 
     lock = DirLock(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "
                         "`train` reading it as its reference cache (that run must finish first)") if is_main else None
@@ -301,7 +307,6 @@ def precompute(
         if ref_mp is None:
             ref_mp = load_reference(recipe, device)
         elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
-            from dllm_align.models.precision import precision_for
 
             ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
@@ -398,7 +403,6 @@ def precompute(
                     torch.distributed.all_gather_object(parts, (mine, vals, problem))
                 problem = next((p for _, _, p in parts if p), None)
                 if problem:  # every process sees it and stops together
-                    from dllm_align.core.errors import RunFailure
 
                     raise RunFailure(
                         f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
@@ -419,13 +423,9 @@ def precompute(
                 try:
                     _, sids, sdig, sfp = read_shard(p)
                 except (ShardError, FileNotFoundError) as e:
-                    from dllm_align.core.errors import RunFailure
-
                     raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
                 lo, hi = bounds[s]
                 if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
-                    from dllm_align.core.errors import RunFailure
-
                     raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
                 shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
             manifest = {
@@ -454,13 +454,6 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
 
     Returns (PrecomputeReport, accelerator). Finished shards are reused.
     """
-    from accelerate import Accelerator
-
-    from dllm_align.config.recipe import write_run_info
-    from dllm_align.data.examples import load_training_examples, make_collate
-
-    from dllm_align.models.precision import accelerator_kwargs
-
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)

@@ -19,12 +19,38 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from accelerate.utils import broadcast_object_list
 
-from dllm_align.core.console import info
+from dllm_align.config.recipe import write_run_info
+from dllm_align.core.console import info, progress, progress_enabled, warn
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import (
+    DirLock,
+    JsonlAppender,
+    _fsync_dir,
+    atomic_write_json,
+    atomic_write_text,
+    disk_errors,
+    fsync_tree,
+    recover_jsonl,
+    write_checksums,
+)
+from dllm_align.core.runfolder import check_training_settings
 from dllm_align.data.examples import units_digest
+from dllm_align.objective.base import objective_for
+from dllm_align.training.cache import cache_dir
 from dllm_align.training.checkpoint import (
-    FINAL, METRICS, TMP_FINAL, RunRecord, TrainState, _clear_previous, export, load_state, prepare_output, save_checkpoint,
+    FINAL,
+    METRICS,
+    TMP_FINAL,
+    RunRecord,
+    TrainState,
+    _clear_previous,
+    export,
+    load_state,
+    prepare_output,
+    read_state,
+    save_checkpoint,
     state_dict_of,
 )
 from dllm_align.training.distributed import make_accelerator
@@ -50,11 +76,6 @@ def train(
     ``data.train`` when given (tests, the toy demo). ``resume`` refuses settings
     that change the results unless their keys are in ``allow_changes``.
     """
-    from dllm_align.core.io import DirLock, recover_jsonl
-    from dllm_align.core.runfolder import check_training_settings
-    from dllm_align.objective.base import objective_for
-    from dllm_align.training.cache import cache_dir
-
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
     created = not out.exists()
@@ -75,8 +96,6 @@ def train(
             found = prepare_output(recipe, resume, overwrite)
             state = None
             if resume and found:
-                from dllm_align.training.checkpoint import read_state
-
                 state = read_state(found)
             changes = check_training_settings(recipe, out, allow_changes, state) if resume else []
             if resume:
@@ -85,8 +104,6 @@ def train(
         except UserError as e:
             decision = [("error", e.message, e.hint)]
     if acc.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
         broadcast_object_list(decision, from_process=0)
     try:
         if decision[0][0] == "error":
@@ -152,10 +169,6 @@ def announce(run: Run) -> None:
 
 
 def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: Optional[Path], examples, changes=()) -> TrainResult:
-    from dllm_align.core.console import progress, warn
-    from dllm_align.core.io import JsonlAppender, atomic_write_text, recover_jsonl
-    from dllm_align.config.recipe import write_run_info
-
     torch.manual_seed(recipe.train.seed)
     run = setup_run(recipe, acc, resume_from, examples)  # loads and checks everything before the run folder changes
     t, data, state, main = recipe.train, run.data, run.state, acc.is_main_process
@@ -260,8 +273,6 @@ def _train(recipe, acc, out: Path, resume: bool, overwrite: bool, resume_from: O
 def export_final(run: Run, out: Path, summary: dict) -> None:
     """``final/``: the model (LoRA merged, or the adapter) and tokenizer with ``training_summary.json``, written to a
     temporary folder, checksummed and renamed into place (every process takes part: FSDP gathers)."""
-    from dllm_align.core.io import _fsync_dir, atomic_write_json, disk_errors, fsync_tree, write_checksums
-
     final, tmp = out / FINAL, out / TMP_FINAL
     main = run.plan.main
     if main and tmp.exists():
@@ -283,6 +294,4 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
 
 
 def _bar_on() -> bool:
-    from dllm_align.core.console import progress_enabled
-
     return progress_enabled()

@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from safetensors import safe_open
 
 from dllm_align.core.errors import UserError
+
+# tokenizers and transformers are imported inside the builders: the family records are read (which family
+# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch.
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
@@ -49,7 +53,7 @@ class Family:
     # skip_special_tokens=True; Dream's keeps every token before the end of text (Qwen2's added
     # tokens such as <|box_end|> stay in the text).
     decode_keeps_special: bool = False
-    # The decoding rule of the family's own code: "llada" (SPEC.md section 7), "dream"
+    # The decoding rule of the family's own code (docs/design.md#generation): "llada", "dream"
     # (``diffusion_generate``: one canvas, timestep schedule, confidence rules) or "block" (block
     # diffusion: block by block with a KV cache over finished blocks, ``dllm_align.generate.block``).
     sampler: str = "llada"
@@ -181,8 +185,6 @@ def load_mapped(
     frequencies are not weights: they are rebuilt in fp32 from the config
     (never trusted from a file, never left on the meta device).
     """
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = model_cls(config)
     if prepare is not None:

@@ -25,6 +25,7 @@ The LLaDA2 families are told apart by ``model_type`` only, since both publish ``
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,10 @@ from dllm_align.models.families.base import (Family, build_seeded, load_mapped, 
                                              tag_config, transformers_key)
 from dllm_align.models.families.dream import build_dream_tokenizer
 from dllm_align.models.families.llada import build_llada_tokenizer
+
+# transformers, and llada2_body (which subclasses transformers' classes), are imported inside the builders:
+# the family records are read (which family claims a config, the memory estimate) without building
+# anything, and transformers takes longer to import than torch.
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -79,8 +84,6 @@ def llada2_config(cfg: dict):
 
     Fields a config.json omits take the published configuration class's defaults, as its own code would.
     """
-    import inspect
-
     from dllm_align.models.families.llada2_body import Llada2MoeConfig, check_shapes
 
     no = []

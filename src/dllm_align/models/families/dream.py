@@ -1,6 +1,6 @@
 """Dream (``Dream-org/Dream-v0-Instruct-7B``, ``model_type: Dream``) and models built on it (DiffuCoder).
 
-Facts from the published config and code (SPEC.md section 11):
+Facts from the published config and code (docs/design.md#model-families):
 
 * the body is a Qwen2 block (q/k/v with bias, o_proj without, RMSNorm, SwiGLU,
   rotary base 1e6) with non-causal attention and an untied head; its weight
@@ -32,6 +32,9 @@ from dllm_align.models.families.base import (
     tag_config,
     transformers_key,
 )
+
+# transformers is imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
 
 # Specials of the built-in Dream-format tokenizer, named as in Dream's (Qwen2.5) tokenizer.
 DREAM_EOS = "<|endoftext|>"

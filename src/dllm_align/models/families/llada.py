@@ -1,6 +1,6 @@
 """LLaDA and LLaDA-1.5 (``model_type: llada``), and the built-in tiny models, which share their manners.
 
-Native loading (SPEC.md section 10): LLaDA's blocks are Llama blocks with
+Native loading (docs/design.md#model-families): LLaDA's blocks are Llama blocks with
 other weight names, so the checkpoint maps onto a transformers
 ``LlamaForCausalLM`` with ``is_causal = False`` (no remote code; gradient
 checkpointing, SDPA / flash attention and the sampler's key/value cache come
@@ -24,6 +24,9 @@ from dllm_align.models.families.base import (
     special_ids,
     tag_config,
 )
+
+# transformers is imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
 
 # Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
 BOS = "<|startoftext|>"
