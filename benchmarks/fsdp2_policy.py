@@ -40,7 +40,7 @@ def main(argv=None) -> None:
 
     from dllm_align.models.load import load_model
     from dllm_align.models.precision import Precision, prepare_reference
-    from dllm_align.training.setup import PolicyScorer
+    from dllm_align.training.policy import PolicyScorer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="builtin:small")

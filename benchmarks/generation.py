@@ -78,7 +78,8 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 1, threads: int
         raise RuntimeError("--device cuda: no CUDA device is visible")
     if threads is not None:
         torch.set_num_threads(threads)
-    from dllm_align.generate.settings import FAST_CACHE, FAST_THRESHOLD, SamplerSettings, SamplerStats, encode_prompt
+    from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
+    from dllm_align.generate.settings import SamplerSettings, SamplerStats, encode_prompt
     from dllm_align.generate.sampler import generate_batch
 
     mp, spec = _tiny(device)

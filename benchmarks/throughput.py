@@ -183,14 +183,14 @@ def _to(batch: dict, device: str) -> dict:
 def straightforward_train(model, examples, collate, batch: int, cfg, ref: dict, device: str, train_section) -> dict:
     """Time one epoch of straightforward ELBO-KTO steps over random batches.
 
-    The optimiser is the training loop's own (``training.build_optimizer``): the
+    The optimiser is the training loop's own (``training.optim.build_optimizer``): the
     comparison is about how the ELBO is computed, not about the optimiser.
     """
     import torch
 
     from dllm_align.data.batching import plan_batches
-    from dllm_align.objective.losses import elbo_kto_loss
-    from dllm_align.training.setup import build_optimizer
+    from dllm_align.objective.elbo_kto import elbo_kto_loss
+    from dllm_align.training.optim import build_optimizer
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=False, drop_last=True)
     opt = build_optimizer(model.named_parameters(), train_section)
@@ -249,7 +249,7 @@ def check_equal(mp, examples, collate, cfg, batch: int, device: str) -> dict:
 
     from dllm_align.data.batching import plan_batches
     from dllm_align.objective.elbo import elbo_draws
-    from dllm_align.objective.losses import elbo_kto_loss
+    from dllm_align.objective.elbo_kto import elbo_kto_loss
 
     plan = plan_batches([e.length for e in examples], batch, 0, 0, group_by_length=True, drop_last=True)
     b = _to(collate([examples[i] for i in plan[0]]), device)

@@ -116,26 +116,25 @@ def rotary_probe(model):
 
 def grad_norm_probe(run) -> dict:
     """One backward on this rank's rows: each rank's shard-local gradient norm and the global one."""
-    from dllm_align.training.setup import clip_global_grad_norm
+    from dllm_align.training.optim import clip_global_grad_norm
 
-    units = run.micro_batches(0)[0]
-    b = run._to_dev(run.collate([ex for u in units for ex in u]))
+    b = run.to_device(run.collate_units(run.data.micro_batches(0, run.plan)[0]))
     run.policy_elbo(b).sum().backward()
-    grads = [p.grad for p in run.params if p.grad is not None]
+    grads = [p.grad for p in run.policy.params if p.grad is not None]
     local = float(sum((g.to_local() if hasattr(g, "to_local") else g).double().pow(2).sum() for g in grads) ** 0.5)
-    locals_ = [None] * run.world
+    locals_ = [None] * run.plan.world
     torch.distributed.all_gather_object(locals_, local)
-    norm = clip_global_grad_norm(run.params, float("inf"), sharded=run.fsdp, device=run.acc.device)
-    norms = [None] * run.world
+    norm = clip_global_grad_norm(run.policy.params, float("inf"), sharded=run.plan.fsdp, device=run.plan.device)
+    norms = [None] * run.plan.world
     torch.distributed.all_gather_object(norms, norm)
     # a NaN in one rank's shard only: every rank must see a non-finite norm (or one raises while the other waits)
-    if run.rank == 1:  # on the local shard: a DTensor op here would be a collective only this rank enters
+    if run.plan.rank == 1:  # on the local shard: a DTensor op here would be a collective only this rank enters
         shards = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         next(x for x in shards if x.numel()).view(-1)[:1] = float("nan")
-    bad = clip_global_grad_norm(run.params, 1.0, sharded=run.fsdp, device=run.acc.device)
-    finite = [None] * run.world
+    bad = clip_global_grad_norm(run.policy.params, 1.0, sharded=run.plan.fsdp, device=run.plan.device)
+    finite = [None] * run.plan.world
     torch.distributed.all_gather_object(finite, bool(bad == bad and abs(bad) != float("inf")))
-    run.optimizer.zero_grad(set_to_none=True)
+    run.policy.optimizer.zero_grad(set_to_none=True)
     return {"local": locals_, "global": norms, "finite_after_nan_on_rank1": finite}
 
 
@@ -148,14 +147,14 @@ def grad_elements(run) -> tuple[int, int]:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    flat = [f._handle.flat_param for f in FSDP.fsdp_modules(run.module) if f._handle is not None]
+    flat = [f._handle.flat_param for f in FSDP.fsdp_modules(run.policy.module) if f._handle is not None]
     if flat:
         held = sum(fp.grad.numel() for fp in flat if fp.grad is not None and fp.requires_grad)
         shard = sum(fp.numel() for fp in flat if fp.requires_grad)
         return held, shard
-    held = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() for p in run.params if p.grad is not None)
-    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.params)
-    for m in run.module.modules():
+    held = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() for p in run.policy.params if p.grad is not None)
+    shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.policy.params)
+    for m in run.policy.module.modules():
         get = getattr(m, "_get_fsdp_state", None)
         grp = get()._fsdp_param_group if get is not None else None
         for fp in (grp.fsdp_params if grp is not None else []):
@@ -169,25 +168,25 @@ def grad_elements(run) -> tuple[int, int]:
 
 def grad_storage_probe(run) -> dict:
     """Per-rank gradient elements after the first of two micro-batches: the training path, and forced no_sync."""
-    units = run.micro_batches(0)[0]
-    b = run._to_dev(run.collate([ex for u in units for ex in u]))
+    b = run.to_device(run.collate_units(run.data.micro_batches(0, run.plan)[0]))
     out = {}
-    for name, ctx in (("training", lambda: run._sync(False)), ("no_sync", lambda: run.acc.no_sync(run.module))):
+    for name, ctx in (("training", lambda: run.sync(False)), ("no_sync", lambda: run.accelerator.no_sync(run.policy.module))):
         with ctx():
             run.policy_elbo(b).sum().backward()
         out[name] = grad_elements(run)
-        run.optimizer.zero_grad(set_to_none=True)
+        run.policy.optimizer.zero_grad(set_to_none=True)
         # finish the step's reduction (a later synced backward), so no unsharded gradient outlives the probe
         run.policy_elbo(b).sum().backward()
-        run.optimizer.zero_grad(set_to_none=True)
-    out["accum"] = run.accum
+        run.policy.optimizer.zero_grad(set_to_none=True)
+    out["accum"] = run.plan.accum
     return out
 
 
 def main() -> None:
     from dllm_align.data.examples import load_training_examples
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, build_tiny_tokenizer
-    from dllm_align.training.loop import _Run, invariant_margins
+    from dllm_align.training.loop import invariant_margins
+    from dllm_align.training.train import setup_run
     from dllm_align.training.train import train
 
     spec = json.loads(Path(sys.argv[1]).read_text())
@@ -202,7 +201,7 @@ def main() -> None:
         rec = recipe(spec, mp, mode, lora, str(out / f"m-{launch}-{mp}-{mode}-{lora}{'-'.join([''] + sets)}"), *sets)
         torch.manual_seed(rec.train.seed)  # as train() does: the same LoRA init on every rank and launch
         family = BUILTIN_SPECS.get(rec.model.name_or_path, BUILTIN_SPECS["builtin:tiny"]).family
-        run = _Run(rec, acc, None, exs if family == "llada" else
+        run = setup_run(rec, acc, None, exs if family == "llada" else
                    load_training_examples(rec, build_tiny_tokenizer(family), quiet=True))
         seen = rotary_probe(run.mp.model)
         local = invariant_margins(run, steps=2)
@@ -213,15 +212,15 @@ def main() -> None:
         if lora and mp == "no" and mode == "online":
             results.setdefault("grad_norms", {})[launch] = grad_norm_probe(run)
         results["margins"][key] = {
-            "fsdp": run.fsdp,
-            "module": type(run.module).__name__,
+            "fsdp": run.plan.fsdp,
+            "module": type(run.policy.module).__name__,
             "mixed_precision": acc.mixed_precision,
             "rows": len(allm),
             "max_abs_margin": max(abs(v) for v in allm.values()),
             "rotary_dtypes": sorted({d for d, _ in seen}),
             "rotary_equal_fp32": all(torch.equal(v, fp32_freq) for _, v in seen),
             "fsdp_policy": repr(getattr(getattr(acc.state, "fsdp_plugin", None), "mixed_precision_policy", None)),
-            "bf16_units": sum(1 for m in run.module.modules() if hasattr(m, "_get_fsdp_state")
+            "bf16_units": sum(1 for m in run.policy.module.modules() if hasattr(m, "_get_fsdp_state")
                               and getattr(m._get_fsdp_state()._mp_policy, "param_dtype", None) == torch.bfloat16),
         }
         del run
@@ -231,13 +230,13 @@ def main() -> None:
         acc = make_accelerator(launch, mp)
         rec = real_recipe(spec, mp, mode, str(out / f"r-{launch}-{mp}-{mode}"))
         real_exs = load_training_examples(rec, tok, quiet=True)
-        run = _Run(rec, acc, None, real_exs)
+        run = setup_run(rec, acc, None, real_exs)
         local = invariant_margins(run, steps=2)
         gathered = [None] * acc.num_processes
         torch.distributed.all_gather_object(gathered, local)
         allm = {k: v for d in gathered for k, v in d.items()}
         results.setdefault("real_margins", {})[f"{launch}/{mp}/{mode}"] = {
-            "fsdp": run.fsdp, "rows": len(allm), "max_abs_margin": max(abs(v) for v in allm.values()),
+            "fsdp": run.plan.fsdp, "rows": len(allm), "max_abs_margin": max(abs(v) for v in allm.values()),
             "min_tokens": min(ex.length for ex in real_exs)}
         del run
         acc.free_memory()
@@ -246,7 +245,7 @@ def main() -> None:
         acc = make_accelerator(launch, "no")
         rec = recipe(spec, "no", "cached", False, str(out / f"g-{launch}"), "train.global_batch_size=8")
         torch.manual_seed(rec.train.seed)
-        run = _Run(rec, acc, None, exs)
+        run = setup_run(rec, acc, None, exs)
         held = grad_storage_probe(run)
         gathered = [None] * acc.num_processes
         torch.distributed.all_gather_object(gathered, held)

@@ -84,7 +84,7 @@ def test_block_elbo_draws_equal_the_2l_form_values_and_gradients(padded, rows_pe
     worst = max(float((a - b).abs().max() / (b.abs().max() + 1e-12)) for a, b in zip(g_got, g_want))
     assert worst < 1e-4, worst
     # not vacuous: the whole-sequence (bidirectional) reading of the same draws differs
-    wrong = elbo_draws(type("NoBlocks", (), {"block_size": None, "mask_token_id": mp.mask_token_id,
+    wrong = elbo_draws(type("NoBlocks", (), {"likelihood": "masked", "mask_token_id": mp.mask_token_id,
                                              "target_logprobs": mp.target_logprobs})(), ids, am, cm, names, cfg)
     assert (wrong - got).abs().max() > 0.1
 
@@ -150,8 +150,9 @@ def test_step0_margins_are_zero_for_a_block_family(sdar_toy, fresh_accelerate, m
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_tokenizer
     from dllm_align.training import reference as ref
-    from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.loop import invariant_margins
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
 
     tok = build_tiny_tokenizer(BUILTIN_SPECS[model].family)
     if (model, mp) not in sdar_toy["caches"]:
@@ -163,7 +164,7 @@ def test_step0_margins_are_zero_for_a_block_family(sdar_toy, fresh_accelerate, m
     if lora and "llada2" in model:
         sets.append("train.lora.target_modules=[query_key_value,dense]")
     rec = _block_recipe(sdar_toy, model, mp, *sets)
-    run = _Run(rec, make_accelerator(rec), None, sdar_toy["caches"][model, mp])
+    run = setup_run(rec, make_accelerator(rec), None, sdar_toy["caches"][model, mp])
     assert run.mp.block_size == block
     margins = invariant_margins(run, steps=3)
     assert len(margins) == 12
@@ -213,8 +214,9 @@ def test_step0_margins_are_zero_for_a_block_family_on_real_rows(shared_data, tmp
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.models.load import build_tiny_tokenizer
     from dllm_align.training import reference as ref
-    from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.loop import invariant_margins
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
 
     from fixtures.real_rows import write_real_rows
 
@@ -228,7 +230,7 @@ def test_step0_margins_are_zero_for_a_block_family_on_real_rows(shared_data, tmp
     exs = load_training_examples(rec, tok, quiet=True)
     assert min(ex.length for ex in exs) >= 150
     ref.precompute(rec, exs, make_collate(rec, tok), None, None)
-    run = _Run(rec, make_accelerator(rec), None, exs)
+    run = setup_run(rec, make_accelerator(rec), None, exs)
     margins = invariant_margins(run, steps=2)
     assert len(margins) == 8 and max(abs(v) for v in margins.values()) == 0.0
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+import yaml
 from typer.testing import CliRunner
 
 from dllm_align import __version__
@@ -39,3 +41,28 @@ def test_unknown_recipe_is_one_line_exit_2():
     assert r.stderr.startswith("Error: no bundled recipe named 'no_such_recipe'")
     assert "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["online", "demo", "--rounds", "0"], "--rounds 0: online.rounds: Input should be greater than or equal to 1"),
+        (["online", "demo", "--n", "0"], "--n 0: online.n: Input should be greater than or equal to 1"),
+        (["online", "demo", "--limit", "0"], "--limit 0: online.limit: Input should be greater than or equal to 1"),
+        (["generate", "demo", "--limit", "0"], "--limit 0: generate.limit: Input should be greater than or equal to 1"),
+        (["generate", "demo", "--gen-length", "0"], "--gen-length 0: generate.gen_length: Input should be greater than or equal to 1"),
+        (["judge", "a.jsonl", "b.jsonl", "--concurrency", "0"], "--concurrency 0: judge.concurrency: Input should be greater than or equal to 1"),
+    ],
+)
+def test_a_flag_given_as_zero_reaches_the_schema(tmp_path, argv, named):
+    # 0 is a value, never "not given": the schema refuses it by the flag's name (the recipe's value never replaces it).
+    r = runner.invoke(app, argv + ["-o", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith(f"Error: {named}"), r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_flag_given_as_zero_is_applied(tmp_path):
+    r = runner.invoke(app, ["generate", "demo", "-o", str(tmp_path), "--limit", "1", "--set", "generate.seed=5", "--seed", "0"])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load((tmp_path / "recipe.generate.yaml").read_text())["generate"]["seed"] == 0

@@ -51,9 +51,29 @@ def test_defaults_are_shown(monkeypatch):
     assert "[default:" in text
 
 
-def test_judge_help_shows_the_judge_sections_defaults():
-    from dllm_align.cli.judge import JUDGE_DEFAULTS
-    from dllm_align.config.schema import JudgeSection
+def test_flag_defaults_come_from_the_schema(monkeypatch):
+    # --help shows the recipe key a flag sets and the schema's default (the recipe's value wins), read from the
+    # schema itself: a changed default shows at once.
+    from dllm_align.config.schema import FAST_THRESHOLD, JudgeSection, OnlineSection
 
-    section = JudgeSection()
-    assert JUDGE_DEFAULTS == {k: getattr(section, k) for k in JUDGE_DEFAULTS}
+    judge = " ".join(_help(monkeypatch, "judge").split())
+    assert f"judge.concurrency, {JudgeSection().concurrency}" in judge
+    assert f"judge.bootstrap, {JudgeSection().bootstrap}" in judge
+    online = " ".join(_help(monkeypatch, "online").split())
+    assert f"online.rounds, {OnlineSection().rounds}" in online
+    generate = " ".join(_help(monkeypatch, "generate").split())
+    assert f"threshold {FAST_THRESHOLD}" in generate and "generate.gen_length, 512" in generate
+
+
+def test_set_is_declared_once():
+    import ast
+    from pathlib import Path
+
+    import dllm_align.cli as cli
+
+    declared = []
+    for path in Path(cli.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value == "--set":
+                declared.append(path.name)
+    assert declared == ["app.py"]

@@ -265,14 +265,12 @@ def test_invariant_tolerance_is_zero_only_when_the_cache_was_made_in_the_runs_mi
     rec = load_recipe("demo", ["train.batch_size=4"])
     exs = [Example(f"e{i}", [1, 2], [3, 4, 5], True) for i in range(4)]
     manifest = {"fingerprint": {"composition": composition(rec), "dataset": dataset_digest(exs)}}
-    run = types.SimpleNamespace(recipe=rec, examples=exs, cache=types.SimpleNamespace(manifest=manifest))
-    assert _same_composition(run, "online") == (True, None)
-    assert _same_composition(run, "cached") == (True, None)
-    other = types.SimpleNamespace(recipe=load_recipe("demo", ["train.batch_size=2"]), examples=exs, cache=run.cache)
-    same, note = _same_composition(other, "cached")
+    cache = types.SimpleNamespace(manifest=manifest)
+    assert _same_composition(rec, exs, cache, "online") == (True, None)
+    assert _same_composition(rec, exs, cache, "cached") == (True, None)
+    same, note = _same_composition(load_recipe("demo", ["train.batch_size=2"]), exs, cache, "cached")
     assert not same and "other micro-batches" in note
-    subset = types.SimpleNamespace(recipe=rec, examples=exs[:3], cache=run.cache)
-    assert _same_composition(subset, "cached")[0] is False
+    assert _same_composition(rec, exs[:3], cache, "cached")[0] is False
     mp = load_model("builtin:tiny")
     assert invariant_tolerance(mp, [100], True) == 0.0
     assert invariant_tolerance(mp, [100], False) == pytest.approx(8 * 2.0**-23 * 10)  # fp32: 8 eps sqrt(L)
@@ -316,7 +314,7 @@ def test_doctor_without_a_hub_fails_at_once_with_one_line(monkeypatch, tmp_path)
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
-    monkeypatch.setattr(read, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(read, "hub_reachable", lambda timeout=3.0: False)
     r = CliRunner().invoke(app, ["doctor", "kto_mix_14k"])
     assert r.exit_code == 2
     lines = [line for line in r.output.splitlines() if line.strip()]

@@ -148,17 +148,17 @@ def test_dream_rule_refuses_llada_only_options():
 
     for kw in ({"cache": "dual"}, {"threshold": 0.9}, {"cfg": 1.0}):
         with pytest.raises(UserError, match="LLaDA sampler"):
-            SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="dream", **kw).check()
+            SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="dream", **kw)
     with pytest.raises(UserError, match="Dream and block rules"):
-        SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="llada", top_p=0.9).check()
+        SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="llada", top_p=0.9)
     with pytest.raises(UserError, match="block rule has no guidance"):
-        SamplerSettings(gen_length=8, block_length=4, steps=8, sampler="block", cfg=1.0).check()
+        SamplerSettings(gen_length=8, block_length=4, steps=8, sampler="block", cfg=1.0)
 
 
 def test_text_is_rendered_as_the_published_code_renders_it(dream):
     # Dream's published demo decodes every token before the end of text; skip_special_tokens=True (LLaDA's
     # rendering) would drop added tokens such as Qwen2's <|box_end|>: here <|im_start|> plays that part.
-    from dllm_align.generate.sampler import _completion
+    from dllm_align.generate.canvas import completion
     from dllm_align.generate.settings import SamplerStats
 
     tok = dream.tokenizer
@@ -166,7 +166,7 @@ def test_text_is_rendered_as_the_published_code_renders_it(dream):
     ids = tok.encode("ab", add_special_tokens=False) + [start] + tok.encode("cd", add_special_tokens=False)
     gen = torch.tensor(ids + [tok.convert_tokens_to_ids("<|im_end|>")] + ids)
     stops = torch.tensor(dream.stop_token_ids)
-    c = _completion(dream, gen, stops, 1, SamplerStats(prompts=1))
+    c = completion(dream, gen, stops, 1, SamplerStats(prompts=1))
     assert c.text == "ab<|im_start|>cd" and c.stopped
     assert tok.decode(ids, skip_special_tokens=True) == "abcd"  # what the LLaDA rendering would have given
 
@@ -176,7 +176,7 @@ def test_diffucoder_padding_token_ends_the_text(dream):
     # stops there; Dream's vocabulary lacks it, and the stop list simply skips it.
     import copy
 
-    from dllm_align.generate.sampler import _completion
+    from dllm_align.generate.canvas import completion
     from dllm_align.generate.settings import SamplerStats
     from dllm_align.models.predictor import MaskPredictor
 
@@ -187,5 +187,5 @@ def test_diffucoder_padding_token_ends_the_text(dream):
     coder = MaskPredictor(dream.model, tok, mask_token_id=dream.mask_token_id)
     assert pad in coder.stop_token_ids
     ids = tok.encode("ab", add_special_tokens=False)
-    c = _completion(coder, torch.tensor(ids + [pad, pad] + ids), torch.tensor(coder.stop_token_ids), 1, SamplerStats(prompts=1))
+    c = completion(coder, torch.tensor(ids + [pad, pad] + ids), torch.tensor(coder.stop_token_ids), 1, SamplerStats(prompts=1))
     assert c.text == "ab" and c.stopped

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from dataclasses import replace
 
 import pytest
 import torch
@@ -104,7 +103,7 @@ def write_mc_task(folder: Path, labels: list[int], name: str = "toy_mc") -> None
 def settings_for(mp) -> SamplerSettings:
     """SETTINGS, in the model's own blocks where it is a block-diffusion model (its sampler refuses others)."""
     b = getattr(mp, "block_size", None)
-    return SETTINGS if not b else replace(SETTINGS, gen_length=b, block_length=b, steps=4)
+    return SETTINGS if not b else SETTINGS.replace(gen_length=b, block_length=b, steps=4)
 
 
 def direct_texts(mp, questions, chat: bool, batch_size: int = 4) -> list[str]:
@@ -279,17 +278,17 @@ def _recipe(tmp_path: Path, tasks: dict, **evaluate) -> Path:
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records the settings of every sampler call (and still decodes)."""
-    import dllm_align.generate.sampler as G
+    """Records the settings of every call of the generator (and still decodes)."""
+    from dllm_align.generate.in_process import InProcessGenerator
 
     calls = []
-    real = G.generate
+    real = InProcessGenerator.generate
 
-    def wrapped(mp, prompts, settings, **kw):
+    def wrapped(self, prompts, settings, *a, **kw):
         calls.append(settings)
-        return real(mp, prompts, settings, **kw)
+        return real(self, prompts, settings, *a, **kw)
 
-    monkeypatch.setattr(G, "generate", wrapped)
+    monkeypatch.setattr(InProcessGenerator, "generate", wrapped)
     return calls
 
 

@@ -259,7 +259,7 @@ def test_saved_checkpoint_keeps_its_family(tmp_path):
 def test_fsdp_wraps_the_family_decoder_layer(tmp_path):
     from types import SimpleNamespace
 
-    from dllm_align.training.setup import fsdp_wrap_family_layer
+    from dllm_align.training.distributed import fsdp_wrap_family_layer
 
     for name, layer in (("builtin:tiny-dream", "Qwen2DecoderLayer"), ("builtin:tiny", "LlamaDecoderLayer")):
         plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
@@ -330,3 +330,55 @@ def test_packaged_dream_format_base_loads_as_dream():
     mp = load_model("builtin:toy-sort-base-dream")
     assert mp.family.name == "dream" and type(mp.model).__name__ == "Qwen2ForCausalLM"
     assert mp.tokenizer.convert_ids_to_tokens(mp.stop_token_ids[0]) == "<|im_end|>"
+
+
+# --------------------------------------------------------------------------- built-in models
+def test_every_builtin_model_is_made_by_its_family():
+    """load.py holds only the table: each built-in model and tokenizer comes from its family's record, and the
+    model it makes is one its family claims, with a mask id and a stop token its tokenizer has."""
+    from dllm_align.models.families import family_of, get_family
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model
+    from dllm_align.training.cache import state_dict_digest
+
+    for name, spec in BUILTIN_SPECS.items():
+        fam = get_family(spec.family)
+        assert fam.build_tiny is not None and fam.tiny_tokenizer is not None, name
+        tok = build_tiny_tokenizer(spec.family)
+        assert tok.get_vocab() == fam.tiny_tokenizer().get_vocab() and tok.chat_template == fam.tiny_tokenizer().chat_template
+        model = build_tiny_model(spec=spec)
+        assert family_of(model) is fam, name
+        assert model.config.mask_token_id == tok.mask_token_id, name
+        assert any(t in tok.get_vocab() for t in fam.stop_tokens), name
+        direct = fam.build_tiny(tok, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                                spec.max_position_embeddings, spec.seed)
+        assert state_dict_digest(model) == state_dict_digest(direct), name
+
+
+def test_a_family_without_a_builtin_model_is_refused_by_name():
+    from dllm_align.models.load import TinySpec, build_tiny_model
+
+    with pytest.raises(UserError, match="'llada_moe' has no built-in model") as e:
+        build_tiny_model(spec=TinySpec(family="llada_moe"))
+    assert "llada, dream" in e.value.hint
+
+
+def test_a_new_family_brings_its_builtin_model_in_its_own_record(monkeypatch):
+    """A family registered with a builder gets a ``builtin:`` model from one table entry, no other edit."""
+    import dataclasses
+
+    from dllm_align.models.families import family_of
+    from dllm_align.models.families.llada import LLADA, build_llada_model
+    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
+
+    def build_toy(tok, *shape):
+        model = build_llada_model(tok, *shape)
+        model.config.dllm_align_family = "toy"
+        return model
+
+    toy = dataclasses.replace(LLADA, name="toy", model_types=(), architectures=(), signature=(), build_tiny=build_toy)
+    monkeypatch.setitem(FAMILIES, "toy", toy)
+    monkeypatch.setitem(BUILTIN_SPECS, "builtin:tiny-toy", TinySpec(hidden_size=32, layers=1, family="toy"))
+    mp = load_model("builtin:tiny-toy")
+    assert family_of(mp.model) is toy and mp.model.config.hidden_size == 32
+    ids = mp.tokenizer("abc", add_special_tokens=False, return_tensors="pt").input_ids
+    assert mp.logits(ids).shape == (1, 3, len(mp.tokenizer))

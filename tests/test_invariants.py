@@ -67,14 +67,15 @@ def cache_for(toy, mp: str):
 @pytest.mark.parametrize("mode", ["cached", "online"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lora):
-    from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.loop import invariant_margins
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
 
     exs = cache_for(toy, mp)
     sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
     rec = recipe(toy, mp, *sets)
-    run = _Run(rec, make_accelerator(rec), None, exs)
-    assert run.acc.mixed_precision == mp
+    run = setup_run(rec, make_accelerator(rec), None, exs)
+    assert run.accelerator.mixed_precision == mp
     margins = invariant_margins(run, steps=3)
     assert len(margins) == 12
     worst = max(abs(v) for v in margins.values())
@@ -98,13 +99,13 @@ def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     """The cache fingerprint records the compute precision: an fp32 cache does not serve a bf16-autocast run."""
     from dllm_align.training import cache as refcache
     from dllm_align.core.errors import UserError
-    from dllm_align.training.loop import _Run
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
 
     exs = cache_for(toy, "no")
     rec = recipe(toy, "bf16", f"reference.cache={toy['root'] / 'cache-no'}")
     with pytest.raises(UserError, match="'compute_dtype'.*train.mixed_precision"):
-        _Run(rec, make_accelerator(rec), None, exs)
+        setup_run(rec, make_accelerator(rec), None, exs)
     fp32 = refcache.fingerprint(recipe(toy, "no"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
     bf16 = refcache.fingerprint(recipe(toy, "bf16"), tokenizer=_tok(), mask_token_id=1, device="cpu", examples=exs).fields
     assert (fp32["compute_dtype"], bf16["compute_dtype"]) == ("float32", "float32+autocast:bfloat16")
@@ -116,8 +117,8 @@ def test_cache_made_with_one_attention_backend_refused_by_another_by_field(toy, 
     """The attention kernel is part of the cached function: an sdpa cache does not serve a flex or flash run."""
     from dllm_align.core.errors import UserError
     from dllm_align.training import cache as refcache
-    from dllm_align.training.loop import _Run
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
 
     exs = cache_for(toy, mp)  # made with the default backend (sdpa); flash needs bf16 compute
     manifest = json.loads((toy["root"] / f"cache-{mp}" / "manifest.json").read_text())
@@ -126,7 +127,7 @@ def test_cache_made_with_one_attention_backend_refused_by_another_by_field(toy, 
     want = f"field 'attn_implementation' is \"sdpa\" in the cache but \"{other}\" here \\(model.attn_implementation\\)"
     if other == "flex_attention":  # a flex run cannot train on the CPU at all (no backward there): refused first
         with pytest.raises(UserError, match="flex_attention cannot train on a CPU"):
-            _Run(rec, make_accelerator(rec), None, exs)
+            setup_run(rec, make_accelerator(rec), None, exs)
     cache = refcache.ReferenceCache.open(toy["root"] / f"cache-{mp}")
     fp = refcache.fingerprint(rec, tokenizer=_tok(), mask_token_id=cache.manifest["fingerprint"]["mask_token_id"],
                               device="cpu", examples=exs)
@@ -236,18 +237,18 @@ def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, 
                  "train.lora.r=4", f"train.lora.dropout={dropout}", out=f"dropout-{dropout}")
     train(rec, examples=exs)  # the accumulation path runs with dropout
     # exact check through the library: the same step's two passes give the same margins
-    from dllm_align.training.loop import _Run
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
-    run = _Run(rec.model_copy(update={"output_dir": str(toy["root"] / f"dropout-run-{dropout}")}), make_accelerator(rec), None, exs)
-    for p in run.params:  # adapters away from zero, so dropout matters
+    run = setup_run(rec.model_copy(update={"output_dir": str(toy["root"] / f"dropout-run-{dropout}")}), make_accelerator(rec), None, exs)
+    for p in run.policy.params:  # adapters away from zero, so dropout matters
         p.data.normal_(0, 0.2)
-    b = run._to_dev(run.collate([ex for u in run.micro_batches(0)[1] for ex in u]))
-    with torch.no_grad(), run._same_dropout(1):
+    b = run.to_device(run.collate_units(run.data.micro_batches(0, run.plan)[1]))
+    with torch.no_grad(), run.same_dropout(1):
         first = run.policy_elbo(b)
-    with run._same_dropout(1):
+    with run.same_dropout(1):
         second = run.policy_elbo(b)
     with torch.no_grad():
         other = run.policy_elbo(b)  # unseeded: a fresh draw
@@ -299,7 +300,7 @@ def test_lora_dropout_gradient_under_fsdp2_activation_checkpointing_equals_unche
     from peft import LoraConfig, get_peft_model
 
     from dllm_align.models.load import load_model
-    from dllm_align.training.setup import preserve_checkpoint_rng
+    from dllm_align.training.distributed import preserve_checkpoint_rng
 
     mp = load_model("builtin:tiny")
     get_peft_model(mp.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj", "up_proj"]))

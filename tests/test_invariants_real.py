@@ -42,8 +42,9 @@ def _recipe(real, mp, padding, mode, out):
 def test_step0_margins_exact_on_real_rows_cached_and_online(real, fresh_accelerate, mp, padding):
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.training import reference as ref
-    from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
+    from dllm_align.training.loop import invariant_margins
+    from dllm_align.training.train import setup_run
+    from dllm_align.training.distributed import make_accelerator
 
     rec = _recipe(real, mp, padding, "cached", f"run-{mp}-{padding}")
     ref_mp = ref.load_reference(rec, "cpu")
@@ -53,7 +54,7 @@ def test_step0_margins_exact_on_real_rows_cached_and_online(real, fresh_accelera
     ref.precompute(rec, exs, make_collate(rec, ref_mp.tokenizer), None, ref_mp)
     for mode in ("cached", "online"):
         r = _recipe(real, mp, padding, mode, f"run-{mp}-{padding}-{mode}")
-        run = _Run(r, make_accelerator(r), None, exs)
+        run = setup_run(r, make_accelerator(r), None, exs)
         margins = invariant_margins(run, steps=2)
         assert len(margins) == 16
         worst = max(abs(v) for v in margins.values())

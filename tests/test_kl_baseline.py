@@ -37,7 +37,8 @@ def test_pairs_by_hand():
 def kl_toy(tmp_path_factory):
     """16 sorting pairs and a reference cache that holds the kl pairs of a global batch of 4 (3 steps)."""
     from dllm_align.training import reference as ref
-    from dllm_align.data.examples import load_training_examples, make_collate, planned_kl_examples
+    from dllm_align.data.examples import load_training_examples, make_collate
+    from dllm_align.objective.elbo_kto import planned_kl_examples
     from dllm_align.models.load import load_model
 
     from fixtures.sort_toy import write_pairs
@@ -67,7 +68,7 @@ def test_z0_is_the_clamped_mean_margin_of_the_step_pairs(kl_toy):
     from dllm_align.data.batching import collate
     from dllm_align.objective.elbo import DrawConfig, elbo
     from dllm_align.models.load import load_model
-    from dllm_align.training.loop import _Run
+    from dllm_align.training.train import setup_run
 
     rec = _run(kl_toy, "z0", "train.global_batch_size=4", "train.save_every=1", "train.keep_checkpoints=5")
     m = metrics(rec.output_dir)
@@ -75,8 +76,8 @@ def test_z0_is_the_clamped_mean_margin_of_the_step_pairs(kl_toy):
     # the pairs of step 3 (index 2) from the run's own plan
     from accelerate import Accelerator
 
-    run = _Run(rec, Accelerator(cpu=True), None, kl_toy["examples"])
-    pairs = [p for mb in run.kl_micro_batches(2) for p in mb]  # 4 micro-batches of 1 on one process
+    run = setup_run(rec, Accelerator(cpu=True), None, kl_toy["examples"])
+    pairs = [p for mb in run.data.extra_micro_batches(2, run.plan) for p in mb]  # 4 micro-batches of 1 on one process
     assert len(pairs) == 4 and all(p.id.startswith("kl(") for p in pairs)
     pol = load_model(str(rec.output_dir) + "/checkpoints/step-2")
     base = load_model("builtin:tiny")

@@ -112,3 +112,66 @@ def test_no_module_past_600_lines_without_a_reason(path):
         return
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     assert "Size:" in doc, f"{path.relative_to(PKG)} has {lines} lines (> {MAX_LINES}) and no 'Size:' reason in its docstring"
+
+
+# --------------------------------------------------------------------------- seams and comments
+OBJECTIVE_NAMES = {"elbo_kto", "sft", "vrpo"}
+ISSUE_OR_SPEC = re.compile(r"SPEC\.md|\b[Ii]ssue #?[0-9]+|\b[Dd]efect #?[0-9]+")
+
+
+def _named(node: ast.AST) -> set[str]:
+    """The names and attribute names an expression mentions (``train.objective`` -> {"train", "objective"})."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def objective_name_comparisons(source: str) -> list[int]:
+    """Lines that compare something called ``objective`` or an objective's name: a choice only objective/ may make."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = set().union(*(_named(s) for s in sides))
+        consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        if "objective" in names or consts & OBJECTIVE_NAMES:
+            out.append(node.lineno)
+    return out
+
+
+def block_size_branches(source: str) -> list[int]:
+    """Lines whose ``if`` / ``while`` / conditional expression tests ``block_size``: the likelihood's choice."""
+    return [n.lineno for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.If, ast.IfExp, ast.While)) and "block_size" in _named(n.test)]
+
+
+def test_src_points_to_the_design_page_not_outside_nor_to_issues():
+    """Comments point to docs/design.md (a clone has it) and say why, not which issue asked."""
+    bad = [f"{p.relative_to(PKG.parent)}:{i}: {line.strip()}"
+           for p in sorted(PKG.rglob("*")) if p.is_file() and p.suffix in (".py", ".yaml", ".yml", ".md", ".txt", ".json")
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if ISSUE_OR_SPEC.search(line)]
+    assert not bad, "src/ points to SPEC.md or narrates an issue:\n" + "\n".join(bad)
+
+
+def test_only_objective_and_config_compare_on_the_objective_name():
+    bad = [f"{mod}:{line}" for mod, path in _modules().items() if _package(mod) not in ("objective", "config")
+           for line in objective_name_comparisons(path.read_text())]
+    assert not bad, "a comparison on the objective's name outside objective/ and config/ (ask the Objective):\n" + "\n".join(bad)
+
+
+def test_elbo_and_the_memory_model_do_not_branch_on_block_size():
+    bad = [f"{rel}:{line}" for rel in ("objective/elbo.py", "training/memory.py")
+           for line in block_size_branches((PKG / rel).read_text())]
+    assert not bad, "a block_size branch (ask the family's Likelihood):\n" + "\n".join(bad)
+
+
+def test_the_guards_catch_what_they_are_for():
+    """Each guard finds a planted violation, so an empty result above means something."""
+    assert objective_name_comparisons('if train.objective == "sft":\n    pass\n') == [1]
+    assert objective_name_comparisons('x = 1 if name != "vrpo" else 2\n') == [1]
+    assert objective_name_comparisons('ok = "elbo_kto" in names\n') == [1]
+    assert objective_name_comparisons('if objective.needs_reference:\n    pass\n') == []
+    assert block_size_branches("if cfg.block_size:\n    pass\n") == [1]
+    assert block_size_branches("n = a if block_size else b\n") == [1]
+    assert block_size_branches("n = likelihood.count(block_size=8)\n") == []
+    assert ISSUE_OR_SPEC.search("see SPEC.md section 5") and ISSUE_OR_SPEC.search("(issue 13, defect 8)")
+    assert not ISSUE_OR_SPEC.search("BUILTIN_SPECS and SPECIAL_TOKENS")

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from dllm_align.objective.losses import elbo_kto_loss, sft_loss, vrpo_loss
+from dllm_align.objective.elbo_kto import elbo_kto_loss
+from dllm_align.objective.sft import sft_loss
+from dllm_align.objective.vrpo import vrpo_loss
 
 
 def _inputs():
@@ -116,7 +118,7 @@ def test_kl_reference_point_hand_derived():
     Margins [1.0, -0.5, 0.25, 0.75]: mean 0.375. Margins [-1.0, 0.5]: mean -0.25, clamped to 0.
     Totals from two processes (1.0 - 0.5 | 0.25 + 0.75) give the one-process mean.
     """
-    from dllm_align.objective.losses import baseline_of, kl_reference_point
+    from dllm_align.objective.elbo_kto import baseline_of, kl_reference_point
 
     m = torch.tensor([1.0, -0.5, 0.25, 0.75])
     assert float(kl_reference_point(m.sum(), 4)) == 0.375

@@ -1,4 +1,8 @@
-"""``dllm-align ablate``: sweeps that reproduce the paper's Table 3 and Figure 1."""
+"""``dllm-align ablate``: sweeps that reproduce the paper's Table 3 and Figure 1.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import app, command
+from dllm_align.cli.app import SetOpt, app, command, given
 
 group = typer.Typer(help="The paper's studies as resumable sweeps: baseline (Table 3) and class imbalance (Figure 1).",
                     no_args_is_help=True)
@@ -14,7 +18,6 @@ app.add_typer(group, name="ablate")
 
 RecipeArg = Annotated[str, typer.Argument(metavar="RECIPE", help="Recipe (bundled name or YAML path); the demo task by default.")]
 OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Sweep folder (default: <output_dir>/ablate-<study>).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key (repeatable).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the rows as JSON instead of the markdown table.", metavar="")]
 
 
@@ -60,13 +63,11 @@ def baseline(
     from dllm_align.workflows import ablate
     from dllm_align.config.recipe import load_recipe
 
-    ov = list(set_ or [])
-    if betas is not None:
-        ov += [f"ablate.betas=[{','.join(str(b) for b in _floats(betas, '--betas'))}]", "ablate.pairs=null"]
-    if lrs is not None:
-        ov += [f"ablate.lrs=[{','.join(str(x) for x in _floats(lrs, '--lrs'))}]", "ablate.pairs=null"]
-    r = load_recipe(recipe, ov, labels={"ablate.betas": "--betas", "ablate.lrs": "--lrs"})
-    out = Path(output_dir) if output_dir else Path(r.output_dir) / "ablate-baseline"
+    flags = given({"ablate.betas": ("--betas", _floats(betas, "--betas")), "ablate.lrs": ("--lrs", _floats(lrs, "--lrs"))})
+    if flags:
+        flags["ablate.pairs"] = next(iter(flags.values()))[0], None  # a grid from the flags replaces the recipe's pairs
+    r = load_recipe(recipe, set_, flags=flags)
+    out = Path(r.output_dir) / "ablate-baseline" if output_dir is None else Path(output_dir)
     rows = ablate.run_sweep(r, "baseline", ablate.baseline_settings(r), out)
     ablate.plot_baseline(rows, out / "baseline.png")
     _finish(rows, out, "baseline", json_out)
@@ -90,14 +91,10 @@ def imbalance(
     from dllm_align.workflows import ablate
     from dllm_align.config.recipe import load_recipe
 
-    ov = list(set_ or [])
-    if ratios is not None:
-        ov.append(f"ablate.ratios=[{','.join(str(x) for x in _floats(ratios, '--ratios'))}]")
-    if subsample is not None:
-        ov.append(f"ablate.subsample={subsample}")
-    r = load_recipe(recipe, ov, labels={"ablate.ratios": "--ratios", "ablate.subsample": "--subsample"})
+    r = load_recipe(recipe, set_, flags=given({"ablate.ratios": ("--ratios", _floats(ratios, "--ratios")),
+                                               "ablate.subsample": ("--subsample", subsample)}))
     sides = ["desirable", "undesirable"] if r.ablate.subsample == "both" else [r.ablate.subsample]
-    out = Path(output_dir) if output_dir else Path(r.output_dir) / "ablate-imbalance"
+    out = Path(r.output_dir) / "ablate-imbalance" if output_dir is None else Path(output_dir)
     rows = ablate.run_sweep(r, "imbalance", ablate.imbalance_settings(r, sides), out)
     ablate.plot_imbalance(rows, out / "imbalance.png")
     _finish(rows, out, "imbalance", json_out)

@@ -3,8 +3,13 @@
 Every command is registered through :func:`command`, which turns known errors
 into one ``Error: ...`` line on stderr (exit 2 for bad input, 1 for run-time
 failures), Ctrl-C into exit 130, and shows a traceback only when
-``DLLM_ALIGN_DEBUG=1``. Command modules import only typer at module level;
-torch and transformers are imported inside the command bodies.
+``DLLM_ALIGN_DEBUG=1``. Command modules import only typer and the recipe schema
+(for the defaults --help shows) at module level; torch and transformers are
+imported inside the command bodies.
+
+Flags that set recipe keys reach the recipe one way: ``load_recipe(..., flags=given({...}))``
+(validated by the schema with the recipe, errors naming the flag), their --help defaults
+from the schema (:func:`schema_default`), and ``--set`` is :data:`SetOpt` everywhere.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import functools
 import inspect
 import os
 import sys
-from typing import Annotated, Callable, Optional
+import typing
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from dllm_align import __version__
+from dllm_align.config.schema import Recipe
 
 app = typer.Typer(
     name="dllm-align",
@@ -33,6 +40,29 @@ app = typer.Typer(
 RecipeArg = Annotated[
     str, typer.Argument(metavar="RECIPE", help="A bundled recipe name (see `dllm-align recipes list`) or a path to a YAML file.")
 ]
+
+
+# --set, as every recipe-driven command takes it.
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set train.beta=0.2 (repeatable)."),
+]
+
+
+def given(flags: dict[str, tuple[str, Any]]) -> dict[str, tuple[str, Any]]:
+    """The flags the user gave, for ``load_recipe(flags=...)``: dotted recipe key -> (flag, value). A flag
+    left out is None; every other value (0, False, "") is given and goes to the schema as it is."""
+    return {key: (flag, value) for key, (flag, value) in flags.items() if value is not None}
+
+
+def schema_default(key: str) -> str:
+    """How --help shows the default of a flag that sets recipe key ``key`` (dotted): the key, whose value in
+    the recipe wins, and the schema's default."""
+    section, _, name = key.partition(".")
+    cls = Recipe.model_fields[section].annotation
+    cls = next((a for a in typing.get_args(cls) if isinstance(a, type)), cls)  # Optional[Section]
+    value = cls.model_fields[name].get_default(call_default_factory=True)
+    return f"{key}, {', '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def _debug() -> bool:

@@ -1,4 +1,8 @@
-"""``dllm-align convert``: preference data in any supported layout -> validated unpaired JSONL / Parquet."""
+"""``dllm-align convert``: preference data in any supported layout -> validated unpaired JSONL / Parquet.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""``dllm-align data``: look at preference data before training (``stats``, ``check``)."""
+"""``dllm-align data``: look at preference data before training (``stats``, ``check``).
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 

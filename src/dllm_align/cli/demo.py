@@ -1,4 +1,8 @@
-"""``dllm-align demo``: the embedded default, end to end on a CPU with no network."""
+"""``dllm-align demo``: the embedded default, end to end on a CPU with no network.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import command
+from dllm_align.cli.app import SetOpt, command
 
 
 @command("demo")
 def demo(
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: runs/demo).")] = None,
     recipe: Annotated[str, typer.Option("--recipe", help="The demo recipe (a bundled name or a YAML path).")] = "demo",
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key (repeatable).")] = None,
+    set_: SetOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json instead of the table.", metavar="")] = False,
 ) -> None:
     """Run the whole method on the toy sorting task: precompute-ref, ELBO-KTO, generate, judge.

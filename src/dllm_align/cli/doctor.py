@@ -1,4 +1,8 @@
-"""``dllm-align doctor``: check the node, the memory and a few real steps before a long run."""
+"""``dllm-align doctor``: check the node, the memory and a few real steps before a long run.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command
 
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", metavar="FILE", help="The accelerate config the run will use (e.g. fsdp_8gpu.yaml from the bundled recipes/accelerate/).")]
 SmokeOpt = Annotated[int, typer.Option("--smoke", metavar="N", min=0, max=1000, help="Run N real optimiser steps (written nowhere in the run folder).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.", metavar="")]
 GpuOpt = Annotated[Optional[float], typer.Option("--gpu-memory", metavar="GB", min=1, max=100_000, help="GB of memory per device to plan for (default: detected; 80 GB H100 when a GPU config is read on a machine without GPUs).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set train.lora.enabled=true (repeatable).")]
 OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder whose disk space and reference cache are checked (default: the recipe's output_dir). Nothing is written there.")]
 
 
@@ -56,7 +59,7 @@ def doctor(
     report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape)}
     if smoke:
         report["smoke"] = d.smoke(r, smoke, launch)
-        cpu_launch = launch if config else read_launch(None)
+        cpu_launch = read_launch(None) if config is None else launch
         est = d.memory_report(r, cpu_launch, gpu_memory, shape)["estimate"]
         reserve = est["lines"].get("runtime reserve (CUDA context, NCCL, fragmentation)", 0)
         predicted = est["total"] - (0 if report["smoke"]["peak_memory_kind"].startswith("torch.cuda") else reserve)

@@ -1,4 +1,8 @@
-"""``dllm-align evaluate``: downstream benchmarks through lm-evaluation-harness (paper Table 4)."""
+"""``dllm-align evaluate``: downstream benchmarks through lm-evaluation-harness (paper Table 4).
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import command
+from dllm_align.cli.app import SetOpt, command, given
 
 HINT_INSTALL = "install the optional extra: pip install 'dllm-align[eval]'"
 
@@ -57,7 +61,7 @@ def evaluate(
     ] = False,
     rerun: Annotated[bool, typer.Option("--rerun", help="Run tasks again even when a result with the same settings exists.", metavar="")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the scores (and comparison) as JSON on stdout.", metavar="")] = False,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set evaluate.mc_num=64.")] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Run downstream benchmarks (GSM8K, MMLU, ...) on a checkpoint, optionally next to another one.
 
@@ -78,20 +82,15 @@ def evaluate(
     from dllm_align.core.io import atomic_write_json, atomic_write_text
     from dllm_align.config.recipe import load_recipe, write_run_info
 
-    overrides = list(set_ or [])
-    if include_path is not None:
-        overrides.append(f"evaluate.include_path={json.dumps(include_path)}")
     if chat_template and no_chat_template:
         raise UserError("--apply-chat-template and --no-apply-chat-template contradict each other; pick one")
-    if chat_template or no_chat_template:
-        overrides.append(f"evaluate.apply_chat_template={str(chat_template).lower()}")
-    if allow_code_execution:
-        overrides.append("evaluate.allow_code_execution=true")
-    labels = {
-        "evaluate.include_path": "--include-path",
-        "evaluate.apply_chat_template": "--apply-chat-template" if chat_template else "--no-apply-chat-template",
-    }
-    rec = load_recipe(recipe, overrides, output_dir, labels=labels)
+    flags = given({
+        "evaluate.include_path": ("--include-path", include_path),
+        "evaluate.apply_chat_template": ("--apply-chat-template", True) if chat_template
+        else ("--no-apply-chat-template", False) if no_chat_template else ("", None),
+        "evaluate.allow_code_execution": ("--allow-code-execution", True if allow_code_execution else None),
+    })
+    rec = load_recipe(recipe, set_, output_dir, flags=flags)
     if os.environ.get("DLLM_ALIGN_DEBUG", "") in ("", "0"):
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
     if not progress_enabled():  # keep CI logs readable: no dataset-building bars
@@ -100,8 +99,8 @@ def evaluate(
         datasets.disable_progress_bars()
     plans = E.plan_tasks(rec, _split(tasks), limit)
 
-    first = model or rec.model.name_or_path
-    second = compare or rec.evaluate.compare
+    first = rec.model.name_or_path if model is None else model
+    second = rec.evaluate.compare if compare is None else compare
     models = [first] + ([second] if second else [])
     labels = [E.model_label(m) for m in models]
     if len(labels) == 2 and labels[0] == labels[1]:

@@ -1,4 +1,8 @@
-"""``dllm-align judge``: pairwise judging of two generation files (SPEC.md section 8)."""
+"""``dllm-align judge``: pairwise judging of two generation files (docs/design.md#judging).
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -7,60 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import command
-
-# Command-line flags that map onto recipe keys of the judge section.
-_FLAG_OF = {
-    "judges": "--judge",
-    "base_url": "--base-url",
-    "api_key_env": "--api-key-env",
-    "template": "--template",
-    "concurrency": "--concurrency",
-    "timeout": "--timeout",
-    "max_retries": "--max-retries",
-    "retry_base_delay": "--retry-delay",
-    "retry_after_max": "--retry-after-max",
-    "max_parse_retries": "--max-parse-retries",
-    "bootstrap": "--bootstrap",
-    "seed": "--seed",
-    "temperature": "--temperature",
-    "max_tokens": "--max-tokens",
-    "max_completion_tokens": "--max-completion-tokens",
-    "allow_plain_http": "--allow-plain-http",
-    "env_proxy": "--env-proxy",
-    "batch": "--batch",
-    "batch_poll_interval": "--batch-poll",
-    "batch_failed": "--batch-failed",
-    "prices": "--price",
-    "length_threshold": "--length-threshold",
-}
-
-
-# The judge section's defaults (config.schema.JudgeSection; a test keeps the two equal), shown in --help
-# without importing the schema when the command line is parsed.
-JUDGE_DEFAULTS = {
-    "judges": ["gpt-4o-mini"],
-    "base_url": "https://api.openai.com/v1",
-    "api_key_env": "OPENAI_API_KEY",
-    "concurrency": 8,
-    "timeout": 60.0,
-    "max_retries": 6,
-    "retry_base_delay": 1.0,
-    "retry_after_max": 60.0,
-    "max_parse_retries": 1,
-    "bootstrap": 5000,
-    "seed": 0,
-    "temperature": 0.0,
-    "max_tokens": 1024,
-    "batch_poll_interval": 15.0,
-    "batch_failed": "live",
-    "length_threshold": 0.1,
-}
-
+from dllm_align.cli.app import command, given, schema_default
 
 def _shown(key: str) -> str:
-    v = JUDGE_DEFAULTS[key]
-    return ", ".join(v) if isinstance(v, list) else str(v)
+    return schema_default(f"judge.{key}")
 
 
 def _parse_prices(values: list[str]) -> dict:
@@ -142,52 +96,39 @@ def judge(
     """
     import json
 
-    from pydantic import ValidationError
-
     from dllm_align.core.console import info, result
-    from dllm_align.core.errors import RunFailure, UserError
+    from dllm_align.core.errors import RunFailure
     from dllm_align.judge.run import judge_files, print_table
-    from dllm_align.config.schema import JudgeSection
     from dllm_align.config.recipe import load_recipe, write_run_info
 
-    rec = load_recipe(recipe)
-    given = {
-        "judges": judges or None,
-        "base_url": base_url,
-        "api_key_env": api_key_env,
-        "template": str(template) if template is not None else None,
-        "concurrency": concurrency,
-        "timeout": timeout,
-        "max_retries": max_retries,
-        "retry_base_delay": retry_delay,
-        "retry_after_max": retry_after_max,
-        "max_parse_retries": max_parse_retries,
-        "bootstrap": bootstrap,
-        "seed": seed,
-        "temperature": temperature,
-        "max_tokens": max_tokens,
-        "max_completion_tokens": max_completion_tokens,
-        "batch": True if batch else None,
-        "batch_poll_interval": batch_poll,
-        "batch_failed": batch_failed,
-        "prices": _parse_prices(price) if price else None,
-        "length_threshold": length_threshold,
-        "allow_plain_http": True if allow_plain_http else None,
-        "env_proxy": True if env_proxy else None,
-    }
-    merged = {**rec.judge.model_dump(), **{k: v for k, v in given.items() if v is not None}}
+    flags = given({
+        "judge.judges": ("--judge", judges or None),
+        "judge.base_url": ("--base-url", base_url),
+        "judge.api_key_env": ("--api-key-env", api_key_env),
+        "judge.template": ("--template", str(template) if template is not None else None),
+        "judge.concurrency": ("--concurrency", concurrency),
+        "judge.timeout": ("--timeout", timeout),
+        "judge.max_retries": ("--max-retries", max_retries),
+        "judge.retry_base_delay": ("--retry-delay", retry_delay),
+        "judge.retry_after_max": ("--retry-after-max", retry_after_max),
+        "judge.max_parse_retries": ("--max-parse-retries", max_parse_retries),
+        "judge.bootstrap": ("--bootstrap", bootstrap),
+        "judge.seed": ("--seed", seed),
+        "judge.temperature": ("--temperature", temperature),
+        "judge.max_tokens": ("--max-tokens", max_tokens),
+        "judge.max_completion_tokens": ("--max-completion-tokens", max_completion_tokens),
+        "judge.batch": ("--batch", True if batch else None),
+        "judge.batch_poll_interval": ("--batch-poll", batch_poll),
+        "judge.batch_failed": ("--batch-failed", batch_failed),
+        "judge.prices": ("--price", _parse_prices(price) if price else None),
+        "judge.length_threshold": ("--length-threshold", length_threshold),
+        "judge.allow_plain_http": ("--allow-plain-http", True if allow_plain_http else None),
+        "judge.env_proxy": ("--env-proxy", True if env_proxy else None),
+    })
     if no_temperature:
-        merged["temperature"] = None
-    try:
-        settings = JudgeSection.model_validate(merged)
-    except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            key = str(err["loc"][0]) if err["loc"] else ""
-            where = _FLAG_OF.get(key, f"judge.{key}") if key in given and given[key] is not None else f"judge.{key}" if key else "judge"
-            problems.append(f"{where}: {str(err['msg']).removeprefix('Value error, ')}")
-        raise UserError("; ".join(problems))
-    rec.judge = settings
+        flags["judge.temperature"] = ("--no-temperature", None)  # sent as no temperature at all
+    rec = load_recipe(recipe, flags=flags)
+    settings = rec.judge
 
     if output is None:
         output = a.parent / f"judge_{b.parent.name or 'b'}_{b.stem}"

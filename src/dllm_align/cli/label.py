@@ -1,4 +1,8 @@
-"""``dllm-align label``: the policy's own samples, labelled by a verifier, as unpaired training rows."""
+"""``dllm-align label``: the policy's own samples, labelled by a verifier, as unpaired training rows.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command
 
 
 @command("label")
@@ -21,7 +25,7 @@ def label(
     limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", min=1, help="Only the first N prompts.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", metavar="T", min=0, max=10, help="Sampling temperature (default: the recipe's, or 1.0 when that is greedy).")] = None,
     answer_column: Annotated[str, typer.Option("--answer-column", metavar="NAME", help="The reference-answer column math_answer compares against.")] = "answer",
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set generate.gen_length=64 (repeatable).")] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Sample the model's own completions and label each one desirable or not with a verifier.
 

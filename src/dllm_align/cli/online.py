@@ -1,4 +1,8 @@
-"""``dllm-align online``: ELBO-KTO on the policy's own samples, labelled by a verifier, in rounds."""
+"""``dllm-align online``: ELBO-KTO on the policy's own samples, labelled by a verifier, in rounds.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +10,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command, given, schema_default as d
 
 
 @command("online")
 def online(
     recipe: RecipeArg,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder: one round-<r>/ folder per round, rounds.json, rounds.png (default: the recipe's output_dir).")] = None,
-    rounds: Annotated[Optional[int], typer.Option("--rounds", metavar="R", min=1, max=100, show_default="online.rounds, 2", help="Rounds of label -> reference -> ELBO-KTO.")] = None,
-    rule: Annotated[Optional[str], typer.Option("--rule", "-r", metavar="RULE", show_default="online.rule, sort", help="The verifier: sort, math_answer, regex:PATTERN or module:function.")] = None,
-    n: Annotated[Optional[int], typer.Option("--n", metavar="N", min=1, max=1024, show_default="online.n, 4", help="Samples per prompt and round.")] = None,
+    rounds: Annotated[Optional[int], typer.Option("--rounds", metavar="R", show_default=d("online.rounds"), help="Rounds of label -> reference -> ELBO-KTO.")] = None,
+    rule: Annotated[Optional[str], typer.Option("--rule", "-r", metavar="RULE", show_default=d("online.rule"), help="The verifier: sort, math_answer, regex:PATTERN or module:function.")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", metavar="N", show_default=d("online.n"), help="Samples per prompt and round.")] = None,
     prompts: Annotated[Optional[str], typer.Option("--prompts", metavar="FILE", help="Prompts file (default: the recipe's data.train).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", min=1, help="Only the first N prompts (default: online.limit).")] = None,
-    reference: Annotated[Optional[str], typer.Option("--reference", metavar="WHICH", show_default="online.reference, initial", help="The reference of each round: initial (the recipe's model) or previous (the policy entering the round).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", show_default=d("online.limit"), help="Only the first N prompts.")] = None,
+    reference: Annotated[Optional[str], typer.Option("--reference", metavar="WHICH", show_default=d("online.reference"), help="The reference of each round: initial (the recipe's model) or previous (the policy entering the round).")] = None,
     drop_uniform: Annotated[bool, typer.Option("--drop-uniform", metavar="", help="Drop prompts whose samples are all desirable or all undesirable (kept by default).")] = False,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", metavar="T", min=0, max=10, help="Sampling temperature (default: the recipe's, or 1.0 when that is greedy).")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", metavar="T", show_default=d("online.temperature"), help="Sampling temperature (default: the recipe's, or 1.0 when that is greedy).")] = None,
     answer_column: Annotated[str, typer.Option("--answer-column", metavar="NAME", help="The reference-answer column math_answer compares against.")] = "answer",
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key (repeatable).")] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Align a model from its own samples: label them with a verifier, then ELBO-KTO on them, in rounds.
 
@@ -39,9 +43,15 @@ def online(
 
     from dllm_align.config.schema import OnlineSection
 
-    rec = load_recipe(recipe, set_, output_dir)
-    o = rec.online or OnlineSection()  # the recipe's online section gives the defaults; flags win
-    table = run_online(rec, rec.output_dir, rounds=rounds or o.rounds, rule=rule or o.rule, n=n or o.n, limit=limit or o.limit,
-                       prompts=prompts, reference=reference or o.reference, keep_uniform=o.keep_uniform and not drop_uniform,
-                       temperature=temperature if temperature is not None else o.temperature, answer_column=answer_column)
+    flags = given({
+        "online.rounds": ("--rounds", rounds), "online.rule": ("--rule", rule), "online.n": ("--n", n),
+        "online.limit": ("--limit", limit), "online.reference": ("--reference", reference),
+        "online.keep_uniform": ("--drop-uniform", False if drop_uniform else None),
+        "online.temperature": ("--temperature", temperature),
+    })
+    rec = load_recipe(recipe, set_, output_dir, flags=flags)
+    o = rec.online or OnlineSection()  # the recipe's online section (flags included), else the schema's defaults
+    table = run_online(rec, rec.output_dir, rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, prompts=prompts,
+                       reference=o.reference, keep_uniform=o.keep_uniform, temperature=o.temperature,
+                       answer_column=answer_column)
     result(markdown_table(table))

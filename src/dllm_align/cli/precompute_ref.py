@@ -1,4 +1,10 @@
-"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example (SPEC.md section 5)."""
+"""``dllm-align precompute-ref``: compute and cache the reference ELBO of every training example.
+
+The cache and what invalidates it: docs/design.md#the-reference-cache.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command
 
 OutputOpt = Annotated[
     Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir); the cache goes to DIR/ref_cache.")
 ]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set reference.n_mc=4 (repeatable).")]
 
 
 @command("precompute-ref")

@@ -1,20 +1,17 @@
-"""``dllm-align recipes``: list, show and check the bundled recipes."""
+"""``dllm-align recipes``: list, show and check the bundled recipes.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
 import typer
 
-from dllm_align.cli.app import app, RecipeArg, command
+from dllm_align.cli.app import app, RecipeArg, SetOpt, command
 
 group = typer.Typer(help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
 app.add_typer(group, name="recipes")
-
-SetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a key, e.g. --set train.beta=0.2 (repeatable)."),
-]
 
 
 @command("list", group=group)

@@ -1,4 +1,8 @@
-"""``dllm-align train``: ELBO-KTO (default), masked-diffusion SFT or paired VRPO on accelerate."""
+"""``dllm-align train``: ELBO-KTO (default), masked-diffusion SFT or paired VRPO on accelerate.
+
+Only typer, the standard library, cli.app and the recipe schema are imported at module level; the rest
+inside the command body, so that `dllm-align --help` loads neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command
 
 OutputOpt = Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder (default: the recipe's output_dir).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set train.beta=0.2 (repeatable).")]
 
 
 @command("train")

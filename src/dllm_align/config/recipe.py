@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +27,8 @@ from pydantic import BaseModel, ValidationError
 
 from dllm_align.core.errors import UserError
 from dllm_align.config.schema import Recipe
+from dllm_align.core.io import atomic_write_text, note_input
+from dllm_align.core.runfolder import recipe_record
 
 
 # --------------------------------------------------------------------------- loading
@@ -181,18 +184,29 @@ def apply_overrides(raw: dict, overrides: list[str]) -> list[str]:
         if not parts:
             problems.append(f"--set {ov!r}: empty key")
             continue
-        node = raw
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if not isinstance(nxt, dict):
-                nxt = {}
-                node[p] = nxt
-            node = nxt
         try:
-            node[parts[-1]] = _parse_value(val)
+            _set_path(raw, parts, _parse_value(val))
         except ValueError as e:
             problems.append(f"--set {key.strip()}: {e}")
     return problems
+
+
+def _set_path(raw: dict, parts: list[str], value: Any) -> None:
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _shown(flag: str, value: Any) -> str:
+    """A flag as the user gave it, for error messages."""
+    if isinstance(value, bool):
+        return flag
+    return f"{flag} {', '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -231,8 +245,6 @@ for _tag in ("binary", "set", "omap", "pairs"):
 
 
 def read_yaml(path: Path) -> dict:
-    from dllm_align.core.io import note_input
-
     note_input(path, "recipe")
     try:
         text = path.read_text(encoding="utf-8")
@@ -284,13 +296,14 @@ def load_recipe(
     name_or_path: str | None,
     overrides: list[str] | None = None,
     output_dir: str | None = None,
-    labels: Optional[dict[str, str]] = None,
+    flags: Optional[dict[str, tuple[str, Any]]] = None,
 ) -> Recipe:
     """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
 
-    ``labels`` maps an overridden dotted key to the flag that set it (``generate.gen_length``
-    -> ``--gen-length``), so that its errors name the flag; other overrides are named as
-    ``--set key=value``.
+    ``flags`` is how a command's flags reach the recipe: dotted key -> (the flag, its value), e.g.
+    ``{"generate.gen_length": ("--gen-length", 64)}``. Each value is set as it is (0, False, "" and None
+    included: pass only the flags given), after the ``--set`` overrides, and validated with the recipe;
+    its errors name the flag. Errors in ``--set`` overrides are named as ``--set key=value``.
     """
     if name_or_path is None:
         raw, source = {}, "(defaults)"
@@ -300,10 +313,11 @@ def load_recipe(
     problems = apply_overrides(raw, overrides or [])
     given: dict[str, str] = {}
     for ov in overrides or []:
-        key, _, val = ov.partition("=")
-        key = ".".join(p for p in key.strip().split(".") if p)
-        flag = (labels or {}).get(key)
-        given[key] = f"{flag} {val}" if flag else f"--set {ov}"
+        key = ov.partition("=")[0]
+        given[".".join(p for p in key.strip().split(".") if p)] = f"--set {ov}"
+    for key, (flag, value) in (flags or {}).items():
+        _set_path(raw, key.split("."), value)
+        given[key] = _shown(flag, value)
     if output_dir is not None:
         raw["output_dir"] = output_dir
         given["output_dir"] = f"-o {output_dir}"
@@ -342,8 +356,6 @@ def git_revision() -> str | None:
 
 
 def library_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
     for pkg in ("dllm-align", "torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "peft", "lm-eval"):
         try:
@@ -360,9 +372,6 @@ def write_run_info(recipe: Recipe, out_dir: str | Path, command: str, changes: O
     so one command never replaces another's. ``changes`` (settings let through on a
     resume) are added to those recorded before, so the record keeps the run's history.
     """
-    from dllm_align.core.io import atomic_write_text
-    from dllm_align.core.runfolder import recipe_record
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(recipe_record(out, command), to_yaml(recipe))

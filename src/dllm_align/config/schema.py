@@ -124,7 +124,12 @@ class LoraSection(Section):
 
 
 class TrainSection(Section):
-    objective: Literal["elbo_kto", "sft", "vrpo"] = "elbo_kto"
+    objective: str = Field(
+        "elbo_kto",
+        description="The training objective by its registered name: elbo_kto (the paper), sft (masked-diffusion SFT), "
+        "vrpo (LLaDA 1.5's paired objective). The names are checked against the objective registry when a command "
+        "first asks for the objective (dllm_align.objective.base.register_objective adds one).",
+    )
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
     baseline: Literal["global_mean", "none", "kl"] = Field(
         "global_mean",
@@ -161,7 +166,10 @@ class TrainSection(Section):
         "all", description="objective sft: train on every row, or on desirable rows only."
     )
     margin_watch_window: int = Field(
-        25, ge=1, description="Steps per window of the falling-desirable-margin warning (SPEC.md section 4 caution)."
+        25,
+        ge=1,
+        description="Steps per window of the warning that the desirable rows' mean margin keeps falling "
+        "(docs/design.md#class-weights).",
     )
     n_mc: Optional[int] = Field(None, ge=1, description="Draws used in training; default reference.n_mc (must be <= it).")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
@@ -194,9 +202,23 @@ class TrainSection(Section):
 
 
 # --------------------------------------------------------------------------- generate
-class GenerateSection(Section):
-    """The LLaDA sampler (SPEC.md section 7) or Dream's rule; `dllm-align generate`, modules dllm_align.generate.sampler / dream_sampler."""
+# Fast mode (`generate --fast`, and `label` / `online` sampling when the recipe decodes exactly): the dual
+# key/value cache and Fast-dLLM's default confidence threshold.
+FAST_CACHE = "dual"
+FAST_THRESHOLD = 0.9
 
+
+class GenerateSection(Section):
+    """Decoding: the backend, the rule (LLaDA's block sampler, Dream's, block diffusion's) and its settings; read by
+    `generate`, `label` / `online` and `evaluate`'s generation tasks (modules in dllm_align.generate).
+
+    The samplers read these settings themselves (``dllm_align.generate.settings.SamplerSettings`` derives from this
+    class), so every check of a setting is here."""
+
+    backend: str = Field(
+        "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
+        "other names are generation backends registered in dllm_align.generate.backend."
+    )
     sampler: Literal["auto", "llada", "dream", "block"] = Field(
         "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, Dream's diffusion_generate, "
         "or block diffusion's (SDAR: block by block with a KV cache)."
@@ -242,14 +264,31 @@ class GenerateSection(Section):
             blocks = self.gen_length // self.block_length
             if self.steps % blocks:
                 problems.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({blocks})")
+        problems += self._rule_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
+    def _rule_problems(self) -> list[str]:
+        """Settings the chosen rule has no use for ("auto" is checked once the model names its rule)."""
+        if self.sampler == "dream":
+            out = []
+            if self.cache != "none" or self.threshold is not None:
+                out.append("the Dream rule decodes one canvas: cache and threshold apply to the LLaDA sampler "
+                           "(generate.sampler: llada)")
+            if self.cfg > 0:
+                out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
+            return out
+        if self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
+            return ["top_p / top_k belong to the Dream and block rules (generate.sampler: dream or block)"]
+        if self.sampler == "block" and self.cfg > 0:
+            return ["cfg applies to the LLaDA sampler only (the block rule has no guidance)"]
+        return []
+
 
 # --------------------------------------------------------------------------- judge
 class JudgeSection(Section):
-    """Pairwise judging (SPEC.md section 8; `dllm-align judge`)."""
+    """Pairwise judging (`dllm-align judge`; docs/design.md#judging)."""
 
     judges: list[str] = Field(
         default_factory=lambda: ["gpt-4o-mini"],

@@ -15,6 +15,7 @@ write: it is refused, never cut away with the good lines after it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dllm_align.core import faults
+from dllm_align.core.errors import RunFailure, UserError
 
 
 def _umask() -> int:
@@ -122,7 +124,6 @@ def check_not_input(target: str | Path) -> None:
     what = _INPUTS.get(key)
     if what is None:
         return
-    from dllm_align.core.errors import UserError
 
     raise UserError(
         f"{target} is one of this command's inputs ({what}); refusing to overwrite the input",
@@ -132,10 +133,6 @@ def check_not_input(target: str | Path) -> None:
 
 def writing_error(target: str | Path, e: OSError, verb: str = "write"):
     """One clear error naming the user's path (never our temporary file) for a failed write."""
-    import errno
-
-    from dllm_align.core.errors import RunFailure, UserError
-
     target = Path(target)
     if isinstance(e, IsADirectoryError) or (target.is_dir() and not isinstance(e, FileNotFoundError)):
         return UserError(f"cannot {verb} {target}: it is a folder", hint="give a file name")
@@ -161,8 +158,6 @@ def disk_errors(target: str | Path, verb: str = "write") -> Iterator[None]:
     """Inside, a failed write is one clear error naming ``target`` (:func:`writing_error`): also the
     ones that libraries report without an errno (safetensors' ``SafetensorError``, torch.save's
     ``RuntimeError: [enforce fail at inline_container.cc] . unexpected pos``) when they mean a full disk."""
-    import errno
-
     try:
         yield
     except OSError as e:
@@ -283,8 +278,6 @@ def recover_jsonl(path: str | Path) -> list[dict]:
                 rows.append(_parse_line(line))
             except ValueError:
                 if _any_good_line(data[nl + 1:]):
-                    from dllm_align.core.errors import UserError
-
                     raise UserError(
                         f"{path}:{lineno}: damaged line in the middle of an append-only log (good lines follow it)",
                         hint="a kill can only tear the last line: the file was edited or damaged; "
@@ -391,8 +384,6 @@ def verify_checksums(folder: str | Path, *, what: str = "folder", required: bool
     missing, truncated or modified. Returns False when there is no checksums
     file and ``required`` is off (a folder written by another tool).
     """
-    from dllm_align.core.errors import UserError
-
     folder = Path(folder)
     path = folder / CHECKSUMS
     if not path.is_file():
@@ -452,7 +443,6 @@ class DirLock:
             fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            from dllm_align.core.errors import UserError
 
             raise UserError(self.message) from None
         except OSError:  # the filesystem does not support locks: carry on unlocked
@@ -497,7 +487,6 @@ class FileLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            from dllm_align.core.errors import UserError
 
             raise UserError(self.message, hint="wait for the other run to finish, or write to another file") from None
         except OSError:

@@ -16,6 +16,7 @@ recorded settings with the new ones and names *every* key that differs
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -149,8 +150,6 @@ def _fixed_lr(raw: dict) -> bool:
 def check_allow_keys(allow: Iterable[str], new: dict) -> None:
     """Every ``--allow-change KEY`` must name a recipe key or section (or be ``all``): a typo would
     otherwise let nothing through and be silently ignored, or worse, look like permission."""
-    import difflib
-
     keys = set(flatten(new))
     known = keys | {".".join(k.split(".")[:i]) for k in keys for i in range(1, k.count(".") + 1)}
     for a in allow:

@@ -1,4 +1,5 @@
-"""Batches: padding (SPEC.md section 2, "Length") and a length-grouped, process-count-free batch plan.
+"""Batches: padding (docs/design.md#tokens-padding-and-packing) and a process-count-free batch plan
+(docs/design.md#the-step-batch).
 
 Padding (``data.padding``)
     ``paper``: every row is right-padded with the pad id (EOS) to ``max_length``,
@@ -16,7 +17,7 @@ The batch plan
     Training draws *global* batches: the rows of one optimiser step across all
     processes and gradient-accumulation micro-batches
     (``global = per_device * world * grad_accum``). ELBO-KTO's baseline is a mean
-    over that global batch (SPEC.md section 4), so the global batches must not
+    over that global batch (docs/design.md#baselines), so the global batches must not
     depend on how many processes share the work. :func:`plan_batches` builds the
     list of global batches from (seed, epoch) alone; :func:`shard` then hands
     each process its micro-batches of each global batch. 1 x 8, 2 x 4 and 4 x 2
@@ -84,6 +85,12 @@ def collate(examples: Sequence, padding: str, max_length: int, pad_id: int) -> d
         "labels": None if any(x is None for x in labels) else torch.tensor(labels, dtype=torch.bool),
         "pair_ids": [e.pair_id for e in examples],
     }
+
+
+def pack_length_of(data) -> Optional[int]:
+    """The length of the rows a forward packs its noisy sequences into (``data.padding: packed``; the ``data``
+    section), or None: ``packed`` collates like ``none`` and the ELBO estimator does the packing."""
+    return data.max_length if data.padding == "packed" else None
 
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:

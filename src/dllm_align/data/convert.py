@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import atomic_path, atomic_write_bytes, atomic_write_json, check_not_input, note_input
 from dllm_align.data.rows import Format, Row
 from dllm_align.data.imbalance import balance_weights, check_weight_ratio, class_counts, subsample, weights_path_for
 from dllm_align.data.load import load_unpaired
@@ -20,8 +21,6 @@ from dllm_align.data.load import load_unpaired
 # --------------------------------------------------------------------------- writing
 def write_rows(rows: Sequence[Row], output: str | Path) -> Path:
     """Write rows atomically as JSONL, or Parquet when the name ends in ``.parquet``."""
-    from dllm_align.core.io import atomic_path, atomic_write_bytes
-
     out = Path(output)
     if out.suffix == ".parquet":
         import pyarrow as pa
@@ -84,7 +83,6 @@ def convert(
     out = Path(output)
     if out.suffix not in (".jsonl", ".parquet"):
         raise UserError(f"{out}: output must end in .jsonl or .parquet")
-    from dllm_align.core.io import check_not_input, note_input
 
     src = Path(str(source)).expanduser()
     if src.is_file():  # refused before reading; files found inside a folder are guarded as they are read
@@ -112,8 +110,6 @@ def convert(
     console.info(f"wrote {out}: {len(rows):,} rows ({n_d:,} desirable, {n_u:,} undesirable)")
     wfile = None
     if weights is not None:
-        from dllm_align.core.io import atomic_write_json
-
         wfile = weights_path_for(out)
         atomic_write_json(
             wfile,

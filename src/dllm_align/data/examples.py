@@ -1,8 +1,7 @@
 """Training examples and their batches, shared by ``precompute-ref`` and ``train``.
 
 The recipe's rows tokenised, the collate function that turns a list of examples into
-a padded batch, the units of a global batch (single rows, or VRPO's pairs), the
-step count, and the mismatched pairs of ``train.baseline: kl``.
+a padded batch, the step count, and the mismatched pairs of ``train.baseline: kl``.
 
 KTO's reference point z0 (``train.baseline: kl``)
     KTO estimates z0 = KL(policy || reference) from mismatched pairs: each
@@ -42,45 +41,6 @@ def make_collate(recipe, tokenizer) -> Callable[[list], dict]:
     )
 
 
-def make_units(examples: Sequence, objective: str, sft_rows: str = "all") -> list[tuple]:
-    """The units of the global batch: single examples, or (chosen, rejected) pairs for VRPO."""
-    if objective == "elbo_kto":
-        missing = [ex.id for ex in examples if ex.label is None]
-        if missing:
-            raise UserError(f"objective elbo_kto needs a label on every row; row '{missing[0]}' has none")
-        return [(ex,) for ex in examples]
-    if objective == "sft":
-        keep = [ex for ex in examples if sft_rows == "all" or ex.label]
-        if not keep:
-            raise UserError("objective sft with train.sft_rows 'desirable': there are no desirable rows")
-        return [(ex,) for ex in keep]
-    if objective != "vrpo":
-        raise ValueError(objective)
-    by_pair: dict[str, list] = {}
-    for ex in examples:
-        if ex.pair_id is None:
-            raise UserError(
-                f"objective vrpo needs paired data; row '{ex.id}' has no pair id",
-                hint="use a paired source (prompt, chosen, rejected) with data.format: paired",
-            )
-        by_pair.setdefault(ex.pair_id, []).append(ex)
-    units, broken = [], []
-    for pid, rows in by_pair.items():
-        chosen = [r for r in rows if r.label]
-        rejected = [r for r in rows if r.label is False]
-        if len(chosen) == 1 and len(rejected) == 1 and len(rows) == 2:
-            units.append((chosen[0], rejected[0]))
-        else:
-            broken.append(pid)
-    if broken:
-        from dllm_align.core.console import warn
-
-        warn(f"vrpo: {len(broken)} pair id(s) without exactly one chosen and one rejected row are skipped (e.g. '{broken[0]}')")
-    if not units:
-        raise UserError("objective vrpo: no complete (chosen, rejected) pairs in the training data")
-    return units
-
-
 def units_digest(units: Sequence[tuple]) -> str:
     h = hashlib.sha256()
     for u in units:
@@ -96,7 +56,7 @@ def step_count(t, n_units: int, G: int) -> tuple[int, int]:
         return per_epoch, t.max_steps
     exact = t.epochs * per_epoch
     if 0 < exact < 0.5:
-        # A fraction of an epoch that is not even half a step was rounding up to one step, silently.
+        # Less than half a step's worth of epochs would otherwise round up to a whole step without a word.
         raise UserError(
             f"train.epochs {t.epochs:g} is {exact:.3g} optimiser steps of {per_epoch} per epoch "
             f"({n_units} units in global batches of {G}): less than half a step",
@@ -145,29 +105,3 @@ def planned_batches(recipe, lengths: Sequence[int], G: int, total: int) -> list[
         out.extend(plan[: total - len(out)])
         epoch += 1
     return out
-
-
-def planned_kl_examples(recipe, examples: Sequence) -> list:
-    """Every mismatched pair a ``train.baseline: kl`` run of this recipe will score (for ``precompute-ref``), deduplicated.
-
-    Needs ``train.global_batch_size``: the pairs come from the global batches,
-    which must not depend on how many processes train.
-    """
-    t = recipe.train
-    if t.global_batch_size is None:
-        raise UserError(
-            "train.baseline kl with a cached reference needs train.global_batch_size: its mismatched pairs come from the "
-            "global batches, which precompute-ref must know before training",
-            hint="set train.global_batch_size (paper: 8), or use reference.mode: online",
-        )
-    units = make_units(examples, t.objective, t.sft_rows)
-    G = t.global_batch_size
-    per_epoch, total = step_count(t, len(units), G)
-    if per_epoch < 1:
-        return []
-    lengths = [sum(ex.length for ex in u) for u in units]
-    seen: dict[str, object] = {}
-    for batch in planned_batches(recipe, lengths, G, total):
-        for ex in kl_examples([units[i][0] for i in batch], recipe.data.max_length):
-            seen.setdefault(ex.id, ex)
-    return list(seen.values())

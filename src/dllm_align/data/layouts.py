@@ -6,6 +6,7 @@ unpaired / paired / prompts-only layouts, and ids (own column or content hash, d
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Iterable, Optional
 
 from dllm_align.core import console
@@ -290,8 +291,6 @@ def _assign_ids(parsed: list[tuple], problems: list[Problem], hash_of, counters:
 
 
 def _with_id(row, new_id: str):
-    from dataclasses import replace
-
     return replace(row, id=new_id)
 
 

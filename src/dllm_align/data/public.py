@@ -73,12 +73,12 @@ def _write(folder: Path, chosen: list[dict], rejected: list[dict]) -> None:
 def fetch(folder: Optional[Path] = None) -> Path:
     """Load the split through ``datasets`` (its cache first) and write the two files."""
     folder = folder or cache_folder()
-    from dllm_align.data.read import _hub_reachable
+    from dllm_align.data.read import hub_reachable
 
     import datasets
 
     offline = bool(getattr(datasets.config, "HF_DATASETS_OFFLINE", False) or getattr(datasets.config, "HF_HUB_OFFLINE", False))
-    if not offline and not _hub_reachable():
+    if not offline and not hub_reachable():
         raise Unavailable(f"{HUB_ID} ({SPLIT}) not cached and the hub is unreachable")
     try:
         ds = datasets.load_dataset(HUB_ID, split=SPLIT)

@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import note_input
+from dllm_align.data import toy
 from dllm_align.data.rows import Record, Table, _Bad, _DATA_SUFFIXES, _TEXT_SUFFIXES
 
 
@@ -204,8 +206,6 @@ def _lone_surrogate(obj: Any) -> bool:
 
 
 def _read_file(path: Path, kind: str, allow_txt: bool) -> Table:
-    from dllm_align.core.io import note_input
-
     note_input(path, "input data")
     if kind == "txt" and not allow_txt:
         raise UserError(
@@ -304,7 +304,7 @@ def _looks_like_hub_id(source: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) is not None
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     """A quick TCP probe of the hub endpoint, so an offline machine fails at once rather than after retries."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True  # the probe would bypass the proxy; let the real request decide
@@ -321,7 +321,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def _read_hub(name: str, split: Optional[str]) -> Table:
     offline = _env_on("HF_DATASETS_OFFLINE") or _env_on("HF_HUB_OFFLINE")
-    if not offline and not _hub_reachable():
+    if not offline and not hub_reachable():
         raise UserError(
             f"cannot reach the Hugging Face Hub to load dataset '{name}'",
             hint="check your network; with a cached copy set HF_DATASETS_OFFLINE=1; or pass a local file",
@@ -360,7 +360,6 @@ def _read_builtin(name: str, split: Optional[str]) -> Table:
     """Data sets built from code (no files, no network): the demo's toy sorting task."""
     if name not in BUILTIN_DATA:
         raise UserError(f"unknown built-in data set '{name}'", hint=f"built-in data sets: {', '.join(BUILTIN_DATA)}")
-    from dllm_align.data import toy
 
     split = split or "train"
     prompts = toy.splits()

@@ -1,13 +1,9 @@
 """Preference rows: the normalised row types, their ids, and problem reports.
 
-Implements SPEC.md section 2 (data). The other modules of this package read sources (`read`),
-parse layouts (`layouts`), load rows (`load`), convert and write (`convert`), handle class imbalance
-(`imbalance`) and describe data sets (`stats`).
-
-
-Implements SPEC.md section 2 (data) and the class-imbalance study of the paper
-(section "KTO under class imbalance": subsample one class, set
-lambda_D * n_D = lambda_U * n_U).
+The user-facing description of the layouts is docs/data.md. The other modules of this package read
+sources (`read`), parse layouts (`layouts`), load rows (`load`), convert and write (`convert`), handle
+class imbalance (`imbalance`: the paper's study, docs/design.md#class-weights) and describe data sets
+(`stats`).
 
 Sources
     A local ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file (``.gz`` for the

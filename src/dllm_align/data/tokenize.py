@@ -1,6 +1,6 @@
 """Rows -> token ids: chat template on the prompt, the completion, the end-of-turn token.
 
-SPEC.md section 2 (tokenisation, length). For a row (prompt messages x,
+docs/design.md#tokens-padding-and-packing. For a row (prompt messages x,
 completion text y):
 
     prompt_ids     = tokens of chat_template(x, add_generation_prompt=True)

@@ -3,7 +3,7 @@
 A prompt asks to sort digits; the *desirable* completion is the ascending
 sort, the *undesirable* one the descending sort (a plausible, fluent, wrong
 answer that shares every token with the right one - the hard case for
-likelihood-based alignment, SPEC.md section 4). Quality is computable, so a
+likelihood-based alignment, docs/design.md#class-weights). Quality is computable, so a
 rule judge compares two completions exactly.
 
 Everything is a pure function of a seed, so the demo is reproducible on any
@@ -13,7 +13,9 @@ machine with no network.
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 PROMPT_PREFIX = "sort: "
@@ -128,9 +130,6 @@ ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 def install_base(folder: str, name: str = "toy_sort_base") -> str:
     """Copy a trained base model (the ``toy_sort_base``, ``toy_sort_base_dream`` or ``toy_sort_base_sdar``
     recipe's final/ folder) into the package as ``builtin:toy-sort-base`` (or ``-dream``, ``-sdar``)."""
-    import shutil
-    from pathlib import Path
-
     if name not in ("toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar"):
         raise SystemExit(f"unknown packaged base {name!r} (toy_sort_base, toy_sort_base_dream or toy_sort_base_sdar)")
     src = Path(folder)

@@ -1,11 +1,12 @@
-"""Downstream evaluation through lm-evaluation-harness (paper Table 4 and Appendix C, SPEC.md §9).
+"""Downstream evaluation through lm-evaluation-harness (paper Table 4 and Appendix C;
+docs/design.md#evaluation).
 
 :class:`DiffusionLM` is an ``lm_eval.api.model.LM`` registered as
 ``dllm_align`` (alias ``dllm-align``). It answers the harness's three request
 types for a masked diffusion LM:
 
 * ``loglikelihood(context, continuation)``: the Monte Carlo ELBO of the
-  continuation given the context (SPEC.md §3, eq. elbo-l; the context is the
+  continuation given the context (docs/design.md#the-masked-diffusion-elbo; the context is the
   prompt, the continuation the "completion"). The ELBO is a lower bound on
   log p, and it is what LLaDA's own evaluation reports. Masks are a pure
   function of (``mc_seed``, the request text), so a request scores the same in
@@ -20,8 +21,8 @@ types for a masked diffusion LM:
 * ``loglikelihood_rolling(text)``: the ELBO of the whole text in the harness's
   disjoint rolling windows (each window conditioned on the tokens before it).
   Perplexities computed from it are upper bounds.
-* ``generate_until(context, gen_kwargs)``: the model family's sampler (LLaDA's, Dream's or the block rule)
-  (:mod:`dllm_align.generate.sampler`) with this LM's settings (gen length, block,
+* ``generate_until(context, gen_kwargs)``: the generator of ``backend`` (:mod:`dllm_align.generate.backend`;
+  in process: the model family's rule, LLaDA's, Dream's or the block rule) with this LM's settings (gen length, block,
   steps, ... set per task by the ``evaluate`` command), the text cut at the
   first of the task's ``until`` strings. The task's ``max_gen_toks``,
   ``do_sample`` and ``temperature`` are not used: a diffusion sampler's
@@ -48,10 +49,19 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from dllm_align.config.recipe import bundled_dir
+from dllm_align.core.console import progress, warn
 from dllm_align.core.errors import UserError
+from dllm_align.generate.backend import backend_factory, make_generator
+from dllm_align.generate.settings import SamplerSettings, row_seed
+from dllm_align.models.load import load_model
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
 
 
 
@@ -61,8 +71,6 @@ log = logging.getLogger("dllm_align.evaluate.harness")
 
 def bundled_task_dir() -> Path:
     """The bundled task YAMLs (generative HellaSwag for the paper's Table 4), beside the recipes."""
-    from dllm_align.config.recipe import bundled_dir
-
     return bundled_dir() / "tasks"
 
 
@@ -101,7 +109,6 @@ def _dist_state():
     """accelerate's process state when launched with several processes, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    from accelerate import PartialState
 
     # On a CPU-only machine accelerate needs cpu=True to pick gloo (torchrun launches).
     return PartialState(cpu=not torch.cuda.is_available())
@@ -119,7 +126,7 @@ def eval_device() -> torch.device:
 _ARG_NAMES = (
     "pretrained", "revision", "tokenizer", "dtype", "device", "trust_remote_code", "mask_token_id",
     "batch_size", "mc_num", "mc_seed", "stratified", "greedy_check", "max_length", "packing",
-    "gen_length", "block_length", "steps", "remasking", "temperature", "cfg", "cache", "threshold", "seed",
+    "gen_length", "block_length", "steps", "remasking", "temperature", "cfg", "cache", "threshold", "seed", "backend",
 )
 
 
@@ -151,15 +158,17 @@ class DiffusionLM(LM):
         greedy_check: bool = False,
         max_length: Optional[int] = None,
         packing: bool = True,
-        gen_length: int = 512,
-        block_length: int = 32,
-        steps: int = 512,
-        remasking: str = "low_confidence",
-        temperature: float = 0.0,
-        cfg: float = 0.0,
-        cache: str = "none",
+        # Decoding: None takes the recipe schema's default (``generate`` section).
+        gen_length: Optional[int] = None,
+        block_length: Optional[int] = None,
+        steps: Optional[int] = None,
+        remasking: Optional[str] = None,
+        temperature: Optional[float] = None,
+        cfg: Optional[float] = None,
+        cache: Optional[str] = None,
         threshold: Optional[float] = None,
-        seed: int = 0,
+        seed: Optional[int] = None,
+        backend: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # passed by the harness; batches here are fixed-size
         **unknown,
     ) -> None:
@@ -174,15 +183,19 @@ class DiffusionLM(LM):
         self._state = _dist_state()
         if self._state is not None:
             self._rank, self._world_size = self._state.process_index, self._state.num_processes
-        if predictor is None:
-            from dllm_align.models.load import load_model
 
+        given = dict(gen_length=gen_length, block_length=block_length, steps=steps, remasking=remasking, temperature=temperature,
+                     cfg=cfg, cache=cache, threshold=threshold, seed=seed, backend=backend)
+        sampler = SamplerSettings(**{k: v for k, v in given.items() if v is not None})
+        backend_factory(sampler.backend)  # refused before the model is loaded
+        if predictor is None:
             dev = torch.device(device) if device and self._state is None else eval_device()
             predictor = load_model(
                 pretrained, revision=revision, dtype=dtype, device=dev, trust_remote_code=bool(trust_remote_code),
                 mask_token_id=mask_token_id, tokenizer=tokenizer,
             )
-        self.mp = predictor
+        self.mp = predictor  # scores loglikelihoods; sampling goes through the generator
+        self.generator = make_generator(sampler.backend, name_or_path=str(pretrained), predictor=predictor)
         self.tokenizer = predictor.tokenizer
         self.pretrained = str(pretrained)
         self._device = predictor.device
@@ -192,22 +205,13 @@ class DiffusionLM(LM):
         self.configure(
             batch_size=batch_size, mc_num=mc_num, mc_seed=mc_seed, stratified=stratified, greedy_check=greedy_check,
         )
-        from dllm_align.generate.settings import SamplerSettings
-
-        self.configure(
-            sampler=SamplerSettings(
-                gen_length=int(gen_length), block_length=int(block_length), steps=int(steps), remasking=remasking,
-                temperature=float(temperature), cfg=float(cfg), cache=cache,
-                threshold=None if threshold is None else float(threshold), seed=int(seed),
-            )
-        )
+        self.configure(sampler=sampler)
 
     # -- settings
     def configure(self, *, sampler=None, batch_size=None, mc_num=None, mc_seed=None, stratified=None, greedy_check=None) -> None:
         """Change settings between tasks (the ``evaluate`` command sets each task's decoding here)."""
         if sampler is not None:
-            sampler.check()
-            self.sampler = sampler
+            self.sampler = SamplerSettings.from_section(sampler)
         if batch_size is not None:
             try:
                 bs = int(batch_size)
@@ -228,8 +232,6 @@ class DiffusionLM(LM):
             self.greedy_check = bool(greedy_check)
 
     def draw_config(self):
-        from dllm_align.objective.elbo import DrawConfig
-
         return DrawConfig(n_mc=self.mc_num, seed=self.mc_seed, estimator="l", stratified=self.stratified)
 
     # -- harness properties
@@ -297,7 +299,6 @@ class DiffusionLM(LM):
     def all_gather(self, tensor):
         if self.world_size <= 1:
             return tensor
-        from accelerate.utils import gather
 
         return gather(tensor)
 
@@ -346,7 +347,6 @@ class DiffusionLM(LM):
         if len(ctx) > room:
             if "truncate" not in self._warned:
                 self._warned.add("truncate")
-                from dllm_align.core.console import warn
 
                 warn(f"prompts longer than {room} tokens lose their head to fit max_length {self.max_length}")
             ctx = ctx[-room:]
@@ -354,7 +354,7 @@ class DiffusionLM(LM):
 
     # -- loglikelihood
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """The Monte Carlo ELBO of each continuation given its context (SPEC.md §3)."""
+        """The Monte Carlo ELBO of each continuation given its context (docs/design.md#evaluation)."""
         items = []
         for req in requests:
             context, continuation = req.args
@@ -367,8 +367,6 @@ class DiffusionLM(LM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """ELBO of whole texts over the harness's disjoint rolling windows (a lower bound on log p)."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         items, owner = [], []
         for i, req in enumerate(requests):
             (text,) = req.args
@@ -398,9 +396,6 @@ class DiffusionLM(LM):
         rows of ``max_length`` with block-diagonal attention when ``packing``
         is on (``elbo_draws``: the same values, no compute on padding).
         """
-        from dllm_align.core.console import progress
-        from dllm_align.objective.elbo import elbo_draws
-
         cfg = self.draw_config()
         unique: dict[str, tuple[list[int], list[int]]] = {}
         for ctx, cont, rid in items:
@@ -443,9 +438,6 @@ class DiffusionLM(LM):
 
         A block-diffusion model decodes in its own blocks (the block length is the model's): one token
         per step over the whole blocks that cover the L tokens, the first L compared."""
-        from dllm_align.generate.settings import SamplerSettings
-        from dllm_align.generate.sampler import generate
-
         by_len: dict[int, list[str]] = {}
         for k, (_, cont) in unique.items():
             by_len.setdefault(len(cont), []).append(k)
@@ -454,7 +446,7 @@ class DiffusionLM(LM):
         for L, ks in by_len.items():
             n = -(-L // b) * b if b else L
             st = SamplerSettings(gen_length=n, block_length=b or L, steps=n, remasking="low_confidence", temperature=0.0)
-            res = generate(self.mp, [unique[k][0] for k in ks], st, batch_size=self.batch_size, stop_early=False)
+            res = self.generator.generate([unique[k][0] for k in ks], st, batch_size=self.batch_size, stop_early=False)
             for k, r in zip(ks, res):
                 out[k] = list(r.raw[:L]) == list(unique[k][1])
         return out
@@ -465,11 +457,10 @@ class DiffusionLM(LM):
 
     # -- generation
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Decode each context with the family's sampler (LLaDA's: SPEC.md §7) and cut at the task's stop strings."""
-        from dllm_align.core.console import progress
-        from dllm_align.generate.sampler import generate
-        from dllm_align.generate.settings import row_seed
+        """Decode each context with the family's decoding rule and cut at the task's stop strings.
 
+        The rules: docs/design.md#generation.
+        """
         st = self.sampler
         deterministic = st.temperature == 0 and st.remasking == "low_confidence"
         room = self.max_length - st.gen_length
@@ -500,7 +491,7 @@ class DiffusionLM(LM):
                 if not disable_tqdm and self.rank == 0:
                     bar.advance(len(idx))
 
-            done = generate(self.mp, prompts, st, seeds=seeds, batch_size=self.batch_size, on_batch=advance)
+            done = self.generator.generate(prompts, st, seeds, batch_size=self.batch_size, on_batch=advance)
         out = []
         for req, j, until in zip(requests, slot, stops):
             text = truncate_at_stops(done[j].text, until)

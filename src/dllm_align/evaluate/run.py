@@ -5,19 +5,27 @@ side (:func:`comparison_rows`).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import gc
 import hashlib
 import json
 import os
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import lm_eval
 import torch
+from lm_eval.tasks import TaskManager
 
+from dllm_align.config.schema import EvalTask
+from dllm_align.core.console import info as _info
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import atomic_write_json, atomic_write_text
 from dllm_align.evaluate.harness import DiffusionLM, HARNESS_NAME, bundled_task_dir, eval_device
+from dllm_align.generate.settings import SamplerSettings
+from dllm_align.models.load import load_from_section
 
 
 # --------------------------------------------------------------------------- the evaluate command
@@ -54,9 +62,6 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     ``generate`` section; ``limit`` (the command line) wins over the task's and
     the section's.
     """
-    from dllm_align.generate.settings import SamplerSettings
-    from dllm_align.config.schema import EvalTask
-
     ev = recipe.evaluate
     if keys is None:
         keys = list(ev.tasks)
@@ -69,22 +74,21 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     plans = []
     for key in keys:
         t = ev.tasks.get(key) or EvalTask()
-        sampler = dataclasses.replace(
-            base,
-            gen_length=t.gen_length or base.gen_length,
-            block_length=t.block_length or base.block_length,
-            steps=t.steps or base.steps,
-        )
-        probs = sampler.problems()
-        if probs:
-            raise UserError(f"evaluate.tasks.{key}: " + "; ".join(probs))
+        try:
+            sampler = base.replace(
+                gen_length=base.gen_length if t.gen_length is None else t.gen_length,
+                block_length=base.block_length if t.block_length is None else t.block_length,
+                steps=base.steps if t.steps is None else t.steps,
+            )
+        except UserError as e:
+            raise UserError(f"evaluate.tasks.{key}: {e.message.removeprefix('invalid generation settings: ')}") from None
         plans.append(
             TaskPlan(
                 key=key,
                 harness_task=t.task or key,
                 sampler=sampler,
                 num_fewshot=t.num_fewshot,
-                limit=limit or t.limit or ev.limit,
+                limit=next((v for v in (limit, t.limit, ev.limit) if v is not None), None),
                 metric=t.metric,
                 apply_chat_template=ev.apply_chat_template if t.apply_chat_template is None else t.apply_chat_template,
             )
@@ -99,8 +103,6 @@ def task_manager(names: Sequence[str], include_path: Optional[str | Sequence[str
     every name is found in the include paths (the bundled task folder and the
     user's) the built-in index is skipped.
     """
-    from lm_eval.tasks import TaskManager
-
     paths = [str(bundled_task_dir())] if bundled_task_dir().is_dir() else []
     if include_path:
         for p in [include_path] if isinstance(include_path, (str, Path)) else include_path:
@@ -150,8 +152,6 @@ def model_fingerprint(name_or_path: str, revision: Optional[str] = None) -> str:
 
 
 def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section) -> dict:
-    from importlib.metadata import version
-
     return {
         "model": model_fp,
         "tokenizer": model_section.tokenizer,
@@ -174,8 +174,6 @@ def _jsonable(obj):
 
 def run_task(lm: DiffusionLM, plan: TaskPlan, ev, tm) -> Optional[dict]:
     """One harness run of one task with the plan's settings; the harness's result dict on rank 0, None elsewhere."""
-    import lm_eval
-
     lm.configure(sampler=plan.sampler)
     if ev.allow_code_execution:
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the harness's code_eval metric checks this
@@ -220,9 +218,6 @@ def evaluate_model(
     comparison against the same base, resumes). The model is loaded only if a
     task has to run.
     """
-    from dllm_align.core.console import info as _info
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     def info(msg: str) -> None:
@@ -272,7 +267,6 @@ def evaluate_model(
         per_task[plan.key] = res
     if lm is not None:  # free the weights before the next model loads
         del lm
-        import gc
 
         gc.collect()
         if torch.cuda.is_available():
@@ -286,8 +280,6 @@ def evaluate_model(
 
 def make_lm(recipe, name_or_path: str) -> DiffusionLM:
     """Load ``name_or_path`` as the recipe's model section describes and wrap it for the harness."""
-    from dllm_align.models.load import load_from_section
-
     ev = recipe.evaluate
     mp = load_from_section(recipe.model, device=eval_device(), name_or_path=name_or_path)
     g = recipe.generate
@@ -295,7 +287,7 @@ def make_lm(recipe, name_or_path: str) -> DiffusionLM:
         pretrained=name_or_path, predictor=mp, batch_size=ev.batch_size, mc_num=ev.mc_num, mc_seed=ev.mc_seed,
         stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length, packing=ev.packing,
         gen_length=g.gen_length, block_length=g.block_length, steps=g.steps, remasking=g.remasking,
-        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed,
+        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed, backend=g.backend,
     )
 
 

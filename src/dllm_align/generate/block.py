@@ -20,9 +20,19 @@ The cache is transformers' ``DynamicCache``; a step that must not store is cropp
 
 from __future__ import annotations
 
+import inspect
+import time
 from typing import Optional, Sequence
 
 import torch
+
+from dllm_align.core.errors import UserError
+from dllm_align.generate.canvas import completion
+from dllm_align.generate.rules import DecodingRule, register_rule
+from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
+
+# transformers is imported where the block rule runs: transformers takes longer to import than torch, and the generator factory
+# (generate/backend.py) imports this module for every backend, served ones included.
 
 
 def transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
@@ -81,8 +91,6 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
 def _cache_argument(model) -> str:
     """The name the body's forward takes its KV cache under: ``cache`` from transformers 5.2x on (the old
     ``past_key_values`` still works there, with a deprecation warning at every call), else ``past_key_values``."""
-    import inspect
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
@@ -176,3 +184,48 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
     if calls is not None:
         calls.append(n_calls)
     return x
+
+
+def generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
+    """One batch under the block-diffusion rule (:mod:`dllm_align.generate.block`), prompt by prompt.
+
+    ``cache: none`` recomputes every finished block at each step (exact); ``prefix`` / ``dual`` keep
+    finished blocks in a KV cache (SDAR's published way). The family says whose rule (``block_rule``). ``threshold`` set: ``low_confidence_dynamic``
+    (every position above it, when they are at least the step's count), else ``low_confidence_static``.
+    """
+    b = mp.block_size
+    dev = mp.device
+    stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
+    local = SamplerStats(prompts=len(prompts))
+    strategy = "low_confidence_static" if settings.threshold is None else "low_confidence_dynamic"
+    out = []
+    for prompt, seed in zip(prompts, seeds):
+        calls: list[int] = []
+        with mp._autocast(dev.type):
+            x = block_generate(mp.model, torch.tensor(list(prompt), device=dev), mp.mask_token_id, settings.gen_length,
+                               b, settings.steps_per_block, float(settings.temperature), top_k=settings.top_k or 0,
+                               top_p=settings.top_p or 1.0, strategy=strategy, threshold=settings.threshold or 1.0,
+                               stop_ids=mp.stop_token_ids, use_cache=settings.cache != "none",
+                               generator=torch.Generator(device=dev).manual_seed(int(seed)), calls=calls,
+                               rule=mp.family.block_rule)
+        gen = x[0, len(prompt): len(prompt) + settings.gen_length]
+        local.forwards += calls[0]
+        local.positions += calls[0] * b
+        out.append(completion(mp, gen, stops, calls[0], local))
+    local.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.add(local)
+    return out
+
+
+def check_block_model(mp, settings: SamplerSettings) -> None:
+    """The block rule decodes a block-diffusion model in the block length it was trained with."""
+    b = mp.block_size
+    if b is None:
+        raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
+    if settings.block_length != b:
+        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
+                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+
+
+register_rule(DecodingRule("block", generate_batch_block, check_block_model))

@@ -1,6 +1,6 @@
 """Dream's published decoding rule (``diffusion_generate``), for families whose sampler is "dream".
 
-The rule, as Dream's own generation code applies it (SPEC.md section 11):
+The rule, as Dream's own generation code applies it (docs/design.md#the-dream-rule):
 
 * one canvas: the prompt followed by ``gen_length`` mask tokens; no blocks, no
   early stop; ``steps`` model calls;
@@ -36,9 +36,14 @@ batch, so its output depends on batch-mates):
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import torch
+
+from dllm_align.generate.canvas import canvas, completion
+from dllm_align.generate.rules import DecodingRule, register_rule
+from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -132,3 +137,22 @@ def denoise(mp, x: torch.Tensor, attn: torch.Tensor, settings, gens: Sequence[to
             proposal[cols] = x0
             x[b, take] = proposal[take]
     return forwards
+
+
+def generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
+    """One batch under Dream's rule (:func:`denoise` decodes the canvas; the rule has no early stop)."""
+    x, attn = canvas(mp, prompts, settings.gen_length)
+    P = x.shape[1] - settings.gen_length
+    gens = [torch.Generator(device=mp.device).manual_seed(int(s)) for s in seeds]
+    local = SamplerStats(prompts=len(prompts))
+    local.forwards = denoise(mp, x, attn, settings, gens)
+    local.positions = local.forwards * x.numel()
+    stops = torch.tensor(mp.stop_token_ids or [-1], device=mp.device)
+    out = [completion(mp, x[b, P:], stops, local.forwards, local) for b in range(len(prompts))]
+    local.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.add(local)
+    return out
+
+
+register_rule(DecodingRule("dream", generate_batch_dream))

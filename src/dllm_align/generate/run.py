@@ -51,13 +51,14 @@ def run_generate(
 
     from dllm_align.data.load import load_prompts
     from dllm_align.core.errors import UserError
+    from dllm_align.generate.backend import backend_factory, make_generator
     from dllm_align.generate.settings import SamplerSettings
     from dllm_align.core.io import FileLock, check_not_input
-    from dllm_align.models.load import load_from_section, pick_dtype
+    from dllm_align.models.load import pick_dtype
 
     g = rec.generate
     settings = SamplerSettings.from_section(g)
-    settings.check()
+    backend_factory(g.backend)  # an unknown backend is refused before anything is read or written
 
     # -- where the prompts come from
     if prompts is not None:
@@ -107,6 +108,7 @@ def run_generate(
         "split": split_name,
         "max_prompt_length": rec.data.max_prompt_length,
         "sampler": settings.to_dict(),
+        "backend": g.backend,
     }
 
     # -- one writer per output file (rank 0 holds it for the whole run)
@@ -116,7 +118,7 @@ def run_generate(
     try:
         return _generate_into(
             rec, out, sidecar, rows, source, settings, settings_record, dev, rank, world, barrier, part_files,
-            overwrite, allow_long, mp_loader=lambda: load_from_section(rec.model, device=dev),
+            overwrite, allow_long, make=lambda: make_generator(g.backend, rec.model, device=dev),
         )
     finally:
         if lock is not None:
@@ -136,14 +138,13 @@ def _model_digest(name: str) -> Optional[str]:
 
 
 def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, dev, rank, world, barrier, part_files,
-                   overwrite, allow_long, mp_loader) -> Path:
+                   overwrite, allow_long, make) -> Path:
     import json
     import time
 
     from dllm_align.core import console
     from dllm_align.core.errors import UserError
     from dllm_align.generate.settings import SamplerStats, encode_prompt, length_batches, row_seed
-    from dllm_align.generate.sampler import generate_batch, settings_for
     from dllm_align.core.io import JsonlAppender, atomic_write_json, atomic_write_text, recover_jsonl
     from dllm_align.config.recipe import write_run_info
     from dllm_align.core.runfolder import differing, refuse_changes
@@ -185,21 +186,20 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
         already = f", {len(rows) - len(todo):,} already in {out}" if done else ""
         console.info(f"generate: {len(rows):,} prompts from {source}{already}" + (f"; {world} processes" if world > 1 else ""))
 
-    # The model is loaded (and a damaged one refused) before anything is written.
-    mp = mp_loader() if todo else None
+    # The generator (its model) is made, and a damaged one refused, before anything is written.
+    gen = make() if todo else None
     ids: list = []
     if todo:
-        settings_for(mp, settings)  # the rule's needs of this model (e.g. its block length) refused here, not mid-run
-        mp.model.eval()
-        ids = [encode_prompt(mp.tokenizer, r.messages) for r in todo]
+        gen.settings_for(settings)  # the rule's needs of this model (e.g. its block length) refused here, not mid-run
+        ids = [encode_prompt(gen.tokenizer, r.messages) for r in todo]
         if rec.data.max_prompt_length is not None:
             # The training cut (tokenize.fit): a long prompt loses its head, BOS kept.
-            cap, bos = rec.data.max_prompt_length, mp.tokenizer.bos_token_id
+            cap, bos = rec.data.max_prompt_length, gen.tokenizer.bos_token_id
             cut = sum(len(p) > cap for p in ids)
             ids = [fit(p, [[]], len(p) + 1, cap, "completion", bos)[0] for p in ids]
             if cut:
                 console.info(f"{cut:,} prompts lost their head to fit data.max_prompt_length {cap}")
-        max_pos = getattr(mp.model.config, "max_position_embeddings", None)
+        max_pos = gen.max_positions
         longest = max(len(p) for p in ids) + settings.gen_length
         if max_pos and longest > max_pos:
             # Checked before any decoding: beyond its positions a model gives garbage, slowly.
@@ -225,8 +225,8 @@ def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, d
         n_mine = sum(len(b) for b in mine)
         with JsonlAppender(target) as app, console.progress("generate", total=n_mine, unit="prompts") as bar:
             for b in mine:
-                res = generate_batch(
-                    mp, [ids[i] for i in b], settings, seeds=[row_seed(settings.seed, todo[i].id) for i in b], stats=stats
+                res = gen.generate(
+                    [ids[i] for i in b], settings, [row_seed(settings.seed, todo[i].id) for i in b], batch_size=len(b), stats=stats
                 )
                 for i, c in zip(b, res):
                     app.write(

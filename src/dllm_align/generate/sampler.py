@@ -1,6 +1,6 @@
-"""The LLaDA sampler (SPEC.md section 7), in an exact and a fast mode.
+"""The LLaDA sampler (docs/design.md#the-llada-rule), in an exact and a fast mode (docs/design.md#fast-mode).
 
-Exact mode is the semi-autoregressive sampler of LLaDA (SPEC.md §7, the
+Exact mode is the semi-autoregressive sampler of LLaDA (docs/design.md#the-llada-rule, the
 paper's decoding settings of Appendix C / Table 4):
 
 * the prompt is followed by ``gen_length`` mask tokens, decoded in blocks of
@@ -77,8 +77,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
+from dllm_align.generate import block, dream  # noqa: F401 (their rules register on import)
+from dllm_align.generate.canvas import canvas, completion, first_stop
+from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule
+
+# transformers is imported where the fast mode builds its cache: transformers takes longer to import than torch, and the generator
+# factory (generate/backend.py) imports this module for every backend, served ones included.
 
 
 # --------------------------------------------------------------------------- cached forward
@@ -173,8 +180,6 @@ def _kv_forward_for(mp) -> Optional[_KVForward]:
     why = _KVForward.unsupported(mp.model) if mp.separable else "the model's output head is not separable"
     if why is not None:
         if why not in _WARNED:
-            from dllm_align.core.console import warn
-
             warn(f"fast mode cache is not available ({why}); recomputing the whole sequence at every step")
             _WARNED.add(why)
         return None
@@ -184,146 +189,10 @@ def _kv_forward_for(mp) -> Optional[_KVForward]:
 
 
 # --------------------------------------------------------------------------- the sampler
-def _pad_id(mp) -> int:
-    tok = mp.tokenizer
-    pid = getattr(tok, "pad_token_id", None) if tok is not None else None
-    if pid is None:
-        pid = mp.stop_token_ids[0] if mp.stop_token_ids else 0
-    return int(pid)
-
-
-def _first_stop(gen: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: whether a stop token is present and the index of the first one."""
-    is_stop = torch.isin(gen, stops)
-    has = is_stop.any(dim=1)
-    first = torch.where(has, is_stop.int().argmax(dim=1), torch.full_like(has, gen.shape[1], dtype=torch.long))
-    return has, first
-
-
-def _canvas(mp, prompts: Sequence[Sequence[int]], gen_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts left-padded, each followed by ``gen_length`` masks; and the attention mask (on the model's device)."""
-    P = max(len(p) for p in prompts)
-    x = torch.full((len(prompts), P + gen_length), _pad_id(mp), dtype=torch.long)
-    attn = torch.zeros_like(x)
-    for i, p in enumerate(prompts):
-        x[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p) :] = 1
-    x[:, P:] = mp.mask_token_id
-    return x.to(mp.device), attn.to(mp.device)
-
-
-def _completion(mp, gen: torch.Tensor, stops: torch.Tensor, forwards: int, stats: "SamplerStats") -> Completion:
-    """One row's result from its generated span: the text before the first stop token, rendered as the
-    family's published code renders it."""
-    raw = gen.tolist()
-    has, first = _first_stop(gen[None], stops)
-    ids = raw[: int(first[0])]
-    keep = getattr(getattr(mp, "family", None), "decode_keeps_special", False)
-    text = mp.tokenizer.decode(ids, skip_special_tokens=not keep) if mp.tokenizer is not None else ""
-    stats.decoded += sum(1 for t in raw if t != mp.mask_token_id)
-    return Completion(ids=ids, text=text, raw=raw, stopped=bool(has[0]), forwards=forwards)
-
-
-def _generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
-    """One batch under Dream's rule (:mod:`dllm_align.generate.dream` denoises the canvas)."""
-    from dllm_align.generate.dream import denoise
-
-    x, attn = _canvas(mp, prompts, settings.gen_length)
-    P = x.shape[1] - settings.gen_length
-    gens = [torch.Generator(device=mp.device).manual_seed(int(s)) for s in seeds]
-    local = SamplerStats(prompts=len(prompts))
-    local.forwards = denoise(mp, x, attn, settings, gens)
-    local.positions = local.forwards * x.numel()
-    stops = torch.tensor(mp.stop_token_ids or [-1], device=mp.device)
-    out = [_completion(mp, x[b, P:], stops, local.forwards, local) for b in range(len(prompts))]
-    local.seconds = time.perf_counter() - t0
-    if stats is not None:
-        stats.add(local)
-    return out
-
-
-def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
-    """``settings`` for this model: ``sampler: auto`` resolved to its family's rule, then checked, the rule's
-    needs of the model included (the block rule: a block-diffusion model, decoded in its own block length).
-    Callers that write anything check with it first, so a refusal leaves nothing behind."""
-    settings = settings.for_model(mp)
-    settings.check()
-    if settings.sampler == "block":
-        b = mp.block_size
-        if b is None:
-            raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
-        if settings.block_length != b:
-            raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
-                            hint=f"set generate.block_length: {b} (the blocks it was trained with)")
-    return settings
-
-
-def _generate_batch_block(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float) -> list[Completion]:
-    """One batch under the block-diffusion rule (:mod:`dllm_align.generate.block`), prompt by prompt.
-
-    ``cache: none`` recomputes every finished block at each step (exact); ``prefix`` / ``dual`` keep
-    finished blocks in a KV cache (SDAR's published way). The family says whose rule (``block_rule``). ``threshold`` set: ``low_confidence_dynamic``
-    (every position above it, when they are at least the step's count), else ``low_confidence_static``.
-    """
-    from dllm_align.generate.block import block_generate
-
-    b = mp.block_size
-    dev = mp.device
-    stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
-    local = SamplerStats(prompts=len(prompts))
-    strategy = "low_confidence_static" if settings.threshold is None else "low_confidence_dynamic"
-    out = []
-    for prompt, seed in zip(prompts, seeds):
-        calls: list[int] = []
-        with mp._autocast(dev.type):
-            x = block_generate(mp.model, torch.tensor(list(prompt), device=dev), mp.mask_token_id, settings.gen_length,
-                               b, settings.steps_per_block, float(settings.temperature), top_k=settings.top_k or 0,
-                               top_p=settings.top_p or 1.0, strategy=strategy, threshold=settings.threshold or 1.0,
-                               stop_ids=mp.stop_token_ids, use_cache=settings.cache != "none",
-                               generator=torch.Generator(device=dev).manual_seed(int(seed)), calls=calls,
-                               rule=mp.family.block_rule)
-        gen = x[0, len(prompt): len(prompt) + settings.gen_length]
-        local.forwards += calls[0]
-        local.positions += calls[0] * b
-        out.append(_completion(mp, gen, stops, calls[0], local))
-    local.seconds = time.perf_counter() - t0
-    if stats is not None:
-        stats.add(local)
-    return out
-
-
 @torch.no_grad()
-def generate_batch(
-    mp,
-    prompts: Sequence[Sequence[int]],
-    settings: SamplerSettings,
-    *,
-    seeds: Optional[Sequence[int]] = None,
-    stop_early: bool = True,
-    stats: Optional[SamplerStats] = None,
-) -> list[Completion]:
-    """Decode one batch of tokenised prompts (left-padded together). See the module docstring.
-
-    ``seeds``: one per prompt (default: :func:`row_seed` of ``settings.seed`` and
-    the prompt's index in this call; the CLI passes the prompt ids instead).
-    A family whose rule is Dream's (``settings.sampler`` auto or dream) is decoded
-    by :func:`dllm_align.generate.dream.generate_batch_dream`.
-    """
-    settings = settings_for(mp, settings)
-    if not prompts:
-        return []
-    if any(len(p) == 0 for p in prompts):
-        raise UserError("an empty prompt cannot be decoded (it has no tokens)")
-    t0 = time.perf_counter()
+def _generate_batch_llada(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
+    """One batch under LLaDA's rule, exact or fast (the module docstring)."""
     B = len(prompts)
-    if seeds is None:
-        seeds = [row_seed(settings.seed, i) for i in range(B)]
-    if len(seeds) != B:
-        raise ValueError(f"{len(seeds)} seeds for {B} prompts")
-    if settings.sampler == "dream":
-        return _generate_batch_dream(mp, prompts, settings, seeds, stats, t0)
-    if settings.sampler == "block":
-        return _generate_batch_block(mp, prompts, settings, seeds, stats, t0)
     dev = mp.device
     mask_id = mp.mask_token_id
     P = max(len(p) for p in prompts)
@@ -342,7 +211,7 @@ def generate_batch(
     shift = mp.family.logit_shift
     sp = mp.family.source_positions
 
-    x, attn = _canvas(mp, prompts, G)
+    x, attn = canvas(mp, prompts, G)
     is_prompt = attn.bool().clone()
     is_prompt[:, P:] = False
     pos = mp.position_ids(attn, x.shape, dev)
@@ -354,7 +223,7 @@ def generate_batch(
     col = torch.arange(T, device=dev)
 
     def finish(j: int) -> None:
-        results[rows[j]] = _completion(mp, x[j, P:], stops, int(forwards[rows[j]]), local)
+        results[rows[j]] = completion(mp, x[j, P:], stops, int(forwards[rows[j]]), local)
 
     def keep_rows(keep: list[int]) -> None:
         nonlocal x, attn, is_prompt, pos, gens, rows
@@ -369,7 +238,7 @@ def generate_batch(
 
     for blk in range(settings.num_blocks):
         if stop_early and blk > 0:
-            has, first = _first_stop(x[:, P:], stops)
+            has, first = first_stop(x[:, P:], stops)
             before = (x[:, P:] == mask_id) & (col[: G].unsqueeze(0) < first.unsqueeze(1))
             done = (has & ~before.any(dim=1)).tolist()
             if any(done):
@@ -495,6 +364,40 @@ def generate_batch(
     if stats is not None:
         stats.add(local)
     return results  # type: ignore[return-value]
+
+
+register_rule(DecodingRule("llada", _generate_batch_llada))
+
+
+@torch.no_grad()
+def generate_batch(
+    mp,
+    prompts: Sequence[Sequence[int]],
+    settings: SamplerSettings,
+    *,
+    seeds: Optional[Sequence[int]] = None,
+    stop_early: bool = True,
+    stats: Optional[SamplerStats] = None,
+) -> list[Completion]:
+    """Decode one batch of tokenised prompts (left-padded together). See the module docstring.
+
+    ``seeds``: one per prompt (default: :func:`row_seed` of ``settings.seed`` and
+    the prompt's index in this call; the CLI passes the prompt ids instead).
+    The rule is ``settings.sampler``'s (auto: the model family's), looked up by name in
+    :data:`dllm_align.generate.rules.RULES`.
+    """
+    settings = settings_for(mp, settings)
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise UserError("an empty prompt cannot be decoded (it has no tokens)")
+    t0 = time.perf_counter()
+    B = len(prompts)
+    if seeds is None:
+        seeds = [row_seed(settings.seed, i) for i in range(B)]
+    if len(seeds) != B:
+        raise ValueError(f"{len(seeds)} seeds for {B} prompts")
+    return rule_for(settings.sampler).decode_batch(mp, prompts, settings, seeds, stats, t0, stop_early)
 
 
 def generate(

@@ -5,132 +5,46 @@ per-row seeds, completion records and statistics, and prompt encoding with the c
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
+from pydantic import ConfigDict, ValidationError
 
+from dllm_align.config.schema import GenerateSection
 from dllm_align.core.errors import UserError
 
-
-REMASKING = ("low_confidence", "random")
-SAMPLERS = ("auto", "llada", "dream", "block")  # auto: the model family's published rule
-CACHES = ("none", "prefix", "dual")
-FAST_CACHE = "dual"
-FAST_THRESHOLD = 0.9  # Fast-dLLM's default confidence threshold
+# Keys of the generate section that say how a run is organised, not which tokens a prompt gets.
+RUN_KEYS = frozenset({"backend", "batch_size", "split", "limit"})
 
 
 # --------------------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class SamplerSettings:
-    """What decides the tokens. Defaults are the paper's (SPEC.md §7)."""
+class SamplerSettings(GenerateSection):
+    """The recipe's ``generate`` section as the samplers read it: the same fields, defaults and checks
+    (:class:`dllm_align.config.schema.GenerateSection`), frozen, plus the quantities a sampler derives from them.
 
-    gen_length: int = 512
-    block_length: int = 32
-    steps: int = 512
-    remasking: str = "low_confidence"
-    temperature: float = 0.0
-    cfg: float = 0.0
-    cache: str = "none"
-    threshold: Optional[float] = None
-    seed: int = 0
-    # Which rule decodes: "llada" (this module), "dream" (dllm_align.generate.dream), or "auto":
-    # the model family's own. The fields below belong to the Dream rule (published defaults).
-    sampler: str = "auto"
-    alg: str = "origin"
-    alg_temp: float = 0.0
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    eps: float = 1e-3
+    Built from keywords (``SamplerSettings(gen_length=64, ...)``, refused in one line naming every problem) or
+    from a section (:meth:`from_section`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    def __init__(self, **data) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise UserError("invalid generation settings: " + "; ".join(_problems(e))) from None
 
     @classmethod
-    def from_section(cls, section) -> "SamplerSettings":
-        """From a recipe's ``generate`` section."""
-        return cls(
-            gen_length=section.gen_length,
-            block_length=section.block_length,
-            steps=section.steps,
-            remasking=section.remasking,
-            temperature=float(section.temperature),
-            cfg=float(section.cfg),
-            cache=section.cache,
-            threshold=section.threshold,
-            seed=section.seed,
-            sampler=section.sampler,
-            alg=section.alg,
-            alg_temp=float(section.alg_temp),
-            top_p=section.top_p,
-            top_k=section.top_k,
-            eps=float(section.eps),
-        )
+    def from_section(cls, section: GenerateSection) -> "SamplerSettings":
+        """From a recipe's ``generate`` section (already checked: the values are taken as they are)."""
+        return section if isinstance(section, cls) else cls(**section.model_dump())
+
+    def replace(self, **changes) -> "SamplerSettings":
+        """These settings with ``changes``, checked again."""
+        return type(self)(**{**self.model_dump(), **changes})
 
     def for_model(self, mp) -> "SamplerSettings":
-        """These settings with ``sampler: auto`` resolved to the model family's rule."""
-        if self.sampler != "auto":
-            return self
-        from dataclasses import replace
-
-        return replace(self, sampler=mp.family.sampler)
-
-    def problems(self) -> list[str]:
-        out = []
-        for name in ("gen_length", "block_length", "steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                out.append(f"{name} must be a positive integer (got {v!r})")
-        if out:
-            return out
-        out += self._rule_problems()
-        if self.sampler == "dream":
-            pass  # one canvas: block_length is not used
-        elif self.gen_length % self.block_length:
-            out.append(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})")
-        elif self.steps % self.num_blocks:
-            out.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({self.num_blocks})")
-        if self.remasking not in REMASKING:
-            out.append(f"remasking must be one of {', '.join(REMASKING)} (got {self.remasking!r})")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            out.append(f"temperature must be >= 0 (got {self.temperature})")
-        if not (self.cfg >= 0 and math.isfinite(self.cfg)):
-            out.append(f"cfg must be >= 0 (got {self.cfg})")
-        if self.cache not in CACHES:
-            out.append(f"cache must be one of {', '.join(CACHES)} (got {self.cache!r})")
-        if self.threshold is not None and not (0 < self.threshold <= 1):
-            out.append(f"threshold must be in (0, 1] (got {self.threshold})")
-        return out
-
-    def _rule_problems(self) -> list[str]:
-        from dllm_align.generate.dream import ALGS
-
-        out = []
-        if self.sampler not in SAMPLERS:
-            out.append(f"sampler must be one of {', '.join(SAMPLERS)} (got {self.sampler!r})")
-        if self.alg not in ALGS:
-            out.append(f"alg must be one of {', '.join(ALGS)} (got {self.alg!r})")
-        if not (self.alg_temp >= 0 and math.isfinite(self.alg_temp)):
-            out.append(f"alg_temp must be >= 0 (got {self.alg_temp})")
-        if self.top_p is not None and not (0 < self.top_p <= 1):
-            out.append(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            out.append(f"top_k must be a positive integer (got {self.top_k!r})")
-        if not (0 < self.eps < 1):
-            out.append(f"eps must be in (0, 1) (got {self.eps})")
-        if self.sampler == "dream":
-            if self.cache != "none" or self.threshold is not None:
-                out.append("the Dream rule decodes one canvas: cache and threshold apply to the LLaDA sampler "
-                           "(generate.sampler: llada)")
-            if self.cfg > 0:
-                out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
-        elif self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
-            out.append("top_p / top_k belong to the Dream and block rules (generate.sampler: dream or block)")
-        elif self.sampler == "block" and self.cfg > 0:
-            out.append("cfg applies to the LLaDA sampler only (the block rule has no guidance)")
-        return out
-
-    def check(self) -> None:
-        probs = self.problems()
-        if probs:
-            raise UserError("invalid generation settings: " + "; ".join(probs))
+        """These settings with ``sampler: auto`` resolved to the model family's rule (and checked for that rule)."""
+        return self if self.sampler != "auto" else self.replace(sampler=mp.family.sampler)
 
     @property
     def num_blocks(self) -> int:
@@ -145,11 +59,22 @@ class SamplerSettings:
         return self.cache == "none" and self.threshold is None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings that decide the tokens (what a run records beside its outputs)."""
+        return self.model_dump(exclude=RUN_KEYS)
+
+
+def _problems(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        loc = ".".join(str(x) for x in e["loc"])
+        got = f" (got {e['input']!r})" if loc else ""
+        out.append(f"{loc}: {msg}{got}" if loc else msg)
+    return out
 
 
 def transfer_schedule(n: int, s: int) -> list[int]:
-    """Tokens committed at each of the s steps of a block with n masked tokens (SPEC.md §7)."""
+    """Tokens committed at each of the s steps of a block with n masked tokens (docs/design.md#the-llada-rule)."""
     return [n // s + (1 if i < n % s else 0) for i in range(s)]
 
 
@@ -196,7 +121,7 @@ class SamplerStats:
 
 # --------------------------------------------------------------------------- prompts
 def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Prompt ids: the chat template with the generation prompt added (SPEC.md §2).
+    """Prompt ids: the chat template with the generation prompt added (docs/design.md#tokens-padding-and-packing).
 
     Rendered to text and encoded without extra special tokens, exactly as
     :mod:`dllm_align.data.tokenize` encodes training prompts, so a prompt decodes

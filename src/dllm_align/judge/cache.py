@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dllm_align.core.io import JsonlAppender, recover_jsonl
+
 CACHE_VERSION = 1
 
 
@@ -34,8 +36,9 @@ def judgement_key(judge: str, template: str, prompt: str, first: str, second: st
                   max_tokens: int, token_param: str = "max_tokens") -> str:
     """Cache key of one API judgement: everything that shapes the request. The
     answers are positional (``first`` is shown as Answer A), so the order is part
-    of the key. Settings added later enter the hash only when they differ from
-    the old behaviour, so existing caches stay valid."""
+    of the key. ``token_param`` enters the hash only when it is not the default
+    ``max_tokens``, so a request that sends ``max_tokens`` keeps the key it has in
+    caches written before the setting existed."""
     fields: dict[str, Any] = {
         "v": CACHE_VERSION,
         "judge": judge,
@@ -54,8 +57,6 @@ def judgement_key(judge: str, template: str, prompt: str, first: str, second: st
 
 def load_cache(path: Path) -> dict[str, dict]:
     """``{key: row}`` of the finished judgements in ``path`` (first line per key wins)."""
-    from dllm_align.core.io import recover_jsonl
-
     cache: dict[str, dict] = {}
     for row in recover_jsonl(path):
         key, verdict = row.get("key"), row.get("verdict")
@@ -77,8 +78,6 @@ class CacheWriter:
         if row["key"] in self.cache:
             return False
         if self._appender is None:
-            from dllm_align.core.io import JsonlAppender
-
             self._appender = JsonlAppender(self.path)
         self._appender.write(row)
         self.cache[row["key"]] = row

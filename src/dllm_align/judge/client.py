@@ -1,5 +1,5 @@
 """The judge's transport: the ``openai`` SDK over an ``httpx2`` client that we
-configure and guard ourselves (SPEC.md section 8).
+configure and guard ourselves (docs/design.md#secrets).
 
 What the SDK gives us: request building and typed replies for chat completions,
 files and batches, its error classes, and whatever OpenAI-compatible servers

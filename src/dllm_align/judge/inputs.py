@@ -1,5 +1,5 @@
 """What the judge reads and sends: generation rows, their pairing by id, the
-judging template and the verdict in a reply (SPEC.md section 8). Pure
+judging template and the verdict in a reply (docs/design.md#judging). Pure
 functions; :mod:`dllm_align.judge.run` runs them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pairwise judging of two sets of generations: SPEC.md section 8, paper Appendix C.
+"""Pairwise judging of two sets of generations: docs/design.md#judging, paper Appendix C.
 
 For every prompt, the completion of model A (the tuned model) and of model B
 (the base model) are shown to a judge twice, A first and B first. The verdicts

@@ -1,4 +1,4 @@
-"""Statistics of pairwise judging: SPEC.md section 8, paper Appendix C.
+"""Statistics of pairwise judging: docs/design.md#judging, paper Appendix C.
 
 Everything here is a pure function of plain arrays, so each number can be
 checked by hand. An *outcome* is the result of one prompt for model A (the
@@ -285,7 +285,7 @@ def summarize(outcomes: Sequence[int] | np.ndarray, n_resamples: int = 5000, see
 #    length, the weighted one 0.53 (tests/test_judge_report.py).
 # 2. Shrinkage toward the AWR when one side is thin: the balancing weights hand the few prompts on the
 #    minority side half of all the weight, so with A longer on 399 of 400 prompts one verdict moved the
-#    fit from 23% to 92% (9% to 97% in the issue's data set). With fewer than LC_MIN_SIDE prompts on a side the data cannot separate length
+#    fit from 23% to 92%. With fewer than LC_MIN_SIDE prompts on a side the data cannot separate length
 #    from quality, and the estimate is pulled toward the AWR in proportion (trust = m / LC_MIN_SIDE;
 #    no prompt on one side: LC-AWR = AWR). The report gives the share of prompts where A is longer and
 #    the trust next to the value, and warns when trust < 1. On balanced data (m >= LC_MIN_SIDE) nothing

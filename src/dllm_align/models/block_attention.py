@@ -43,6 +43,10 @@ from typing import Optional
 
 import torch
 
+# Imported where used: transformers (transformers takes longer to import than torch, and the family records reach this module without a
+# model) and torch.nn.attention.flex_attention (from torch 2.5 on, pyproject allows 2.4; only the flex
+# variant needs it).
+
 STREAMS_ATTENTION = "dllm_block_sdpa"
 STREAMS_EAGER = "dllm_block_eager"
 STREAMS_FLEX = "dllm_block_flex"

@@ -2,13 +2,14 @@
 
 Three kinds of model load the same way (:func:`load_model`):
 
-* ``builtin:tiny`` - a tiny bidirectional transformer (Llama architecture with
-  ``is_causal = False``) and a byte-level tokenizer, both built from code with
-  no network. Used by tests, the demo and CI.
+* ``builtin:tiny`` and the other ``BUILTIN_SPECS`` - a tiny random model of a
+  family's layout (``builtin:tiny``: LLaDA's, a Llama body with ``is_causal = False``)
+  and a byte-level tokenizer, both built from code by the family
+  (``Family.build_tiny``) with no network. Used by tests, the demo and CI.
 * Checkpoints of a known family (LLaDA, Dream, LLaDA-MoE: ``dllm_align.models.families``)
   - mapped onto a native bidirectional transformers model; no
   ``trust_remote_code`` needed, and the result supports gradient checkpointing,
-  SDPA / flash attention and KV caches (SPEC.md sections 10 and 11).
+  SDPA / flash attention and KV caches (docs/design.md#model-families).
 * Anything transformers can load (``AutoModelForCausalLM``, or ``AutoModel``
   with ``trust_remote_code`` when the user turns it on).
 
@@ -23,41 +24,41 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from packaging.version import Version
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import fsync_tree, verify_checksums
+from dllm_align.data.read import hub_reachable
+from dllm_align.models.block_attention import VARIANTS, use_streams_attention
+from dllm_align.models.families import (
+    FAMILIES,
+    describe_config,
+    family_for_config,
+    family_of,
+    get_family,
+    native_family,
+)
+from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
     pass
 from dllm_align.models.predictor import MaskPredictor
 
+# transformers and huggingface_hub are imported inside the functions that build a model or reach the
+# Hub: the memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch.
+
 
 
 BUILTIN_TINY = "builtin:tiny"
-
-# Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
-BOS = "<|startoftext|>"
-EOS = "<|endoftext|>"
-EOT = "<|eot_id|>"
-START_HEADER = "<|start_header_id|>"
-END_HEADER = "<|end_header_id|>"
-MASK = "<|mdm_mask|>"
-SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT, MASK]
-
-# LLaDA's chat format: role headers, content, end-of-turn; the generation
-# prompt opens the assistant turn.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class TinySpec:
     intermediate_size: int = 128
     max_position_embeddings: int = 4096
     seed: int = 0
-    family: str = "llada"  # "dream": a Qwen2 body with shifted logits and Dream's tokens; "sdar", "llada2": block diffusion
+    family: str = "llada"  # the family that builds it (its Family's tiny_tokenizer and build_tiny)
 
 
 # Random-init models built from code (no files), deterministic by spec.
@@ -80,7 +81,7 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     "builtin:tiny-sdar": TinySpec(family="sdar"),  # block diffusion (SDAR's Qwen3 layout, block 4) at the tiny size
     "builtin:small-sdar": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="sdar"),
     # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
-    # size, with blocks of 8 so that short rows span several blocks (the published block is 32)
+    # size, with blocks of 8 (families/block.py's build_tiny_llada2)
     "builtin:tiny-llada2": TinySpec(family="llada2"),
 }
 
@@ -98,8 +99,6 @@ MIN_TRANSFORMERS = "5.2"
 
 def require_transformers(version: str) -> None:
     """Refuse a transformers release that would make the bidirectional bodies causal."""
-    from packaging.version import Version
-
     if Version(version) < Version(MIN_TRANSFORMERS):
         raise UserError(f"transformers {version} is too old: before {MIN_TRANSFORMERS} it ignores is_causal=False, "
                         "so a diffusion model's attention would be causal",
@@ -123,77 +122,35 @@ def _ready_transformers() -> None:
 
 
 # --------------------------------------------------------------------------- tiny model
+def _tiny_family(family: str):
+    """The family that makes a built-in model (its ``tiny_tokenizer`` and ``build_tiny``); one without them is refused."""
+    fam = get_family(family)
+    if fam.build_tiny is None or fam.tiny_tokenizer is None:
+        have = ", ".join(f.name for f in FAMILIES.values() if f.build_tiny is not None)
+        raise UserError(f"model family '{fam.name}' has no built-in model", hint=f"families with one: {have}")
+    return fam
+
+
 def build_tiny_tokenizer(family: str = "llada"):
-    """A byte-level tokenizer (256 byte symbols + LLaDA-style specials) with a chat template.
+    """The byte-level tokenizer of a family's built-in models: its special tokens and chat template.
 
     Every string round-trips exactly, so any real text (the kto-mix rows) can be
-    fed to the tiny model; one token is one UTF-8 byte. ``family="dream"`` gives
-    Dream's special tokens and chat template instead.
+    fed to a tiny model; one token is one UTF-8 byte.
     """
-    if family in ("dream", "sdar"):  # SDAR is Qwen-tokenised too: <|im_start|> / <|im_end|> turns
-        from dllm_align.models.families.dream import build_dream_tokenizer
-
-        return build_dream_tokenizer()
-    from dllm_align.models.families.base import byte_level_tokenizer
-
-    return byte_level_tokenizer(SPECIAL_TOKENS, bos=BOS, eos=EOS, mask=MASK, extra=[START_HEADER, END_HEADER, EOT],
-                                chat_template=CHAT_TEMPLATE)
+    return _tiny_family(family).tiny_tokenizer()
 
 
 def build_tiny_model(tokenizer=None, spec: TinySpec = TinySpec()):
-    """A randomly initialised tiny bidirectional Llama; deterministic for a given spec."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """A randomly initialised built-in model of ``spec.family``'s layout; deterministic for a given spec."""
     _ready_transformers()
-    tokenizer = tokenizer or build_tiny_tokenizer(spec.family)
-    if spec.family == "dream":
-        from dllm_align.models.families.dream import build_dream_model
-
-        return build_dream_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                                 spec.max_position_embeddings, spec.seed)
-    if spec.family == "sdar":
-        from dllm_align.models.families.block import build_sdar_model
-
-        return build_sdar_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                                spec.max_position_embeddings, spec.seed)
-    if spec.family == "llada2":
-        from dllm_align.models.families.block import build_llada2_model
-
-        return build_llada2_model(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
-                                  spec.max_position_embeddings, spec.seed, block_size=8)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        is_causal=False,
-    )
-    cfg.mask_token_id = tokenizer.mask_token_id
-    cfg.dllm_align_family = "llada"
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(cfg)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.eval()
+    fam = _tiny_family(spec.family)
+    tokenizer = tokenizer or fam.tiny_tokenizer()
+    return fam.build_tiny(tokenizer, spec.hidden_size, spec.layers, spec.heads, spec.intermediate_size,
+                          spec.max_position_embeddings, spec.seed)
 
 
 def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     """Write the tiny model and tokenizer as a model folder (built beside ``path``, then renamed into place)."""
-    import shutil
-    import tempfile
-
-    from dllm_align.core.io import fsync_tree
-
     tok = build_tiny_tokenizer(spec.family)
     model = build_tiny_model(tok, spec)
     path = Path(path)
@@ -227,9 +184,8 @@ def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
             f"model '{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
             hint="pass a local folder (model.name_or_path: /path/to/model) or unset HF_HUB_OFFLINE",
         )
-    from dllm_align.data.read import _hub_reachable
 
-    if not _hub_reachable():
+    if not hub_reachable():
         raise UserError(f"model '{repo_id}' is not in the local Hugging Face cache and the Hugging Face Hub cannot be reached",
                         hint="pass a local folder (model.name_or_path: /path/to/model), or run where the hub is reachable")
     try:
@@ -274,15 +230,13 @@ def resolve_config_file(name_or_path: str, revision: Optional[str] = None) -> Pa
         return Path(resolve_model_path(name_or_path, revision)) / "config.json"
     from huggingface_hub import hf_hub_download
 
-    from dllm_align.data.read import _hub_reachable
-
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     _ready_transformers()  # no stray huggingface_hub log line before the one Error line
     try:
         return Path(hf_hub_download(name_or_path, "config.json", revision=revision, local_files_only=True))
     except Exception:
         pass  # not cached: fetch it, if the hub can be reached at all
-    if not offline and not _hub_reachable():
+    if not offline and not hub_reachable():
         # A quick probe rather than the client's retries (about 28 s on a machine without a network).
         raise UserError(f"could not read the config.json of '{name_or_path}': it is not cached and the Hugging Face Hub "
                         "cannot be reached", hint="pass a local model folder, or run where the hub is reachable")
@@ -352,8 +306,6 @@ def load_model(
     tokenizer: Optional[str] = None,
 ) -> "MaskPredictor":
     """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
-    from dllm_align.core.console import warn
-
     _ready_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
@@ -362,8 +314,6 @@ def load_model(
         tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
-        from dllm_align.core.io import verify_checksums
-
         path = Path(path)
         try:
             cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -378,7 +328,6 @@ def load_model(
                          hint="the folder was damaged after it was written; use an earlier checkpoint")
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
-        from dllm_align.models.families import family_for_config, native_family
 
         family = family_for_config(cfg)
         if family.refuse_reason:
@@ -401,8 +350,6 @@ def load_model(
             try:
                 conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             except ValueError as e:
-                from dllm_align.models.families import FAMILIES, describe_config
-
                 raise UserError(
                     f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
                     f"does not know it ({str(e).splitlines()[0][:120]})",
@@ -426,14 +373,12 @@ def load_model(
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
-    from dllm_align.models.families import family_of
 
     if family_of(model).block_size:
         _block_attention(model, attn_implementation)
     elif attn_implementation and (isinstance(path, str) or native is not None):
         _set_attention(model, attn_implementation)  # the other loads passed it to from_pretrained
     model.to(device)
-    from dllm_align.models.precision import keep_fp32_buffers
 
     keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
@@ -454,8 +399,6 @@ def _set_attention(model, impl: str) -> None:
 def _block_attention(model, impl: Optional[str]) -> None:
     """A block-diffusion model runs the streams attention (``models.block_attention``) on sdpa (default),
     eager or FlexAttention; flash has no kernel for its layout and is refused by name."""
-    from dllm_align.models.block_attention import VARIANTS, use_streams_attention
-
     if impl not in VARIANTS and impl not in VARIANTS.values():
         raise UserError(
             f"model.attn_implementation: {impl} is not available for block-diffusion models",

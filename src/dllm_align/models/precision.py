@@ -42,9 +42,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
+
+from dllm_align.core.errors import UserError
+
+# Imported where used, since the memory estimate reaches this module without a model: transformers (MoE
+# experts only; it takes longer to import than torch), accelerate (the launch handlers) and
+# torch.distributed.fsdp (only an FSDP run needs it; FSDP2's names are public from torch 2.6, pyproject
+# allows 2.4).
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
@@ -74,8 +82,6 @@ def resolve_mixed_precision(mode: str, device) -> str:
     autocast in fp16 is neither faster nor what a GPU run would compute."""
     dev = torch.device(device)
     if mode == "fp16" and dev.type != "cuda":
-        from dllm_align.core.errors import UserError
-
         raise UserError(f"train.mixed_precision fp16 needs a CUDA device (this run is on {dev.type})",
                         hint="use train.mixed_precision: bf16 (runs on CPU too, as on the GPU) or no")
     if mode != "auto":
@@ -247,8 +253,6 @@ def fsdp_mixed_precision(fsdp_version: int):
 
 def accelerator_kwargs(recipe) -> list:
     """accelerate handlers every launch uses: the process-group timeout and autocast without a weight cache."""
-    from datetime import timedelta
-
     from accelerate.utils import AutocastKwargs, InitProcessGroupKwargs
 
     return [

@@ -13,6 +13,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from dllm_align.core.errors import UserError
+from dllm_align.models.block_attention import STREAMS_ATTENTION, uses_streams_attention
+from dllm_align.models.families import family_of
+from dllm_align.models.precision import autocast, experts_in_compute_precision
+
+# torch.nn.attention.flex_attention is imported where the flex variant runs: it exists from torch 2.5 on
+# and pyproject allows 2.4.
 
 if TYPE_CHECKING:
     from dllm_align.models.block_attention import Streams
@@ -36,8 +42,6 @@ class MaskPredictor:
     """
 
     def __init__(self, model, tokenizer, mask_token_id: Optional[int] = None):
-        from dllm_align.models.families import family_of
-
         self.model = model
         self.tokenizer = tokenizer
         self.family = family_of(model)
@@ -98,9 +102,12 @@ class MaskPredictor:
     @property
     def block_size(self) -> Optional[int]:
         """The block size of a block-diffusion family (the checkpoint's config wins); None otherwise."""
-        if not self.family.block_size:
-            return None
-        return int(getattr(getattr(self.model, "config", None), "block_size", None) or self.family.block_size)
+        return self.family.block_size_in(getattr(self.model, "config", None))
+
+    @property
+    def likelihood(self) -> str:
+        """The name of the family's likelihood (``dllm_align.objective.elbo.LIKELIHOODS``)."""
+        return self.family.likelihood
 
     @property
     def vocab_size(self) -> int:
@@ -129,13 +136,9 @@ class MaskPredictor:
     def set_precision(self, precision: Optional["Precision"]) -> None:
         self.precision = precision
         if precision is not None and precision.autocast is not None and precision.autocast != precision.weights:
-            from dllm_align.models.precision import experts_in_compute_precision
-
             experts_in_compute_precision(self.model)  # MoE experts: autocast does not see grouped matmuls
 
     def _autocast(self, device_type: str):
-        from dllm_align.models.precision import autocast
-
         return autocast(self.precision, device_type)
 
     @property
@@ -149,8 +152,6 @@ class MaskPredictor:
         block-diffusion streams rows (``dllm_align.models.block_attention``: every stream of a row at the
         positions of its sequence; ``attention_mask`` is not used, ``streams.valid`` says what is real)."""
         if streams is not None:
-            from dllm_align.models.block_attention import STREAMS_ATTENTION, uses_streams_attention
-
             if not uses_streams_attention(self.model):
                 raise RuntimeError(f"block-diffusion streams need the {STREAMS_ATTENTION} attention (load_model sets it)")
             pos = self.position_ids(streams.valid, streams.blocks.shape, input_ids.device).repeat(1, streams.draws + 1)

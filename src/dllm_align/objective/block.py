@@ -1,4 +1,5 @@
-"""Block diffusion (LLaDA2.x, SDAR, BD3-LM): the training attention masks and the block ELBO.
+"""Block diffusion (LLaDA2.x, SDAR, BD3-LM): the training attention masks, the block ELBO and its likelihood
+component (``"block"``, :class:`BlockDiffusion`).
 
 Facts this module follows (from the published training code, dllm's ``core/trainers/bd3lm.py`` and the
 serving tables that pair ``LLaDA2MoeModelLM`` with block 32 / mask 156895 and ``SDARForCausalLM`` with
@@ -27,6 +28,12 @@ import math
 from typing import Callable, Optional
 
 import torch
+
+from dllm_align.data.batching import pack_rows
+from dllm_align.models.block_attention import Streams, use_streams_attention
+from dllm_align.models.predictor import MaskPredictor, packed_positions
+from dllm_align.objective.draws import AbsorbingMask
+from dllm_align.objective.likelihood import Footprint
 
 
 def block_of(positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -100,8 +107,6 @@ def hf_streams_forward(model, draws: int, length: int, block_size: int) -> Forwa
     """A transformers body run with the streams attention (``dllm_align.models.block_attention``) for a
     (K+1)L streams layout of unpadded rows (the mask argument is ignored). The model is switched to that
     attention for good: it is plain SDPA whenever no streams layout is passed."""
-    from dllm_align.models.block_attention import Streams, use_streams_attention
-
     use_streams_attention(model)
 
     def run(ids, positions, mask):
@@ -177,7 +182,7 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
                     max_rows_per_forward: Optional[int] = None, pack_length: Optional[int] = None) -> torch.Tensor:
     """Per-draw sums of log p at the masked positions [B*K], for a block-diffusion family.
 
-    ``nb`` is :func:`dllm_align.objective.elbo.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
+    ``nb`` is :func:`dllm_align.objective.draws.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
     b). Each forward call takes a group of rows, each laid out as ``[x_t^{j1}; ...; x_t^{jc}; x_0]`` (c
     draws and the clean stream, (c+1)T tokens) and run with the streams attention
     (``dllm_align.models.block_attention``): the value of every draw is what the published 2L form gives,
@@ -190,9 +195,6 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
     packed row holding the same sequences at the same columns, and no sequence sees another
     (``Streams.docs``): the values of the padded layout, without the compute on padding.
     """
-    from dllm_align.models.block_attention import Streams
-    from dllm_align.models.predictor import MaskPredictor
-
     if pack_length is not None and attention_mask is not None:
         return _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
 
@@ -231,10 +233,6 @@ def _calls(rows: int, draws: int, max_rows_per_forward: Optional[int]) -> tuple[
 
 def _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length):
     """:func:`block_draw_sums` on packed rows (its docstring)."""
-    from dllm_align.data.batching import pack_rows
-    from dllm_align.models.block_attention import Streams
-    from dllm_align.models.predictor import packed_positions
-
     B, K = nb.B, nb.K
     dev = nb.input_ids.device
     p = pack_rows(input_ids, attention_mask.sum(dim=1).tolist(), pack_length)
@@ -262,3 +260,44 @@ def _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_r
             lp = mp.target_logprobs(ids, None, rr, cc, nb.targets[sel], streams=streams)
             parts.append(torch.zeros(B * K, dtype=torch.float32, device=lp.device).index_add(0, s * K + j, lp))
     return torch.stack(parts).sum(0)
+
+
+# --------------------------------------------------------------------------- the likelihood component
+class BlockDiffusion(AbsorbingMask):
+    """Block diffusion, the likelihood component ``"block"``: each draw is scored given its own noisy block and
+    the clean earlier blocks, the K draws of a row going through the network as one streams row
+    ``[x_t^1; ...; x_t^K; x_0]`` with the clean stream computed once (:func:`block_draw_sums`; packed rows too).
+    The block size is the model's (``mp.block_size``: the checkpoint's config, else the family's).
+
+    The masks and weights are the masked-diffusion ones (:func:`dllm_align.objective.draws.draw_masks`): the
+    l-estimator's expectation is the block ELBO with t uniform on (0, 1], since a mask hiding n of L tokens
+    gets the same total weight, 1 / (n C(L, n)), under both (:func:`mask_weight`).
+    """
+
+    name = "block"
+
+    def draw_sums(self, mp, nb, input_ids, attention_mask, max_rows_per_forward, pack_length) -> torch.Tensor:
+        block_size = getattr(mp, "block_size", None)
+        if not block_size:
+            raise ValueError("the block-diffusion likelihood needs the model's block size (mp.block_size)")
+        return block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
+
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
+        k, T = draws, length
+        return Footprint(
+            rows=k + 1,  # K noisy streams and one shared clean stream, never scored
+            scored_rows=k,
+            # the streams attention concatenates each noisy stream's keys and values with the clean stream's
+            # ([rows, heads, K, 2T, head_dim] each) and the backward keeps both: 4 x heads x head_dim per noisy token
+            saved_kv_bytes=4 * shape.heads * shape.head_dim * compute_bytes,
+            kv_line="block-diffusion streams K/V copies (saved for backward)",
+            # the streams attention's boolean masks per row: noisy queries over (own, clean) keys, clean over clean
+            mask_bytes=3 * T * T,
+            mask_line="block-diffusion stream masks (bool)",
+            dense_packed_masks=False,  # packed rows run under the streams masks above
+            note=(f"block diffusion (block {shape.block_size}): {k} noisy streams and one shared clean stream, "
+                  f"{k + 1} x {T} tokens of body per row (2 x {k} x {T} without the shared stream)"),
+        )
+
+
+BLOCK = BlockDiffusion()

@@ -84,7 +84,8 @@ def _prompt_text(messages: list) -> str:
 
 
 def _settings(recipe, temperature: Optional[float]):
-    from dllm_align.generate.settings import FAST_CACHE, FAST_THRESHOLD, SamplerSettings
+    from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
+    from dllm_align.generate.settings import SamplerSettings
 
     s = SamplerSettings.from_section(recipe.generate)
     upd = {}
@@ -94,9 +95,7 @@ def _settings(recipe, temperature: Optional[float]):
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
     if s.cache == "none" and s.threshold is None:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
-    import dataclasses
-
-    return dataclasses.replace(s, **upd)
+    return s.replace(**upd)
 
 
 def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[str] = None, split: str = "train",
@@ -107,13 +106,13 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
 
     from dllm_align.core.console import info, progress
     from dllm_align.core.io import atomic_write_json, atomic_write_text, check_not_input
-    from dllm_align.generate.sampler import generate
+    from dllm_align.generate.backend import backend_factory, make_generator
     from dllm_align.generate.settings import encode_prompt, row_seed
-    from dllm_align.models.load import load_from_section
     from dllm_align.online.verifiers import get_rule
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
+    backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
     judge = None
     if rule.startswith("judge:"):
         if not rule[len("judge:"):]:
@@ -147,16 +146,16 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         verifier = Rule(rule, judge)
     settings = _settings(recipe, temperature)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    name = model or recipe.model.name_or_path
-    mp = load_from_section(recipe.model, dev, name_or_path=name)
-    ids = [encode_prompt(mp.tokenizer, p.messages) for p in items]
+    name = recipe.model.name_or_path if model is None else model
+    gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
+    ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     flat = [(i, j) for i in range(len(items)) for j in range(n)]
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}") for i, j in flat]
     info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
          f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}")
     with progress("sampling", len(flat), unit="samples") as bar:
-        comps = generate(mp, [ids[i] for i, _ in flat], settings, seeds=seeds,
-                         batch_size=recipe.generate.batch_size, on_batch=lambda idx, res: bar.advance(len(idx)))
+        comps = gen.generate([ids[i] for i, _ in flat], settings, seeds, batch_size=recipe.generate.batch_size,
+                             on_batch=lambda idx, res: bar.advance(len(idx)))
     sampler = {k: v for k, v in settings.to_dict().items()}
     rows = []
     try:

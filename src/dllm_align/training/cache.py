@@ -1,4 +1,4 @@
-"""The reference cache: its layout, fingerprint, shards and reader (SPEC.md section 5).
+"""The reference cache: its layout, fingerprint, shards and reader (docs/design.md#the-reference-cache).
 
 Cache layout (``<output_dir>/ref_cache`` unless ``reference.cache`` says otherwise)::
 
@@ -32,8 +32,15 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
+from dllm_align.core import faults
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import atomic_path, sha256_file
+from dllm_align.core.runfolder import refuse_changes
+from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_model_path
+from dllm_align.models.precision import precision_for
 
 
 FORMAT_VERSION = 1
@@ -72,8 +79,6 @@ _HEX64 = set("0123456789abcdef")
 
 # --------------------------------------------------------------------------- digests
 def _sha256_file(path: Path) -> str:
-    from dllm_align.core.io import sha256_file
-
     return sha256_file(path)
 
 
@@ -163,7 +168,7 @@ def folder_weights_digest(folder: Path, known: Optional[dict] = None) -> tuple[s
 # --------------------------------------------------------------------------- fingerprint
 @dataclass
 class Fingerprint:
-    """Everything that changes the cached numbers (SPEC.md section 5)."""
+    """Everything that changes the cached numbers (docs/design.md#the-reference-cache)."""
 
     fields: dict
     weight_files: list  # per-file digests, kept so later checks need not reread the weights
@@ -211,9 +216,6 @@ def fingerprint(
     precision's (:func:`dllm_align.models.precision.precision_for`): a cache made in
     fp32 does not serve a bf16-autocast run, nor the reverse.
     """
-    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_model_path
-    from dllm_align.models.precision import precision_for
-
     name = reference_name(recipe)
     revision = recipe.model.revision
     if name in BUILTIN_SPECS:
@@ -317,8 +319,6 @@ def _contents_sha(elbo: np.ndarray, ids: list[str], digests: list[str]) -> str:
 
 def write_shard(path: Path, elbo: np.ndarray, ids: list[str], digests: list[str], fp_digest: str) -> None:
     """One shard, written atomically, with a checksum of its contents in the metadata."""
-    from safetensors.torch import save
-
     meta = {
         "format": "pt",
         "dllm_align_format_version": str(FORMAT_VERSION),
@@ -328,8 +328,6 @@ def write_shard(path: Path, elbo: np.ndarray, ids: list[str], digests: list[str]
         "contents_sha256": _contents_sha(elbo, ids, digests),
     }
     data = save({"elbo": torch.from_numpy(np.ascontiguousarray(elbo, dtype=np.float32))}, metadata=meta)
-    from dllm_align.core import faults
-    from dllm_align.core.io import atomic_path
 
     n = faults.next_record()
     with atomic_path(path) as tmp:
@@ -346,8 +344,6 @@ class ShardError(Exception):
 
 def read_shard(path: Path) -> tuple[np.ndarray, list[str], list[str], str]:
     """Read and verify one shard; ShardError when it is truncated, malformed or tampered with."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -380,8 +376,6 @@ def cache_dir(recipe) -> Path:
 
 
 def _refuse_other_settings(out: Path, diffs: list) -> None:
-    from dllm_align.core.runfolder import refuse_changes
-
     if diffs:
         refuse_changes(
             f"reference cache {out} was made with other settings, and would be replaced",

@@ -1,10 +1,18 @@
 """Checkpoints and exports of a training run: save, verify, resume, export.
 
-``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout, the
-optimiser and RNG state and ``trainer_state.json``; ``checksums.json`` is
-written last, so a folder whose checksums verify is complete (see the
-:mod:`dllm_align.training.loop` docstring). The functions taking ``run`` read the
-training loop's state object (``training._Run``).
+``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout (safetensors,
+config, tokenizer; LoRA merged, plus the adapter itself), the optimiser state
+(plain tensors, read back with ``weights_only=True``), the RNG state
+(safetensors), ``trainer_state.json`` (the run's record, the step, the data
+position and what the margin watch needs to continue) and ``checksums.json``
+(size and sha256 of every other file), written last. It is written to a
+temporary folder, fsynced and renamed into place, so a folder named ``step-N``
+is always complete. ``--resume`` verifies every checksum of the newest one
+before loading anything (a truncated or modified file is refused by name),
+then continues; the data order, the masks and the learning rate are functions
+of the step, so the resumed run follows the uninterrupted one exactly.
+``final/`` is written the same way; an export killed after it was complete
+but before the rename is finished by the next ``--resume``.
 """
 
 from __future__ import annotations
@@ -13,14 +21,24 @@ import copy
 import json
 import os
 import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import load_file, save_file
 
+from dllm_align.config.schema import LoraSection
 from dllm_align.core import faults
+from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
-from dllm_align.data.examples import units_digest
+from dllm_align.core.io import _fsync_dir, disk_errors, fsync_tree, verify_checksums, write_checksums
+from dllm_align.training.monitor import MarginWatch
+
+# Imported where used: peft (an optional extra: only LoRA runs save adapters), torch.distributed.tensor
+# (public from torch 2.5, pyproject allows 2.4; only FSDP2 states hold DTensors) and the FSDP1 names of
+# torch.distributed.fsdp (only an FSDP1 run needs them).
 
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
@@ -28,6 +46,49 @@ METRICS = "metrics.jsonl"
 STATE = "trainer_state.json"
 STATE_VERSION = 2
 TMP_FINAL = ".tmp-final"
+
+
+@dataclass
+class TrainState:
+    """What changes as a run trains and continues from a checkpoint."""
+
+    margin_watch: MarginWatch
+    step: int = 0  # optimiser steps done
+    examples_seen: int = 0
+    tokens_seen: int = 0
+    elapsed: float = 0.0  # seconds spent in steps
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What a checkpoint records about the run that wrote it; resuming refuses a run that differs."""
+
+    model: str  # model.name_or_path
+    objective: str
+    total_steps: int
+    steps_per_epoch: int
+    global_batch_size: int
+    seed: int
+    group_by_length: bool
+    units_digest: str
+    world_size: int
+    fsdp: bool
+    lora: bool
+    # The checkpoint's own record of the settings it was trained with: a folder copied to another
+    # node without its recipe.train.yaml is still checked against what really made it.
+    recipe: dict = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Saver:
+    """The wrapped policy and what writing it needs (every process calls the savers: FSDP gathers)."""
+
+    accelerator: object
+    module: torch.nn.Module
+    tokenizer: object
+    fsdp: bool
+    rank: int
+    main: bool
 
 
 def _lora_scale(lora) -> float:
@@ -62,9 +123,6 @@ def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
 
 def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB") -> None:
     """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     sd = dict(state_dict)
     if getattr(config, "tie_word_embeddings", False):
@@ -86,7 +144,6 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
 def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
     """A PEFT adapter folder (``PeftModel.from_pretrained(base, folder)`` loads it)."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {
@@ -136,100 +193,100 @@ def _reshard_optimizer_state(optimizer) -> None:
                 st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False)
 
 
-def state_dict_of(run) -> dict:
-    if run.fsdp and not getattr(run.acc, "is_fsdp2", False) and run.acc.device.type == "cpu":
+def state_dict_of(saver: Saver) -> dict:
+    acc, module = saver.accelerator, saver.module
+    if saver.fsdp and not getattr(acc, "is_fsdp2", False) and acc.device.type == "cpu":
         # FSDP1's offload_to_cpu (accelerate's choice) crashes when the shards already live on
         # the CPU (gloo); there the gathered tensors are CPU tensors anyway.
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        with FSDP.state_dict_type(run.module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
-            sd = run.module.state_dict()
+        with FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+            sd = module.state_dict()
     else:
-        sd = run.acc.get_state_dict(run.module)  # full weights on the main process (FSDP gathers)
+        sd = acc.get_state_dict(module)  # full weights on the main process (FSDP gathers)
     if sd is None:
         return {}
     # FSDP2 can hand back sharded DTensors (seen with gloo on CPU): gather them here; every
     # rank calls this, so the collective is matched.
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
-def export(run, folder: Path, sd: dict, final: bool = False) -> dict:
+
+def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""
-    lora = run.t.lora
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
     if final and lora.enabled and not lora.merge_on_export:
-        save_peft_adapter(folder, adapter, lora, run.recipe.model.name_or_path, run.tokenizer)
+        save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
         return adapter
-    save_model_folder(folder, weights, run.acc.unwrap_model(run.module).model.config, run.tokenizer)
+    save_model_folder(folder, weights, saver.accelerator.unwrap_model(saver.module).model.config, saver.tokenizer)
     return adapter
 
-def save_checkpoint(run, history: list) -> Path:
-    """Write checkpoint ``step-N`` (a temporary folder, fsynced and renamed): a full disk is one error
-    naming the checkpoint, and the half-written folder is removed by the next run."""
-    from dllm_align.core.io import disk_errors
 
-    with disk_errors(run.out / CHECKPOINTS / f"step-{run.step}", "write checkpoint"):
-        return _save_checkpoint(run, history)
+def save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, state: TrainState, history: list,
+                    lora: LoraSection, keep: int) -> Path:
+    """Write checkpoint ``step-N`` of run folder ``out`` (a temporary folder, fsynced and renamed): a full disk is
+    one error naming the checkpoint, and the half-written folder is removed by the next run. ``keep``: how many
+    checkpoints stay."""
+    with disk_errors(out / CHECKPOINTS / f"step-{state.step}", "write checkpoint"):
+        return _save_checkpoint(out, saver, optimizer, record, state, history, lora, keep)
 
 
-def _save_checkpoint(run, history: list) -> Path:
-    from safetensors.torch import save_file
-
-    root = run.out / CHECKPOINTS
-    final = root / f"step-{run.step}"
-    tmp = root / f".tmp-step-{run.step}"
-    if run.main:
+def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, state: TrainState, history: list,
+                     lora: LoraSection, keep: int) -> Path:
+    acc, main = saver.accelerator, saver.main
+    root = out / CHECKPOINTS
+    final = root / f"step-{state.step}"
+    tmp = root / f".tmp-step-{state.step}"
+    if main:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    run.acc.wait_for_everyone()
-    sd = state_dict_of(run)
-    if run.main:
-        adapter = export(run, tmp, sd)
+    acc.wait_for_everyone()
+    sd = state_dict_of(saver)
+    if main:
+        adapter = export(saver, tmp, sd, lora, record.model)
         if adapter:
             save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / "adapter.safetensors"))
-            (tmp / "adapter_config.json").write_text(json.dumps(run.t.lora.model_dump(), indent=2))
-    if run.main:
-        faults.at("kill_in_checkpoint", run.step)
-    opt_sd = _local_tensors(run.optimizer.state_dict())
-    if run.fsdp:
-        torch.save(opt_sd, tmp / f"optimizer-rank{run.rank}.pt")
-    elif run.main:
+            (tmp / "adapter_config.json").write_text(json.dumps(lora.model_dump(), indent=2))
+    if main:
+        faults.at("kill_in_checkpoint", state.step)
+    opt_sd = _local_tensors(optimizer.state_dict())
+    if saver.fsdp:
+        torch.save(opt_sd, tmp / f"optimizer-rank{saver.rank}.pt")
+    elif main:
         torch.save(opt_sd, tmp / "optimizer.pt")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, str(tmp / f"rng-rank{run.rank}.safetensors"))
-    run.acc.wait_for_everyone()
-    if run.main:
-        state = {
+    save_file(rng, str(tmp / f"rng-rank{saver.rank}.safetensors"))
+    acc.wait_for_everyone()
+    if main:
+        r = asdict(record)
+        doc = {
             "version": STATE_VERSION,
-            "model": run.recipe.model.name_or_path,
-            "objective": run.t.objective,
-            "step": run.step,
-            "total_steps": run.total,
-            "epoch": run.step // run.steps_per_epoch,
-            "batch_in_epoch": run.step % run.steps_per_epoch,
-            "global_batch_size": run.G,
-            "seed": run.t.seed,
-            "group_by_length": run.recipe.data.group_by_length,
-            "units_digest": units_digest(run.units),
-            "world_size": run.world,
-            "fsdp": run.fsdp,
-            "lora": run.t.lora.enabled,
-            "examples_seen": run.examples_seen,
-            "tokens_seen": run.tokens_seen,
-            "elapsed_seconds": run.elapsed,
-            "margin_watch": run.margin_watch.state(),
-            # The checkpoint's own record of the settings it was trained with: a folder copied to another
-            # node without its recipe.train.yaml is still checked against what really made it.
-            "recipe": run.recipe.model_dump(mode="json"),
+            "model": r["model"],
+            "objective": r["objective"],
+            "step": state.step,
+            "total_steps": r["total_steps"],
+            "epoch": state.step // record.steps_per_epoch,
+            "batch_in_epoch": state.step % record.steps_per_epoch,
+            "global_batch_size": r["global_batch_size"],
+            "seed": r["seed"],
+            "group_by_length": r["group_by_length"],
+            "units_digest": r["units_digest"],
+            "world_size": r["world_size"],
+            "fsdp": r["fsdp"],
+            "lora": r["lora"],
+            "examples_seen": state.examples_seen,
+            "tokens_seen": state.tokens_seen,
+            "elapsed_seconds": state.elapsed,
+            "margin_watch": state.margin_watch.state(),
+            "recipe": r["recipe"],
             "last_metrics": history[-1] if history else None,
         }
-        from dllm_align.core.io import _fsync_dir, fsync_tree, write_checksums
 
-        (tmp / STATE).write_text(json.dumps(state, indent=2))
+        (tmp / STATE).write_text(json.dumps(doc, indent=2))
         write_checksums(tmp)  # last: a folder whose checksums verify is complete
         fsync_tree(tmp)
         if final.exists():
@@ -240,23 +297,22 @@ def _save_checkpoint(run, history: list) -> Path:
             (p for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()),
             key=lambda p: int(p.name[5:]),
         )
-        for old in kept[: -run.t.keep_checkpoints]:
+        for old in kept[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    run.acc.wait_for_everyone()
+    acc.wait_for_everyone()
     return final
 
-def load_state(run, folder: Path) -> None:
-    from safetensors.torch import load_file
 
-    from dllm_align.core.console import info
-
+def load_state(folder: Path, record: RunRecord, optimizer, *, rank: int, main: bool, margin_window: int) -> TrainState:
+    """Continue from checkpoint ``folder``: refuse one written by another run than ``record``'s, load the
+    optimiser's and this rank's RNG state, and return the state to continue from."""
     st = read_state(folder)
     checks = [
-        ("global batch size", st["global_batch_size"], run.G),
-        ("train.seed", st["seed"], run.t.seed),
-        ("data.group_by_length", st["group_by_length"], run.recipe.data.group_by_length),
-        ("the training rows", st["units_digest"], units_digest(run.units)),
-        ("train.lora.enabled", st["lora"], run.t.lora.enabled),
+        ("global batch size", st["global_batch_size"], record.global_batch_size),
+        ("train.seed", st["seed"], record.seed),
+        ("data.group_by_length", st["group_by_length"], record.group_by_length),
+        ("the training rows", st["units_digest"], record.units_digest),
+        ("train.lora.enabled", st["lora"], record.lora),
     ]
     for what, was, now in checks:
         if was != now:
@@ -264,37 +320,38 @@ def load_state(run, folder: Path) -> None:
                 f"cannot resume from {folder}: {what} differs from the interrupted run ({was!r} then, {now!r} now)",
                 hint="resume with the same recipe and data, or start a new run with --overwrite",
             )
-    if st["fsdp"] != run.fsdp or (run.fsdp and st["world_size"] != run.world):
+    if st["fsdp"] != record.fsdp or (record.fsdp and st["world_size"] != record.world_size):
         raise UserError(
             f"cannot resume from {folder}: it was written by {st['world_size']} process(es) "
             f"{'with' if st['fsdp'] else 'without'} FSDP; resume with the same launch configuration"
         )
-    name = f"optimizer-rank{run.rank}.pt" if run.fsdp else "optimizer.pt"
+    name = f"optimizer-rank{rank}.pt" if record.fsdp else "optimizer.pt"
     opt_sd = torch.load(folder / name, map_location="cpu", weights_only=True)
-    run.optimizer.load_state_dict(opt_sd)
-    _reshard_optimizer_state(run.optimizer)
-    rng_file = folder / f"rng-rank{run.rank}.safetensors"
+    optimizer.load_state_dict(opt_sd)
+    _reshard_optimizer_state(optimizer)
+    rng_file = folder / f"rng-rank{rank}.safetensors"
     if not rng_file.exists():
         rng_file = folder / "rng-rank0.safetensors"
     rng = load_file(str(rng_file))
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    run.step = int(st["step"])
-    run.examples_seen = int(st["examples_seen"])
-    run.tokens_seen = int(st["tokens_seen"])
-    run.elapsed = float(st["elapsed_seconds"])
-    run.margin_watch = type(run.margin_watch).from_state(st["margin_watch"], run.t.margin_watch_window)
-    if st["total_steps"] != run.total and run.main:
-        info(f"train: the interrupted run planned {st['total_steps']} steps; this one plans {run.total}")
-    if run.main:
-        info(f"train: resuming from {folder} (step {run.step} of {run.total})")
+    state = TrainState(
+        margin_watch=MarginWatch.from_state(st["margin_watch"], margin_window),
+        step=int(st["step"]),
+        examples_seen=int(st["examples_seen"]),
+        tokens_seen=int(st["tokens_seen"]),
+        elapsed=float(st["elapsed_seconds"]),
+    )
+    if st["total_steps"] != record.total_steps and main:
+        info(f"train: the interrupted run planned {st['total_steps']} steps; this one plans {record.total_steps}")
+    if main:
+        info(f"train: resuming from {folder} (step {state.step} of {record.total_steps})")
+    return state
 
 
 def prepare_output(recipe, resume: bool, overwrite: bool) -> Optional[Path]:
     """Check the run folder; returns the checkpoint to resume from (or None)."""
-    from dllm_align.core.console import info
-
     out = Path(recipe.output_dir)
     ckpt = find_checkpoint(out)
     started = (out / CHECKPOINTS).exists() or (out / FINAL).exists() or (out / METRICS).exists()
@@ -345,8 +402,6 @@ def read_state(folder: Path) -> dict:
 
 def verify_checkpoint(folder: Path) -> dict:
     """Refuse a checkpoint whose files do not match their checksums; returns its state."""
-    from dllm_align.core.io import verify_checksums
-
     older = sorted(
         (p for p in folder.parent.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit() and p != folder),
         key=lambda p: int(p.name[5:]),
@@ -367,9 +422,6 @@ def _remove_partial_checkpoints(out: Path) -> None:
 
 def _finish_interrupted_export(out: Path) -> None:
     """A ``.tmp-final`` whose checksums verify was complete when the run was killed: move it into place."""
-    from dllm_align.core.console import info
-    from dllm_align.core.io import _fsync_dir, verify_checksums
-
     tmp = out / TMP_FINAL
     if not tmp.is_dir():
         return

@@ -26,19 +26,20 @@ those rows), and on CUDA kernels may pick reduction orders by shape; in both
 cases a margin is allowed ``8 eps sqrt(L)`` nats for a row of L completion
 tokens (eps = 2^-8 under bf16 autocast, 2^-23 in fp32): one rounding flip per
 scored log-probability, summed as a random walk, with a safety factor of 8. A
-precision mismatch (issue 13 defect 2: 0.06-0.11 nats mean on the toy, 1.55
-nats spread at L = 161) is far outside it on short rows.
+precision mismatch (a bf16-autocast policy against an fp32 reference: 0.06-0.11
+nats mean margin on the toy, 1.55 nats spread at L = 161) is far outside it on short rows.
 
 How many rows: at least :data:`INVARIANT_ROWS` rows and two global steps (each
 of at least one micro-batch), so that rows of different widths and different
 packed row-mates are checked: a composition difference rounds every scored
 log-probability of a row whose forward is shaped unlike the cache's, so it
-shows on every such row (on 16 real rows the old longest-first precompute gave
-a nonzero margin on 16 of 16 in bf16).
+shows on every such row (on 16 real rows, scoring the reference longest first
+instead of in training's micro-batches gives a nonzero margin on 16 of 16 in bf16).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import signal
@@ -52,7 +53,17 @@ from typing import Optional
 
 import torch
 
+from dllm_align.core.console import info
+from dllm_align.core.errors import UserError
+from dllm_align.data.load import load_prompts
+from dllm_align.training.cache import cache_dir, composition, dataset_digest
+from dllm_align.training.distributed import make_accelerator
+from dllm_align.training.loop import invariant_margins
 from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
+from dllm_align.training.train import setup_run
+
+# Imported where used: resource (POSIX only; the peak-memory line) and torch.nn.attention (probed
+# inside a try: the report says whether this torch has FlexAttention).
 
 H100_BYTES = 81559 * 1024**2  # what torch reports for an 80 GB H100
 
@@ -78,10 +89,6 @@ def _free_disk(path: Path) -> int:
 
 def environment(recipe, launch: Launch, shape) -> dict:
     """Devices, bf16, attention backends, NCCL, disk and host RAM against what the recipe needs."""
-    import importlib.util
-
-    from dllm_align.training.cache import cache_dir
-
     env: dict = {"torch": torch.__version__}
     cuda = torch.cuda.is_available()
     devices = []
@@ -205,11 +212,6 @@ def _peak_rss() -> int:
 
 def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
-    from dllm_align.core.console import info
-    from dllm_align.training.cache import cache_dir
-    from dllm_align.training.loop import _Run, invariant_margins
-    from dllm_align.training.setup import make_accelerator
-
     _remove_stale_smoke_folders()
     tmp = Path(tempfile.mkdtemp(prefix=f"{SMOKE_PREFIX}{os.getpid()}-"))
     # SIGTERM (a scheduler's time limit) ends the smoke through its `finally`, so the folder goes too;
@@ -235,21 +237,23 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
         base = _rss()
         acc = make_accelerator(rec)
         torch.manual_seed(rec.train.seed)
-        run = _Run(rec, acc, None, None)
-        step_rows = run.G * run.rows_per_unit
-        check_steps = max(1, min(max(2, math.ceil(INVARIANT_ROWS / step_rows)), run.steps_per_epoch))
+        run = setup_run(rec, acc)
+        plan, data = run.plan, run.data
+        step_rows = plan.global_batch * plan.objective.rows_per_unit
+        check_steps = max(1, min(max(2, math.ceil(INVARIANT_ROWS / step_rows)), data.steps_per_epoch))
         margins = invariant_margins(run, check_steps)
-        same_shapes, shapes_note = _same_composition(run, mode)
+        cache = run.reference.cache if run.reference is not None else None
+        same_shapes, shapes_note = _same_composition(rec, data.examples, cache, mode)
         t0 = time.perf_counter()
         invariant_margins(run, 1)  # again, warm: the timing behind the precompute and generation figures
         fwd_s = time.perf_counter() - t0  # policy forward (+ online reference) of one global step, no grad
         worst_local = max((abs(v) for v in margins.values()), default=0.0)
         worst = worst_local
-        if run.world > 1:
+        if plan.world > 1:
             w = torch.tensor(worst_local, dtype=torch.float64, device=acc.device)
             torch.distributed.all_reduce(w, op=torch.distributed.ReduceOp.MAX)
             worst = float(w)
-        lengths = [len(ex.completion_ids) for u in run.units for ex in u]
+        lengths = [len(ex.completion_ids) for u in data.units for ex in u]
         tol = invariant_tolerance(run.mp, lengths, same_shapes)
         if shapes_note:
             note = f"{note}; {shapes_note}" if note else shapes_note
@@ -262,20 +266,20 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
                 info(f"doctor: smoke step {len(times)}/{steps}: {times[-1]:.2f} s")
         peak = torch.cuda.max_memory_allocated() if cuda else max(_peak_rss() - base, 0)
         per_step = statistics.median(times[1:] or times)  # the first step is warm-up
-        rows_per_step = run.G * run.rows_per_unit
-        n_rows = sum(len(u) for u in run.units)
-        K_ref, k = rec.reference.n_mc, run.k
+        rows_per_step = step_rows
+        n_rows = sum(len(u) for u in data.units)
+        K_ref, k = rec.reference.n_mc, plan.k
         # precompute: one no-grad forward per row at K_ref draws, spread over the processes
         ref_factor = 1.0 if mode == "cached" else 0.5  # an online step ran the policy and the reference
-        per_row_fwd = fwd_s * ref_factor / rows_per_step * run.world
-        precompute_s = n_rows * per_row_fwd * (K_ref / k) / run.world
+        per_row_fwd = fwd_s * ref_factor / rows_per_step * plan.world
+        precompute_s = n_rows * per_row_fwd * (K_ref / k) / plan.world
         gen = rec.generate
         gen_per_prompt = per_row_fwd / k * gen.steps * (gen.gen_length + rec.data.max_length) / max(rec.data.max_length, 1)
         n_prompts = _count_prompts(rec)
         return {
             "steps": steps,
-            "processes": run.world,
-            "invariant": {"rows": len(margins) * run.world, "steps_checked": check_steps, "max_abs_margin": worst, "tolerance": tol,
+            "processes": plan.world,
+            "invariant": {"rows": len(margins) * plan.world, "steps_checked": check_steps, "max_abs_margin": worst, "tolerance": tol,
                           "same_shapes": same_shapes,
                           "reference": mode, "ok": worst <= tol, "note": note},
             "peak_memory_bytes": peak,
@@ -283,13 +287,13 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
             "seconds_per_step": per_step,
             "step_seconds": times,
             "extrapolated": {
-                "steps_per_epoch": run.steps_per_epoch,
-                "total_steps": run.total,
-                "epoch_seconds": run.steps_per_epoch * per_step,
-                "training_seconds": run.total * per_step,
-                "precompute_seconds": precompute_s if rec.train.objective != "sft" else 0.0,
+                "steps_per_epoch": data.steps_per_epoch,
+                "total_steps": data.total,
+                "epoch_seconds": data.steps_per_epoch * per_step,
+                "training_seconds": data.total * per_step,
+                "precompute_seconds": precompute_s if plan.objective.needs_reference else 0.0,
                 "generation_prompts": n_prompts,
-                "generation_seconds": (n_prompts or 0) * gen_per_prompt / run.world,
+                "generation_seconds": (n_prompts or 0) * gen_per_prompt / plan.world,
                 "how": "epoch/training: median s/step x steps; precompute: the step-0 no-grad forward per row x K_ref/K' "
                        "x rows / processes; generation: that forward x steps x (gen_length + max_length)/max_length per prompt "
                        "(no KV cache)",
@@ -322,17 +326,16 @@ def _remove_stale_smoke_folders() -> None:
             pass
 
 
-def _same_composition(run, mode: str) -> tuple[bool, Optional[str]]:
+def _same_composition(recipe, examples: list, cache, mode: str) -> tuple[bool, Optional[str]]:
     """Whether the reference values came from the policy's forward shapes (online: always; a cache: when
     its recorded micro-batch composition is this run's), and a note when not."""
-    if mode != "cached" or run.cache is None:
+    if mode != "cached" or cache is None:
         return True, None
-    from dllm_align.training.cache import composition, dataset_digest
 
-    fp = run.cache.manifest["fingerprint"]
+    fp = cache.manifest["fingerprint"]
     was = fp.get("composition")
-    now = composition(run.recipe)
-    if was == now and fp.get("dataset") == dataset_digest(run.examples):
+    now = composition(recipe)
+    if was == now and fp.get("dataset") == dataset_digest(examples):
         return True, None
     if was == now:  # a subset of the cached rows (an ablation): the plan, hence the micro-batches, differ
         return False, ("the cache was made for another set of rows: training's micro-batches differ from the "
@@ -342,9 +345,6 @@ def _same_composition(run, mode: str) -> tuple[bool, Optional[str]]:
 
 
 def _count_prompts(rec) -> Optional[int]:
-    from dllm_align.data.load import load_prompts
-    from dllm_align.core.errors import UserError
-
     g = rec.generate
     source = rec.data.test if g.split == "test" else rec.data.train
     split = rec.data.test_split if g.split == "test" else rec.data.train_split

@@ -1,520 +1,254 @@
-"""The one training loop: ELBO-KTO, masked-diffusion SFT and paired VRPO (SPEC.md sections 4 and 6).
+"""The one training step, for every objective: the run's data in global batches, the ELBOs of the policy and the
+reference, forward/backward over this process's micro-batches, the global clip and the update.
 
-The three objectives differ only in the loss and in the unit of the batch
-(an example, or a (chosen, rejected) pair for VRPO); everything else - data
-order, the Monte Carlo ELBO with masks shared with the reference, gradient
-accumulation, checkpoints, logging - is this one loop, run under
-``accelerate`` (1 CPU process, DDP on 8 GPUs, or FSDP).
+An objective (:mod:`dllm_align.objective.base`) differs from another only in its units (a row, or a
+(chosen, rejected) pair), its reference point and its loss; everything else - data order, the Monte Carlo
+ELBO with masks shared with the reference, gradient accumulation, clipping - is this one step, run under
+``accelerate`` (1 CPU process, DDP on 8 GPUs, or FSDP). :func:`dllm_align.training.train.setup_run` builds a
+:class:`Run` from its named setup steps; :func:`dllm_align.training.train.train` drives it.
 
-The optimiser step's batch and the baseline (SPEC.md section 4)
-    A step consumes one *global batch* of ``G = batch_size x grad_accum x
-    processes`` units, planned from (seed, epoch) alone
-    (:func:`dllm_align.data.batching.plan_batches`), so the plan does not depend on
-    how the work is split. ELBO-KTO's baseline b is the mean margin over the
-    whole global batch. With one micro-batch per process the margins are
-    all-gathered between the forward and the backward. With gradient
-    accumulation every margin of the step is needed before the first backward,
-    so a no-grad pass over this process's micro-batches (same masks: they are a
-    pure function of the example id) computes them first; then the gradient
-    pass uses that b. Each process's loss is divided by G / processes, because
-    DDP (and FSDP) average gradients over processes: the result is the
-    gradient of (1/G) sum_i lambda_i (1 - sigmoid(beta s_i (r_i - b))) for any
-    split of the G units over processes and micro-batches.
-
-Learning-rate schedule
-    Linear warm-up over ``ceil(warmup_ratio x total)`` steps, reaching the peak
-    at the last warm-up step (the first step does not waste itself on lr 0),
-    then cosine decay towards 0 (or linear / constant).
-
-Checkpoints
-    ``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout
-    (safetensors, config, tokenizer; LoRA merged, plus the adapter itself), the
-    optimiser state (plain tensors, read back with ``weights_only=True``), the
-    RNG state (safetensors), ``trainer_state.json`` (step, data position,
-    metrics history needed to continue) and ``checksums.json`` (size and
-    sha256 of every other file). It is written to a temporary folder, fsynced
-    and renamed into place, so a folder named ``step-N`` is always complete.
-    ``--resume`` verifies every checksum of the newest one before loading
-    anything (a truncated or modified file is refused by name), then
-    continues; the data order, the masks and the learning rate are functions
-    of the step, so the resumed run follows the uninterrupted one exactly.
-    ``final/`` is written the same way; an export killed after it was complete
-    but before the rename is finished by the next ``--resume``.
-
-Test hooks (:mod:`dllm_align.core.faults`)
-    ``DLLM_ALIGN_FAULT=kill_after_step:N``, ``kill_in_checkpoint:N`` or
-    ``kill_in_final`` makes the main process SIGKILL itself after optimiser
-    step N, halfway through writing checkpoint N, or with ``final/`` written
-    but not yet renamed into place (used by the resume tests).
+The optimiser step's batch
+    A step consumes one *global batch* of ``G = batch_size x grad_accum x processes`` units, planned
+    from (seed, epoch) alone (:func:`dllm_align.data.batching.plan_batches`), so the plan does not
+    depend on how the work is split. Each process's loss is divided by G / processes, because DDP (and
+    FSDP) average gradients over processes: the result is the gradient of the mean loss over the G units
+    for any split of them over processes and micro-batches. An objective whose reference point needs
+    every margin of the step (ELBO-KTO's mean-margin baseline) computes it in
+    :meth:`~dllm_align.objective.base.Objective.begin_step`, before the first backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from dllm_align.training import checkpoint
+from dllm_align.config.schema import TrainSection
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.data.examples import kl_examples, load_training_examples, make_collate, make_units, step_count
-from dllm_align.training.setup import MarginWatch, PolicyScorer, _ViaModule, _is_fsdp, _seeded_rng, build_optimizer, class_weights, clip_global_grad_norm, fsdp_wrap_family_layer, grad_accum_for, lr_at
+from dllm_align.data.batching import plan_batches, shard
+from dllm_align.data.examples import load_training_examples, make_collate, step_count
+from dllm_align.objective.base import StepInputs
+from dllm_align.objective.elbo import elbo_draws
+from dllm_align.training.checkpoint import RunRecord, Saver, TrainState
+from dllm_align.training.distributed import _seeded_rng
+from dllm_align.training.optim import clip_global_grad_norm, lr_at
+from dllm_align.training.plan import TrainPlan
+from dllm_align.training.policy import Trainable
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from dllm_align.models.predictor import MaskPredictor
+    from dllm_align.training.reference import TrainingReference
 
 
-# --------------------------------------------------------------------------- the loop
-class _Run:
-    """State of one training run; :func:`train` is its readable driver."""
+# --------------------------------------------------------------------------- the data
+@dataclass
+class TrainData:
+    """The run's units and their order: global batches of every epoch, this process's share of each step."""
 
-    def __init__(self, recipe, accelerator, resume_from: Optional[Path], examples: Optional[list]):
-        from dllm_align.core.console import info
-        from dllm_align.objective.elbo import DrawConfig
-        from dllm_align.models.load import check_max_length, load_from_section
-        from dllm_align.training.setup import check_trainable_on
-        from dllm_align.models.precision import precision_for
+    examples: list
+    units: list[tuple]
+    lengths: list[int]  # tokens per unit (the plan groups by length)
+    collate: Callable[[list], dict]
+    steps_per_epoch: int
+    total: int  # optimiser steps of the run
+    dropped_per_epoch: int  # units that do not fill a global batch
+    seed: int
+    group_by_length: bool
+    batch_size: int  # units per micro-batch
+    max_length: int
+    _plans: dict = field(default_factory=dict, repr=False)
 
-        self.recipe = recipe
-        self.acc = accelerator
-        self.t = recipe.train
-        self.out = Path(recipe.output_dir)
-        self.main = accelerator.is_main_process
-        self.world = accelerator.num_processes
-        self.rank = accelerator.process_index
-        self.fsdp = _is_fsdp(accelerator)
-        self.resume_from = resume_from
-
-        check_trainable_on(recipe, accelerator.device)
-        # -- the policy (fp32 master weights unless the recipe pins a dtype; autocast does bf16 on GPU)
-        section = recipe.model
-        if section.dtype == "auto":
-            section = section.model_copy(update={"dtype": "float32"})
-        if self.fsdp and accelerator.state.fsdp_plugin.activation_checkpointing:
-            section = section.model_copy(update={"gradient_checkpointing": False})  # FSDP does it
-        load_dev = "cpu" if self.fsdp else accelerator.device
-        lora = self.t.lora
-        src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
-        self.mp = load_from_section(section, load_dev, name_or_path=src)
-        check_max_length(self.mp, recipe.data.max_length)
-        # One precision for the policy and the reference (dllm_align.models.precision): the
-        # policy's forward computes under it whatever wraps the module (DDP, FSDP).
-        self.precision = precision_for(recipe, accelerator.device)
-        self.mp.set_precision(self.precision)
-        self.tokenizer = self.mp.tokenizer
-        if lora.enabled:
-            self._apply_lora(resume_from)
-        self.mp.model.train()
-
-        # -- data
-        if examples is None:
-            examples = load_training_examples(recipe, self.tokenizer, quiet=not self.main)
-        self.examples = examples
-        self.units = make_units(examples, self.t.objective, self.t.sft_rows)
-        self.rows_per_unit = 2 if self.t.objective == "vrpo" else 1
-        self.collate = make_collate(recipe, self.tokenizer)
-        self.pack_length = recipe.data.max_length if recipe.data.padding == "packed" else None
-        self.accum = grad_accum_for(self.t, self.world)
-        self.G = self.t.batch_size * self.accum * self.world
-        if len(self.units) < self.G:
-            what = "pairs" if self.t.objective == "vrpo" else "rows"
-            raise UserError(
-                f"the training set has {len(self.units)} {what}, fewer than one global batch "
-                f"(train.batch_size {self.t.batch_size} x grad_accum {self.accum} x {self.world} process(es) = {self.G})"
-            )
-        self.lengths = [sum(ex.length for ex in u) for u in self.units]
-        self.steps_per_epoch, self.total = step_count(self.t, len(self.units), self.G)
-        self.kl = self.t.objective == "elbo_kto" and self.t.baseline == "kl"
-        if self.kl and self.G < 2:
-            raise UserError("train.baseline kl needs a global batch of at least 2 rows (each prompt is paired with another row's completion)")
-        self.dropped_per_epoch = len(self.units) - self.steps_per_epoch * self.G
-        self._plans: dict[int, list[list[int]]] = {}
-        self.lambda_d, self.lambda_u = class_weights(recipe)
-        if self.t.objective == "elbo_kto" and self.main:
-            from dllm_align.data.imbalance import check_weight_ratio
-
-            n_d = sum(1 for u in self.units if u[0].label)
-            # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
-            chosen = bool({"lambda_desirable", "lambda_undesirable"} & self.t.model_fields_set) or bool(recipe.data.weights_file)
-            check_weight_ratio(n_d, len(self.units) - n_d, self.lambda_d, self.lambda_u, chosen=chosen)
-
-        # -- draws: the policy uses the reference's masks (draws 0..K'-1 of the K-draw set)
-        self.cfg = DrawConfig.from_reference(recipe.reference)
-        self.k = recipe.train_n_mc()
-        self.draws = list(range(self.k))
-
-        # -- reference
-        self.cache = None
-        self.ref_mp = None
-        if self.t.objective != "sft":
-            self._setup_reference()
-
-        # -- distributed wrapping, optimiser
-        if self.fsdp:
-            from dllm_align.models.precision import fsdp_mixed_precision
-
-            # accelerate's default casts parameters and buffers (the rotary frequencies) to
-            # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
-            plugin = accelerator.state.fsdp_plugin
-            plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
-            fsdp_wrap_family_layer(plugin, self.mp.model)
-            if self.t.fsdp_gather == "bf16_layers":
-                self._bf16_layer_units(plugin)
-        elif self.t.fsdp_gather != "fp32" and self.main:
-            info("train: train.fsdp_gather applies to FSDP2 launches only; ignored here")
-        scorer = PolicyScorer(self.mp)
-        if getattr(accelerator, "is_fsdp2", False):
-            # FSDP2 swaps the parameters for sharded DTensors: the optimiser is built on the
-            # originals and handed over with the model, which accelerate then remaps.
-            opt = build_optimizer(scorer.named_parameters(), self.t, fused_ok=False)
-            self.module, self.optimizer = accelerator.prepare(scorer, opt)
-        else:
-            self.module = accelerator.prepare(scorer)
-            opt = build_optimizer(self.module.named_parameters(), self.t, fused_ok=not self.fsdp)
-            self.optimizer = accelerator.prepare(opt)
-        if self.fsdp:
-            from dllm_align.training.setup import preserve_checkpoint_rng
-
-            preserve_checkpoint_rng(self.module)  # FSDP2's layer checkpoints replay the forward's dropout masks
-        self.policy = _ViaModule(self.module, self.mp.mask_token_id, self.mp.block_size)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-
-        # -- state to continue
-        self.step = 0
-        self.margin_watch = MarginWatch(self.t.margin_watch_window)
-        self.examples_seen = 0
-        self.tokens_seen = 0
-        self.elapsed = 0.0
-        if resume_from is not None:
-            self._load_state(resume_from)
-        if self.main:
-            n_params = sum(p.numel() for p in self.params)
-            info(
-                f"train: objective {self.t.objective}, {len(self.units):,} {'pairs' if self.rows_per_unit == 2 else 'rows'}, "
-                f"global batch {self.G} ({self.world} process(es) x {self.accum} micro-batch(es) x {self.t.batch_size}), "
-                f"{self.total} step(s), K={self.k} draws, {n_params:,} trainable parameters, "
-                f"mixed precision {accelerator.mixed_precision}"
-            )
-            if self.t.objective != "sft":  # the step line's abbreviations, said once
-                info(
-                    "train: step lines show r+ / r- = mean reward margin (policy ELBO minus reference ELBO, nats) of "
-                    "the desirable / undesirable rows, b = the step's mean-margin baseline, sat = share of rows with a "
-                    "saturated sigmoid (no gradient)"
-                )
-            if self.dropped_per_epoch:
-                info(f"train: {self.dropped_per_epoch} row(s) per epoch do not fill a global batch and are left out of that epoch")
-            if accelerator.device.type == "cpu" and self.t.mixed_precision == "auto":
-                info("train: bf16 autocast is off (no CUDA device: CPU bf16 is slow and changes the numbers)")
-
-    # ---------------------------------------------------------------- setup helpers
-    def _bf16_layer_units(self, plugin) -> None:
-        """``train.fsdp_gather: bf16_layers`` (FSDP2 + bf16 autocast): decoder layers gathered in bf16."""
-        from dllm_align.models.families.base import Family
-        from dllm_align.models.precision import fsdp2_bf16_layer_units
-
-        if getattr(plugin, "fsdp_version", 1) != 2:
-            raise UserError("train.fsdp_gather bf16_layers needs an FSDP2 launch (fsdp_version: 2 in the accelerate config)")
-        if self.precision.autocast != torch.bfloat16:
-            raise UserError("train.fsdp_gather bf16_layers needs train.mixed_precision bf16 (it gathers what autocast "
-                            "would cast to bf16)", hint="set train.mixed_precision: bf16, or train.fsdp_gather: fp32")
-        mesh = getattr(self.acc, "torch_device_mesh", None)
-        if mesh is not None:
-            mesh = mesh[tuple(self.acc.parallelism_config.fsdp_dim_names)]
-        cls = Family.decoder_layer_class(self.mp.model)
-        fsdp2_bf16_layer_units(self.mp.model, cls, reshard_after_forward=plugin.reshard_after_forward, mesh=mesh)
-        # fully_shard renames a unit's class FSDP<name>: accelerate finds the layers by that name (and
-        # skips them, already sharded) for its wrap policy and its activation checkpointing
-        plugin.transformer_cls_names_to_wrap = [type(m).__name__ for m in self.mp.model.modules() if isinstance(m, cls)][:1]
-
-    def _apply_lora(self, resume_from: Optional[Path]) -> None:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            raise UserError("train.lora.enabled needs the peft package", hint="pip install 'dllm-align[lora]'") from None
-        lora = self.t.lora
-        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
-        try:
-            with warnings.catch_warnings():  # peft asks the deprecated name of transformers 5.2x (a warning per run)
-                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-                get_peft_model(self.mp.model, cfg)  # injects the adapter layers into mp.model in place
-        except ValueError as e:
-            raise UserError(f"train.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
-        if resume_from is not None:
-            from safetensors.torch import load_file
-
-            adapter = load_file(str(resume_from / "adapter.safetensors"))
-            named = dict(self.mp.model.named_parameters())
-            extra = sorted(set(adapter) - set(named))
-            if extra:
-                raise UserError(f"cannot resume from {resume_from}: its LoRA adapter has weights this run's model lacks ({extra[0]})",
-                                hint="resume with the recipe's original train.lora settings and model")
-            for k, v in adapter.items():
-                if named[k].shape != v.shape:
-                    raise UserError(
-                        f"cannot resume from {resume_from}: LoRA weight {k} is {tuple(v.shape)} there but {tuple(named[k].shape)} now "
-                        "(train.lora.r or the model changed)"
-                    )
-                named[k].data.copy_(v)
-
-    def _setup_reference(self) -> None:
-        from dllm_align.training import reference as ref
-        from dllm_align.training import cache as refcache
-        from dllm_align.core.console import info
-
-        r = self.recipe.reference
-        if r.mode == "online":
-            self.ref_mp = ref.load_reference(self.recipe, self.acc.device)
-            if self.main:
-                info(f"train: reference computed online ({refcache.reference_name(self.recipe)}, resident)")
-            return
-        folder = refcache.cache_dir(self.recipe)
-        cache = refcache.ReferenceCache.open(folder)
-        fp = refcache.fingerprint(
-            self.recipe,
-            tokenizer=self.tokenizer,
-            mask_token_id=self.mp.mask_token_id,
-            device=self.acc.device,
-            examples=self.examples,
-            known_files=cache.weight_files(),
-        )
-        used = [ex for u in self.units for ex in u]
-        if self.kl:
-            from dllm_align.data.examples import planned_batches
-
-            pairs = {}
-            for batch in planned_batches(self.recipe, self.lengths, self.G, self.total):
-                for ex in kl_examples([self.units[i][0] for i in batch], self.recipe.data.max_length):
-                    pairs.setdefault(ex.id, ex)
-            missing = next((i for i in pairs if i not in cache._digests), None)
-            if missing is not None:
-                raise UserError(
-                    f"reference cache {folder} holds no reference ELBOs for the kl baseline's mismatched pairs "
-                    f"(e.g. '{missing}'; the cache was made with train.baseline {cache.manifest['fingerprint'].get('baseline')!r})",
-                    hint="run `dllm-align precompute-ref` with this recipe: train.baseline kl and the same "
-                    "train.global_batch_size, train.seed, data.group_by_length and step count",
-                )
-            used += list(pairs.values())
-        cache.check(fp, used, self.k)
-        self.cache = cache
-        if self.main:
-            info(f"train: reference from cache {folder} (K={cache.K}, using {self.k})")
-
-    # ---------------------------------------------------------------- data order
-    def plan(self, epoch: int) -> list[list[int]]:
-        from dllm_align.data.batching import plan_batches
-
-        if epoch not in self._plans:
-            self._plans = {
-                epoch: plan_batches(
-                    self.lengths, self.G, self.t.seed, epoch, self.recipe.data.group_by_length, drop_last=True
-                )
-            }
-        return self._plans[epoch]
-
-    def micro_batches(self, step: int) -> list[list[tuple]]:
-        """This process's micro-batches of global step ``step`` (lists of units)."""
-        from dllm_align.data.batching import shard
-
+    def global_batch(self, step: int, plan: TrainPlan) -> list[int]:
+        """The units (indices) of global step ``step``."""
         epoch, j = divmod(step, self.steps_per_epoch)
-        batch = self.plan(epoch)[j]
-        mine = shard(batch, self.rank, self.world, self.t.batch_size)
-        assert len(mine) == self.accum, (len(mine), self.accum)
+        if epoch not in self._plans:  # one epoch's plan at a time
+            self._plans = {epoch: plan_batches(self.lengths, plan.global_batch, self.seed, epoch, self.group_by_length,
+                                               drop_last=True)}
+        return self._plans[epoch][j]
+
+    def micro_batches(self, step: int, plan: TrainPlan) -> list[list[tuple]]:
+        """This process's micro-batches of global step ``step`` (lists of units)."""
+        mine = shard(self.global_batch(step, plan), plan.rank, plan.world, self.batch_size)
+        assert len(mine) == plan.accum, (len(mine), plan.accum)
         return [[self.units[i] for i in m] for m in mine]
 
-    def kl_micro_batches(self, step: int) -> list[list]:
-        """This process's mismatched pairs of step ``step`` (``train.baseline: kl``): pair i goes where row i goes."""
-        from dllm_align.data.batching import shard
+    def extra_micro_batches(self, step: int, plan: TrainPlan) -> list[list]:
+        """This process's extra rows of step ``step`` (the objective's, e.g. the kl baseline's pairs): row i goes
+        where unit i goes."""
+        batch = self.global_batch(step, plan)
+        extra = plan.objective.extra_rows([self.units[i] for i in batch], self.max_length)
+        return [[extra[p] for p in m] for m in shard(list(range(len(batch))), plan.rank, plan.world, self.batch_size)]
 
-        epoch, j = divmod(step, self.steps_per_epoch)
-        batch = self.plan(epoch)[j]
-        pairs = kl_examples([self.units[i][0] for i in batch], self.recipe.data.max_length)
-        return [[pairs[p] for p in m] for m in shard(list(range(len(batch))), self.rank, self.world, self.t.batch_size)]
 
-    @torch.no_grad()
-    def kl_baseline(self, kl_micro: list[list]) -> torch.Tensor:
-        """z0 of the step (:func:`dllm_align.objective.losses.kl_reference_point`): every process's pairs, every micro-batch."""
-        from dllm_align.objective.losses import kl_reference_point
+def load_data(recipe, plan: TrainPlan, tokenizer, examples: Optional[list] = None) -> TrainData:
+    """The recipe's rows tokenised (or ``examples``), made into the objective's units and counted into steps."""
+    t = recipe.train
+    if examples is None:
+        examples = load_training_examples(recipe, tokenizer, quiet=not plan.main)
+    objective = plan.objective
+    units = objective.make_units(examples)
+    G = plan.global_batch
+    if len(units) < G:
+        raise UserError(
+            f"the training set has {len(units)} {objective.unit_name}, fewer than one global batch "
+            f"(train.batch_size {t.batch_size} x grad_accum {plan.accum} x {plan.world} process(es) = {G})"
+        )
+    steps_per_epoch, total = step_count(t, len(units), G)
+    objective.check_units(units, G, plan.main)
+    return TrainData(
+        examples=examples,
+        units=units,
+        lengths=[sum(ex.length for ex in u) for u in units],
+        collate=make_collate(recipe, tokenizer),
+        steps_per_epoch=steps_per_epoch,
+        total=total,
+        dropped_per_epoch=len(units) - steps_per_epoch * G,
+        seed=t.seed,
+        group_by_length=recipe.data.group_by_length,
+        batch_size=t.batch_size,
+        max_length=recipe.data.max_length,
+    )
 
-        total = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
-        for exs in kl_micro:
-            b = self._to_dev(self.collate(exs))
-            r = self.policy_elbo(b).float() - self.reference_elbo(b)
-            total[0] += r.double().sum()
-            total[1] += r.numel()
-        if self.world > 1:
-            total = self.acc.reduce(total, reduction="sum")
-        return kl_reference_point(total[0], total[1]).to(self.acc.device)
+
+# --------------------------------------------------------------------------- the run
+@dataclass
+class Run:
+    """A set-up run: its plan, data, policy, reference and state; the step methods the loop and the checks call."""
+
+    accelerator: "Accelerator"
+    train: TrainSection
+    plan: TrainPlan
+    data: TrainData
+    mp: "MaskPredictor"  # the policy unwrapped (tokenizer, config, block size)
+    policy: Trainable
+    reference: Optional["TrainingReference"]  # None when the objective needs none
+    record: RunRecord
+    state: TrainState
+
+    @property
+    def saver(self) -> Saver:
+        p = self.plan
+        return Saver(self.accelerator, self.policy.module, self.mp.tokenizer, p.fsdp, p.rank, p.main)
 
     # ---------------------------------------------------------------- ELBO values
-    def _to_dev(self, batch: dict) -> dict:
-        dev = self.acc.device
+    def to_device(self, batch: dict) -> dict:
         out = dict(batch)
         for k in ("input_ids", "attention_mask", "completion_mask", "completion_len"):
             if out.get(k) is not None:
-                out[k] = out[k].to(dev)
+                out[k] = out[k].to(self.plan.device)
         return out
 
     def policy_elbo(self, batch: dict) -> torch.Tensor:
-        """B_hat_policy [B] (mean of draws 0..K'-1), differentiable when grad is on."""
-        from dllm_align.objective.elbo import elbo_draws
-
+        """B_hat_policy [B] (mean of draws 0..K'-1, the reference's masks), differentiable when grad is on."""
         v = elbo_draws(
-            self.policy,
+            self.policy.view,
             batch["input_ids"],
             batch["attention_mask"],
             batch["completion_mask"],
             batch["ids"],
-            self.cfg,
-            max_rows_per_forward=self.t.rows_per_forward,
-            draws=self.draws,
-            pack_length=self.pack_length,
+            self.plan.draws,
+            max_rows_per_forward=self.train.rows_per_forward,
+            draws=self.plan.draw_ids,
+            pack_length=self.plan.pack_length,
         )
         return v.mean(dim=1)
 
     @torch.no_grad()
     def reference_elbo(self, batch: dict) -> torch.Tensor:
         """B_hat_ref [B] with the same draws, from the cache or the resident reference."""
-        if self.cache is not None:
-            return self.cache.lookup(batch["ids"], self.k).mean(dim=1).to(self.acc.device)
-        from dllm_align.objective.elbo import elbo_draws
+        return self.reference.elbo(batch, self.plan, self.train.rows_per_forward)
 
-        v = elbo_draws(
-            self.ref_mp,
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["completion_mask"],
-            batch["ids"],
-            self.cfg,
-            max_rows_per_forward=self.t.rows_per_forward,
-            draws=self.draws,
-            pack_length=self.pack_length,
-        )
-        return v.float().mean(dim=1)
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every process's values (float32, detached), concatenated."""
+        local = local.detach().float()
+        return self.accelerator.gather(local.contiguous()) if self.plan.world > 1 else local
 
-    def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
-        allv = self.acc.gather(local.detach().float().contiguous()) if self.world > 1 else local.detach().float()
-        return allv.double().mean().float()
+    def sum_over_processes(self, t: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(t, reduction="sum") if self.plan.world > 1 else t
 
     # ---------------------------------------------------------------- one optimiser step
-    def _same_dropout(self, micro: int):
+    def same_dropout(self, micro: int):
         """Seed the RNG per (step, rank, micro-batch) when LoRA dropout is on.
 
-        With gradient accumulation the baseline comes from a no-grad pass over the
-        step's micro-batches before the gradient pass; both passes draw their dropout
-        masks from this seed, so the baseline is the mean of exactly the margins the
-        gradient pass differentiates (issue 13, defect 8). The global RNG is restored
-        afterwards, so nothing else changes.
+        An objective's no-grad pass over the step's micro-batches before the gradient pass (ELBO-KTO's
+        baseline under gradient accumulation) and the gradient pass then draw the same dropout masks, so
+        the baseline is the mean of exactly the margins the gradient pass differentiates. The global RNG
+        is restored afterwards, so nothing else changes.
         """
-        if not (self.t.lora.enabled and self.t.lora.dropout > 0):
+        lora = self.train.lora
+        if not (lora.enabled and lora.dropout > 0):
             return contextlib.nullcontext()
-        return _seeded_rng((self.t.seed, self.step, self.rank, micro), self.acc.device)
+        return _seeded_rng((self.train.seed, self.state.step, self.plan.rank, micro), self.plan.device)
 
-    def _sync(self, last: bool):
+    def sync(self, last: bool):
         """Gradient synchronisation of one micro-batch's backward.
 
-        DDP skips the all-reduce of all but the step's last micro-batch (its gradients are
-        whole on every rank either way). FSDP reduce-scatters every micro-batch: skipping it
-        (``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``) keeps each rank's whole
-        *unsharded* fp32 gradient until the last micro-batch, ~30 GiB per rank for an 8B
-        model on top of its shards (issue 22, defect 2); reduced each time, a rank holds only
-        its shard. The cost is one reduce-scatter per micro-batch instead of per step.
+        DDP skips the all-reduce of all but the step's last micro-batch (its gradients are whole on every
+        rank either way). FSDP reduce-scatters every micro-batch: skipping it (``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``) would keep each rank's whole *unsharded* fp32 gradient until
+        the last micro-batch, ~30 GiB per rank for an 8B model on top of its shards; reduced each time, a
+        rank holds only its shard. The cost is one reduce-scatter per micro-batch instead of per step.
         """
-        if last or self.world == 1 or self.fsdp:
+        if last or self.plan.world == 1 or self.plan.fsdp:
             return contextlib.nullcontext()
-        return self.acc.no_sync(self.module)
+        return self.accelerator.no_sync(self.policy.module)
 
-    def run_step(self, micro: list[list[tuple]], kl_micro: Optional[list[list]] = None) -> dict:
-        """Forward/backward over this process's micro-batches; returns summed metrics (local).
+    def run_step(self, micro: list[list[tuple]], extra_micro: Optional[list[list]] = None) -> dict:
+        """Forward/backward over this process's micro-batches; returns the objective's summed metrics (local).
 
-        ``kl_micro``: this process's mismatched pairs (``train.baseline: kl``).
+        ``extra_micro``: this process's extra rows of the step (:meth:`TrainData.extra_micro_batches`).
         """
-        from dllm_align.objective.losses import elbo_kto_loss, sft_loss, vrpo_loss
-
-        batches = []
-        for units in micro:
-            rows = [ex for u in units for ex in u]  # vrpo: chosen, rejected, chosen, rejected, ...
-            batches.append(self._to_dev(self.collate(rows)))
-        norm = self.G / self.world  # DDP averages over processes: this makes the sum over all units / G
-        acc = {"loss_sum": 0.0, "n": 0, "n_d": 0, "n_u": 0, "r_d": 0.0, "r_u": 0.0, "saturated": 0, "accuracy": 0.0, "baseline": float("nan")}
-        acc["tokens"] = sum(ex.length for units in micro for u in units for ex in u)  # real tokens, padding excluded
-        obj = self.t.objective
+        obj = self.plan.objective
+        batches = [self.to_device(self.collate_units(units)) for units in micro]
+        step = StepInputs(
+            batches=batches,
+            references=[self.reference_elbo(b) if obj.needs_reference else None for b in batches],
+            extra_batches=[self.to_device(self.data.collate(exs)) for exs in extra_micro or []],
+            normalizer=self.plan.global_batch / self.plan.world,  # DDP averages over processes: the sum over all units / G
+            device=self.plan.device,
+            policy_elbo=self.policy_elbo,
+            reference_elbo=self.reference_elbo,
+            gather=self.gather,
+            sum_over_processes=self.sum_over_processes,
+            same_dropout=self.same_dropout,
+        )
+        obj.begin_step(step)
+        sums = dict.fromkeys(obj.summed, 0)
         A = len(batches)
+        for a, (b, rf) in enumerate(zip(batches, step.references)):
+            with self.sync(a == A - 1), (self.same_dropout(a) if obj.replays_dropout else contextlib.nullcontext()):
+                terms = obj.loss(self.policy_elbo(b), rf, b, step)
+                self.accelerator.backward(terms.loss)
+            for k in obj.summed:
+                sums[k] += terms.metrics[k]
+        sums["tokens"] = sum(ex.length for units in micro for u in units for ex in u)  # real tokens, padding excluded
+        return {"sums": sums, "step": step}
 
-        if obj == "elbo_kto":
-            refs = [self.reference_elbo(b) for b in batches]
-            baseline = None
-            if self.t.baseline == "none":
-                baseline = torch.zeros((), device=self.acc.device)
-            elif self.t.baseline == "kl":
-                baseline = self.kl_baseline(kl_micro)
-            elif A > 1:
-                margins = []
-                with torch.no_grad():  # every margin of the step before any backward
-                    for a, (b, rf) in enumerate(zip(batches, refs)):
-                        with self._same_dropout(a):
-                            margins.append(self.policy_elbo(b).float() - rf)
-                baseline = self._global_mean(torch.cat(margins))
-            for a, (b, rf) in enumerate(zip(batches, refs)):
-                with self._sync(a == A - 1), self._same_dropout(a):
-                    pol = self.policy_elbo(b)
-                    if baseline is None:
-                        baseline = self._global_mean(pol.detach().float() - rf)
-                    terms = elbo_kto_loss(
-                        pol, rf, b["labels"].to(pol.device), beta=self.t.beta,
-                        lambda_desirable=self.lambda_d, lambda_undesirable=self.lambda_u,
-                        baseline=baseline, normalizer=norm,
-                    )
-                    self.acc.backward(terms.loss)
-                m = terms.metrics
-                acc["loss_sum"] += m["loss_sum"]
-                acc["n"] += m["n"]
-                acc["n_d"] += m["n_desirable"]
-                acc["n_u"] += m["n_undesirable"]
-                acc["r_d"] += m["reward_sum_desirable"]
-                acc["r_u"] += m["reward_sum_undesirable"]
-                acc["saturated"] += m["saturated"]
-            acc["baseline"] = float(baseline)
-        elif obj == "sft":
-            for a, b in enumerate(batches):
-                with self._sync(a == A - 1):
-                    pol = self.policy_elbo(b)
-                    terms = sft_loss(pol, b["completion_len"], normalizer=norm)
-                    self.acc.backward(terms.loss)
-                acc["loss_sum"] += terms.metrics["loss_sum"]
-                acc["n"] += terms.metrics["n"]
-        else:  # vrpo: rows alternate chosen / rejected
-            for a, b in enumerate(batches):
-                rf = self.reference_elbo(b)
-                with self._sync(a == A - 1):
-                    pol = self.policy_elbo(b)
-                    terms = vrpo_loss(pol[0::2], pol[1::2], rf[0::2], rf[1::2], beta=self.t.beta, normalizer=norm)
-                    self.acc.backward(terms.loss)
-                m = terms.metrics
-                acc["loss_sum"] += m["loss_sum"]
-                acc["n"] += m["n"]
-                acc["n_d"] += m["n"]
-                acc["n_u"] += m["n"]
-                acc["r_d"] += m["reward_sum_chosen"]
-                acc["r_u"] += m["reward_sum_rejected"]
-                acc["saturated"] += m["saturated"]
-                acc["accuracy"] += m["accuracy_sum"]
-        return acc
+    def collate_units(self, units: list[tuple]) -> dict:
+        """One micro-batch's rows, unit by unit (vrpo: chosen, rejected, chosen, rejected, ...)."""
+        return self.data.collate([ex for u in units for ex in u])
 
     def step_once(self, last_ckpt: Optional[Path] = None) -> tuple[float, dict, float]:
         """One optimiser step: forward/backward, global clip, the rank-agreed finite check, update.
 
         Returns (lr, reduced metrics, gradient norm before clipping).
         """
-        t = self.t
-        lr = lr_at(self.step, self.total, t.lr, t.warmup_ratio, t.scheduler)
-        for g in self.optimizer.param_groups:
+        t, plan, step = self.train, self.plan, self.state.step
+        lr = lr_at(step, self.data.total, t.lr, t.warmup_ratio, t.scheduler)
+        for g in self.policy.optimizer.param_groups:
             g["lr"] = lr
-        kl_micro = self.kl_micro_batches(self.step) if self.kl else None
-        m = self.reduce(self.run_step(self.micro_batches(self.step), kl_micro))
+        extra = self.data.extra_micro_batches(step, plan) if plan.objective.uses_extra_rows else None
+        m = self.reduce(self.run_step(self.data.micro_batches(step, plan), extra))
         clip = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
-        self.acc.unscale_gradients()  # fp16 loss scaling (a no-op otherwise)
-        grad_norm = clip_global_grad_norm(self.params, clip, sharded=self.fsdp, device=self.acc.device)
-        human_step = self.step + 1
+        self.accelerator.unscale_gradients()  # fp16 loss scaling (a no-op otherwise)
+        grad_norm = clip_global_grad_norm(self.policy.params, clip, sharded=plan.fsdp, device=plan.device)
+        human_step = step + 1
         # Both numbers are the same on every rank (reduced / all-reduced): all stop together.
         if not math.isfinite(m["loss"]) or not math.isfinite(grad_norm):
             what = f"loss {m['loss']}" if not math.isfinite(m["loss"]) else f"gradient norm {grad_norm}"
@@ -523,46 +257,26 @@ class _Run:
                 f"non-finite {what} at step {human_step}; stopped before applying it ({keep_msg})",
                 hint="lower train.lr, check the data, or resume from the checkpoint with other settings",
             )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step = human_step
+        self.policy.optimizer.step()
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        self.state.step = human_step
         return lr, m, grad_norm
 
-    def reduce(self, acc: dict) -> dict:
-        keys = ["loss_sum", "n", "n_d", "n_u", "r_d", "r_u", "saturated", "accuracy", "tokens"]
-        t = torch.tensor([float(acc[k]) for k in keys], dtype=torch.float64, device=self.acc.device)
-        if self.world > 1:
-            t = self.acc.reduce(t, reduction="sum")
+    def reduce(self, local: dict) -> dict:
+        """The step's metrics: the objective's sums over every process, reduced by the objective."""
+        objective = self.plan.objective
+        keys = [*objective.summed, "tokens"]
+        t = torch.tensor([float(local["sums"][k]) for k in keys], dtype=torch.float64, device=self.plan.device)
+        if self.plan.world > 1:
+            t = self.accelerator.reduce(t, reduction="sum")
         s = dict(zip(keys, t.tolist()))
-        n = max(s["n"], 1.0)
-        out = {"loss": s["loss_sum"] / n}
-        if self.t.objective == "sft":
-            out.update(reward_desirable=None, reward_undesirable=None, baseline=None, saturation=None)
-        else:
-            out["reward_desirable"] = s["r_d"] / s["n_d"] if s["n_d"] else None
-            out["reward_undesirable"] = s["r_u"] / s["n_u"] if s["n_u"] else None
-            out["baseline"] = acc["baseline"] if self.t.objective == "elbo_kto" else None
-            out["saturation"] = s["saturated"] / n
-            if self.t.objective == "vrpo":
-                out["reward_accuracy"] = s["accuracy"] / n
+        out = objective.reduce(s, local["step"])
         out["tokens"] = int(s["tokens"])
         return out
 
-    # ---------------------------------------------------------------- checkpoints (checkpoint.py)
-    def export(self, folder: Path, sd: dict, final: bool = False) -> dict:
-        return checkpoint.export(self, folder, sd, final=final)
-
-    def save_checkpoint(self, history: list) -> Path:
-        return checkpoint.save_checkpoint(self, history)
-
-    def _state_dict(self) -> dict:
-        return checkpoint.state_dict_of(self)
-
-    def _load_state(self, folder: Path) -> None:
-        checkpoint.load_state(self, folder)
 
 @torch.no_grad()
-def invariant_margins(run: "_Run", steps: int = 1) -> dict[str, float]:
+def invariant_margins(run: Run, steps: int = 1) -> dict[str, float]:
     """Per-row margins B_policy - B_ref of this process's rows in global steps 0..steps-1, before any update.
 
     With the policy's weights equal to the reference's, each is 0: exactly when
@@ -572,27 +286,8 @@ def invariant_margins(run: "_Run", steps: int = 1) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     for step in range(steps):
-        for units in run.micro_batches(step):
-            rows = [ex for u in units for ex in u]
-            b = run._to_dev(run.collate(rows))
+        for units in run.data.micro_batches(step, run.plan):
+            b = run.to_device(run.collate_units(units))
             m = run.policy_elbo(b).float() - run.reference_elbo(b)
             out.update(zip(b["ids"], m.tolist()))
     return out
-
-
-def _status(m: dict, lr: float, tok_s: float) -> str:
-    parts = [f"loss {m['loss']:.4f}"]
-    if m.get("reward_desirable") is not None:
-        parts.append(f"r+ {m['reward_desirable']:+.3f}")
-    if m.get("reward_undesirable") is not None:
-        parts.append(f"r- {m['reward_undesirable']:+.3f}")
-    if m.get("baseline") is not None:
-        parts.append(f"b {m['baseline']:+.3f}")
-    if m.get("saturation") is not None:
-        parts.append(f"sat {m['saturation']:.0%}")
-    parts.append(f"lr {lr:.2e}")
-    parts.append(f"{tok_s:,.0f} tok/s")
-    return " | ".join(parts)
-
-
-

@@ -14,8 +14,10 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * an online reference: resident and unsharded (its Linears in bf16 under
   autocast);
 * activations for one forward of ``tokens = rows x max_length`` (rows = the
-  micro-batch's draws, ``train.batch_size x n_mc``, or
-  ``train.rows_per_forward``; every row taken at the full length): with
+  rows the micro-batch's draws put through the body, which the family's
+  likelihood says (``Likelihood.footprint``: ``train.batch_size x n_mc`` for
+  masked diffusion), or ``train.rows_per_forward``; every row taken at the
+  full length): with
   activation checkpointing, each layer keeps its input (the residual stream:
   fp32 under autocast) and one layer at a time holds its full working set;
   without, every layer holds its working set. The working set per token is
@@ -34,17 +36,19 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * FSDP's unsharded gradients before their reduce-scatter: the root unit's
   (embeddings, head, final norm: the last unit reduced, ~3.9 GiB fp32 for
   LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
-  reduce-scatters every micro-batch (``training.loop._Run._sync``), DDP's
+  reduce-scatters every micro-batch (``training.loop.Run.sync``), DDP's
   gradients are whole anyway;
-* block diffusion (``block_size`` in the config): a row is K noisy streams and one shared clean
-  stream, (K+1) x max_length tokens (``dllm_align.models.block_attention``), the clean stream never
-  scored; plus the streams attention's boolean masks (3 x max_length^2 bytes per row) and the
-  keys and values it concatenates per noisy stream (4 x heads x head_dim per noisy token and layer,
-  kept for the backward). SDPA's memory-efficient CUDA kernel keeps no score matrix; the CPU's math
-  kernel does (not counted: ``doctor`` sizes GPUs);
+* what the likelihood adds (its footprint: keys and values its attention copies and keeps, its own
+  masks). Block diffusion: a row is K noisy streams and one shared clean stream, (K+1) x max_length
+  tokens (``dllm_align.models.block_attention``), the clean stream never scored; plus the streams
+  attention's boolean masks (3 x max_length^2 bytes per row) and the keys and values it concatenates
+  per noisy stream (4 x heads x head_dim per noisy token and layer, kept for the backward). SDPA's
+  memory-efficient CUDA kernel keeps no score matrix; the CPU's math kernel does (not counted:
+  ``doctor`` sizes GPUs);
 * packed rows under SDPA or eager attention: the [rows, 1, L, L] boolean block
   mask and its bf16 additive form (3 bytes per entry; flash and flex take
-  sequence offsets instead);
+  sequence offsets instead), unless the likelihood's own masks cover packed
+  rows (block diffusion's streams masks);
 * a runtime reserve of 2 GiB (CUDA context, NCCL buffers, allocator
   fragmentation).
 
@@ -65,6 +69,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from dllm_align.objective.base import objective_for
+from dllm_align.objective.elbo import get_likelihood
 
 GiB = 1024**3
 RESERVE = 2 * GiB
@@ -92,8 +99,13 @@ class ModelShape:
     shared_intermediate: int = 0
     # Per-head RMSNorm on queries and keys in every layer (Qwen3 / SDAR / LLaDA2 layouts).
     qk_norm: bool = False
-    # Block diffusion (SDAR, LLaDA2.x): the block size; 0 for whole-sequence diffusion.
+    # The family's likelihood (``dllm_align.objective.elbo.LIKELIHOODS``): what one unit's draws put through
+    # the body (``Likelihood.footprint``).
+    likelihood: str = "masked"
+    # Block diffusion (SDAR, LLaDA2.x): the block size (the config's, else the family's); 0 for none.
     block_size: int = 0
+    # The config.json as read: what a likelihood's footprint needs beyond these fields.
+    config: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def head_dim(self) -> int:
@@ -223,7 +235,6 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
     from dllm_align.models.families import family_for_config
 
     fam = family_for_config(cfg)
-    block = int(cfg.get("block_size") or fam.block_size) if fam.block_size else 0
     kv = pick("num_key_value_heads", "n_kv_heads", default=heads)
     if heads % kv:
         raise UserError(f"{source or 'config.json'}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
@@ -238,7 +249,9 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         source=source,
         qk_norm=(cfg.get("model_type") in ("qwen3", "sdar") and not experts)
         or (cfg.get("model_type") in ("llada2_moe", "llada21_moe") and cfg.get("use_qk_norm", True) is not False),
-        block_size=block,
+        likelihood=fam.likelihood,
+        block_size=fam.block_size_in(cfg) or 0,
+        config=cfg,
         **moe,
     )
 
@@ -363,10 +376,10 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     wbytes = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
     d, i, L = shape.hidden, shape.active_intermediate, shape.layers
     k = recipe.train_n_mc()
-    units = t.batch_size * (2 if t.objective == "vrpo" else 1)
-    rows = units * k
-    if shape.block_size:  # block diffusion: a row is K noisy streams and one shared clean stream
-        rows = units * (k + 1)
+    objective = objective_for(t)
+    units = t.batch_size * objective.rows_per_unit
+    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes)
+    rows = units * foot.rows
     if t.rows_per_forward:
         rows = min(rows, t.rows_per_forward)
     tokens = rows * recipe.data.max_length
@@ -377,14 +390,14 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         layer_bytes = 2 if (autocast and t.fsdp_gather == "bf16_layers" and launch.fsdp_version == 2) else wbytes
         lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden) * wbytes + 2 * shape.largest_layer_params * layer_bytes
-    if t.objective != "sft" and recipe.reference.mode == "online":
+    if objective.needs_reference and recipe.reference.mode == "online":
         lin = shape.linear_params
         lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
     act = 4 if (autocast or wbytes == 4) else 2
     per_token_layer = (36 * d + 10 * i) if autocast else (44 * d + 16 * i)
     working = tokens * per_token_layer + tokens * i * 4
     ckpt_inputs = L * tokens * d * act
-    scored = tokens * k // (k + 1) if shape.block_size else tokens  # the clean stream is never scored
+    scored = tokens * foot.scored_rows // foot.rows  # a clean context row is never scored
     head = HEAD_CHUNK * shape.vocab * (4 + 2) + (scored // 2) * d * 4 * 2
     with_ckpt = ckpt_inputs + working + head
     without_ckpt = L * tokens * per_token_layer + tokens * i * 4 + head
@@ -392,12 +405,9 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["activations" + (" (checkpointed layer inputs)" if ckpt else " (every layer)")] = ckpt_inputs if ckpt else L * tokens * per_token_layer
     lines["activations (one layer working set + backward)"] = working if ckpt else tokens * i * 4
     lines["output head (chunked)"] = head
-    if shape.block_size:
-        # the streams attention concatenates each noisy stream's keys and values with the clean stream's
-        # ([rows, heads, K, 2T, head_dim] each) and the backward keeps both: 4 x heads x head_dim per noisy token
-        noisy = tokens * k // (k + 1)
-        kv = noisy * 4 * shape.heads * shape.head_dim * (2 if autocast else wbytes)
-        lines["block-diffusion streams K/V copies (saved for backward)"] = kv if ckpt else L * kv
+    if foot.saved_kv_bytes:
+        kv = scored * foot.saved_kv_bytes
+        lines[foot.kv_line] = kv if ckpt else L * kv
         with_ckpt += kv
         without_ckpt += L * kv
     if autocast:
@@ -408,23 +418,21 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
         lines["FSDP unsharded gradients before reduce-scatter (root + 1 layer)"] = (
             (shape.embedding_params + d + shape.largest_layer_params) * 4 if not t.lora.enabled else 0)
     if recipe.data.padding == "packed" and (recipe.model.attn_implementation or "sdpa") in ("sdpa", "eager") \
-            and not shape.block_size:  # a block family's masks are its streams masks, counted below
+            and foot.dense_packed_masks:
         L_max = recipe.data.max_length
         lines["packed attention masks (bool + bf16 bias)"] = rows * L_max * L_max * 3
     notes = []
-    if shape.block_size:
-        T_max = recipe.data.max_length
-        # the streams attention's boolean masks per row: noisy queries over (own, clean) keys, clean over clean
-        lines["block-diffusion stream masks (bool)"] = min(units, rows) * 3 * T_max * T_max
-        notes.append(f"block diffusion (block {shape.block_size}): {k} noisy streams and one shared clean stream, "
-                     f"{k + 1} x {T_max} tokens of body per row (2 x {k} x {T_max} without the shared stream)")
+    if foot.mask_bytes:
+        lines[foot.mask_line] = min(units, rows) * foot.mask_bytes  # a forward row holds at most one unit's draws
+    if foot.note:
+        notes.append(foot.note)
     if recipe.model.attn_implementation == "eager":
         lines["eager attention scores"] = rows * shape.heads * recipe.data.max_length**2 * 4
         notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
     lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
     copies = "autocast bf16 weight copies (saved for backward)"
     fixed = sum(v for kk, v in lines.items()
-                if not kk.startswith(("activations", "output head (chunked)", copies, "block-diffusion streams K/V")))
+                if not kk.startswith(("activations", "output head (chunked)", copies, foot.kv_line)))
     total = sum(lines.values())
     if autocast:
         body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
@@ -451,6 +459,6 @@ def advice(est: Estimate, shape: ModelShape, recipe, launch: Launch, capacity: i
                    f"{est.total_with_checkpointing / GiB:.1f} GiB")
     if est.tokens and est.total > capacity:
         out.append("lower train.rows_per_forward (draws scored per forward) to cut activation memory")
-    if recipe.reference.mode == "online" and recipe.train.objective != "sft":
+    if recipe.reference.mode == "online" and objective_for(recipe.train).needs_reference:
         out.append("use reference.mode: cached (precompute-ref) so the reference is not resident")
     return out

@@ -1,4 +1,4 @@
-"""Reference ELBO precompute and its cache (SPEC.md section 5).
+"""Reference ELBO precompute and its cache (docs/design.md#the-reference-cache).
 
 B_hat_ref depends only on the frozen reference model and the masks, and the
 masks are a pure function of (seed, example id, draw, L) (``elbo.draw_masks``),
@@ -25,9 +25,37 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 
-from dllm_align.core.errors import UserError
-from dllm_align.training.cache import FORMAT_VERSION, MANIFEST, SHARD_FMT, STRICT_FIELDS, ShardError, _read_manifest, _refuse_other_settings, _sha256_file, cache_dir, composition_global_batch, elbo_range_problem, example_digest, fingerprint, read_shard, reference_name, write_shard
+from dllm_align.config.recipe import write_run_info
+from dllm_align.core.console import info, progress, warn
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import DirLock, atomic_write_json
+from dllm_align.data.batching import pack_length_of, plan_batches
+from dllm_align.data.examples import load_training_examples, make_collate, planned_batches
+from dllm_align.models.load import check_max_length, load_from_section
+from dllm_align.models.precision import accelerator_kwargs, precision_for, prepare_reference
+from dllm_align.objective.base import objective_for
+from dllm_align.objective.elbo import DrawConfig, elbo_draws
+from dllm_align.training.cache import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARD_FMT,
+    STRICT_FIELDS,
+    ReferenceCache,
+    ShardError,
+    _read_manifest,
+    _refuse_other_settings,
+    _sha256_file,
+    cache_dir,
+    composition_global_batch,
+    elbo_range_problem,
+    example_digest,
+    fingerprint,
+    read_shard,
+    reference_name,
+    write_shard,
+)
 
 
 # --------------------------------------------------------------------------- computing
@@ -38,9 +66,6 @@ def load_reference(recipe, device):
     online one are the same function of the same weights as the policy before its
     first update (:mod:`dllm_align.models.precision`).
     """
-    from dllm_align.models.load import check_max_length, load_from_section
-    from dllm_align.models.precision import precision_for, prepare_reference
-
     prec = precision_for(recipe, device)
     section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
     mp = load_from_section(section, device, name_or_path=reference_name(recipe))
@@ -53,9 +78,70 @@ def load_reference(recipe, device):
     return mp
 
 
-def draw_config(recipe, n_mc: Optional[int] = None):
-    from dllm_align.objective.elbo import DrawConfig
+# --------------------------------------------------------------------------- during training
+class TrainingReference:
+    """B_hat_ref of a training step: the cached draws, or the resident reference model's (``reference.mode``)."""
 
+    def __init__(self, cache=None, model=None):
+        self.cache = cache
+        self.model = model
+
+    @torch.no_grad()
+    def elbo(self, batch: dict, plan, rows_per_forward: Optional[int]) -> torch.Tensor:
+        """[B]: the mean of draws 0..plan.k-1 (the policy's draws) of each row of a collated batch."""
+        if self.cache is not None:
+            return self.cache.lookup(batch["ids"], plan.k).mean(dim=1).to(plan.device)
+
+        v = elbo_draws(
+            self.model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["completion_mask"],
+            batch["ids"],
+            plan.draws,
+            max_rows_per_forward=rows_per_forward,
+            draws=plan.draw_ids,
+            pack_length=plan.pack_length,
+        )
+        return v.float().mean(dim=1)
+
+
+def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
+    """The reference of a training run: loaded resident (``online``), or the cache, checked to hold every row
+    the run will score (its units and the objective's extra rows) under this run's fingerprint."""
+    if recipe.reference.mode == "online":
+        ref = TrainingReference(model=load_reference(recipe, plan.device))
+        if plan.main:
+            info(f"train: reference computed online ({reference_name(recipe)}, resident)")
+        return ref
+    folder = cache_dir(recipe)
+    cache = ReferenceCache.open(folder)
+    fp = fingerprint(
+        recipe,
+        tokenizer=policy_mp.tokenizer,
+        mask_token_id=policy_mp.mask_token_id,
+        device=plan.device,
+        examples=data.examples,
+        known_files=cache.weight_files(),
+    )
+    used = [ex for u in data.units for ex in u]
+    objective = plan.objective
+    if objective.uses_extra_rows:
+        extra = {}
+        for batch in planned_batches(recipe, data.lengths, plan.global_batch, data.total):
+            for ex in objective.extra_rows([data.units[i] for i in batch], recipe.data.max_length):
+                extra.setdefault(ex.id, ex)
+        missing = next((i for i in extra if i not in cache._digests), None)
+        if missing is not None:
+            raise objective.extra_rows_missing(folder, missing, cache.manifest["fingerprint"])
+        used += list(extra.values())
+    cache.check(fp, used, plan.k)
+    if plan.main:
+        info(f"train: reference from cache {folder} (K={cache.K}, using {plan.k})")
+    return TrainingReference(cache=cache)
+
+
+def draw_config(recipe, n_mc: Optional[int] = None):
     return DrawConfig.from_reference(recipe.reference, n_mc)
 
 
@@ -77,8 +163,6 @@ def reference_values(
     its own example's tokens and masks. ``pack_length``: pack the noisy
     sequences of each forward into rows of that length (``data.padding: packed``).
     """
-    from dllm_align.objective.elbo import elbo_draws
-
     K = cfg.n_mc if draws is None else len(draws)
     out = np.zeros((len(examples), K), dtype=np.float32)
     order = sorted(range(len(examples)), key=lambda i: -(len(examples[i].prompt_ids) + len(examples[i].completion_ids)))
@@ -120,14 +204,12 @@ def micro_batch_groups(recipe, examples: Sequence) -> list[list[int]]:
     one process is then assumed). The rows no micro-batch holds (the kl baseline's
     mismatched pairs) follow, longest first, in groups of ``reference.batch_size``.
     """
-    from dllm_align.data.batching import plan_batches
-    from dllm_align.data.examples import make_units
-
     t = recipe.train
+    objective = objective_for(t)
     pos = {ex.id: i for i, ex in enumerate(examples)}
-    rows = [ex for ex in examples if ex.label is not None] if t.objective == "elbo_kto" else list(examples)
+    rows = [ex for ex in examples if not objective.is_extra_row(ex)]
     try:
-        units = make_units(rows, t.objective, t.sft_rows) if rows else []
+        units = objective.make_units(rows) if rows else []
     except UserError:
         units = []
     groups: list[list[int]] = []
@@ -152,8 +234,6 @@ def group_values(ref_mp, examples: Sequence, collate: Callable[[list], dict], cf
     (same collated rows, ``rows_per_forward`` chunks, packing); draws beyond them
     (a cache with more draws than this recipe's run uses) from a second call.
     """
-    from dllm_align.objective.elbo import elbo_draws
-
     dev = ref_mp.device
     b = collate(list(examples))
     args = (ref_mp, b["input_ids"].to(dev), b["attention_mask"].to(dev) if b.get("attention_mask") is not None else None,
@@ -205,9 +285,6 @@ def precompute(
     shard) made with other settings is refused, naming every field that
     differs, unless ``overwrite``: it is never silently replaced.
     """
-    from dllm_align.core.console import info, progress, warn
-    from dllm_align.core.io import atomic_write_json
-
     rank = accelerator.process_index if accelerator else 0
     world = accelerator.num_processes if accelerator else 1
     is_main = rank == 0
@@ -221,7 +298,6 @@ def precompute(
 
     out = cache_dir(recipe)
     out.mkdir(parents=True, exist_ok=True)
-    from dllm_align.core.io import DirLock
 
     lock = DirLock(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "
                         "`train` reading it as its reference cache (that run must finish first)") if is_main else None
@@ -231,7 +307,6 @@ def precompute(
         if ref_mp is None:
             ref_mp = load_reference(recipe, device)
         elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
-            from dllm_align.models.precision import precision_for
 
             ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
@@ -290,7 +365,8 @@ def precompute(
         n_todo = sum(bounds[s][1] - bounds[s][0] for s in todo)
         t0 = time.perf_counter()
         rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
-        pack = recipe.data.max_length if recipe.data.padding == "packed" else None
+        pack = pack_length_of(recipe.data)
+        objective = objective_for(recipe.train)
         if is_main:
             info(
                 f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of ~{size} "
@@ -311,7 +387,7 @@ def precompute(
                 at = 0
                 for g in my_groups:
                     exs = [examples[i] for i in g]
-                    if recipe.train.objective == "elbo_kto" and any(ex.label is None for ex in exs):
+                    if any(objective.is_extra_row(ex) for ex in exs):
                         # not a training micro-batch (the kl baseline's pairs): batched as before
                         v = reference_values(ref_mp, exs, collate, cfg, len(exs), rows, pack_length=pack)
                     else:
@@ -327,7 +403,6 @@ def precompute(
                     torch.distributed.all_gather_object(parts, (mine, vals, problem))
                 problem = next((p for _, _, p in parts if p), None)
                 if problem:  # every process sees it and stops together
-                    from dllm_align.core.errors import RunFailure
 
                     raise RunFailure(
                         f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
@@ -348,13 +423,9 @@ def precompute(
                 try:
                     _, sids, sdig, sfp = read_shard(p)
                 except (ShardError, FileNotFoundError) as e:
-                    from dllm_align.core.errors import RunFailure
-
                     raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
                 lo, hi = bounds[s]
                 if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
-                    from dllm_align.core.errors import RunFailure
-
                     raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
                 shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
             manifest = {
@@ -383,20 +454,11 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
 
     Returns (PrecomputeReport, accelerator). Finished shards are reused.
     """
-    from accelerate import Accelerator
-
-    from dllm_align.config.recipe import write_run_info
-    from dllm_align.data.examples import load_training_examples, make_collate
-
-    from dllm_align.models.precision import accelerator_kwargs
-
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
-    if recipe.train.objective == "elbo_kto" and recipe.train.baseline == "kl":
-        from dllm_align.data.examples import planned_kl_examples
-
-        examples = examples + planned_kl_examples(recipe, examples)  # the mismatched pairs of every step
+    # the objective's extra rows of every step (the kl baseline's mismatched pairs)
+    examples = examples + objective_for(recipe.train).reference_extras(recipe, examples)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")

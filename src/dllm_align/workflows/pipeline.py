@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Optional
 
 from dllm_align.core import console
+from dllm_align.objective.base import objective_for
 
 
 def reference(recipe) -> None:
     """Fill the reference cache (finished shards are reused) unless the recipe computes it online."""
-    if recipe.train.objective == "sft" or recipe.reference.mode == "online":
+    if not objective_for(recipe.train).needs_reference or recipe.reference.mode == "online":
         return
     from dllm_align.training.reference import run_precompute
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from dllm_align.core.errors import UserError
 from dllm_align.models.families.base import Family
 from dllm_align.models.families.block import LLADA2, LLADA21, SDAR
 from dllm_align.models.families.dream import DREAM
@@ -28,8 +29,6 @@ _ALIASES = {"tiny": "llada"}
 def get_family(name: str) -> Family:
     name = _ALIASES.get(name, name)
     if name not in FAMILIES:
-        from dllm_align.core.errors import UserError
-
         raise UserError(f"unknown model family '{name}'", hint=f"known: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
@@ -79,8 +78,6 @@ def detect_family(cfg: dict | Any) -> Optional[Family]:
     cfg = _as_dict(cfg)
     found = matching_families(cfg)
     if len(found) > 1:
-        from dllm_align.core.errors import UserError
-
         raise UserError(
             f"config.json matches more than one model family ({', '.join(f.name for f in found)}): {_what_was_read(cfg)}",
             hint=f'add "dllm_align_family": "<{"|".join(f.name for f in found)}>" to config.json to say which',

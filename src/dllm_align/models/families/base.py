@@ -3,9 +3,9 @@
 A :class:`Family` is a plain record: how a checkpoint of that family loads
 natively (a config translation and a weight-name mapping onto a transformers
 architecture), its special tokens, how its logits line up with positions, its
-end-of-turn tokens, the decoder layer class that FSDP wraps, and the decoding
-rule its authors publish. The rest of dllm-align asks the family; it never
-branches on a family's name. Adding a family is one module in this package
+end-of-turn tokens, the decoder layer class that FSDP wraps, the decoding
+rule its authors publish, by name the likelihood (noise process) its ELBO uses, and how its built-in tiny model
+is made. The rest of dllm-align asks the family; it never branches on a family's name. Adding a family is one module in this package
 (plus its tests) and one line in ``families/__init__.py``.
 """
 
@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from safetensors import safe_open
 
 from dllm_align.core.errors import UserError
+
+# tokenizers and transformers are imported inside the builders: the family records are read (which family
+# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch.
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
@@ -49,7 +53,7 @@ class Family:
     # skip_special_tokens=True; Dream's keeps every token before the end of text (Qwen2's added
     # tokens such as <|box_end|> stay in the text).
     decode_keeps_special: bool = False
-    # The decoding rule of the family's own code: "llada" (SPEC.md section 7), "dream"
+    # The decoding rule of the family's own code (docs/design.md#generation): "llada", "dream"
     # (``diffusion_generate``: one canvas, timestep schedule, confidence rules) or "block" (block
     # diffusion: block by block with a KV cache over finished blocks, ``dllm_align.generate.block``).
     sampler: str = "llada"
@@ -59,6 +63,9 @@ class Family:
     fix_tokenizer: Optional[Callable[[Any, Path], Any]] = None
     # Published decoding defaults, written into the bundled recipes.
     decoding: dict = field(default_factory=dict)
+    # The noise process and its ELBO, by name in ``dllm_align.objective.elbo.LIKELIHOODS``: "masked"
+    # (whole-sequence absorbing-mask diffusion) or "block" (block diffusion over ``block_size`` blocks).
+    likelihood: str = "masked"
     # Block diffusion (LLaDA2.x, SDAR): the published block size; None for whole-sequence diffusion.
     block_size: Optional[int] = None
     # The published block rule (``dllm_align.generate.block``): "sdar" (SDAR's generate.py) or "llada2"
@@ -66,6 +73,19 @@ class Family:
     block_rule: str = "sdar"
     # Why the commands refuse this family's checkpoints (said in full by ``load_model``); None: they do not.
     refuse_reason: Optional[str] = None
+    # The family's built-in models (``builtin:*``, the table in ``models/load.py``): a byte-level tokenizer with
+    # its special tokens, and (tokenizer, hidden_size, layers, heads, intermediate_size, max_position_embeddings,
+    # seed) -> a random model of its layout, deterministic by seed. None: the family has no built-in model.
+    tiny_tokenizer: Optional[Callable[[], Any]] = None
+    build_tiny: Optional[Callable[..., torch.nn.Module]] = None
+
+    def block_size_in(self, config: dict | Any) -> Optional[int]:
+        """The block size of one checkpoint (a config.json dict or a transformers config): its config's
+        ``block_size``, else the published one; None for a whole-sequence family."""
+        if not self.block_size:
+            return None
+        value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
+        return int(value or self.block_size)
 
     def source_positions(self, cols: torch.Tensor) -> torch.Tensor:
         """The output positions whose hidden states score positions ``cols``."""
@@ -165,8 +185,6 @@ def load_mapped(
     frequencies are not weights: they are rebuilt in fp32 from the config
     (never trusted from a file, never left on the meta device).
     """
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = model_cls(config)
     if prepare is not None:

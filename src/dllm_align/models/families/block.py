@@ -25,6 +25,7 @@ The LLaDA2 families are told apart by ``model_type`` only, since both publish ``
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +33,12 @@ import torch
 
 from dllm_align.models.families.base import (Family, build_seeded, load_mapped, qwen_fields, refuse, special_ids,
                                              tag_config, transformers_key)
+from dllm_align.models.families.dream import build_dream_tokenizer
+from dllm_align.models.families.llada import build_llada_tokenizer
+
+# transformers, and llada2_body (which subclasses transformers' classes), are imported inside the builders:
+# the family records are read (which family claims a config, the memory estimate) without building
+# anything, and transformers takes longer to import than torch.
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -77,8 +84,6 @@ def llada2_config(cfg: dict):
 
     Fields a config.json omits take the published configuration class's defaults, as its own code would.
     """
-    import inspect
-
     from dllm_align.models.families.llada2_body import Llada2MoeConfig, check_shapes
 
     no = []
@@ -150,6 +155,13 @@ def build_llada2_model(tokenizer, hidden_size: int, layers: int, heads: int, int
     return build_seeded(Llada2MoeModelLM, config, seed)
 
 
+def build_tiny_llada2(tokenizer, hidden_size: int, layers: int, heads: int, intermediate_size: int,
+                      max_position_embeddings: int, seed: int):
+    """The built-in LLaDA2.0 models: blocks of 8 (the published block is 32) so that short rows span several blocks."""
+    return build_llada2_model(tokenizer, hidden_size, layers, heads, intermediate_size, max_position_embeddings, seed,
+                              block_size=8)
+
+
 SDAR = Family(
     name="sdar",
     model_types=("sdar",),
@@ -158,9 +170,13 @@ SDAR = Family(
     stop_tokens=("<|im_end|>", "<|endoftext|>"),
     load_native=load_sdar_native,
     sampler="block",
+    likelihood="block",
     # SDAR's serving defaults (block 4, low_confidence_dynamic at 0.9); steps = one per token of a block
     decoding={"gen_length": 512, "block_length": 4, "steps": 512, "temperature": 1.0, "threshold": 0.9},
     block_size=4,
+    # SDAR is Qwen-tokenised as Dream is: <|im_start|> / <|im_end|> turns
+    tiny_tokenizer=build_dream_tokenizer,
+    build_tiny=build_sdar_model,
 )
 
 LLADA2 = Family(
@@ -170,10 +186,13 @@ LLADA2 = Family(
     stop_tokens=("<|role_end|>", "<|endoftext|>"),
     load_native=load_llada2_native,
     sampler="block",
+    likelihood="block",
     block_rule="llada2",
     # LLaDA2's published generate: blocks of 32, 32 rounds per block, threshold 0.95, greedy
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "temperature": 0.0, "threshold": 0.95},
     block_size=32,
+    tiny_tokenizer=build_llada_tokenizer,
+    build_tiny=build_tiny_llada2,
 )
 
 LLADA21 = Family(
@@ -181,6 +200,7 @@ LLADA21 = Family(
     model_types=("llada21_moe",),
     mask_token_id=156895,
     sampler="block",
+    likelihood="block",
     block_rule="llada2",
     block_size=32,
     refuse_reason=("LLaDA2.1 decodes with token editing (tokens already decoded can be replaced), which is not "

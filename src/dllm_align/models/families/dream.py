@@ -1,6 +1,6 @@
 """Dream (``Dream-org/Dream-v0-Instruct-7B``, ``model_type: Dream``) and models built on it (DiffuCoder).
 
-Facts from the published config and code (SPEC.md section 11):
+Facts from the published config and code (docs/design.md#model-families):
 
 * the body is a Qwen2 block (q/k/v with bias, o_proj without, RMSNorm, SwiGLU,
   rotary base 1e6) with non-causal attention and an untied head; its weight
@@ -32,6 +32,9 @@ from dllm_align.models.families.base import (
     tag_config,
     transformers_key,
 )
+
+# transformers is imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
 
 # Specials of the built-in Dream-format tokenizer, named as in Dream's (Qwen2.5) tokenizer.
 DREAM_EOS = "<|endoftext|>"
@@ -124,4 +127,6 @@ DREAM = Family(
     fix_tokenizer=fix_dream_tokenizer,
     # The model card's example: 512 new tokens, 512 steps, temperature 0.2, top_p 0.95, entropy order.
     decoding={"gen_length": 512, "steps": 512, "temperature": 0.2, "top_p": 0.95, "alg": "entropy", "alg_temp": 0.0},
+    tiny_tokenizer=build_dream_tokenizer,
+    build_tiny=build_dream_model,
 )

@@ -1,6 +1,6 @@
 """LLaDA and LLaDA-1.5 (``model_type: llada``), and the built-in tiny models, which share their manners.
 
-Native loading (SPEC.md section 10): LLaDA's blocks are Llama blocks with
+Native loading (docs/design.md#model-families): LLaDA's blocks are Llama blocks with
 other weight names, so the checkpoint maps onto a transformers
 ``LlamaForCausalLM`` with ``is_causal = False`` (no remote code; gradient
 checkpointing, SDPA / flash attention and the sampler's key/value cache come
@@ -17,10 +17,34 @@ import torch
 
 from dllm_align.models.families.base import (
     Family,
+    build_seeded,
+    byte_level_tokenizer,
     load_mapped,
     refuse,
     special_ids,
     tag_config,
+)
+
+# transformers is imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+
+# Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
+BOS = "<|startoftext|>"
+EOS = "<|endoftext|>"
+EOT = "<|eot_id|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+MASK = "<|mdm_mask|>"
+SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT, MASK]
+
+# LLaDA's chat format: role headers, content, end-of-turn; the generation
+# prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | trim) + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
 LLADA_RENAMES = [
@@ -126,6 +150,37 @@ def load_llada_native(folder: Path, cfg: dict, dtype: torch.dtype):
                        prepare=_no_output_bias)
 
 
+def build_llada_tokenizer():
+    """A byte-level tokenizer with LLaDA's special tokens and chat template (for the built-in LLaDA models)."""
+    return byte_level_tokenizer(SPECIAL_TOKENS, bos=BOS, eos=EOS, mask=MASK, extra=[START_HEADER, END_HEADER, EOT],
+                                chat_template=CHAT_TEMPLATE)
+
+
+def build_llada_model(tokenizer, hidden_size: int, layers: int, heads: int, intermediate_size: int,
+                      max_position_embeddings: int, seed: int):
+    """A random tiny bidirectional Llama with LLaDA's manners; deterministic by seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        is_causal=False,
+    )
+    cfg.mask_token_id = tokenizer.mask_token_id
+    cfg.dllm_align_family = "llada"
+    return build_seeded(LlamaForCausalLM, cfg, seed)
+
+
 LLADA = Family(
     name="llada",
     model_types=("llada",),
@@ -138,4 +193,6 @@ LLADA = Family(
     sampler="llada",
     load_native=load_llada_native,
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "remasking": "low_confidence"},
+    tiny_tokenizer=build_llada_tokenizer,
+    build_tiny=build_llada_model,
 )

@@ -1,0 +1,55 @@
+"""The in-process generation backend: the model loaded in this process (or one the caller already holds),
+decoded by the samplers of this package (:mod:`dllm_align.generate.sampler`, rules by name)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from dllm_align.generate.sampler import generate
+from dllm_align.generate.rules import settings_for
+from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
+
+
+class InProcessGenerator:
+    """A :class:`dllm_align.generate.backend.Generator` over a loaded ``MaskPredictor``."""
+
+    name = "in_process"
+
+    def __init__(self, mp) -> None:
+        self.mp = mp
+
+    @classmethod
+    def load(cls, model, *, device=None, name_or_path: Optional[str] = None, predictor=None) -> "InProcessGenerator":
+        """The recipe's model (``model``: its ``model`` section; ``name_or_path`` another checkpoint) loaded on
+        ``device``, or ``predictor`` when the caller holds the model already (it is not loaded twice)."""
+        if predictor is None:
+            from dllm_align.models.load import load_from_section
+
+            predictor = load_from_section(model, device=device or "cpu", name_or_path=name_or_path)
+            predictor.model.eval()
+        return cls(predictor)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.mp.tokenizer
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        return getattr(self.mp.model.config, "max_position_embeddings", None)
+
+    def settings_for(self, settings: SamplerSettings) -> SamplerSettings:
+        return settings_for(self.mp, settings)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        settings: SamplerSettings,
+        seeds: Optional[Sequence[int]] = None,
+        *,
+        batch_size: int = 8,
+        stop_early: bool = True,
+        stats: Optional[SamplerStats] = None,
+        on_batch: Optional[Callable[[list[int], list[Completion]], None]] = None,
+    ) -> list[Completion]:
+        return generate(self.mp, prompts, settings, seeds=seeds, batch_size=batch_size, stop_early=stop_early,
+                        stats=stats, on_batch=on_batch)

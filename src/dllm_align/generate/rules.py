@@ -1,0 +1,57 @@
+"""Decoding rules by name: the registry the in-process samplers dispatch on.
+
+A family names its published rule (``Family.sampler``: "llada", "dream", "block"); ``generate.sampler``
+picks one by name or leaves it to the family ("auto"). Each rule module registers a :class:`DecodingRule`
+with :func:`register_rule` (LLaDA's in :mod:`dllm_align.generate.sampler`, Dream's in
+:mod:`dllm_align.generate.dream`, the block rule in :mod:`dllm_align.generate.block`); the settings a
+rule has no use for are refused by the recipe schema (``GenerateSection``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from dllm_align.core.errors import UserError
+from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
+
+# (mp, prompts, settings, seeds, stats, t0, stop_early) -> one Completion per prompt, in order
+DecodeBatch = Callable[
+    [object, Sequence[Sequence[int]], SamplerSettings, Sequence[int], Optional[SamplerStats], float, bool], list[Completion]
+]
+
+
+@dataclass(frozen=True)
+class DecodingRule:
+    """One decoding rule: its name (the value of ``generate.sampler`` / ``Family.sampler``), the function
+    that decodes one left-padded batch, and what it needs of the model (raises ``UserError``; None: nothing)."""
+
+    name: str
+    decode_batch: DecodeBatch
+    check_model: Optional[Callable[[object, SamplerSettings], None]] = None
+
+
+RULES: dict[str, DecodingRule] = {}
+
+
+def register_rule(rule: DecodingRule) -> DecodingRule:
+    RULES[rule.name] = rule
+    return rule
+
+
+def rule_for(name: str) -> DecodingRule:
+    try:
+        return RULES[name]
+    except KeyError:
+        raise UserError(f"generate.sampler: no decoding rule named {name!r}", hint="rules: " + ", ".join(sorted(RULES))) from None
+
+
+def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
+    """``settings`` for this model: ``sampler: auto`` resolved to its family's rule, then checked, the rule's
+    needs of the model included (the block rule: a block-diffusion model, decoded in its own block length).
+    Callers that write anything check with it first, so a refusal leaves nothing behind."""
+    settings = SamplerSettings.from_section(settings).for_model(mp)
+    rule = rule_for(settings.sampler)
+    if rule.check_model is not None:
+        rule.check_model(mp, settings)
+    return settings

@@ -1,0 +1,88 @@
+"""The likelihood interface: a noise process and its Monte Carlo ELBO, as one component.
+
+A model family names its likelihood (``Family.likelihood``: ``"masked"`` for whole-sequence absorbing-mask
+diffusion, ``"block"`` for block diffusion); :mod:`dllm_align.objective.elbo` holds the registry by name and
+gives every caller (the training loop, the reference cache, evaluation) the component of the model at hand,
+and the memory model (``training.memory``) asks the same component what to count. Nothing else branches on
+the kind of noise. A likelihood answers three questions:
+
+* :meth:`Likelihood.draws`: the noise of the K draws of one example, a pure function of (seed, example id,
+  draw index, length), so that policy and reference score the same draws on any device, in any process
+  count and after a restart (the reference can then be precomputed);
+* :meth:`Likelihood.draw_terms`: the per-draw ELBO terms [B, K] of a batch under one model, differentiable
+  through it; policy and reference make the same call and get the same draws;
+* :meth:`Likelihood.footprint`: what the K draws of one training unit put through the network
+  (:class:`Footprint`), in the memory model's terms.
+
+A new likelihood is one module with a subclass and one line in ``objective.elbo.LIKELIHOODS``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the K draws of one training unit put through the network body (``training.memory``).
+
+    Counted in rows of the recipe's ``max_length`` tokens: the memory model takes every row at its full length.
+    """
+
+    rows: int  # rows one unit's draws put through the body (K; K + 1 with a shared clean stream)
+    scored_rows: int  # of those, the rows whose positions the output head scores (a clean context row is not scored)
+    # Keys and values the attention copies and keeps for the backward, bytes per scored token and layer, with
+    # the line of the estimate that shows them (0: none beyond the layer's working set).
+    saved_kv_bytes: int = 0
+    kv_line: str = "attention K/V copies (saved for backward)"
+    # Attention masks one forward row holds (a row carries at most one unit's draws), bytes, and their line.
+    mask_bytes: int = 0
+    mask_line: str = "attention masks"
+    # Packed rows under SDPA or eager attention hold the dense [rows, 1, L, L] block mask (and its bf16 form);
+    # False when the likelihood's own masks (``mask_bytes``) already cover packed rows.
+    dense_packed_masks: bool = True
+    note: str = ""  # one line for doctor's notes, when the layout needs saying
+
+
+class Likelihood(ABC):
+    """A noise process and its ELBO estimator (the module docstring).
+
+    ``mp`` is a :class:`dllm_align.models.predictor.MaskPredictor` or anything with its scoring methods
+    (``target_logprobs``, ``mask_token_id``, ``likelihood``, and what the likelihood itself reads, such as
+    ``block_size``). ``cfg`` is a :class:`dllm_align.objective.draws.DrawConfig` (K, seed, estimator).
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def draws(self, example_id: str, length: int, cfg: Any) -> tuple:
+        """The noise of draws 0..K-1 of one example with ``length`` scored tokens, as arrays whose first axis
+        is the draw; a pure function of (cfg.seed, example_id, draw index, length)."""
+
+    @abstractmethod
+    def draw_terms(
+        self,
+        mp,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        completion_mask: torch.Tensor,
+        ids: Sequence[str],
+        cfg: Any,
+        *,
+        max_rows_per_forward: Optional[int] = None,
+        draws: Optional[Sequence[int]] = None,
+        pack_length: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Per-draw ELBO terms [B, len(draws) or K] (fp32, differentiable through ``mp``); their mean over
+        the draws is the row's ELBO estimate (``objective.elbo.elbo_draws`` says what the arguments mean)."""
+
+    @abstractmethod
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
+        """What one training unit's ``draws`` draws of ``length`` tokens put through the body of a model of
+        ``shape`` (``training.memory.ModelShape``: heads, head_dim, the family's block size, ..., and the
+        config.json as read, ``shape.config``, for a size only this likelihood uses);
+        ``compute_bytes``: bytes of one activation element in the compute precision."""

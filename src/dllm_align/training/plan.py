@@ -1,0 +1,99 @@
+"""The run's plan: what a training run derives from its recipe and its launch, computed once before anything
+loads (the objective and its class weights, the precision, the packed-row length, the draws, the process layout
+and the global batch), as one frozen record the setup steps and the step take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dllm_align.config.schema import TrainSection
+from dllm_align.core.console import info
+from dllm_align.core.errors import UserError
+from dllm_align.data.batching import pack_length_of
+from dllm_align.data.imbalance import read_weights_file
+from dllm_align.models.precision import Precision, precision_for
+from dllm_align.objective.base import ClassWeights, Objective, objective_for
+from dllm_align.objective.elbo import DrawConfig
+from dllm_align.training.distributed import is_fsdp
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """The derived values of one run on one process."""
+
+    objective: Objective
+    precision: Precision  # one precision for the policy and the reference (models.precision)
+    pack_length: Optional[int]  # pack each forward's noisy rows into rows of this length (data.padding: packed)
+    draws: DrawConfig  # the reference's draw set; the policy uses draws 0..k-1 of it
+    k: int
+    device: torch.device
+    world: int  # processes
+    rank: int
+    main: bool
+    fsdp: bool
+    accum: int  # micro-batches per process and step
+    global_batch: int  # units per optimiser step: train.batch_size x accum x world
+
+    @property
+    def draw_ids(self) -> list[int]:
+        return list(range(self.k))
+
+
+def make_plan(recipe, accelerator) -> TrainPlan:
+    """The plan of ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train first)."""
+    t = recipe.train
+    check_trainable_on(recipe, accelerator.device)
+    world = accelerator.num_processes
+    ld, lu = class_weights(recipe)
+    # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
+    chosen = bool({"lambda_desirable", "lambda_undesirable"} & t.model_fields_set) or bool(recipe.data.weights_file)
+    accum = grad_accum_for(t, world)
+    return TrainPlan(
+        objective=objective_for(t, ClassWeights(ld, lu, chosen)),
+        precision=precision_for(recipe, accelerator.device),
+        pack_length=pack_length_of(recipe.data),
+        draws=DrawConfig.from_reference(recipe.reference),
+        k=recipe.train_n_mc(),
+        device=accelerator.device,
+        world=world,
+        rank=accelerator.process_index,
+        main=accelerator.is_main_process,
+        fsdp=is_fsdp(accelerator),
+        accum=accum,
+        global_batch=t.batch_size * accum * world,
+    )
+
+
+def check_trainable_on(recipe, device) -> None:
+    """Refuse, before anything loads, a setting this device cannot train with. torch's FlexAttention has a
+    CPU forward but no CPU backward: said here, not as a NotImplementedError inside the first step
+    (scoring with it, as precompute-ref does, stays allowed)."""
+    if recipe.model.attn_implementation == "flex_attention" and torch.device(device).type == "cpu":
+        raise UserError("model.attn_implementation flex_attention cannot train on a CPU: FlexAttention has no backward there",
+                        hint="use sdpa (or eager) for CPU training; flex_attention on CUDA")
+
+
+def grad_accum_for(t: TrainSection, world: int) -> int:
+    """Micro-batches per step: train.grad_accum, or derived from train.global_batch_size and the process count."""
+    if t.global_batch_size is None:
+        return t.grad_accum
+    per = t.batch_size * world
+    if t.global_batch_size % per:
+        raise UserError(
+            f"train.global_batch_size {t.global_batch_size} is not a multiple of train.batch_size {t.batch_size} "
+            f"x {world} process(es)",
+            hint="change the process count or train.batch_size so that they divide the global batch",
+        )
+    return t.global_batch_size // per
+
+
+def class_weights(recipe) -> tuple[float, float]:
+    if recipe.data.weights_file:
+        ld, lu = read_weights_file(recipe.data.weights_file)
+        info(f"class weights from {recipe.data.weights_file}: lambda_D {ld:g}, lambda_U {lu:g}")
+        return ld, lu
+    return recipe.train.lambda_desirable, recipe.train.lambda_undesirable

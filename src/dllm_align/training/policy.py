@@ -1,0 +1,165 @@
+"""The policy: loaded in the run's precision (with its LoRA adapters, or a checkpoint's weights when resuming),
+wrapped as a module so that DDP / FSDP see every forward, and handed to the optimiser.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+
+from dllm_align.config.schema import LoraSection, TrainSection
+from dllm_align.core.console import info
+from dllm_align.core.errors import UserError
+from dllm_align.models.families.base import Family
+from dllm_align.models.load import check_max_length, load_from_section
+from dllm_align.models.precision import fsdp2_bf16_layer_units, fsdp_mixed_precision
+from dllm_align.training.distributed import fsdp_wrap_family_layer, preserve_checkpoint_rng
+from dllm_align.training.optim import build_optimizer
+from dllm_align.training.plan import TrainPlan
+
+# peft is imported where LoRA is applied: it is an optional extra (`pip install 'dllm-align[lora]'`).
+
+
+class PolicyScorer(torch.nn.Module):
+    """The policy wrapped so that DDP / FSDP see every forward: log p at the scored positions only.
+
+    The ELBO code calls :meth:`MaskPredictor.target_logprobs`, which runs the
+    network body and the output head separately; going through this module's
+    ``forward`` keeps the distributed wrappers (and accelerate's autocast) in
+    the loop.
+    """
+
+    def __init__(self, mp):
+        super().__init__()
+        self.model = mp.model
+        self.__dict__["_mp"] = mp  # not a submodule: it only holds references
+
+    def forward(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
+        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets, packed=packed, streams=streams)
+
+
+class PolicyView:
+    """Duck-typed MaskPredictor for ``elbo_draws`` that routes through a (wrapped) PolicyScorer."""
+
+    def __init__(self, module, mask_token_id: int, block_size: Optional[int], likelihood: str):
+        # The likelihood's name has no default: a block model must never fall back to the masked path.
+        self.module = module
+        self.mask_token_id = mask_token_id
+        self.block_size = block_size
+        self.likelihood = likelihood
+
+    def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
+        return self.module(input_ids, attention_mask, rows, cols, targets, packed, streams)
+
+
+# --------------------------------------------------------------------------- loading
+def load_policy(recipe, plan: TrainPlan, accelerator, resume_from: Optional[Path]):
+    """The policy's MaskPredictor in training mode: fp32 master weights unless the recipe pins a dtype (autocast
+    does bf16 on GPU), its LoRA adapters, or a resumed full fine-tune's weights."""
+    section = recipe.model
+    if section.dtype == "auto":
+        section = section.model_copy(update={"dtype": "float32"})
+    if plan.fsdp and accelerator.state.fsdp_plugin.activation_checkpointing:
+        section = section.model_copy(update={"gradient_checkpointing": False})  # FSDP does it
+    lora = recipe.train.lora
+    src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
+    mp = load_from_section(section, "cpu" if plan.fsdp else plan.device, name_or_path=src)
+    check_max_length(mp, recipe.data.max_length)
+    # The policy's forward computes under the plan's precision whatever wraps the module (DDP, FSDP).
+    mp.set_precision(plan.precision)
+    if lora.enabled:
+        apply_lora(mp.model, lora, resume_from)
+    mp.model.train()
+    return mp
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraSection, resume_from: Optional[Path]) -> None:
+    """Inject the LoRA adapters into ``model`` in place; when resuming, load the checkpoint's adapter weights."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("train.lora.enabled needs the peft package", hint="pip install 'dllm-align[lora]'") from None
+    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
+    try:
+        with warnings.catch_warnings():  # peft asks the deprecated name of transformers 5.2x (a warning per run)
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            get_peft_model(model, cfg)  # injects the adapter layers into the model in place
+    except ValueError as e:
+        raise UserError(f"train.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
+    if resume_from is None:
+        return
+
+    adapter = load_file(str(resume_from / "adapter.safetensors"))
+    named = dict(model.named_parameters())
+    extra = sorted(set(adapter) - set(named))
+    if extra:
+        raise UserError(f"cannot resume from {resume_from}: its LoRA adapter has weights this run's model lacks ({extra[0]})",
+                        hint="resume with the recipe's original train.lora settings and model")
+    for k, v in adapter.items():
+        if named[k].shape != v.shape:
+            raise UserError(
+                f"cannot resume from {resume_from}: LoRA weight {k} is {tuple(v.shape)} there but {tuple(named[k].shape)} now "
+                "(train.lora.r or the model changed)"
+            )
+        named[k].data.copy_(v)
+
+
+# --------------------------------------------------------------------------- wrapping and the optimiser
+@dataclass
+class Trainable:
+    """The policy as the step trains it: the wrapped module, its view for the ELBO code, the optimiser."""
+
+    module: torch.nn.Module  # PolicyScorer as DDP / FSDP wrapped it
+    view: PolicyView
+    optimizer: torch.optim.Optimizer
+    params: list  # the trainable parameters (this rank's shards under FSDP)
+
+
+def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
+    """Wrap the policy for the launch (FSDP: the family's layers as units, fp32 gathers unless asked) and build AdamW."""
+    if plan.fsdp:
+        # accelerate's default casts parameters and buffers (the rotary frequencies) to
+        # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
+        plugin = accelerator.state.fsdp_plugin
+        plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
+        fsdp_wrap_family_layer(plugin, mp.model)
+        if t.fsdp_gather == "bf16_layers":
+            bf16_layer_units(mp.model, plugin, plan, accelerator)
+    elif t.fsdp_gather != "fp32" and plan.main:
+        info("train: train.fsdp_gather applies to FSDP2 launches only; ignored here")
+    scorer = PolicyScorer(mp)
+    if getattr(accelerator, "is_fsdp2", False):
+        # FSDP2 swaps the parameters for sharded DTensors: the optimiser is built on the
+        # originals and handed over with the model, which accelerate then remaps.
+        opt = build_optimizer(scorer.named_parameters(), t, fused_ok=False)
+        module, optimizer = accelerator.prepare(scorer, opt)
+    else:
+        module = accelerator.prepare(scorer)
+        opt = build_optimizer(module.named_parameters(), t, fused_ok=not plan.fsdp)
+        optimizer = accelerator.prepare(opt)
+    if plan.fsdp:
+        preserve_checkpoint_rng(module)  # FSDP2's layer checkpoints replay the forward's dropout masks
+    view = PolicyView(module, mp.mask_token_id, mp.block_size, mp.likelihood)
+    return Trainable(module, view, optimizer, [p for p in module.parameters() if p.requires_grad])
+
+
+def bf16_layer_units(model: torch.nn.Module, plugin, plan: TrainPlan, accelerator) -> None:
+    """``train.fsdp_gather: bf16_layers`` (FSDP2 + bf16 autocast): decoder layers gathered in bf16."""
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise UserError("train.fsdp_gather bf16_layers needs an FSDP2 launch (fsdp_version: 2 in the accelerate config)")
+    if plan.precision.autocast != torch.bfloat16:
+        raise UserError("train.fsdp_gather bf16_layers needs train.mixed_precision bf16 (it gathers what autocast "
+                        "would cast to bf16)", hint="set train.mixed_precision: bf16, or train.fsdp_gather: fp32")
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None:
+        mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+    cls = Family.decoder_layer_class(model)
+    fsdp2_bf16_layer_units(model, cls, reshard_after_forward=plugin.reshard_after_forward, mesh=mesh)
+    # fully_shard renames a unit's class FSDP<name>: accelerate finds the layers by that name (and
+    # skips them, already sharded) for its wrap policy and its activation checkpointing
+    plugin.transformer_cls_names_to_wrap = [type(m).__name__ for m in model.modules() if isinstance(m, cls)][:1]
