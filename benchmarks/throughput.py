@@ -12,7 +12,7 @@ Rows
     real length distribution (long prompts, a heavy tail) is kept; only its
     scale shrinks, so that a CPU run takes minutes. Full run: 32 rows, s =
     1/24 (real rows average ~750 LLaDA tokens; the output's settings give the
-    mean here); ``--quick``: 16 rows, 1/32.
+    mean here); ``--quick``: 16 rows, 1/32; ``--smoke``: 8 rows, 1/64.
 
 Model
     A small bidirectional body (Llama, 2 layers of width 64,
@@ -40,7 +40,7 @@ Straightforward: written here (:func:`straightforward_draws`)
     to its longest row with hidden pads; the same masks (``elbo.draw_masks``),
     batch size, loss, clipping and optimiser.
 
-Timing: wall clock. Each side runs twice (``--quick``: once), the two sides
+Timing: wall clock. Each side runs twice (``--quick``, ``--smoke``: once), the two sides
 interleaved, and each step counts with its faster run, so a burst of load from
 other jobs on a shared machine does not land on one side only.
 
@@ -65,9 +65,10 @@ CHARS_PER_TOKEN = 4.0
 MAX_LENGTH = 4096
 BETA = 0.1
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = {  # quick -> (rows, scale, batch, repeats)
-    False: (32, 1 / 24, 4, 2),
-    True: (16, 1 / 32, 4, 1),
+SETTINGS = {  # size -> (rows, scale, batch, repeats)
+    "full": (32, 1 / 24, 4, 2),
+    "quick": (16, 1 / 32, 4, 1),
+    "smoke": (8, 1 / 64, 4, 1),  # the equal-work checks and every figure, in seconds
 }
 
 
@@ -114,6 +115,7 @@ def save_model(folder: Path):
     from dllm_align.models.load import build_tiny_tokenizer, require_transformers
 
     require_transformers(transformers.__version__)  # older releases make the body causal
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar is noise on stderr
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -314,7 +316,7 @@ def _positions(examples, plan, cfg) -> dict:
     return {"body": body, "head_ours": scored, "head_full_logits": body}
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+def run(device: str = "cpu", size: str = "full") -> dict:
     import torch
     from accelerate import Accelerator
 
@@ -334,7 +336,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         data = kto_mix_test(REPO)
     except Unavailable as e:
         return {"throughput_skipped": f"kto-mix-14k test split unavailable: {e}"}
-    n_rows, scale, batch, repeats = SETTINGS[quick]
+    n_rows, scale, batch, repeats = SETTINGS[size]
     examples = load_examples(data, n_rows, scale)
     cfg = DrawConfig(n_mc=K, seed=0)
     max_length = math.ceil(MAX_LENGTH * scale)
@@ -438,6 +440,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", default="full", choices=list(SETTINGS))
     a = ap.parse_args()
-    print(json.dumps(run(a.device, a.quick), indent=2, default=str))
+    print(json.dumps(run(a.device, a.size), indent=2, default=str))

@@ -28,7 +28,10 @@ def _examples(folder: Path, tok, n_rows: int):
     return tokenize_rows(rows, tok, section, quiet=True)
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+SETTINGS = {"full": (24, 30), "quick": (8, 12), "smoke": (4, 3)}  # size -> (rows, repeats)
+
+
+def run(device: str = "cpu", size: str = "full") -> dict:
     import numpy as np
     import torch
 
@@ -49,7 +52,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     with torch.no_grad():
         for p in pol.model.parameters():
             p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.005)
-    n_rows, R = (8, 12) if quick else (24, 30)
+    n_rows, R = SETTINGS[size]
     exs = _examples(data, ref.tokenizer, n_rows)
     batch = collate(exs, "none", 160, ref.tokenizer.pad_token_id)
     batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
@@ -80,6 +83,11 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import json
 
-    print(json.dumps(run(), indent=2))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--size", default="full", choices=list(SETTINGS))
+    a = ap.parse_args()
+    print(json.dumps(run(a.device, a.size), indent=2))
