@@ -171,3 +171,11 @@ def test_straightforward_elbo_equals_the_library(bench_path, tiny):
     torch.testing.assert_close(plain, ours, atol=1e-4, rtol=1e-5)
     for x, y in zip(g_plain, g_ours):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_ci_runs_the_benchmark_smoke_after_the_tests():
+    lines = [x.strip() for x in (REPO / ".ci" / "run").read_text().splitlines()]
+    tests = next(i for i, x in enumerate(lines) if "python -m pytest" in x and not x.startswith("#"))
+    smoke = next(i for i, x in enumerate(lines) if x.startswith("python benchmarks/run.py --smoke"))
+    assert smoke > tests
+    assert any(x.startswith("echo") and "Benchmark smoke" in x for x in lines[tests:smoke])  # its heading in the log
