@@ -48,7 +48,8 @@ def _child(variant: str, device: str, size: str) -> dict:
 
     P, L, K = SETTINGS[size]
     torch, mp, ids, cm = _setup(device, P, L)
-    from dllm_align.objective.elbo import DrawConfig, elbo_draws, make_noisy_batch
+    from dllm_align.objective.draws import DrawConfig, make_noisy_batch
+    from dllm_align.objective.elbo import elbo_draws
 
     cfg = DrawConfig(n_mc=K, seed=0)
     if device == "cuda":

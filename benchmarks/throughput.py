@@ -137,7 +137,7 @@ def straightforward_draws(model, batch: dict, cfg, mask_token_id: int):
     """
     import torch
 
-    from dllm_align.objective.elbo import draw_masks
+    from dllm_align.objective.draws import draw_masks
 
     ids, am, cm = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     B, T = ids.shape
@@ -309,7 +309,7 @@ def _recipe(folder: Path, root: Path, device: str, batch: int, max_length: int):
 
 def _positions(examples, plan, cfg) -> dict:
     """Positions fed to the body (rows x padded length x K) and scored by the head, for a batch plan."""
-    from dllm_align.objective.elbo import draw_masks
+    from dllm_align.objective.draws import draw_masks
 
     body = sum(len(b) * max(examples[i].length for i in b) * cfg.n_mc for b in plan)
     scored = sum(int(draw_masks(examples[i].id, len(examples[i].completion_ids), cfg)[0].sum()) for b in plan for i in b)
@@ -323,7 +323,7 @@ def run(device: str = "cpu", size: str = "full") -> dict:
     from dllm_align.training import cache, reference
     from dllm_align.data.batching import plan_batches
     from dllm_align.core.console import info
-    from dllm_align.objective.elbo import DrawConfig
+    from dllm_align.objective.draws import DrawConfig
     from dllm_align.models.load import load_model
     from dllm_align.data.examples import make_collate
     from dllm_align.data.public import Unavailable, kto_mix_test

@@ -36,7 +36,8 @@ def run(device: str = "cpu", size: str = "full") -> dict:
     import torch
 
     from dllm_align.data.batching import collate
-    from dllm_align.objective.elbo import DrawConfig, elbo_draws
+    from dllm_align.objective.draws import DrawConfig
+    from dllm_align.objective.elbo import elbo_draws
     from dllm_align.data.public import Unavailable, kto_mix_test
     from dllm_align.models.load import load_model
 
