@@ -15,7 +15,11 @@ from __future__ import annotations
 import time
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+# size -> (width, intermediate, layers, L, examples, timed repeats)
+SETTINGS = {"full": (256, 1024, 4, 64, 8, 2), "quick": (128, 512, 2, 32, 4, 2), "smoke": (64, 128, 1, 16, 2, 1)}
+
+
+def run(device: str = "cpu", size: str = "full") -> dict:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -24,15 +28,14 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
     torch.manual_seed(0)
-    width, inter, layers = (128, 512, 2) if quick else (256, 1024, 4)
+    width, inter, layers, length, n_ex, repeats = SETTINGS[size]
     cfg = Qwen3Config(vocab_size=512, hidden_size=width, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=width // 4,
                       max_position_embeddings=512, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     model = Qwen3ForCausalLM(cfg).to(device).float().train()
     fwd = hf_forward(model)
-    k, length, block, mask_id = 8, (32 if quick else 64), 4, 511
-    n_ex = 4 if quick else 8
+    k, block, mask_id = 8, 4, 511
     g = torch.Generator().manual_seed(1)
     examples = []
     for _ in range(n_ex):
@@ -67,7 +70,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         return len(examples) / (time.perf_counter() - t0)
 
     best = {"2l": 0.0, "shared": 0.0}
-    for _ in range(2):  # interleaved repeats, each side keeps its faster run
+    for _ in range(repeats):  # interleaved repeats, each side keeps its faster run
         best["2l"] = max(best["2l"], timed(draw_terms_2l))
         best["shared"] = max(best["shared"], timed(draw_terms_shared))
     return {
@@ -85,7 +88,7 @@ if __name__ == "__main__":
     import json
 
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--size", default="full", choices=list(SETTINGS))
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
-    print(json.dumps(run(a.device, a.quick), indent=1))
+    print(json.dumps(run(a.device, a.size), indent=1))

@@ -16,7 +16,7 @@ Three ways to feed the same rows, all run through the library as a user runs it
 
 Rows: those of ``throughput.py`` (real kto-mix-14k test rows cut to a scaled
 LLaDA-token length), K = 8, micro-batches of 4, scale 1/24 (``--quick``: 1/32,
-16 rows). Two models, each run through all three layouts:
+16 rows; ``--smoke``: 1/64, 8 rows). Two models, each run through all three layouts:
 
 ``head``   the throughput model: a 2 x 64 bidirectional body under LLaDA's
            126,464-word head, where the head (applied only at masked positions,
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import throughput as tp
 
-SETTINGS = {False: (32, 1 / 24, 4, 2), True: (16, 1 / 32, 4, 1)}  # quick -> (rows, scale, batch, repeats)
+SETTINGS = {"full": (32, 1 / 24, 4, 2), "quick": (16, 1 / 32, 4, 1), "smoke": (8, 1 / 64, 4, 1)}  # size -> (rows, scale, batch, repeats)
 CONFIGS = {  # name -> (padding, group_by_length)
     "packed_uniform": ("packed", False),
     "padded_uniform": ("none", False),
@@ -58,11 +58,13 @@ CONFIGS = {  # name -> (padding, group_by_length)
 def save_body_model(folder: Path):
     """A body-dominated bidirectional model (4 x 256, the tiny tokenizer's vocabulary), random init, seed 0."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models.load import _ready_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import build_tiny_tokenizer, require_transformers
 
-    _ready_transformers()
+    require_transformers(transformers.__version__)  # older releases make the body causal
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar is noise on stderr
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -95,21 +97,26 @@ def _recipe(folder: Path, root: Path, name: str, device: str, batch: int, max_le
     ], output_dir=str(root / f"run_{name}"))
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+def run(device: str = "cpu", size: str = "full") -> dict:
     import torch
     from accelerate import Accelerator
 
-    from dllm_align.training import reference
+    from dllm_align.training import cache, reference
     from dllm_align.data.batching import micro_batches, plan_batches, tokens_fed
     from dllm_align.core.console import info
     from dllm_align.data.examples import make_collate
+    from dllm_align.data.public import Unavailable, kto_mix_test
     from dllm_align.models.load import load_model
     from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
-    n_rows, scale, batch, repeats = SETTINGS[quick]
-    examples = tp.load_examples(n_rows, scale)
+    try:
+        data = kto_mix_test(tp.REPO)
+    except Unavailable as e:
+        return {"packing_skipped": f"kto-mix-14k test split unavailable: {e}"}
+    n_rows, scale, batch, repeats = SETTINGS[size]
+    examples = tp.load_examples(data, n_rows, scale)
     max_length = math.ceil(tp.MAX_LENGTH * scale)
     lengths = [e.length for e in examples]
     models = {"body": save_body_model, "head": tp.save_model}
@@ -123,13 +130,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
             for m, folder in folders.items():
                 for name in CONFIGS:  # interleaved, so that load from other jobs does not land on one side only
                     recipe = _recipe(folder, root, name, device, batch, max_length)
-                    shutil.rmtree(reference.cache_dir(recipe), ignore_errors=True)
+                    shutil.rmtree(cache.cache_dir(recipe), ignore_errors=True)
                     ref_mp = load_model(str(folder), dtype="auto", device=device)
                     rep = reference.precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
                     del ref_mp
                     times[m, name]["pre"].append([rep.seconds])
-                    cache = reference.ReferenceCache.open(reference.cache_dir(recipe))
-                    values[m, name] = cache.lookup([e.id for e in examples], tp.K)
+                    ref_cache = cache.ReferenceCache.open(cache.cache_dir(recipe))
+                    values[m, name] = ref_cache.lookup([e.id for e in examples], tp.K)
                     train(recipe, examples=examples, accelerator=acc, overwrite=True)
                     rows = [json.loads(x) for x in (root / f"run_{name}" / "metrics.jsonl").read_text().splitlines()]
                     times[m, name]["train"].append([r["seconds"] for r in rows])
@@ -185,6 +192,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", default="full", choices=list(SETTINGS))
     a = ap.parse_args()
-    print(json.dumps(run(a.device, a.quick), indent=2, default=str))
+    print(json.dumps(run(a.device, a.size), indent=2, default=str))

@@ -31,7 +31,8 @@ def _lengths(folder: Path, tokenize) -> list[int]:
     return [min(tokenize(r), MAX_LENGTH) for r in rows]
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+def run(device: str = "cpu", size: str = "full") -> dict:
+    """Every size counts all the rows: it takes seconds and needs no model."""
     from dllm_align.data.batching import padding_costs
     from dllm_align.models.load import build_tiny_tokenizer
     from dllm_align.data.public import Unavailable, kto_mix_test

@@ -12,7 +12,7 @@ Rows
     real length distribution (long prompts, a heavy tail) is kept; only its
     scale shrinks, so that a CPU run takes minutes. Full run: 32 rows, s =
     1/24 (real rows average ~750 LLaDA tokens; the output's settings give the
-    mean here); ``--quick``: 16 rows, 1/32.
+    mean here); ``--quick``: 16 rows, 1/32; ``--smoke``: 8 rows, 1/64.
 
 Model
     A small bidirectional body (Llama, 2 layers of width 64,
@@ -40,7 +40,7 @@ Straightforward: written here (:func:`straightforward_draws`)
     to its longest row with hidden pads; the same masks (``elbo.draw_masks``),
     batch size, loss, clipping and optimiser.
 
-Timing: wall clock. Each side runs twice (``--quick``: once), the two sides
+Timing: wall clock. Each side runs twice (``--quick``, ``--smoke``: once), the two sides
 interleaved, and each step counts with its faster run, so a burst of load from
 other jobs on a shared machine does not land on one side only.
 
@@ -64,16 +64,18 @@ K = 8
 CHARS_PER_TOKEN = 4.0
 MAX_LENGTH = 4096
 BETA = 0.1
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-test"
-SETTINGS = {  # quick -> (rows, scale, batch, repeats)
-    False: (32, 1 / 24, 4, 2),
-    True: (16, 1 / 32, 4, 1),
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = {  # size -> (rows, scale, batch, repeats)
+    "full": (32, 1 / 24, 4, 2),
+    "quick": (16, 1 / 32, 4, 1),
+    "smoke": (8, 1 / 64, 4, 1),  # the equal-work checks and every figure, in seconds
 }
 
 
 # --------------------------------------------------------------------------- rows and model
-def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
-    """Real rows cut to their scaled LLaDA-token length (module docstring)."""
+def load_examples(folder: Path, n_rows: int, scale: float, seed: int = 0) -> list:
+    """Real rows (``folder``: chosen.jsonl + rejected.jsonl) cut to their scaled LLaDA-token length
+    (module docstring)."""
     import dataclasses
 
     import numpy as np
@@ -83,11 +85,9 @@ def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
     from dllm_align.config.schema import DataSection
     from dllm_align.data.tokenize import Example, end_of_turn_id, tokenize_rows
 
-    if not (SHARED / "chosen.jsonl").exists():
-        raise FileNotFoundError(f"shared rows not found at {SHARED}")
     rows = []
     for name, label in (("chosen", True), ("rejected", False)):
-        for r in load_unpaired(str(SHARED / f"{name}.jsonl"), label=label, quiet=True):
+        for r in load_unpaired(str(folder / f"{name}.jsonl"), label=label, quiet=True):
             rows.append(dataclasses.replace(r, id=f"{r.id}:{name}"))
     pick = np.random.default_rng(seed).choice(len(rows), n_rows, replace=False)
     rows = [rows[i] for i in sorted(pick)]
@@ -109,11 +109,13 @@ def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
 def save_model(folder: Path):
     """The benchmark model (random init, seed 0) and the tiny tokenizer, in save_pretrained layout."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models.load import _ready_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import build_tiny_tokenizer, require_transformers
 
-    _ready_transformers()
+    require_transformers(transformers.__version__)  # older releases make the body causal
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar is noise on stderr
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -135,7 +137,7 @@ def straightforward_draws(model, batch: dict, cfg, mask_token_id: int):
     """
     import torch
 
-    from dllm_align.objective.elbo import draw_masks
+    from dllm_align.objective.draws import draw_masks
 
     ids, am, cm = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     B, T = ids.shape
@@ -307,29 +309,35 @@ def _recipe(folder: Path, root: Path, device: str, batch: int, max_length: int):
 
 def _positions(examples, plan, cfg) -> dict:
     """Positions fed to the body (rows x padded length x K) and scored by the head, for a batch plan."""
-    from dllm_align.objective.elbo import draw_masks
+    from dllm_align.objective.draws import draw_masks
 
     body = sum(len(b) * max(examples[i].length for i in b) * cfg.n_mc for b in plan)
     scored = sum(int(draw_masks(examples[i].id, len(examples[i].completion_ids), cfg)[0].sum()) for b in plan for i in b)
     return {"body": body, "head_ours": scored, "head_full_logits": body}
 
 
-def run(device: str = "cpu", quick: bool = False) -> dict:
+def run(device: str = "cpu", size: str = "full") -> dict:
     import torch
     from accelerate import Accelerator
 
-    from dllm_align.training import reference
+    from dllm_align.training import cache, reference
     from dllm_align.data.batching import plan_batches
     from dllm_align.core.console import info
-    from dllm_align.objective.elbo import DrawConfig
+    from dllm_align.objective.draws import DrawConfig
     from dllm_align.models.load import load_model
     from dllm_align.data.examples import make_collate
+    from dllm_align.data.public import Unavailable, kto_mix_test
     from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
-    n_rows, scale, batch, repeats = SETTINGS[quick]
-    examples = load_examples(n_rows, scale)
+    try:
+        # ../shared beside the checkout, DLLM_ALIGN_KTO_MIX_TEST, a cached copy, or the hub
+        data = kto_mix_test(REPO)
+    except Unavailable as e:
+        return {"throughput_skipped": f"kto-mix-14k test split unavailable: {e}"}
+    n_rows, scale, batch, repeats = SETTINGS[size]
+    examples = load_examples(data, n_rows, scale)
     cfg = DrawConfig(n_mc=K, seed=0)
     max_length = math.ceil(MAX_LENGTH * scale)
     with tempfile.TemporaryDirectory(prefix="dllm-bench-") as tmp:
@@ -347,13 +355,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         ours_pre, ours_train, sf_pre, sf_train = [], [], [], []
         for rep_i in range(repeats):
             # -- ours: the reference precompute and the training loop, as `precompute-ref` and `train` run them
-            shutil.rmtree(reference.cache_dir(recipe), ignore_errors=True)
+            shutil.rmtree(cache.cache_dir(recipe), ignore_errors=True)
             ref_mp = load_model(str(folder), dtype="auto", device=device)
             rep = reference.precompute(recipe, examples, collate, acc, ref_mp)
             ours_pre.append([rep.seconds])
             del ref_mp
-            cache = reference.ReferenceCache.open(reference.cache_dir(recipe))
-            ours_values = cache.lookup([e.id for e in examples], K)
+            ref_cache = cache.ReferenceCache.open(cache.cache_dir(recipe))
+            ours_values = ref_cache.lookup([e.id for e in examples], K)
             train(recipe, examples=examples, accelerator=acc, overwrite=True)
             rows = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
             ours_train.append([r["seconds"] for r in rows])
@@ -432,6 +440,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", default="full", choices=list(SETTINGS))
     a = ap.parse_args()
-    print(json.dumps(run(a.device, a.quick), indent=2, default=str))
+    print(json.dumps(run(a.device, a.size), indent=2, default=str))

@@ -1,13 +1,18 @@
-"""The benchmark driver (benchmarks/run.py) and the throughput benchmark's straightforward method.
+"""The benchmark driver (benchmarks/run.py), the library names the benchmarks use, and the throughput
+benchmark's straightforward method.
 
-The benchmarks themselves take minutes and are run by hand (benchmarks/README.md);
-these tests keep the driver from rotting and check that the straightforward
-ELBO written in the throughput benchmark computes the same numbers as the
-library, so its speed-up compares equal work.
+The benchmarks themselves take minutes and are run by hand (benchmarks/README.md); CI runs every one
+in its smallest mode (``run.py --smoke``, .ci/run). These tests keep the driver from rotting, hold
+the benchmarks to the library's public names (so that moving a class fails here, not in the next
+benchmark run), and check that the straightforward ELBO written in the throughput benchmark computes
+the same numbers as the library, so its speed-up compares equal work.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import json
 import subprocess
 import sys
@@ -49,24 +54,97 @@ def test_driver_exit_codes(bench_path, monkeypatch, capsys):
     import run
 
     fake = types.ModuleType("padding")
-    fake.run = lambda device, quick: {"padding_ratio": 2.0}  # misses the <= 1.15 target
+    sizes = []
+
+    def missing_target(device, size):
+        sizes.append(size)
+        return {"padding_ratio": 2.0}  # misses the <= 1.15 target
+
+    fake.run = missing_target
     monkeypatch.setitem(sys.modules, "padding", fake)
     assert run.main(["--only", "padding"]) == 1
     assert "| padding_ratio |" in capsys.readouterr().out
     assert run.main(["--only", "padding", "--no-assert"]) == 0
-    assert run.main(["--only", "padding", "--quick"]) == 0  # a smoke run fails on errors only
+    assert run.main(["--only", "padding", "--quick"]) == 0  # a short run fails on errors only
     assert "NO (quick settings)" in capsys.readouterr().out
+    assert run.main(["--only", "padding", "--smoke"]) == 0  # the smallest settings judge no target
+    assert "| 2.000 |" in (out := capsys.readouterr().out) and "not judged (smoke)" in out
+    assert sizes == ["full", "full", "quick", "smoke"]
+    with pytest.raises(SystemExit) as e:
+        run.main(["--quick", "--smoke"])
+    assert e.value.code == 2
 
-    def broken(device, quick):
+    def broken(device, size):
         raise RuntimeError("boom")
 
-    fake.run = broken  # one failing benchmark is reported as an error, and counts as missed
-    assert run.main(["--only", "padding"]) == 1
+    fake.run = broken  # one failing benchmark is reported as an error, and fails every mode
+    for mode in ([], ["--quick"], ["--smoke"], ["--no-assert"]):
+        assert run.main(["--only", "padding", *mode]) == 1, mode
+        assert "| error |" in capsys.readouterr().out
+
+    fake.run = lambda device, size: {"padding_ratio_paper": 5.0}  # returned, but not its table figure
+    assert run.main(["--only", "padding", "--smoke"]) == 1
     assert "| error |" in capsys.readouterr().out
-    assert run.main(["--only", "padding", "--quick"]) == 1
+    fake.run = lambda device, size: {"padding_skipped": "no rows here"}  # said why: not a failure
+    assert run.main(["--only", "padding", "--smoke"]) == 0
+    assert "skipped: no rows here" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         run.main(["--only", "nosuch"])
     assert e.value.code == 2
+
+
+def _library_names(path):
+    """(line, module, name, object) for every dllm_align name a benchmark file uses: the names it imports
+    from a dllm_align module, and the attributes it reads off an imported dllm_align module."""
+    tree = ast.parse(path.read_text())
+    bound, used = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dllm_align"):
+            mod = importlib.import_module(node.module)
+            for a in node.names:
+                if hasattr(mod, a.name):
+                    obj = getattr(mod, a.name)
+                else:
+                    try:  # a submodule
+                        obj = importlib.import_module(f"{node.module}.{a.name}")
+                    except ImportError:
+                        obj = None
+                used.append((node.lineno, node.module, a.name, obj))
+                bound[a.asname or a.name] = obj
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            mod = bound.get(node.value.id)
+            if inspect.ismodule(mod):
+                used.append((node.lineno, mod.__name__, node.attr, getattr(mod, node.attr, None)))
+    return used
+
+
+@pytest.mark.parametrize("path", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
+def test_benchmarks_use_public_names_from_their_owners(path):
+    """A benchmark reaches the library only through public names, taken from the module that defines
+    them: a class moved to another module (or renamed private) fails here at once."""
+    problems = []
+    for line, module, name, obj in _library_names(path):
+        where = f"{path.name}:{line} {module}.{name}"
+        if obj is None:
+            problems.append(f"{where} does not exist")
+        elif name.startswith("_") and not name.startswith("__"):
+            problems.append(f"{where} is private")
+        elif (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ != module:
+            problems.append(f"{where} belongs to {obj.__module__}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_benchmark_has_every_size(bench_path):
+    """run.py passes size= full / quick / smoke to each module it lists."""
+    import run
+
+    for mod in dict.fromkeys(m for m, *_ in run.BENCHMARKS):
+        fn = importlib.import_module(mod).run
+        assert list(inspect.signature(fn).parameters)[:2] == ["device", "size"], mod
+        settings = getattr(importlib.import_module(mod), "SETTINGS", None)
+        if settings is not None:  # padding counts every row whatever the size
+            assert set(settings) == {"full", "quick", "smoke"}, mod
 
 
 def test_straightforward_elbo_equals_the_library(bench_path, tiny):
@@ -93,3 +171,11 @@ def test_straightforward_elbo_equals_the_library(bench_path, tiny):
     torch.testing.assert_close(plain, ours, atol=1e-4, rtol=1e-5)
     for x, y in zip(g_plain, g_ours):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_ci_runs_the_benchmark_smoke_after_the_tests():
+    lines = [x.strip() for x in (REPO / ".ci" / "run").read_text().splitlines()]
+    tests = next(i for i, x in enumerate(lines) if "python -m pytest" in x and not x.startswith("#"))
+    smoke = next(i for i, x in enumerate(lines) if x.startswith("python benchmarks/run.py --smoke"))
+    assert smoke > tests
+    assert any(x.startswith("echo") and "Benchmark smoke" in x for x in lines[tests:smoke])  # its heading in the log
