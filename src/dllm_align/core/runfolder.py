@@ -194,3 +194,77 @@ def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = 
         allow=allow,
         hint=None,
     )
+
+
+# -- several nodes: the run folder must be one folder that every process sees
+
+SHARED_PROBE = ".shared-probe-"
+
+
+def check_shared_folder(folder: str | Path, what: str = "run folder", *, settle_s: float = 5.0) -> None:
+    """Refuse a folder that the processes of a multi-node launch do not all see (exit 2, every rank).
+
+    Rank 0 writes every run folder's records, checkpoints, merged outputs and cache manifests, and the
+    other ranks read them back (the cache, a checkpoint to resume, the part files of ``generate``): a
+    path on a node-local disk names a different, diverging folder on each node. Rank 0 writes a file
+    with a fresh random name and content into ``folder``; every rank looks for it (for up to ``settle_s``
+    seconds: a network filesystem may show a new file late) and the verdicts are gathered, so that all
+    ranks refuse together. The probe is removed; nothing else is written. A no-op in one process.
+    """
+    import hashlib
+    import os
+    import secrets
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = Path(folder)
+    box: list = [None]
+    probe = None
+    if rank == 0:
+        nonce = secrets.token_hex(16)
+        probe = folder / f"{SHARED_PROBE}{nonce[:12]}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(probe, "w", encoding="utf-8") as f:
+                f.write(nonce)
+                f.flush()
+                os.fsync(f.fileno())
+            box = [(probe.name, hashlib.sha256(nonce.encode()).hexdigest())]
+        except OSError as e:
+            box = [("error", f"{folder}: rank 0 cannot write its {what} ({e.strerror or e})")]
+    dist.broadcast_object_list(box, src=0)
+    name, digest = box[0]
+    if name == "error":
+        raise UserError(digest)
+    seen = False
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            os.listdir(folder)  # revalidates the folder's entries on NFS before the lookup
+            text = (folder / name).read_text(encoding="utf-8")
+            seen = hashlib.sha256(text.encode()).hexdigest() == digest
+        except OSError:
+            seen = False
+        if seen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, (seen, socket.gethostname()))
+    if probe is not None:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    blind = [(r, host) for r, (ok, host) in enumerate(verdicts) if not ok]
+    if blind:
+        ranks = ", ".join(f"{r} ({host})" for r, host in blind)
+        raise UserError(
+            f"{folder}: the {what} is not shared between the nodes: rank(s) {ranks} cannot see the file rank 0 "
+            f"({verdicts[0][1]}) wrote there",
+            hint="put it on a disk that every node mounts at the same path (NFS, Lustre, GPFS ...), or run on one node",
+        )
