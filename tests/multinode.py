@@ -170,34 +170,34 @@ def _fsdp2(acc):
 
 
 def _patch(spec: dict, current: dict) -> None:
-    import dllm_align.training.setup as setup
+    import dllm_align.training.distributed as distributed
     import dllm_align.training.train as train_mod
 
-    original = setup.make_accelerator
+    original = distributed.make_accelerator
 
     def make_accelerator(recipe):
         acc = original(recipe)
         fsdp = current.get("launch") == "fsdp2" and acc.num_processes > 1  # one process: the baseline
         return _fsdp2(acc) if fsdp else acc
 
-    setup.make_accelerator = make_accelerator
+    distributed.make_accelerator = make_accelerator
     train_mod.make_accelerator = make_accelerator
 
     die = spec.get("die")
     if die and int(os.environ.get("RANK", "-1")) == die["rank"]:
-        from dllm_align.training.loop import _Run
+        from dllm_align.training.loop import Run
 
-        step_once = _Run.step_once
+        step_once = Run.step_once
 
         def dying_step(self, *a, **kw):
-            if self.step + 1 == die["before_step"]:
+            if self.state.step + 1 == die["before_step"]:
                 Path(die["stamp"]).write_text(json.dumps({"time": time.time(), "how": die["how"]}))
                 sig = signal.SIGKILL if die["how"] == "kill" else signal.SIGSTOP
                 os.kill(os.getppid(), sig)  # the node's torchrun agent
                 os.kill(os.getpid(), sig)
             return step_once(self, *a, **kw)
 
-        _Run.step_once = dying_step
+        Run.step_once = dying_step
 
 
 def _check_shared(folder: str) -> int:
