@@ -6,8 +6,8 @@ process gives, a run folder the nodes do not share is refused, and a node that d
   step (the same weights as one process, to the tolerance of tests/test_invariants_distributed.py),
   ``generate`` (the same rows) and ``online`` for one round (the same weights), in one launch;
 * node-local disks (each node its own working folder, the same relative ``-o``): the core check
-  (:func:`dllm_align.core.runfolder.check_shared_folder`) refuses on every rank with one line; the
-  commands do not call it yet (xfail, strict);
+  (:func:`dllm_align.core.runfolder.check_shared_folder`) refuses on every rank with one line, and so do
+  ``precompute-ref``, ``train`` and ``generate``, before they write anything;
 * a node that dies during training (SIGKILL of node 1's agent and worker, checkpoint every step): node 0
   exits with an error line instead of hanging; ``--resume`` on both nodes ends with the uninterrupted
   weights. A node that stops answering (SIGSTOP) is left to the process-group timeout (slow).
@@ -16,7 +16,6 @@ process gives, a run folder the nodes do not share is refused, and a node that d
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -197,38 +196,29 @@ def test_the_core_check_refuses_a_folder_the_nodes_do_not_share(local_disks):
     nodes = local_disks["nodes"]
     _refused(nodes, "check")
     for n in nodes:
-        lines = [x for x in n.stderr.splitlines() if x.startswith("Error:") and "not shared" in x]
-        assert len(lines) == 1, n.stderr[-2000:]
+        # one line per refused step (the check itself, then precompute-ref, train and generate), nothing else
+        lines = [x for x in n.stderr.splitlines() if x.startswith("Error:")]
+        assert len(lines) == 4 and all("is not shared between the nodes" in x for x in lines), n.stderr[-2000:]
     assert not list((nodes[0].cwd / "run").glob(".shared-probe-*"))  # the probe is removed
     assert not (nodes[1].cwd / "run").exists() or not any((nodes[1].cwd / "run").glob(".shared-probe-*"))
 
 
-@pytest.mark.xfail(strict=True, reason="precompute-ref does not call core.runfolder.check_shared_folder yet (training/ "
-                   "is being refactored): rank 0 writes the cache on its disk, rank 1 makes an empty cache folder on its own")
 def test_precompute_ref_refuses_a_cache_the_nodes_do_not_share(local_disks):
     _refused(local_disks["nodes"], "precompute-ref")
+    assert not (local_disks["nodes"][0].cwd / "run" / "ref_cache" / "manifest.json").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="train does not call core.runfolder.check_shared_folder yet (training/ is being "
-                   "refactored): rank 0 writes the run folder on its disk, the other node's copy stays empty")
 def test_train_refuses_a_run_folder_the_nodes_do_not_share(local_disks):
     _refused(local_disks["nodes"], "train")
+    assert not (local_disks["nodes"][0].cwd / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="generate does not call core.runfolder.check_shared_folder yet (generate/ is being "
-                   "refactored): rank 0 merges only the part files it sees, so gen.test.jsonl silently lacks rank 1's rows")
 def test_generate_refuses_an_output_folder_the_nodes_do_not_share(local_disks):
+    """Refused before a row is written: without the check, rank 0 merged only the part files it saw and
+    gen.test.jsonl silently lacked rank 1's rows."""
     _refused(local_disks["nodes"], "generate")
-
-
-def test_generate_on_node_local_disks_loses_rows_today(local_disks):
-    """What the refusal prevents: both ranks exit 0, and rank 0's file holds only its own share."""
-    n0, n1 = local_disks["nodes"]
-    if _step_rc(n0, "generate") == 2:
-        pytest.fail("generate now refuses node-local disks: drop this test and the xfail above")
-    rows = _rows(n0.cwd / "gen" / "gen.test.jsonl")
-    assert _step_rc(n0, "generate") == _step_rc(n1, "generate") == 0
-    assert len(rows) < 6 and list((n1.cwd / "gen").glob("gen.test.part1.jsonl"))
+    for n in local_disks["nodes"]:
+        assert not list((n.cwd / "gen").glob("gen.test*.jsonl")), n.cwd
 
 
 # -------------------------------------------------------------- a node that dies

@@ -290,8 +290,12 @@ def precompute(
         raise UserError(f"example id '{dup}' appears more than once; ids must be unique (they seed the masks)")
 
     out = cache_dir(recipe)
-    out.mkdir(parents=True, exist_ok=True)
     from dllm_align.core.io import DirLock
+    from dllm_align.core.runfolder import check_shared_folder
+
+    # rank 0 writes the shards and the manifest that the other ranks (and `train` on every node) read
+    check_shared_folder(out, "reference cache")
+    out.mkdir(parents=True, exist_ok=True)
 
     lock = DirLock(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "
                         "`train` reading it as its reference cache (that run must finish first)") if is_main else None
