@@ -11,6 +11,9 @@ process gives, a run folder the nodes do not share is refused, and a node that d
 * a node that dies during training (SIGKILL of node 1's agent and worker, checkpoint every step): node 0
   exits with one error line saying another node stopped, instead of hanging; ``--resume`` on both nodes ends with the uninterrupted
   weights. A node that stops answering (SIGSTOP) is left to the process-group timeout (slow).
+
+They run by default (CI runs the whole suite): three two-node launches and their one-process baseline,
+~130 s on 2 shared CPU cores; ``-m multinode`` selects them, ``-m "not multinode"`` leaves them out.
 """
 
 from __future__ import annotations
