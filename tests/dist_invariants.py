@@ -35,12 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_accelerator(launch: str, mp: str):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    acc = Accelerator(cpu=True, mixed_precision=mp)
+    return switch_to_fsdp(Accelerator(cpu=True, mixed_precision=mp), launch, mp)
+
+
+def switch_to_fsdp(acc, launch: str, mp: str):
+    """Switch an accelerator made for gloo to FSDP (``launch`` fsdp1 / fsdp2; ddp: unchanged), as an FSDP
+    launch would have configured it; also used by tests/multinode.py on the accelerator `train` makes."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
     if launch.startswith("fsdp"):
         import yaml
 

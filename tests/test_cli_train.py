@@ -200,7 +200,8 @@ def test_shipped_accelerate_configs_load():
 
     folder = REPO / "recipes" / "accelerate"
     names = sorted(p.name for p in folder.glob("*.yaml"))
-    assert names == ["ddp_8gpu.yaml", "fsdp1_8gpu.yaml", "fsdp_8gpu.yaml", "single_gpu.yaml"]
+    assert names == ["ddp_2x8gpu.yaml", "ddp_8gpu.yaml", "fsdp1_8gpu.yaml", "fsdp2_2x8gpu.yaml", "fsdp_8gpu.yaml",
+                     "single_gpu.yaml"]  # the 2x8 (two-node) ones: tests/test_launch_scripts.py
     # the shipped FSDP setup is FSDP2; FSDP1 stays as a fallback (both run by test_invariants_distributed)
     fsdp = load_config_from_file(str(folder / "fsdp_8gpu.yaml"))
     assert fsdp.distributed_type == "FSDP" and fsdp.num_processes == 8 and fsdp.mixed_precision == "bf16"

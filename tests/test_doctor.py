@@ -371,3 +371,125 @@ def test_fsdp_8gpu_estimate_for_llada2_mini_counts_every_expert_and_the_streams(
     want = dense + 19 * moe + 2 * v * d + d
     assert mem["model"]["params"] == want and 16.2e9 < want < 16.3e9
     assert mem["tokens_per_forward"] == (8 + 1) * 4096
+
+
+# -------------------------------------------------------------- several nodes, and the 100B MoE
+
+FLASH = REPO / "recipes" / "llada2_flash_kto_mix_14k.yaml"
+
+
+def _flash_params() -> tuple[int, int, int]:
+    """LLaDA2.0-flash from its published sizes, by hand: (parameters, active per token, LoRA r=16 on attention and
+    the shared expert). 32 layers (the first dense), hidden 4096, 32 heads of 128 and 4 key/value heads, dense MLP
+    9216, 256 routed experts of 1024 with 8 per token and one shared, vocabulary 157,184, untied head."""
+    d, hd, kv, v, e, m = 4096, 128, 4, 157184, 256, 1024
+    attn = d * (32 * hd + 2 * kv * hd) + 32 * hd * d + 2 * hd  # fused qkv, dense, q/k norms
+    dense = attn + 3 * d * 9216 + 2 * d
+    moe = attn + d * e + e * 3 * d * m + 3 * d * m + 2 * d  # router, routed experts, shared expert, norms
+    params = dense + 31 * moe + 2 * v * d + d
+    active = params - 31 * (e - 8) * 3 * d * m
+    r = 16
+    lora = 32 * r * ((d + d + 2 * kv * hd) + (d + d)) + 31 * r * 3 * (d + m)
+    return params, active, lora
+
+
+def _doctor_flash(tmp_path, config: str, *extra: str):
+    folder = tmp_path / "flash"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text((REPO / "tests" / "fixtures" / "llada2_flash_config.json").read_text())
+    return runner.invoke(app, ["doctor", str(FLASH), "--config", str(REPO / "recipes" / "accelerate" / config),
+                               "--set", f"model.name_or_path={folder}", "-o", str(tmp_path / "run"), *extra])
+
+
+def test_the_flash_fixture_is_the_published_102_9b_model():
+    params, active, _ = _flash_params()
+    assert round(params / 1e9, 1) == 102.9 and round(active / 1e9, 2) == 6.15  # the figures the model card derives to
+    from dllm_align.training.memory import shape_from_config
+
+    shape = shape_from_config(json.loads((REPO / "tests" / "fixtures" / "llada2_flash_config.json").read_text()))
+    assert shape.params == params and (shape.experts, shape.active_experts, shape.moe_layers, shape.tied) == (256, 8, 31, False)
+
+
+@pytest.mark.parametrize("config,machines,micro", [("fsdp_8gpu.yaml", 1, 2), ("fsdp2_2x8gpu.yaml", 2, 1)])
+def test_doctor_says_the_flash_recipe_fits_8_h100_and_2x8(tmp_path, config, machines, micro):
+    """LoRA on attention and the shared expert, the base in bf16 sharded by FSDP, the reference cached: fits an
+    80 GB H100 on one node of 8 and on two; the traffic is the weights' all-gathers (forward and backward, every
+    micro-batch) and the adapters' reduce-scatter, (N-1)/N of each per node."""
+    res = _doctor_flash(tmp_path, config, "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    params, _, lora = _flash_params()
+    mem, tr = rep["memory"], rep["traffic"]
+    assert mem["fits"] and mem["model"]["params"] == params and mem["model"]["trainable"] == lora
+    assert (mem["launch"]["machines"], mem["launch"]["processes"]) == (machines, 8 * machines)
+    assert mem["estimate"]["lines"]["weights"] == params * 2 // (8 * machines)  # bf16, sharded over every GPU
+    n = 8 * machines
+    assert tr["micro_batches_per_step"] == micro and tr["machines"] == machines
+    gather, scatter = tr["collectives"]
+    assert gather["bytes_per_step"] == pytest.approx(params * 2 * 2 * micro * (n - 1) / n)
+    assert scatter["bytes_per_step"] == pytest.approx(lora * 4 * micro * (n - 1) / n)
+    if machines == 1:
+        assert tr["per_node_bytes"] == 0
+    else:
+        assert tr["per_node_bytes"] == pytest.approx(gather["bytes_per_step"] + scatter["bytes_per_step"])
+        assert tr["lower_bound_bytes"] == pytest.approx((params * 2 * 2 + lora * 4) / 2)
+
+
+def test_doctor_prints_the_traffic_arithmetic_for_two_nodes(tmp_path):
+    res = _doctor_flash(tmp_path, "fsdp2_2x8gpu.yaml")
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "FSDP x 16 on 2 nodes x 8)" in out
+    assert "traffic per optimiser step (2 node(s) x 8 GPU(s), 1 micro-batch(es) per step)" in out
+    assert "102.89B params x 2 B = 205.8 GB, x 2 per forward x 1 micro-batch(es)" in out
+    assert "x 2 x (16-1)/16 = 385.8 GB" in out and "per node over the inter-node link: 385.9 GB each way" in out
+
+
+def test_ddp_on_two_nodes_all_reduces_only_the_adapters_and_does_not_fit_the_100b(tmp_path):
+    res = _doctor_flash(tmp_path, "ddp_2x8gpu.yaml", "--json")
+    assert res.exit_code == 1  # every GPU would hold the whole bf16 model: 206 GB
+    rep = json.loads(res.stdout)
+    _, _, lora = _flash_params()
+    (ar,) = rep["traffic"]["collectives"]
+    assert ar["what"].startswith("all-reduce") and ar["times"] == 1
+    assert ar["bytes_per_step"] == pytest.approx(2 * 15 / 16 * lora * 4)
+    assert not rep["memory"]["fits"]
+
+
+def test_a_launch_the_global_batch_does_not_divide_is_a_problem_of_the_report(tmp_path):
+    res = _doctor_flash(tmp_path, "fsdp2_2x8gpu.yaml", "--set", "train.global_batch_size=8")
+    assert res.exit_code == 1
+    assert "! train.global_batch_size 8 is not a multiple of train.batch_size 1 x 16 process(es)" in res.stdout
+    assert "Error: doctor: launch: train.global_batch_size 8" in res.stderr
+
+
+def test_read_launch_reads_the_nodes_and_refuses_processes_they_do_not_divide(tmp_path):
+    from dllm_align.core.errors import UserError
+    from dllm_align.training.memory import read_launch
+
+    two = read_launch(str(REPO / "recipes" / "accelerate" / "fsdp2_2x8gpu.yaml"))
+    assert (two.machines, two.processes, two.per_machine, two.reshard_after_forward) == (2, 16, 8, True)
+    assert read_launch(str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml")).machines == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("distributed_type: MULTI_GPU\nnum_machines: 3\nnum_processes: 16\n")
+    with pytest.raises(UserError, match=r"num_processes \(16: all processes of all machines\) must be a multiple of num_machines \(3\)"):
+        read_launch(str(bad))
+
+
+def test_lora_parameter_count_matches_peft_on_the_shrunk_llada2(tmp_path):
+    """The estimate's adapter count against peft's on the family's shrunk config: a bare gate_proj adapts the dense
+    MLP, every routed expert and the shared expert; shared_experts.gate_proj the shared expert alone."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    from dllm_align.models.families.block import llada2_config
+    from dllm_align.models.families.llada2_body import Llada2MoeModelLM
+    from dllm_align.training.memory import shape_from_config
+
+    cfg = json.loads((REPO / "tests" / "fixtures" / "llada2_mini_config.json").read_text())
+    shape = shape_from_config(cfg)
+    for targets in (["query_key_value", "dense"], ["gate_proj"], ["shared_experts.gate_proj", "shared_experts.down_proj"],
+                    ["query_key_value", "dense", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]):
+        model = get_peft_model(Llada2MoeModelLM(llada2_config(cfg)), LoraConfig(r=4, target_modules=targets))
+        got = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert shape.lora_params(4, targets) == got, targets

@@ -231,3 +231,47 @@ def test_yaml_merge_keys_work_and_explicit_keys_override_them(tmp_path):
     p.write_text("extends: demo\nx: &d {beta: 0.3}\ntrain:\n  <<: *d\n  beta: 0.4\n  beta: 0.5\n")
     with pytest.raises(UserError, match="duplicate key 'beta'"):
         read_yaml(p)  # a key given twice beside a merge is still refused
+
+
+def test_the_flash_recipe_trains_a_shrunk_llada2_with_adapters_on_attention_and_the_shared_expert_only(tmp_path):
+    """llada2_flash_kto_mix_14k as shipped (LoRA targets, bf16 base, cached reference, global batch 16) on a shrunk
+    LLaDA2.0 checkpoint (the family fixture's fields, 8 experts of width 16): precompute-ref and one step run, and the
+    adapters sit on attention and the shared expert, never on a routed expert."""
+    pytest.importorskip("peft")
+    import yaml
+
+    from dllm_align.models.load import build_tiny_tokenizer
+    from fixtures.family_checkpoints import llada2_config, llada2_state, write_checkpoint
+    from fixtures.sort_toy import write_pairs
+
+    repo = Path(__file__).resolve().parents[1]
+    flash = repo / "recipes" / "llada2_flash_kto_mix_14k.yaml"
+    r = load_recipe(str(flash))
+    assert r.train.lora.enabled and r.model.dtype == "bfloat16" and r.reference.mode == "cached"
+    assert r.train.global_batch_size % 16 == 0 and r.train.global_batch_size % 8 == 0  # 8 GPUs and 2 x 8
+    tok = build_tiny_tokenizer()
+    model = write_checkpoint(tmp_path / "llada2", llada2_config(tok), llada2_state(llada2_config(tok)), tok)
+    data = write_pairs(tmp_path / "pairs.jsonl", n=8)
+    sets = [f"model.name_or_path={model}", f"data.train={data}", f"data.test={data}", "data.format=paired",
+            "data.max_length=96", "reference.n_mc=2", "reference.batch_size=8", "reference.shard_size=8",
+            "train.global_batch_size=4", "train.max_steps=1", "train.save_every=null", "train.warmup_ratio=0"]
+    args = [a for s in sets for a in ("--set", s)]
+    run = tmp_path / "run"
+    runner = CliRunner()
+    res = runner.invoke(app, ["precompute-ref", str(flash), "-o", str(run), *args])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["train", str(flash), "-o", str(run), *args])
+    assert res.exit_code == 0, res.output
+    (row,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["loss"] == row["loss"]
+    from dllm_align.models.load import load_model
+    from dllm_align.training.policy import apply_lora
+
+    mp = load_model(str(model))
+    apply_lora(mp.model, r.train.lora, None)  # what train did to the policy: the trainable parameters
+    names = [n for n, p in mp.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n and (".attention." in n or ".shared_experts." in n) for n in names), names[:5]
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names} == {"query_key_value", "dense", "gate_proj", "up_proj", "down_proj"}
+    assert not any(".experts." in n.replace(".shared_experts.", "") for n in names)  # routed experts frozen
+    assert yaml.safe_load((run / "recipe.train.yaml").read_text())["train"]["lora"]["target_modules"][2:] == [
+        "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]

@@ -110,6 +110,12 @@ def handle_errors(fn: Callable) -> Callable:
         except Exception as e:  # a bug, or a fault we did not foresee
             if _debug():
                 raise
+            from dllm_align.core.errors import lost_peer
+
+            lost = lost_peer(e)
+            if lost is not None:  # a node of a multi-node launch died: say so, not the backend's socket error
+                _error_line(lost.message, lost.hint)
+                raise typer.Exit(lost.exit_code)
             if isinstance(e, OSError) and e.filename is not None:
                 # A write that failed outside our writers (a full disk under torch.save, ...):
                 # name the user's file, not our temporary one.

@@ -29,10 +29,12 @@ def doctor(
     output_dir: OutputOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Preflight for a long run: environment, per-device memory estimate and verdict, optional smoke steps.
+    """Preflight for a long run: environment, per-device memory estimate and verdict, traffic per step, optional smoke steps.
 
     The memory estimate reads only the model's config.json (no weights are
-    downloaded). `--smoke N` runs N real steps on the real model and data in a
+    downloaded); with a multi-node --config, the bytes each node sends to the
+    others per step (all-gathers, reduce-scatters or all-reduces) are shown
+    with their arithmetic. `--smoke N` runs N real steps on the real model and data in a
     temporary folder, checks that every margin is 0 before the first update,
     measures peak memory and seconds per step, and extrapolates the recipe's
     precompute, epoch and generation time. Exit code 1 when the memory does
@@ -51,12 +53,14 @@ def doctor(
     from dllm_align.core.console import result
     from dllm_align.core.errors import RunFailure
     from dllm_align.training.memory import model_shape, read_launch
+    from dllm_align.training.traffic import traffic
     from dllm_align.config.recipe import load_recipe
 
     r = load_recipe(recipe, set_, output_dir)
     launch = read_launch(config)
     shape = model_shape(r)
-    report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape)}
+    report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape),
+              "traffic": traffic(shape, r, launch)}
     if smoke:
         report["smoke"] = d.smoke(r, smoke, launch)
         cpu_launch = read_launch(None) if config is None else launch
@@ -67,6 +71,8 @@ def doctor(
         peak = report["smoke"]["peak_memory_bytes"]
         report["smoke"]["estimate_over_measured"] = predicted / peak if peak else None
     failures = []
+    if "problem" in report["traffic"]:
+        failures.append(f"launch: {report['traffic']['problem']}")
     if not report["memory"]["fits"]:
         failures.append(f"memory: ~{report['memory']['estimate']['total_gib']:.1f} GiB per device does not fit "
                         f"{report['memory']['capacity_bytes'] / 2**30:.1f} GiB ({report['memory']['capacity_source']})")
@@ -97,7 +103,9 @@ def render(report: dict) -> str:
         lines.append(f"  ! {p}")
     m = mem["model"]
     est = mem["estimate"]
-    lines += ["", f"memory per device ({mem['launch']['source']}: {mem['launch']['type']} x {mem['launch']['processes']})",
+    machines = mem["launch"].get("machines", 1)
+    spread = f" on {machines} nodes x {mem['launch']['processes'] // machines}" if machines > 1 else ""
+    lines += ["", f"memory per device ({mem['launch']['source']}: {mem['launch']['type']} x {mem['launch']['processes']}{spread})",
               f"  model: {m['params'] / 1e9:.3g}B parameters ({m['trainable'] / 1e9:.3g}B trainable), "
               f"{mem['tokens_per_forward']:,} tokens per forward"]
     for k, v in est["lines"].items():
@@ -108,6 +116,10 @@ def render(report: dict) -> str:
     lines.append(f"  verdict: {mem['verdict']} in {mem['capacity_bytes'] / 2**30:.1f} GiB ({mem['capacity_source']})")
     for a in mem["advice"]:
         lines.append(f"  - {a}")
+    if "traffic" in report:
+        from dllm_align.training.traffic import render as render_traffic
+
+        lines += [""] + render_traffic(report["traffic"])
     if "smoke" in report:
         s = report["smoke"]
         inv = s["invariant"]

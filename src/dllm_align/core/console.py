@@ -28,8 +28,20 @@ def result(text: str) -> None:
     sys.stdout.flush()
 
 
+def global_rank() -> int:
+    """This process's rank among all processes of all nodes (torchrun / accelerate set RANK); 0 alone."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def progress_enabled() -> bool:
+    """Live bars on a terminal, from global rank 0 only: the first process of every other node also has
+    LOCAL_RANK 0, and a bar per process (or per node) on a shared terminal or job log overwrites itself."""
     if os.environ.get("DLLM_ALIGN_NO_PROGRESS"):
+        return False
+    if global_rank() != 0:
         return False
     return err.is_terminal
 

@@ -193,3 +193,132 @@ def check_training_settings(recipe, out_dir: str | Path, allow: Iterable[str] = 
         allow=allow,
         hint=None,
     )
+
+
+# -- several nodes: the run folder must be one folder that every process sees
+
+SHARED_PROBE = ".shared-probe-"
+
+
+def check_shared_folder(folder: str | Path, what: str = "run folder", *, settle_s: float = 5.0, create: bool = True) -> None:
+    """Refuse a folder that the processes of a multi-node launch do not all see (exit 2, every rank).
+
+    Rank 0 writes every run folder's records, checkpoints, merged outputs and cache manifests, and the
+    other ranks read them back (the cache, a checkpoint to resume, the part files of ``generate``): a
+    path on a node-local disk names a different, diverging folder on each node. Rank 0 writes a file
+    with a fresh random name and content into ``folder``; every rank looks for it (for up to ``settle_s``
+    seconds: a network filesystem may show a new file late) and the verdicts are gathered, so that all
+    ranks refuse together. The probe is removed; nothing else is written. A no-op in one process.
+    Without ``create``, a folder rank 0 does not have is not made and not checked (on every rank).
+    """
+    import hashlib
+    import os
+    import secrets
+    import socket
+    import time
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = Path(folder)
+    box: list = [None]
+    probe = None
+    made = rank == 0 and not folder.exists()
+    if rank == 0 and not create and not folder.is_dir():
+        box = [("absent", "")]
+    elif rank == 0:
+        nonce = secrets.token_hex(16)
+        probe = folder / f"{SHARED_PROBE}{nonce[:12]}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(probe, "w", encoding="utf-8") as f:
+                f.write(nonce)
+                f.flush()
+                os.fsync(f.fileno())
+            box = [(probe.name, hashlib.sha256(nonce.encode()).hexdigest())]
+        except OSError as e:
+            box = [("error", f"{folder}: rank 0 cannot write its {what} ({e.strerror or e})")]
+    dist.broadcast_object_list(box, src=0)
+    name, digest = box[0]
+    if name == "error":
+        raise UserError(digest)
+    if name == "absent":
+        return
+    seen = False
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            os.listdir(folder)  # revalidates the folder's entries on NFS before the lookup
+            text = (folder / name).read_text(encoding="utf-8")
+            seen = hashlib.sha256(text.encode()).hexdigest() == digest
+        except OSError:
+            seen = False
+        if seen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    verdicts: list = [None] * world
+    dist.all_gather_object(verdicts, (seen, socket.gethostname()))
+    if probe is not None:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    blind = [(r, host) for r, (ok, host) in enumerate(verdicts) if not ok]
+    if blind:
+        if made:  # refused: leave no empty folder behind
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        ranks = ", ".join(f"{r} ({host})" for r, host in blind)
+        raise UserError(
+            f"{folder}: the {what} is not shared between the nodes: rank(s) {ranks} cannot see the file rank 0 "
+            f"({verdicts[0][1]}) wrote there",
+            hint="put it on a disk that every node mounts at the same path (NFS, Lustre, GPFS ...), or run on one node",
+        )
+
+
+def wait_visible(path: str | Path, timeout_s: float) -> bool:
+    """Whether ``path`` (a folder another node made) shows up here within ``timeout_s`` seconds.
+
+    On NFS a client caches a folder's entries for a few seconds (``actimeo``): listing the parent
+    revalidates them before each look.
+    """
+    import os
+    import time
+
+    path = Path(path)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.listdir(path.parent)
+        except OSError:
+            pass
+        if path.is_dir():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def check_all_see(path: str | Path, what: str, timeout_s: float = 60.0) -> None:
+    """Every rank waits (up to ``timeout_s``) until it sees the folder rank 0 made, then all agree: a
+    rank that still cannot see it makes every rank stop with one line (RunFailure), before any rank
+    writes into a folder that is not there. A no-op in one process."""
+    import torch.distributed as dist
+
+    from dllm_align.core.errors import RunFailure
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    seen = wait_visible(path, timeout_s) if dist.get_rank() else True
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, seen)
+    blind = [r for r, ok in enumerate(verdicts) if not ok]
+    if blind:
+        raise RunFailure(
+            f"{path}: rank(s) {', '.join(map(str, blind))} cannot see the {what} rank 0 made {timeout_s:.0f} s ago",
+            hint="the run folder must be on a disk every node mounts at the same path; on NFS, a lower actimeo helps",
+        )

@@ -111,6 +111,12 @@ def run_generate(
         "backend": g.backend,
     }
 
+    # -- several nodes: rank 0 merges the part files every rank writes next to the output
+    if state is not None:
+        from dllm_align.core.runfolder import check_shared_folder
+
+        check_shared_folder(out.parent, "output folder")
+
     # -- one writer per output file (rank 0 holds it for the whole run)
     lock = FileLock(out, f"another `dllm-align generate` is writing to {out}") if rank == 0 else None
     if lock is not None:

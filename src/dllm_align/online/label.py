@@ -16,6 +16,7 @@ Samples are a pure function of (seed, prompt id, sample index): a rerun gives th
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,8 +105,8 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     """Sample ``n`` completions per prompt and label them; returns the summary (module docstring)."""
     import torch
 
-    from dllm_align.core.console import info, progress
-    from dllm_align.core.io import atomic_write_json, atomic_write_text, check_not_input
+    from dllm_align.core.console import info
+    from dllm_align.core.io import check_not_input
     from dllm_align.generate.backend import backend_factory, make_generator
     from dllm_align.generate.settings import encode_prompt, row_seed
     from dllm_align.online.verifiers import get_rule
@@ -137,7 +138,8 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     rows_path, summary_path = out / ROWS, out / SUMMARY
     for p in (rows_path, summary_path):
         check_not_input(p)
-    if rule.startswith("judge:"):
+    rank, world = _ranks()
+    if rule.startswith("judge:") and rank == 0:  # the judge (and its cache in the run folder) lives on rank 0
         from dllm_align.online.absolute import AbsoluteJudge
         from dllm_align.online.verifiers import Rule
 
@@ -145,17 +147,88 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
         verifier = Rule(rule, judge)
     settings = _settings(recipe, temperature)
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     name = recipe.model.name_or_path if model is None else model
     gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     flat = [(i, j) for i in range(len(items)) for j in range(n)]
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}") for i, j in flat]
-    info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
-         f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}")
-    with progress("sampling", len(flat), unit="samples") as bar:
-        comps = gen.generate([ids[i] for i, _ in flat], settings, seeds, batch_size=recipe.generate.batch_size,
-                             on_batch=lambda idx, res: bar.advance(len(idx)))
+    if rank == 0:
+        info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
+             f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}"
+             + (f"; sampling dealt across {world} processes" if world > 1 else ""))
+    comps = _sample(gen, [ids[i] for i, _ in flat], settings, seeds, recipe.generate.batch_size, rank, world)
+    if world > 1:
+        # rank 0 labels and writes; the others take its outcome (the same error on every rank)
+        return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
+                                                    rows_path, summary_path) if rank == 0 else None)
+    return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path)
+
+
+def _ranks() -> tuple[int, int]:
+    """(rank, world size) of the process group a multi-process launch opened; (0, 1) alone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: int, world: int) -> list:
+    """Every sample's completion, the length-grouped batches dealt across the processes (batch j to rank
+    j mod world, as ``generate`` deals them) and gathered: the same batches, hence the same samples, as one
+    process draws."""
+    from dllm_align.core.console import progress
+    from dllm_align.generate.settings import length_batches
+
+    batches = length_batches([len(p) for p in prompts], batch_size)
+    mine = [b for j, b in enumerate(batches) if j % world == rank]
+    got: list = []
+    with progress("sampling", sum(len(b) for b in mine), unit="samples") as bar:
+        for b in mine:
+            res = gen.generate([prompts[i] for i in b], settings, [seeds[i] for i in b], batch_size=len(b))
+            got += list(zip(b, res))
+            bar.advance(len(b))
+    if world > 1:
+        import torch.distributed as dist
+
+        parts: list = [None] * world
+        dist.all_gather_object(parts, got)
+        got = [x for part in parts for x in part]
+    comps: list = [None] * len(prompts)
+    for i, c in got:
+        comps[i] = c
+    return comps
+
+
+def from_rank0(fn):
+    """``fn()`` run on rank 0 (the other ranks pass a function returning None), its result given to every
+    rank, or its error raised on every rank: no rank waits for a rank 0 that has stopped."""
+    import torch.distributed as dist
+
+    from dllm_align.core.errors import DllmAlignError, RunFailure
+
+    box: list = [None]
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except DllmAlignError as e:
+            box, err = [("error", e.exit_code, e.message, e.hint)], e
+        except Exception as e:  # noqa: BLE001 - said to the other ranks, then raised here as it is
+            box, err = [("error", 1, f"rank 0 stopped: {type(e).__name__}: {e}", None)], e
+    dist.broadcast_object_list(box, src=0)
+    if err is not None:
+        raise err
+    if box[0][0] == "error":
+        _, code, message, hint = box[0]
+        raise (UserError if code == 2 else RunFailure)(message, hint=hint)
+    return box[0][1]
+
+
+def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path) -> dict:
+    from dllm_align.core.io import atomic_write_json, atomic_write_text
+
     sampler = {k: v for k, v in settings.to_dict().items()}
     rows = []
     try:

@@ -243,6 +243,11 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
             shutil.rmtree(tmp)
         tmp.mkdir()
     acc.wait_for_everyone()
+    # every rank writes into the folder rank 0 just made (its RNG state, its optimizer shard): on a network
+    # filesystem the other nodes may see it late, so they wait for it (bounded) before writing
+    from dllm_align.core.runfolder import check_all_see
+
+    check_all_see(tmp, "checkpoint folder")
     sd = state_dict_of(saver)
     if main:
         adapter = export(saver, tmp, sd, lora, record.model)

@@ -160,15 +160,26 @@ class ModelShape:
         return self.body_params - norms + (0 if self.tied else self.vocab * d)
 
     def lora_params(self, r: int, targets: list[str]) -> int:
+        """Adapter parameters for ``targets`` as peft matches them: a module whose dotted name is a target or
+        ends with ``.target`` (``gate_proj`` hits the dense MLP, every routed expert and the shared expert;
+        ``shared_experts.gate_proj`` the shared expert alone)."""
         d, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
         attn = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
                 "query_key_value": (d, d + 2 * kv), "dense": (d, d)}  # LLaDA2.0's fused names
-        mlp = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
-        ei = self.expert_intermediate
-        expert_mlp = {"gate_proj": (d, ei), "up_proj": (d, ei), "down_proj": (ei, d)}
-        a = sum(r * (x + y) for t, (x, y) in attn.items() if t in targets)
-        dense = sum(r * (x + y) for t, (x, y) in mlp.items() if t in targets)
-        moe = self.experts * sum(r * (x + y) for t, (x, y) in expert_mlp.items() if t in targets)
+        ei, si = self.expert_intermediate, self.shared_intermediate
+
+        def mlp(width: int) -> dict:
+            return {"gate_proj": (d, width), "up_proj": (d, width), "down_proj": (width, d)}
+
+        def hit(path: str) -> bool:
+            return any(path == t or path.endswith("." + t) for t in targets)
+
+        def adapters(prefix: str, modules: dict) -> int:
+            return sum(r * (x + y) for name, (x, y) in modules.items() if hit(f"{prefix}.{name}"))
+
+        a = adapters("self_attn", attn)
+        dense = adapters("mlp", mlp(i))
+        moe = self.experts * adapters("mlp.experts.0", mlp(ei)) + (adapters("mlp.shared_experts", mlp(si)) if si else 0)
         return self.layers * a + (self.layers - self.moe_layers) * dense + self.moe_layers * moe
 
 
@@ -285,10 +296,16 @@ class Launch:
     activation_checkpointing: bool = False
     offload_params: bool = False
     source: str = "this machine (no --config)"
+    machines: int = 1  # num_machines: the nodes the processes are spread over
+    reshard_after_forward: bool = True  # FSDP: gather the weights again for the backward (full shard)
 
     @property
     def fsdp(self) -> bool:
         return self.distributed_type == "FSDP"
+
+    @property
+    def per_machine(self) -> int:
+        return self.processes // self.machines
 
 
 _DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU", "XLA")
@@ -320,6 +337,13 @@ def read_launch(path: Optional[str]) -> Launch:
         n = 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 20:
         problems.append(f"num_processes must be a whole number >= 1, got {n!r}")
+    machines = raw.get("num_machines", 1)
+    machines = 1 if machines is None else machines
+    if isinstance(machines, bool) or not isinstance(machines, int) or not 1 <= machines <= 1 << 16:
+        problems.append(f"num_machines must be a whole number >= 1, got {machines!r}")
+        machines = 1
+    elif isinstance(n, int) and not isinstance(n, bool) and n % machines:
+        problems.append(f"num_processes ({n}: all processes of all machines) must be a multiple of num_machines ({machines})")
     fsdp = raw.get("fsdp_config") or {}
     if not isinstance(fsdp, dict):
         problems.append(f"fsdp_config must be a mapping of fsdp_* settings, got {type(fsdp).__name__}")
@@ -330,6 +354,11 @@ def read_launch(path: Optional[str]) -> Launch:
     for key in ("fsdp_activation_checkpointing", "fsdp_offload_params"):
         if not isinstance(fsdp.get(key, False), bool):
             problems.append(f"fsdp_config.{key} must be true or false, got {fsdp.get(key)!r}")
+    reshard = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
+    if isinstance(reshard, str):  # FSDP1 names its strategies
+        reshard = reshard.upper() not in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2", "2", "NO_SHARD", "3")
+    elif isinstance(reshard, int) and not isinstance(reshard, bool):
+        reshard = reshard not in (2, 3)  # FSDP1's numbered strategies: 2 SHARD_GRAD_OP, 3 NO_SHARD
     mp = raw.get("mixed_precision")
     mp = "no" if mp is False else mp
     if mp not in (None, "no", "bf16", "fp16", "fp8"):
@@ -344,6 +373,8 @@ def read_launch(path: Optional[str]) -> Launch:
         activation_checkpointing=fsdp.get("fsdp_activation_checkpointing", False),
         offload_params=fsdp.get("fsdp_offload_params", False),
         source=str(p),
+        machines=machines,
+        reshard_after_forward=bool(reshard),
     )
 
 

@@ -31,6 +31,7 @@ from dllm_align.config.recipe import write_run_info
 from dllm_align.core.console import info, progress, warn
 from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.core.io import DirLock, atomic_write_json
+from dllm_align.core.runfolder import check_shared_folder
 from dllm_align.data.batching import pack_length_of, plan_batches
 from dllm_align.data.examples import load_training_examples, make_collate, planned_batches
 from dllm_align.models.load import check_max_length, load_from_section
@@ -297,6 +298,8 @@ def precompute(
         raise UserError(f"example id '{dup}' appears more than once; ids must be unique (they seed the masks)")
 
     out = cache_dir(recipe)
+    # rank 0 writes the shards and the manifest that the other ranks (and `train` on every node) read
+    check_shared_folder(out, "reference cache")
     out.mkdir(parents=True, exist_ok=True)
 
     lock = DirLock(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "

@@ -35,7 +35,7 @@ from dllm_align.core.io import (
     recover_jsonl,
     write_checksums,
 )
-from dllm_align.core.runfolder import check_training_settings
+from dllm_align.core.runfolder import check_shared_folder, check_training_settings
 from dllm_align.data.examples import units_digest
 from dllm_align.objective.base import objective_for
 from dllm_align.training.cache import cache_dir
@@ -79,6 +79,17 @@ def train(
     acc = accelerator or make_accelerator(recipe)
     out = Path(recipe.output_dir)
     created = not out.exists()
+    cached = recipe.reference.mode == "cached" and objective_for(recipe.train).needs_reference
+    try:
+        # Several nodes: rank 0 writes the run folder and every rank reads it back (a checkpoint to resume,
+        # the cache): a folder on each node's own disk is refused before anything is written.
+        check_shared_folder(out, "run folder")
+        if cached:
+            check_shared_folder(cache_dir(recipe), "reference cache", create=False)
+    except UserError:
+        if acc.is_main_process and created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
     lock: Optional[DirLock] = None
     cache_lock: Optional[DirLock] = None
     # The main process inspects the run folder (and verifies the checkpoint to
@@ -87,7 +98,7 @@ def train(
     if acc.is_main_process:
         try:
             lock = DirLock(out, f"another `dllm-align train` is writing to {out}").__enter__()
-            if recipe.reference.mode == "cached" and objective_for(recipe.train).needs_reference:
+            if cached:
                 # The cache must stay the one this run trains against: a `precompute-ref --overwrite`
                 # into it is refused while the run lasts (it takes the exclusive lock).
                 cdir = cache_dir(recipe)

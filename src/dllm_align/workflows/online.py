@@ -30,7 +30,7 @@ from dllm_align.core.errors import UserError
 RECORD = "online.json"
 
 
-def _check_settings(out: Path, settings: dict) -> None:
+def _check_settings(out: Path, settings: dict, main: bool = True) -> None:
     from dllm_align.core.io import atomic_write_json
 
     path = out / RECORD
@@ -41,8 +41,9 @@ def _check_settings(out: Path, settings: dict) -> None:
             listed = "; ".join(f"{k} (was {a!r}, now {b!r})" for k, a, b in diffs)
             raise UserError(f"cannot continue the online run in {out}: settings differ from the recorded run: {listed}",
                             hint="use the recorded settings, or another run folder (-o)")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, settings)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, settings)
 
 
 def _round_rows(rows_path: Path, keep_uniform: bool, out: Path) -> tuple[Path, dict]:
@@ -81,19 +82,34 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError(f"--reference {reference}: initial or previous")
     out = Path(out_dir)
     base = recipe.model.name_or_path
+    rank, world = _process_group()
+    main = rank == 0
+    if world > 1:
+        # rank 0 writes the run's records and labelled rows, every rank reads them back
+        from dllm_align.core.runfolder import check_shared_folder
+
+        check_shared_folder(out, "online run folder")
     _check_settings(out, {"model": base, "rule": rule, "n": n, "limit": limit, "prompts": prompts, "reference": reference,
                           "keep_uniform": keep_uniform, "temperature": temperature, "answer_column": answer_column,
-                          "train": recipe.train.model_dump(mode="json"), "generate": recipe.generate.model_dump(mode="json")})
+                          "train": recipe.train.model_dump(mode="json"), "generate": recipe.generate.model_dump(mode="json")},
+                    main)
+    _barrier(world)
     policy, table = base, []
     for r in range(rounds):
         rd = out / f"round-{r}"
-        if (rd / SUMMARY).exists():
-            console.info(f"online: round {r}: reusing its labelled samples")
+        if _agreed((rd / SUMMARY).exists(), world):  # rank 0's view: every rank takes the same path
+            if main:
+                console.info(f"online: round {r}: reusing its labelled samples")
             summary = json.loads((rd / SUMMARY).read_text(encoding="utf-8"))
         else:
             summary = label(recipe, rd, rule=rule, n=n, prompts=prompts, model=policy, limit=limit, temperature=temperature,
                             answer_column=answer_column, round_=r)
-        train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd)
+        if world > 1:
+            from dllm_align.online.label import from_rank0
+
+            train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd) if main else None)
+        else:
+            train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd)
         rec = recipe.model_copy(deep=True)
         rec.output_dir = str(rd)
         rec.model.name_or_path = policy
@@ -111,11 +127,45 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                       "prompts_all_undesirable": summary["prompts_all_undesirable"], **counts,
                       "reward_desirable": metrics.get("reward_desirable"), "reward_undesirable": metrics.get("reward_undesirable")})
         policy = str(final)
-    from dllm_align.core.io import atomic_write_json
+    if main:
+        from dllm_align.core.io import atomic_write_json
 
-    atomic_write_json(out / "rounds.json", {"rounds": table, "final_model": policy})
-    _plot(out, table)
+        atomic_write_json(out / "rounds.json", {"rounds": table, "final_model": policy})
+        _plot(out, table)
+    _barrier(world)
     return table
+
+
+def _process_group() -> tuple[int, int]:
+    """(rank, world size) of a torchrun / accelerate launch, its process group opened (as `generate` opens it);
+    (0, 1) in one process. Sampling is dealt across the ranks; rank 0 alone writes."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return 0, 1
+    import torch
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    return state.process_index, state.num_processes
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _agreed(value, world: int):
+    """Rank 0's ``value`` on every rank."""
+    if world < 2:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _plot(out: Path, table: list[dict]) -> None:

@@ -41,7 +41,8 @@ def trained_model(recipe) -> Path:
         console.info(f"train: reusing {final}")
         return final
     res = train(recipe, resume=True)
-    done.write_text(json.dumps({"steps": res.steps}) + "\n")
+    if console.global_rank() == 0:  # one writer when several processes train
+        done.write_text(json.dumps({"steps": res.steps}) + "\n")
     return Path(res.final_dir)
 
 
