@@ -179,16 +179,24 @@ def flat_ce_terms(log_probs: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 class UniformDrawConfig:
     """How the K draws of an example are made.
 
-    ``stratified``: the K times of a canvas are (k + u)/K for one shared offset u, instead of K
-    independent uniforms (lower variance, same expectation)."""
+    Each draw takes u uniform on (0, 1) per canvas and the time t = u ** ``time_power`` with the
+    weight dt/du = time_power * u ** (time_power - 1), so the weighted draw is unbiased for any
+    power. The power matters for the variance: with t uniform (power 1) a position replaced at a
+    small t contributes about log(1/t)/t with probability about t, whose second moment
+    (the integral of log(1/t)**2 / t) diverges; with power 2 it is the integral of log(1/t)**2 / sqrt(t),
+    finite. ``stratified``: the K values of u of a canvas are (k + v)/K for one shared offset v,
+    instead of K independent uniforms (lower variance, same expectation)."""
 
     n_mc: int = 8
     seed: int = 0
     stratified: bool = False
+    time_power: int = 2
 
     def __post_init__(self):
         if self.n_mc < 1:
             raise ValueError("n_mc must be >= 1")
+        if self.time_power < 1:
+            raise ValueError("time_power must be >= 1")
 
 
 @dataclass
@@ -196,6 +204,7 @@ class UniformDraws:
     """The K noisy versions of one example's completion of L tokens."""
 
     t: np.ndarray  # [K, L] float64 in (0, 1): the time of each position's canvas
+    weight: np.ndarray  # [K, L] float64: dt/du of that time (1 when time_power is 1)
     replaced: np.ndarray  # [K, L] bool: the position was resampled
     token: np.ndarray  # [K, L] int64: the uniform token it was resampled to (used where replaced)
 
@@ -233,17 +242,20 @@ def draw_uniform_noise(
     n_canvas = int(canvas[-1]) + 1
     cs = np.arange(n_canvas, dtype=np.uint64)
     if cfg.stratified:
-        u = _open_unit(_hash(key, _TAG_OFFSET, cs))  # [n_canvas], shared by the K draws
-        t_canvas = (np.arange(K, dtype=np.float64)[:, None] + u[None, :]) / K
+        v = _open_unit(_hash(key, _TAG_OFFSET, cs))  # [n_canvas], shared by the K draws
+        u_canvas = (np.arange(K, dtype=np.float64)[:, None] + v[None, :]) / K
     else:
-        t_canvas = _open_unit(_hash(key, _TAG_TIME, ks[:, None], cs[None, :]))  # [K, n_canvas]
-    t = t_canvas[:, canvas.astype(np.int64)]  # [K, L]
+        u_canvas = _open_unit(_hash(key, _TAG_TIME, ks[:, None], cs[None, :]))  # [K, n_canvas]
+    u = u_canvas[:, canvas.astype(np.int64)]  # [K, L]
+    p = cfg.time_power
+    t = u**p
+    weight = p * u ** (p - 1)
     r = _open_unit(_hash(key, _TAG_REPLACE, ks[:, None], pos[None, :]))
     replaced = r < t  # probability 1 - alpha_t = t
     h = _hash(key, _TAG_TOKEN, ks[:, None], pos[None, :])
     # top 53 bits -> [0, 1) -> {0..V-1}; the bias of a 53-bit draw over V <= 2^20 is below 1e-9.
     token = np.minimum(np.floor(((h >> np.uint64(11)).astype(np.float64) / (1 << 53)) * vocab_size), vocab_size - 1)
-    return UniformDraws(t=t, replaced=replaced, token=token.astype(np.int64))
+    return UniformDraws(t=t, weight=weight, replaced=replaced, token=token.astype(np.int64))
 
 
 def draw_nelbo(
@@ -256,8 +268,9 @@ def draw_nelbo(
     """Per-position NELBO integrand of one draw, with the recipe's parameterization applied.
 
     ``log_probs`` [N, V] is the network's log-softmax at the N scored positions given the noisy
-    canvas ``xt``; the draw's estimate of -ELBO is the sum over an example's positions, and the
-    mean over its K draws is the Monte Carlo estimate (t has density 1 on (0, 1))."""
+    canvas ``xt``; the draw's estimate of -ELBO is the sum over an example's positions of these
+    values times the draw's ``weight`` (:class:`UniformDraws`), and the mean over its K draws is
+    the Monte Carlo estimate."""
     return per_token_nelbo(plug_in(log_probs, xt, t, parameterization), x0, xt, t)
 
 
