@@ -35,7 +35,7 @@ The draws: draw k of an example takes one time t per canvas (a block of ``canvas
 completion positions; the whole completion when None) and, per position, a replacement
 decision and a replacement token, all pure functions of (seed, example id, draw, canvas,
 position) through the same SplitMix64 counter hash and example key as the absorbing-mask draws
-(:mod:`dllm_align.objective.elbo`), on separate stream tags. Policy and reference therefore see
+(:mod:`dllm_align.objective.draws`), on separate stream tags. Policy and reference therefore see
 the same noisy canvases (common random numbers) on any device or process count.
 """
 
@@ -47,20 +47,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dllm_align.objective.elbo import example_key, splitmix64
+from dllm_align.objective.draws import example_key, mix
 
 PARAMETERIZATIONS = ("denoiser", "loo")
 
 # Stream tags, distinct from the absorbing-mask draws' (1-4) so a shared seed and id give
 # independent streams.
 _TAG_TIME, _TAG_REPLACE, _TAG_TOKEN, _TAG_OFFSET = 11, 12, 13, 14
-
-
-def _hash(key: int, *parts) -> np.ndarray:
-    h = np.asarray(key, dtype=np.uint64)
-    for p in parts:
-        h = splitmix64(h ^ splitmix64(np.asarray(p, dtype=np.uint64)))
-    return h
 
 
 def _open_unit(h: np.ndarray) -> np.ndarray:
@@ -242,17 +235,17 @@ def draw_uniform_noise(
     n_canvas = int(canvas[-1]) + 1
     cs = np.arange(n_canvas, dtype=np.uint64)
     if cfg.stratified:
-        v = _open_unit(_hash(key, _TAG_OFFSET, cs))  # [n_canvas], shared by the K draws
+        v = _open_unit(mix(key, _TAG_OFFSET, cs))  # [n_canvas], shared by the K draws
         u_canvas = (np.arange(K, dtype=np.float64)[:, None] + v[None, :]) / K
     else:
-        u_canvas = _open_unit(_hash(key, _TAG_TIME, ks[:, None], cs[None, :]))  # [K, n_canvas]
+        u_canvas = _open_unit(mix(key, _TAG_TIME, ks[:, None], cs[None, :]))  # [K, n_canvas]
     u = u_canvas[:, canvas.astype(np.int64)]  # [K, L]
     p = cfg.time_power
     t = u**p
     weight = p * u ** (p - 1)
-    r = _open_unit(_hash(key, _TAG_REPLACE, ks[:, None], pos[None, :]))
+    r = _open_unit(mix(key, _TAG_REPLACE, ks[:, None], pos[None, :]))
     replaced = r < t  # probability 1 - alpha_t = t
-    h = _hash(key, _TAG_TOKEN, ks[:, None], pos[None, :])
+    h = mix(key, _TAG_TOKEN, ks[:, None], pos[None, :])
     # top 53 bits -> [0, 1) -> {0..V-1}; the bias of a 53-bit draw over V <= 2^20 is below 1e-9.
     token = np.minimum(np.floor(((h >> np.uint64(11)).astype(np.float64) / (1 << 53)) * vocab_size), vocab_size - 1)
     return UniformDraws(t=t, weight=weight, replaced=replaced, token=token.astype(np.int64))
