@@ -64,6 +64,9 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
     # size, with blocks of 8 (families/block.py's build_tiny_llada2)
     "builtin:tiny-llada2": TinySpec(family="llada2"),
+    # DiffusionGemma's published config shrunk (6 layers in its 5:1 sliding/full pattern, 4 experts top-2, canvas 8;
+    # families/diffusion_gemma.py's tiny_config)
+    "builtin:tiny-diffusiongemma": TinySpec(layers=6, intermediate_size=96, family="diffusion_gemma"),
 }
 
 
