@@ -1,5 +1,6 @@
 """DiffusionGemma: the family (native loading of the published layout, the shrunk published config, tokenizer,
-stop tokens, LoRA on tied stacks)."""
+stop tokens, LoRA on tied stacks) and the uniform-noise likelihood component run on the model (the clean
+stream against transformers' one-call forward, draw subsets, padding, gradients)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dllm_align.core.errors import UserError
 from dllm_align.models.families import detect_family, family_for_config
 from dllm_align.models.families import diffusion_gemma as dg
 from dllm_align.models.load import load_model
+from dllm_align.objective.elbo import DrawConfig, elbo_draws, get_likelihood
+from dllm_align.objective.uniform import UniformDrawConfig, draw_nelbo, draw_uniform_noise
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diffusiongemma_26b_a4b_it_config.json"
 SHRINK = {"hidden_size": 64, "head_dim": 16, "global_head_dim": 32, "intermediate_size": 96,
@@ -124,3 +127,79 @@ def test_lora_adapters_shared_by_the_tied_stacks(tiny):
     assert inner.encoder.language_model.layers[0].self_attn.q_proj is inner.decoder.layers[0].self_attn.q_proj
     with pytest.raises(UserError, match="target_modules"):
         dg.lora_modules(tiny.model, ["query_key_value"])
+
+
+# --------------------------------------------------------------------------- the likelihood on the model
+def _batch(tok):
+    p, c = tok.encode("<bos>abc"), tok.encode("defghijklmnop")  # 13 completion tokens: canvases of 8 and 5
+    short_p, short_c = tok.encode("<bos>xy"), tok.encode("zzzz")
+    T = len(p) + len(c)
+    ids = torch.tensor([p + c, short_p + short_c + [tok.pad_token_id] * (T - 7)])
+    am = torch.tensor([[1] * T, [1] * 7 + [0] * (T - 7)])
+    cm = torch.zeros_like(ids)
+    cm[0, len(p):] = 1
+    cm[1, 3:7] = 1
+    return p, c, ids, am, cm
+
+
+def test_clean_stream_matches_one_call_forward_per_draw(tiny):
+    """The component (context encoded once, canvases appended to the cache) against transformers' one-call
+    forward (encoder over the whole clean context of each canvas, one draw at a time)."""
+    p, c, ids, am, cm = _batch(tiny.tokenizer)
+    cfg = DrawConfig(n_mc=4, seed=3)
+    with torch.no_grad():
+        got = elbo_draws(tiny, ids, am, cm, ["a", "b"], cfg)
+        d = draw_uniform_noise("a", len(c), UniformDrawConfig(n_mc=4, seed=3), tiny.vocab_size, 8)
+        x0 = torch.tensor(c)
+        xt = d.noisy(x0)
+        for k in range(4):
+            total = 0.0
+            for s in (0, 8):
+                ctx = torch.tensor([p + c[:s]])
+                lp = tiny.model(input_ids=ctx, decoder_input_ids=xt[k:k + 1, s:s + 8]).logits[0].float().log_softmax(-1)
+                n = draw_nelbo(lp, x0[s:s + 8], xt[k, s:s + 8], torch.from_numpy(d.t[k, s:s + 8]))
+                total -= float((n * torch.from_numpy(d.weight[k, s:s + 8])).sum())
+            assert abs(float(got[0, k]) - total) < 1e-4 * max(1.0, abs(total))
+    assert (got <= 0).all() and torch.isfinite(got).all()
+
+
+def test_draw_subsets_padding_and_determinism(tiny):
+    _, _, ids, am, cm = _batch(tiny.tokenizer)
+    cfg = DrawConfig(n_mc=4, seed=3)
+    with torch.no_grad():
+        full = elbo_draws(tiny, ids, am, cm, ["a", "b"], cfg)
+        assert torch.equal(full, elbo_draws(tiny, ids, am, cm, ["a", "b"], cfg))
+        assert torch.allclose(full[:, 2:], elbo_draws(tiny, ids, am, cm, ["a", "b"], cfg, draws=[2, 3]), atol=1e-5)
+        alone = elbo_draws(tiny, ids[1:, :7], None, cm[1:, :7], ["b"], cfg)
+        assert torch.allclose(full[1:], alone, atol=1e-5)
+        chunked = elbo_draws(tiny, ids, am, cm, ["a", "b"], cfg, max_rows_per_forward=4)
+        assert torch.allclose(full, chunked, atol=1e-5)
+        assert not torch.equal(full, elbo_draws(tiny, ids, am, cm, ["a", "b"], DrawConfig(n_mc=4, seed=4)))
+
+
+def test_recipe_choices_change_the_value_and_packing_is_refused(tiny):
+    _, _, ids, am, cm = _batch(tiny.tokenizer)
+    base = DrawConfig(n_mc=2, seed=0)
+    with torch.no_grad():
+        v = elbo_draws(tiny, ids, am, cm, ["a", "b"], base)
+        for change in ({"self_conditioning": "detached"}, {"surrogate": "flat_ce"}, {"parameterization": "loo"},
+                       {"time_power": 1}):
+            w = elbo_draws(tiny, ids, am, cm, ["a", "b"], DrawConfig(n_mc=2, seed=0, **change))
+            assert torch.isfinite(w).all() and not torch.allclose(v, w), change
+        with pytest.raises(UserError, match="packed"):
+            elbo_draws(tiny, ids, am, cm, ["a", "b"], base, pack_length=64)
+
+
+def test_gradient_reaches_the_tied_weights(tiny):
+    model = tiny.model
+    _, _, ids, am, cm = _batch(tiny.tokenizer)
+    model.zero_grad()
+    elbo_draws(tiny, ids, am, cm, ["a", "b"], DrawConfig(n_mc=2, seed=0)).sum().backward()
+    w = model.model.decoder.layers[0].self_attn.q_proj.weight
+    assert w.grad is not None and w.grad.abs().sum() > 0
+    model.zero_grad()
+
+
+def test_footprint_counts_the_clean_context_row():
+    fp = get_likelihood("uniform").footprint(None, 8, 128, 2)
+    assert (fp.rows, fp.scored_rows) == (9, 8)

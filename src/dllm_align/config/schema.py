@@ -94,6 +94,17 @@ class ReferenceSection(Section):
     seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
     estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
     stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
+    time_power: int = Field(2, ge=1, le=8, description="Uniform-noise likelihood (DiffusionGemma): t = u**time_power per canvas, "
+                            "weighted by dt/du (1: t uniform, whose estimator has infinite variance).")
+    parameterization: Literal["denoiser", "loo"] = Field(
+        "denoiser", description="Uniform noise: the softmax enters the bound as it is ('denoiser') or converted to the "
+        "leave-one-out posterior ('loo', finite only for a network that is a denoiser).")
+    self_conditioning: Literal["none", "detached"] = Field(
+        "none", description="Uniform noise: 'none' (zero self-conditioning signal, one pass) or 'detached' (a no-grad "
+        "first pass's logits condition the scored pass).")
+    surrogate: Literal["elbo", "flat_ce"] = Field(
+        "elbo", description="Uniform noise: 'elbo' (the continuous-time bound) or 'flat_ce' (the published SFT loss: "
+        "unweighted cross-entropy over the noisy canvas; a surrogate, not a bound).")
     batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
     draws_per_forward: Optional[int] = Field(
         None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."

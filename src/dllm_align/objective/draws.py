@@ -66,6 +66,11 @@ class DrawConfig:
     seed: int = 0
     estimator: str = "l"  # "l" (paper) or "t"
     stratified: bool = False
+    # The uniform-noise likelihood's choices (``objective.uniform``); the absorbing-mask draws ignore them.
+    time_power: int = 2  # t = u ** time_power per canvas, weighted by dt/du
+    parameterization: str = "denoiser"  # what enters the bound: the softmax as it is, or its leave-one-out form
+    self_conditioning: str = "none"  # "none" (one pass) or "detached" (a no-grad first pass conditions the second)
+    surrogate: str = "elbo"  # "elbo" (the bound) or "flat_ce" (the published SFT loss, not a bound)
 
     def __post_init__(self):
         if self.estimator not in ("l", "t"):
@@ -75,7 +80,9 @@ class DrawConfig:
 
     @classmethod
     def from_reference(cls, ref, n_mc: Optional[int] = None) -> "DrawConfig":
-        return cls(n_mc=n_mc or ref.n_mc, seed=ref.seed, estimator=ref.estimator, stratified=ref.stratified)
+        return cls(n_mc=n_mc or ref.n_mc, seed=ref.seed, estimator=ref.estimator, stratified=ref.stratified,
+                   time_power=ref.time_power, parameterization=ref.parameterization,
+                   self_conditioning=ref.self_conditioning, surrogate=ref.surrogate)
 
 
 def draw_masks(example_id: str, L: int, cfg: DrawConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -42,12 +42,14 @@ the same noisy canvases (common random numbers) on any device or process count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from dllm_align.core.errors import UserError
 from dllm_align.objective.draws import example_key, mix
+from dllm_align.objective.likelihood import Footprint, Likelihood
 
 PARAMETERIZATIONS = ("denoiser", "loo")
 
@@ -274,6 +276,114 @@ def gauss_legendre_unit(n: int) -> tuple[np.ndarray, np.ndarray]:
     return 0.5 * (x + 1.0), 0.5 * w
 
 
+# --------------------------------------------------------------------------- the likelihood component
+SELF_CONDITIONING = ("none", "detached")
+SURROGATES = ("elbo", "flat_ce")
+
+
+def _row_parts(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], completion_mask: torch.Tensor,
+               b: int, example_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context, completion) of row b: the real tokens before the completion, and the completion's tokens
+    (which must be one contiguous run; padding on either side is dropped)."""
+    cm = completion_mask[b].bool()
+    pos = torch.nonzero(cm, as_tuple=False).squeeze(-1)
+    if pos.numel() == 0:
+        raise ValueError(f"example {example_id!r} has no completion tokens to noise")
+    first, last = int(pos[0]), int(pos[-1])
+    if last - first + 1 != pos.numel():
+        raise ValueError(f"example {example_id!r}: the uniform likelihood needs one contiguous completion")
+    valid = torch.ones_like(cm) if attention_mask is None else attention_mask[b].bool()
+    before = valid.clone()
+    before[first:] = False
+    context = input_ids[b][before]
+    if context.numel() == 0:
+        raise ValueError(f"example {example_id!r} has no context: the encoder needs at least one token (a BOS)")
+    return context, input_ids[b, first:last + 1]
+
+
+class UniformNoise(Likelihood):
+    """Uniform-noise block diffusion (DiffusionGemma): the per-canvas continuous-time ELBO above, each canvas
+    conditioned on the clean context before it (the block-diffusion factorisation).
+
+    One draw of an example noises every canvas of its completion (:func:`draw_uniform_noise`, a canvas being
+    ``canvas_length`` positions of the model's config); the model encodes the clean context once and scores
+    the K noisy canvases against its cache (``MaskPredictor.canvas_logits``). The term of a draw is
+    -sum over positions of weight * integrand (an ELBO on log p(completion | prompt), <= 0), or with
+    ``surrogate: flat_ce`` minus the unweighted cross-entropy summed over the canvas (the published SFT
+    loss; not a bound). ``cfg``'s ``time_power``, ``parameterization`` and ``self_conditioning`` are the
+    recipe's choices (section ``reference``)."""
+
+    name = "uniform"
+
+    @staticmethod
+    def _draw_config(cfg) -> UniformDrawConfig:
+        return UniformDrawConfig(n_mc=cfg.n_mc, seed=cfg.seed, stratified=cfg.stratified,
+                                 time_power=getattr(cfg, "time_power", 2))
+
+    def draws(self, example_id: str, length: int, cfg, vocab_size: int = 2, canvas_length: Optional[int] = None):
+        return draw_uniform_noise(example_id, length, self._draw_config(cfg), vocab_size, canvas_length)
+
+    def draw_terms(self, mp, input_ids, attention_mask, completion_mask, ids, cfg, *, max_rows_per_forward=None,
+                   draws=None, pack_length=None) -> torch.Tensor:
+        if pack_length is not None:
+            raise UserError("data.padding: packed is not available for uniform-noise models (DiffusionGemma)",
+                            hint="each example's clean context runs through the encoder alone, so no compute goes to "
+                                 "padding and there is nothing to pack: use data.padding: none")
+        par = getattr(cfg, "parameterization", "denoiser")
+        sc = getattr(cfg, "self_conditioning", "none")
+        surrogate = getattr(cfg, "surrogate", "elbo")
+        if par not in PARAMETERIZATIONS or sc not in SELF_CONDITIONING or surrogate not in SURROGATES:
+            raise ValueError(f"uniform likelihood: bad choice (parameterization {par!r}, self_conditioning {sc!r}, "
+                             f"surrogate {surrogate!r})")
+        ucfg = self._draw_config(cfg)
+        V = int(mp.vocab_size)
+        C = int(mp.canvas_length)
+        draw_idx = list(range(cfg.n_mc)) if draws is None else list(draws)
+        K = len(draw_idx)
+        B = input_ids.shape[0]
+        cpu_ids = input_ids.cpu()
+        cpu_am = None if attention_mask is None else attention_mask.cpu()
+        cm = completion_mask.cpu()
+        rows = []  # per row: (context, canvases, noisy canvases, x0 [L], xt [K, L], t [K, L], weight [K, L])
+        for b in range(B):
+            context, x0 = _row_parts(cpu_ids, cpu_am, cm, b, ids[b])
+            L = x0.numel()
+            d = draw_uniform_noise(ids[b], L, ucfg, V, C)
+            sel = np.asarray(draw_idx)
+            xt = torch.where(torch.from_numpy(d.replaced[sel]), torch.from_numpy(d.token[sel]), x0[None, :])
+            cuts = list(range(0, L, C))
+            rows.append((context, [x0[s:s + C] for s in cuts], [xt[:, s:s + C] for s in cuts], x0, xt,
+                         torch.from_numpy(d.t[sel]), torch.from_numpy(d.weight[sel])))
+        per_call = max(1, (max_rows_per_forward or B * K) // K)
+        terms = []
+        for start in range(0, B, per_call):
+            group = rows[start:start + per_call]
+            logits = mp.canvas_logits([(r[0], r[1], r[2]) for r in group], self_conditioning=sc)
+            for r, per_canvas in zip(group, logits):
+                x0, xt, t, w = r[3], r[4], r[5], r[6]
+                lp = torch.log_softmax(torch.cat(per_canvas, dim=1).float(), dim=-1)  # [K, L, V]
+                dev = lp.device
+                flat = lp.reshape(-1, lp.shape[-1])
+                x0k = x0.to(dev)[None, :].expand(K, -1).reshape(-1)
+                if surrogate == "flat_ce":
+                    per_pos = flat_ce_terms(flat, x0k).view(K, -1)
+                else:
+                    per_pos = draw_nelbo(flat, x0k, xt.to(dev).reshape(-1), t.to(dev).reshape(-1), par).view(K, -1)
+                    per_pos = per_pos * w.to(dev)
+                terms.append(-per_pos.sum(dim=1))  # [K] float64
+        return torch.stack(terms).float()  # [B, K]
+
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
+        # K noisy canvases plus the clean context through the body; the per-position logits over the whole
+        # vocabulary are kept in fp32 for the bound (it sums over every token), counted by the memory model's
+        # head line for the scored rows.
+        return Footprint(rows=draws + 1, scored_rows=draws,
+                         note="uniform noise: the bound reads full-vocabulary logits at every canvas position")
+
+
+UNIFORM = UniformNoise()
+
+
 __all__ = [
     "PARAMETERIZATIONS",
     "UniformDrawConfig",
@@ -289,4 +399,6 @@ __all__ = [
     "draw_uniform_noise",
     "draw_nelbo",
     "gauss_legendre_unit",
+    "UniformNoise",
+    "UNIFORM",
 ]
