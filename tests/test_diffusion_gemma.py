@@ -245,3 +245,89 @@ def test_step0_margins_are_exactly_zero(dg_toy, fresh_accelerate, mode, lora):
     assert run.mp.likelihood == "uniform"
     margins = invariant_margins(run, steps=2)
     assert margins and max(abs(v) for v in margins.values()) == 0.0
+
+
+# --------------------------------------------------------------------------- the commands, from the CLI
+def _cli_recipe(root: Path, model: str, name: str, **train) -> Path:
+    import yaml
+
+    from fixtures.sort_toy import write_pairs
+
+    data = write_pairs(root / f"{name}.pairs.jsonl", n=8)
+    rec = {"name": name, "model": {"name_or_path": model},
+           "data": {"train": str(data), "test": str(data), "format": "paired", "max_length": 96},
+           "reference": {"n_mc": 2, "batch_size": 8, "shard_size": 8},
+           "train": {"lr": 1e-3, "batch_size": 4, "global_batch_size": 4, "max_steps": 2, "warmup_ratio": 0, **train},
+           "generate": {"gen_length": 16, "block_length": 16, "steps": 8, "batch_size": 4, "limit": 3}}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    return path
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.mark.parametrize("objective", ["elbo_kto", "sft", "vrpo"])
+def test_cli_shrunk_published_config_precompute_train_generate(shrunk_folder, tmp_path, fresh_accelerate, objective):
+    """The shrunk published config from the CLI: precompute-ref, two training steps (ELBO-KTO: the first with
+    every margin exactly 0), an export transformers loads with the published key layout, and generate."""
+    from typer.testing import CliRunner
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from dllm_align.cli.app import app
+
+    runner = CliRunner()
+    rec = _cli_recipe(tmp_path, str(shrunk_folder), objective, objective=objective)
+    run = tmp_path / "run"
+    if objective != "sft":
+        res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run)])
+        assert res.exit_code == 0, res.output
+        # the recipe left data.padding at its default: the family's likelihood does not pack, the plan says so
+        assert "data.padding: none (diffusion_gemma's uniform likelihood does not pack" in res.stderr
+        _reset_accelerate()
+    res = runner.invoke(app, ["train", str(rec), "-o", str(run)])
+    assert res.exit_code == 0, res.output
+    rows = _metrics(run)
+    assert len(rows) == 2 and all(r["loss"] == r["loss"] for r in rows)
+    if objective == "elbo_kto":
+        assert rows[0]["reward_desirable"] == 0.0 and rows[0]["reward_undesirable"] == 0.0 and rows[0]["baseline"] == 0.0
+        assert rows[1]["reward_desirable"] != 0.0  # the policy moved
+    # the export holds what transformers' own save_pretrained writes (the decoder; the encoder's tied weights
+    # are left out) and loads with the published class, the stacks tied again
+    from safetensors import safe_open
+
+    with safe_open(str(run / "final" / "model.safetensors"), "pt") as f, \
+            safe_open(str(shrunk_folder / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+    m = DiffusionGemmaForBlockDiffusion.from_pretrained(run / "final")
+    assert m.model.encoder.language_model.layers[0].self_attn.q_proj.weight is m.model.decoder.layers[0].self_attn.q_proj.weight
+
+
+def test_cli_packed_padding_refused_by_name_before_anything_is_written(tmp_path):
+    from typer.testing import CliRunner
+
+    from dllm_align.cli.app import app
+
+    rec = _cli_recipe(tmp_path, "builtin:tiny-diffusiongemma", "packed")
+    for cmd in ("precompute-ref", "train"):
+        run = tmp_path / f"run-{cmd}"
+        res = CliRunner().invoke(app, [cmd, str(rec), "-o", str(run), "--set", "data.padding=packed"])
+        assert res.exit_code == 2, res.output
+        errors = [x for x in res.stderr.splitlines() if x.startswith("Error:")]
+        assert errors == ["Error: data.padding: packed is not available for diffusion_gemma (the uniform likelihood "
+                          "does not pack)"]
+        assert not run.exists()
+    # another family keeps the packed default
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.training.plan import resolve_padding
+
+    r = load_recipe(str(rec), ["model.name_or_path=builtin:tiny"])
+    assert resolve_padding(r) is r and r.data.padding == "packed"

@@ -49,7 +49,9 @@ def doctor(
     from dllm_align.training.memory import model_shape, read_launch
     from dllm_align.config.recipe import load_recipe
 
-    r = load_recipe(recipe, set_, output_dir)
+    from dllm_align.training.plan import resolve_padding
+
+    r = resolve_padding(load_recipe(recipe, set_, output_dir))
     launch = read_launch(config)
     shape = model_shape(r)
     report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape)}

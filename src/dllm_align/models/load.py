@@ -434,6 +434,20 @@ def check_max_length(mp: "MaskPredictor", max_length: int, key: str = "data.max_
                         hint=f"set {key} to at most {max_pos}")
 
 
+def family_of_source(name_or_path: str, revision: Optional[str] = None):
+    """The family of a model from its config.json alone (built-in models: their spec), before any weights load;
+    None when the config cannot be read here (the load itself then says why)."""
+    from dllm_align.models.families import family_for_config, get_family
+
+    if name_or_path in BUILTIN_SPECS:
+        return get_family(BUILTIN_SPECS[name_or_path].family)
+    try:
+        cfg = json.loads(resolve_config_file(name_or_path, revision).read_text(encoding="utf-8"))
+        return family_for_config(cfg)
+    except (UserError, OSError, ValueError):
+        return None
+
+
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":
     """Load the model described by a recipe's ``model`` section."""
     mp = load_model(

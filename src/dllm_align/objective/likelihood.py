@@ -57,6 +57,10 @@ class Likelihood(ABC):
     """
 
     name: str = ""
+    # Whether the noisy sequences of a forward can be packed into shared rows (``data.padding: packed``);
+    # a likelihood that runs each example alone says False and the recipe's default padding becomes ``none``.
+    packs: bool = True
+    packs_reason: str = ""
 
     @abstractmethod
     def draws(self, example_id: str, length: int, cfg: Any) -> tuple:

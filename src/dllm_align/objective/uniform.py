@@ -314,6 +314,9 @@ class UniformNoise(Likelihood):
     recipe's choices (section ``reference``)."""
 
     name = "uniform"
+    packs = False
+    packs_reason = ("each example's clean context runs through the encoder alone and its canvases against that "
+                    "cache, so no compute goes to padding and there is nothing to pack")
 
     @staticmethod
     def _draw_config(cfg) -> UniformDrawConfig:
@@ -327,8 +330,7 @@ class UniformNoise(Likelihood):
                    draws=None, pack_length=None) -> torch.Tensor:
         if pack_length is not None:
             raise UserError("data.padding: packed is not available for uniform-noise models (DiffusionGemma)",
-                            hint="each example's clean context runs through the encoder alone, so no compute goes to "
-                                 "padding and there is nothing to pack: use data.padding: none")
+                            hint=self.packs_reason + ": use data.padding: none")
         par = getattr(cfg, "parameterization", "denoiser")
         sc = getattr(cfg, "self_conditioning", "none")
         surrogate = getattr(cfg, "surrogate", "elbo")

@@ -461,7 +461,10 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
 
     from dllm_align.models.precision import accelerator_kwargs
 
+    from dllm_align.training.plan import resolve_padding
+
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
+    recipe = resolve_padding(recipe, quiet=not acc.is_main_process)
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
     # the objective's extra rows of every step (the kl baseline's mismatched pairs)

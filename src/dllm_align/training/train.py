@@ -30,7 +30,7 @@ from dllm_align.training.checkpoint import (
 from dllm_align.training.distributed import make_accelerator
 from dllm_align.training.loop import Run, load_data
 from dllm_align.training.monitor import MarginWatch, TrainResult, _fault, _flat, status_line
-from dllm_align.training.plan import TrainPlan, make_plan
+from dllm_align.training.plan import TrainPlan, make_plan, resolve_padding
 from dllm_align.training.policy import load_policy, wrap_policy
 from dllm_align.training.reference import open_reference
 
@@ -56,6 +56,7 @@ def train(
     from dllm_align.training.cache import cache_dir
 
     acc = accelerator or make_accelerator(recipe)
+    recipe = resolve_padding(recipe, quiet=not acc.is_main_process)  # refused before the run folder is touched
     out = Path(recipe.output_dir)
     created = not out.exists()
     lock: Optional[DirLock] = None
@@ -106,6 +107,7 @@ def train(
 
 def setup_run(recipe, accelerator, resume_from: Optional[Path] = None, examples: Optional[list] = None) -> Run:
     """Everything a run needs, in order, loaded and checked before the run folder changes."""
+    recipe = resolve_padding(recipe, quiet=True)
     plan = make_plan(recipe, accelerator)
     mp = load_policy(recipe, plan, accelerator, resume_from)
     data = load_data(recipe, plan, mp.tokenizer, examples)

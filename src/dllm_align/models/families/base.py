@@ -81,6 +81,9 @@ class Family:
     # the adapters are injected; None: the recipe's target_modules as they are.
     lora_modules: Optional[Callable[[Any, list], list]] = None
     after_lora: Optional[Callable[[Any], Any]] = None
+    # Tied copies a saved checkpoint does not hold (DiffusionGemma: the encoder's text weights, which are the
+    # decoder's): key (transformers' name) -> True to leave it out of an export; None: every key is written.
+    export_skips: Optional[Callable[[str], bool]] = None
 
     def block_size_in(self, config: dict | Any) -> Optional[int]:
         """The block size of one checkpoint (a config.json dict or a transformers config): its config's

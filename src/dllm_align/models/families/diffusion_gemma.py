@@ -266,6 +266,12 @@ def share_adapters(model) -> int:
     return shared
 
 
+def tied_copy(key: str) -> bool:
+    """An encoder text weight: the decoder's, tied (``_tied_weights_keys``); the published checkpoint holds only
+    the decoder's, plus each encoder layer's own ``layer_scalar`` buffer."""
+    return key.startswith("model.encoder.language_model.") and not key.endswith("layer_scalar")
+
+
 def decoder_layer_class(model) -> Optional[type]:
     for mod in model.modules():
         if type(mod).__name__ == "DiffusionGemmaDecoderTextLayer":
@@ -290,4 +296,5 @@ DIFFUSION_GEMMA = Family(
     score_canvases=canvas_logits,
     lora_modules=lora_modules,
     after_lora=share_adapters,
+    export_skips=tied_copy,
 )
