@@ -49,10 +49,11 @@ def doctor(
     from dllm_align.training.memory import model_shape, read_launch
     from dllm_align.config.recipe import load_recipe
 
-    from dllm_align.training.plan import resolve_padding
+    from dllm_align.training.plan import check_fsdp, resolve_padding
 
     r = resolve_padding(load_recipe(recipe, set_, output_dir))
     launch = read_launch(config)
+    check_fsdp(r, launch.fsdp)
     shape = model_shape(r)
     report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape)}
     if smoke:

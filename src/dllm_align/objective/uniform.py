@@ -379,8 +379,18 @@ class UniformNoise(Likelihood):
         # K noisy canvases plus the clean context through the body; the per-position logits over the whole
         # vocabulary are kept in fp32 for the bound (it sums over every token), counted by the memory model's
         # head line for the scored rows.
-        return Footprint(rows=draws + 1, scored_rows=draws,
-                         note="uniform noise: the bound reads full-vocabulary logits at every canvas position")
+        # The bound sums over the whole vocabulary at every canvas position, so the per-position logits of every
+        # canvas of the unit's completion are kept in fp32 with their log-softmax (K x C x V x 4 bytes each per
+        # canvas: 2.1 GB at K = 8 for the published 26B), the completion taken at its longest (``length``).
+        line = {}
+        cfg = getattr(shape, "config", None) or {}
+        C = int(cfg.get("canvas_length") or 0)
+        if C and shape is not None:
+            canvases = -(-length // C)
+            line["uniform-noise logits, fp32 + log-softmax (K x canvas x vocab x canvases)"] = \
+                2 * canvases * draws * C * int(shape.vocab) * 4
+        return Footprint(rows=draws + 1, scored_rows=draws, unit_lines=line,
+                         note="uniform noise: the bound reads full-vocabulary fp32 logits at every canvas position")
 
 
 UNIFORM = UniformNoise()

@@ -45,6 +45,7 @@ def make_plan(recipe, accelerator) -> TrainPlan:
     """The plan of ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train first)."""
     t = recipe.train
     check_trainable_on(recipe, accelerator.device)
+    check_fsdp(recipe, is_fsdp(accelerator))
     world = accelerator.num_processes
     ld, lu = class_weights(recipe)
     # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
@@ -88,6 +89,18 @@ def resolve_padding(recipe, quiet: bool = False):
 
         info(f"data.padding: none ({fam.name}'s {lik.name} likelihood does not pack: {lik.packs_reason})")
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"padding": "none"})})
+
+
+def check_fsdp(recipe, fsdp: bool) -> None:
+    """Refuse, before anything loads, an FSDP launch for a family whose model FSDP cannot shard (its reason)."""
+    if not fsdp:
+        return
+    from dllm_align.models.load import family_of_source
+
+    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
+    if fam is not None and fam.fsdp_refusal:
+        raise UserError(f"FSDP is not available for {fam.name}: {fam.fsdp_refusal}",
+                        hint="launch with DDP (accelerate's MULTI_GPU) and LoRA, or on one device")
 
 
 def check_trainable_on(recipe, device) -> None:

@@ -27,10 +27,10 @@ from dllm_align.training.checkpoint import (
     FINAL, METRICS, TMP_FINAL, RunRecord, TrainState, _clear_previous, export, load_state, prepare_output, save_checkpoint,
     state_dict_of,
 )
-from dllm_align.training.distributed import make_accelerator
+from dllm_align.training.distributed import is_fsdp, make_accelerator
 from dllm_align.training.loop import Run, load_data
 from dllm_align.training.monitor import MarginWatch, TrainResult, _fault, _flat, status_line
-from dllm_align.training.plan import TrainPlan, make_plan, resolve_padding
+from dllm_align.training.plan import TrainPlan, check_fsdp, make_plan, resolve_padding
 from dllm_align.training.policy import load_policy, wrap_policy
 from dllm_align.training.reference import open_reference
 
@@ -57,6 +57,7 @@ def train(
 
     acc = accelerator or make_accelerator(recipe)
     recipe = resolve_padding(recipe, quiet=not acc.is_main_process)  # refused before the run folder is touched
+    check_fsdp(recipe, is_fsdp(acc))
     out = Path(recipe.output_dir)
     created = not out.exists()
     lock: Optional[DirLock] = None

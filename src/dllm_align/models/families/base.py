@@ -84,6 +84,8 @@ class Family:
     # Tied copies a saved checkpoint does not hold (DiffusionGemma: the encoder's text weights, which are the
     # decoder's): key (transformers' name) -> True to leave it out of an export; None: every key is written.
     export_skips: Optional[Callable[[str], bool]] = None
+    # Why FSDP cannot shard this family's model (said by name when a launch asks for it); None: it can.
+    fsdp_refusal: Optional[str] = None
 
     def block_size_in(self, config: dict | Any) -> Optional[int]:
         """The block size of one checkpoint (a config.json dict or a transformers config): its config's

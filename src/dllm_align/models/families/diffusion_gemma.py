@@ -297,4 +297,6 @@ DIFFUSION_GEMMA = Family(
     lora_modules=lora_modules,
     after_lora=share_adapters,
     export_skips=tied_copy,
+    fsdp_refusal=("encoder layer i and decoder layer i share every weight but are separate modules, so wrapping "
+                  "the layer class as FSDP units would shard one parameter in two units; no paired wrap is built yet"),
 )
