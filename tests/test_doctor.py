@@ -493,3 +493,30 @@ def test_lora_parameter_count_matches_peft_on_the_shrunk_llada2(tmp_path):
         model = get_peft_model(Llada2MoeModelLM(llada2_config(cfg)), LoraConfig(r=4, target_modules=targets))
         got = sum(p.numel() for p in model.parameters() if p.requires_grad)
         assert shape.lora_params(4, targets) == got, targets
+
+
+def test_doctor_on_the_published_diffusiongemma_26b_a4b_with_lora_on_8_h100(tmp_path):
+    """The published DiffusionGemma config (the fixture) with LoRA on 8 x H100 under DDP: every expert counted
+    (within 0.5% of the 25,250,986,752 text parameters transformers builds from it), the uniform-noise logits a
+    line of their own, and a verdict; an FSDP launch is refused by name (tied encoder/decoder layers)."""
+    import shutil
+
+    folder = tmp_path / "dg26"
+    folder.mkdir()
+    shutil.copy(REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json", folder / "config.json")
+    sets = ["--set", f"model.name_or_path={folder}", "--set", "model.dtype=bfloat16", "--set", "train.lora.enabled=true",
+            "--set", "model.gradient_checkpointing=true", "--set", "data.max_length=1024", "--set", "train.batch_size=1",
+            "--set", "train.rows_per_forward=null", "-o", str(tmp_path / "run"), "--json", "--gpu-memory", "80"]
+    res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), *sets])
+    assert res.exit_code in (0, 1), res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["verdict"] in ("fits", "does not fit") and mem["launch"]["processes"] == 8
+    assert abs(mem["model"]["params"] / 25_250_986_752 - 1) < 0.005
+    assert mem["estimate"]["trainable"] < 1e8  # LoRA adapters only
+    K, C, V = 8, 256, 262_144
+    lines = mem["estimate"]["lines"]
+    # 1024 tokens = 4 canvases of 256, fp32 logits and their log-softmax: 2.1 GB per canvas and copy at K = 8
+    assert lines["uniform-noise logits, fp32 + log-softmax (K x canvas x vocab x canvases)"] == 2 * 4 * K * C * V * 4
+    assert K * C * V * 4 == 2_147_483_648
+    res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
+    assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma: encoder layer i"), res.output

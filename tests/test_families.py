@@ -52,7 +52,7 @@ def test_every_family_declares_what_the_code_asks():
         if fam.refuse_reason:  # recognised only to be refused with the reason (block diffusion, issue 24)
             assert fam.model_types and fam.block_size
             continue
-        assert fam.model_types and fam.stop_tokens and fam.sampler in ("llada", "dream", "block")
+        assert fam.model_types and fam.stop_tokens and fam.sampler in ("llada", "dream", "block", "diffusion_gemma")
         assert fam.load_native is not None and fam.logit_shift in (0, 1)
         assert (fam.sampler == "block") == bool(fam.block_size)  # a block family decodes block by block
     assert family_for_config({"model_type": "Dream"}).logit_shift == 1

@@ -56,8 +56,11 @@ def doctor(
     from dllm_align.training.traffic import traffic
     from dllm_align.config.recipe import load_recipe
 
-    r = load_recipe(recipe, set_, output_dir)
+    from dllm_align.training.plan import check_fsdp, resolve_padding
+
+    r = resolve_padding(load_recipe(recipe, set_, output_dir))
     launch = read_launch(config)
+    check_fsdp(r, launch.fsdp)
     shape = model_shape(r)
     report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape),
               "traffic": traffic(shape, r, launch)}

@@ -94,6 +94,17 @@ class ReferenceSection(Section):
     seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
     estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
     stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
+    time_power: int = Field(2, ge=1, le=8, description="Uniform-noise likelihood (DiffusionGemma): t = u**time_power per canvas, "
+                            "weighted by dt/du (1: t uniform, whose estimator has infinite variance).")
+    parameterization: Literal["denoiser", "loo"] = Field(
+        "denoiser", description="Uniform noise: the softmax enters the bound as it is ('denoiser') or converted to the "
+        "leave-one-out posterior ('loo', finite only for a network that is a denoiser).")
+    self_conditioning: Literal["none", "detached"] = Field(
+        "none", description="Uniform noise: 'none' (zero self-conditioning signal, one pass) or 'detached' (a no-grad "
+        "first pass's logits condition the scored pass).")
+    surrogate: Literal["elbo", "flat_ce"] = Field(
+        "elbo", description="Uniform noise: 'elbo' (the continuous-time bound) or 'flat_ce' (the published SFT loss: "
+        "unweighted cross-entropy over the noisy canvas; a surrogate, not a bound).")
     batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
     draws_per_forward: Optional[int] = Field(
         None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."
@@ -219,9 +230,10 @@ class GenerateSection(Section):
         "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
         "other names are generation backends registered in dllm_align.generate.backend."
     )
-    sampler: Literal["auto", "llada", "dream", "block"] = Field(
+    sampler: Literal["auto", "llada", "dream", "block", "diffusion_gemma"] = Field(
         "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, Dream's diffusion_generate, "
-        "or block diffusion's (SDAR: block by block with a KV cache)."
+        "block diffusion's (SDAR: block by block with a KV cache), or DiffusionGemma's own generate (its published "
+        "entropy-bound sampler: gen_length and steps are read, its temperature schedule is the published one)."
     )
 
     gen_length: int = Field(512, ge=1, description="Tokens generated per prompt (paper: 512).")
@@ -254,8 +266,8 @@ class GenerateSection(Section):
     @model_validator(mode="after")
     def _shapes(self) -> "GenerateSection":
         problems = []
-        if self.sampler == "dream":
-            pass  # one canvas: no blocks
+        if self.sampler in ("dream", "diffusion_gemma"):
+            pass  # no blocks of this section (DiffusionGemma: the model's own canvas length)
         elif self.gen_length % self.block_length:
             problems.append(
                 f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})"
@@ -279,6 +291,13 @@ class GenerateSection(Section):
             if self.cfg > 0:
                 out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
             return out
+        if self.sampler == "diffusion_gemma":
+            extra = [k for k, v in (("cache", self.cache != "none"), ("threshold", self.threshold is not None),
+                                    ("cfg", self.cfg > 0), ("top_p", self.top_p is not None),
+                                    ("top_k", self.top_k is not None), ("remasking", self.remasking != "low_confidence"),
+                                    ("alg", self.alg != "origin"), ("alg_temp", self.alg_temp > 0)) if v]
+            return [f"{', '.join(extra)}: not settings of DiffusionGemma's published sampler (it reads gen_length and "
+                    "steps)"] if extra else []
         if self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
             return ["top_p / top_k belong to the Dream and block rules (generate.sampler: dream or block)"]
         if self.sampler == "block" and self.cfg > 0:

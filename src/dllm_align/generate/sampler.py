@@ -79,7 +79,7 @@ import torch
 
 from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
-from dllm_align.generate import block, dream  # noqa: F401 (their rules register on import)
+from dllm_align.generate import block, dream, gemma  # noqa: F401 (their rules register on import)
 from dllm_align.generate.canvas import canvas, completion, first_stop
 from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule

@@ -83,6 +83,9 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
     # size, with blocks of 8 (families/block.py's build_tiny_llada2)
     "builtin:tiny-llada2": TinySpec(family="llada2"),
+    # DiffusionGemma's published config shrunk (6 layers in its 5:1 sliding/full pattern, 4 experts top-2, canvas 8;
+    # families/diffusion_gemma.py's tiny_config)
+    "builtin:tiny-diffusiongemma": TinySpec(layers=6, intermediate_size=96, family="diffusion_gemma"),
 }
 
 
@@ -425,6 +428,20 @@ def check_max_length(mp: "MaskPredictor", max_length: int, key: str = "data.max_
     if isinstance(max_pos, int) and max_pos > 0 and max_length > max_pos:
         raise UserError(f"{key} {max_length} is beyond the model's {max_pos} positions",
                         hint=f"set {key} to at most {max_pos}")
+
+
+def family_of_source(name_or_path: str, revision: Optional[str] = None):
+    """The family of a model from its config.json alone (built-in models: their spec), before any weights load;
+    None when the config cannot be read here (the load itself then says why)."""
+    from dllm_align.models.families import family_for_config, get_family
+
+    if name_or_path in BUILTIN_SPECS:
+        return get_family(BUILTIN_SPECS[name_or_path].family)
+    try:
+        cfg = json.loads(resolve_config_file(name_or_path, revision).read_text(encoding="utf-8"))
+        return family_for_config(cfg)
+    except (UserError, OSError, ValueError):
+        return None
 
 
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":

@@ -110,8 +110,13 @@ class MaskPredictor:
         return self.family.likelihood
 
     @property
+    def canvas_length(self) -> Optional[int]:
+        """The canvas of an encoder-decoder family (DiffusionGemma's ``canvas_length``); None otherwise."""
+        return getattr(getattr(self.model, "config", None), "canvas_length", None)
+
+    @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.model.config.get_text_config().vocab_size
 
     def enable_gradient_checkpointing(self) -> None:
         if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x
@@ -239,6 +244,19 @@ class MaskPredictor:
             logits = (out.logits if hasattr(out, "logits") else out[0])[rows, src]  # unshifted output, read at src
         logits = logits.float()
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def canvas_logits(self, examples, self_conditioning: str = "none") -> list:
+        """An encoder-decoder family's scoring call (``Family.score_canvases``, DiffusionGemma): for each example
+        ``(context [S], clean canvases [C_b], their noisy versions [K, C_b])`` the per-canvas logits [K, C_b, V]
+        (fp32), the context encoded once and shared by the K draws. One call for a whole batch, so that a wrapped
+        policy (``training.policy.PolicyScorer``) sees one forward."""
+        score = self.family.score_canvases
+        if score is None:
+            raise RuntimeError(f"the {self.family.name} family scores one sequence, not canvases against a context")
+        dev = self.device
+        with self._autocast(dev.type):
+            return [score(self.model, ctx.to(dev), [c.to(dev) for c in clean], [x.to(dev) for x in noisy],
+                          self_conditioning) for ctx, clean, noisy in examples]
 
     # Rows of the output head computed at once by the chunked scorer: a [chunk, V] fp32 block
     # (128 x 126,464 x 4 B = 65 MB for LLaDA). 0 turns chunking off.

@@ -4,7 +4,7 @@ draw index, L), and the noisy batch they make.
 Masks come from a counter-based hash (SplitMix64) on the CPU, so they are the same on any device, any
 process count, any library version and after a restart. Policy and reference call the same function, so
 they share masks (common random numbers: the VRPO variance reduction the paper relies on). The hash
-(:func:`example_key`, :func:`splitmix64`) is for every likelihood's draws; a new noise process takes its
+(:func:`example_key`, :func:`mix`, :func:`splitmix64`) is for every likelihood's draws; a new noise process takes its
 own stream tags. :class:`AbsorbingMask` is the part of the likelihood component (``objective.likelihood``)
 that masked and block diffusion share.
 """
@@ -38,7 +38,9 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> _S31)
 
 
-def _mix(key: int | np.ndarray, *parts: int | np.ndarray) -> np.ndarray:
+def mix(key: int | np.ndarray, *parts: int | np.ndarray) -> np.ndarray:
+    """The hash of a key and a sequence of counters (stream tag, draw, position, ...), broadcast over arrays:
+    the one source of every likelihood's random numbers."""
     h = np.asarray(key, dtype=np.uint64)
     for p in parts:
         h = splitmix64(h ^ splitmix64(np.asarray(p, dtype=np.uint64)))
@@ -64,6 +66,11 @@ class DrawConfig:
     seed: int = 0
     estimator: str = "l"  # "l" (paper) or "t"
     stratified: bool = False
+    # The uniform-noise likelihood's choices (``objective.uniform``); the absorbing-mask draws ignore them.
+    time_power: int = 2  # t = u ** time_power per canvas, weighted by dt/du
+    parameterization: str = "denoiser"  # what enters the bound: the softmax as it is, or its leave-one-out form
+    self_conditioning: str = "none"  # "none" (one pass) or "detached" (a no-grad first pass conditions the second)
+    surrogate: str = "elbo"  # "elbo" (the bound) or "flat_ce" (the published SFT loss, not a bound)
 
     def __post_init__(self):
         if self.estimator not in ("l", "t"):
@@ -73,7 +80,9 @@ class DrawConfig:
 
     @classmethod
     def from_reference(cls, ref, n_mc: Optional[int] = None) -> "DrawConfig":
-        return cls(n_mc=n_mc or ref.n_mc, seed=ref.seed, estimator=ref.estimator, stratified=ref.stratified)
+        return cls(n_mc=n_mc or ref.n_mc, seed=ref.seed, estimator=ref.estimator, stratified=ref.stratified,
+                   time_power=ref.time_power, parameterization=ref.parameterization,
+                   self_conditioning=ref.self_conditioning, surrogate=ref.surrogate)
 
 
 def draw_masks(example_id: str, L: int, cfg: DrawConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -91,12 +100,12 @@ def draw_masks(example_id: str, L: int, cfg: DrawConfig) -> tuple[np.ndarray, np
     ks = np.arange(K, dtype=np.uint64)
     pos = np.arange(L, dtype=np.uint64)
     if cfg.stratified:
-        u = _unit(_mix(key, _TAG_OFFSET))  # one offset shared by the K draws
+        u = _unit(mix(key, _TAG_OFFSET))  # one offset shared by the K draws
         strata = (np.arange(K, dtype=np.float64) + u) / K  # evenly spaced in [0, 1)
     else:
-        strata = _unit(_mix(key, _TAG_L, ks))  # independent uniforms
+        strata = _unit(mix(key, _TAG_L, ks))  # independent uniforms
     # Position scores: independent uniforms per (draw, position).
-    scores = _unit(_mix(key, _TAG_POS, ks[:, None], pos[None, :]))  # [K, L]
+    scores = _unit(mix(key, _TAG_POS, ks[:, None], pos[None, :]))  # [K, L]
     if cfg.estimator == "l":
         l = np.minimum(np.floor(strata * L).astype(np.int64) + 1, L)  # uniform on {1..L}
         ranks = np.argsort(np.argsort(scores, axis=1, kind="stable"), axis=1, kind="stable")

@@ -3,8 +3,8 @@ command calls (:func:`elbo_draws`, :func:`elbo`).
 
 A model's family names its likelihood (``Family.likelihood``); :data:`LIKELIHOODS` maps that name to the
 component (``objective.likelihood``) that draws the noise and computes the per-draw terms: ``"masked"``,
-whole-sequence absorbing-mask diffusion (``objective.masked``), and ``"block"``, block diffusion
-(``objective.block``). A new noise process is one module and one line here.
+whole-sequence absorbing-mask diffusion (``objective.masked``), ``"block"``, block diffusion
+(``objective.block``), and ``"uniform"``, uniform-noise block diffusion (``objective.uniform``: DiffusionGemma). A new noise process is one module and one line here.
 
 The draws are pure functions of (seed, example id, draw index, L) (``objective.draws``), so policy and
 reference share them (common random numbers: the VRPO variance reduction the paper relies on); the names
@@ -30,9 +30,10 @@ from dllm_align.objective.draws import (  # noqa: F401  (the draws' names, where
 )
 from dllm_align.objective.likelihood import Likelihood
 from dllm_align.objective.masked import MASKED, exact_elbo  # noqa: F401
+from dllm_align.objective.uniform import UNIFORM
 
 # Every likelihood by the name a family gives (``Family.likelihood``).
-LIKELIHOODS: dict[str, Likelihood] = {lik.name: lik for lik in (MASKED, BLOCK)}
+LIKELIHOODS: dict[str, Likelihood] = {lik.name: lik for lik in (MASKED, BLOCK, UNIFORM)}
 
 
 def get_likelihood(name: str) -> Likelihood:

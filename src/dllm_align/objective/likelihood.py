@@ -20,7 +20,7 @@ A new likelihood is one module with a subclass and one line in ``objective.elbo.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -45,6 +45,8 @@ class Footprint:
     # Packed rows under SDPA or eager attention hold the dense [rows, 1, L, L] block mask (and its bf16 form);
     # False when the likelihood's own masks (``mask_bytes``) already cover packed rows.
     dense_packed_masks: bool = True
+    # Lines of their own, bytes per training unit (name -> bytes): what only this likelihood holds.
+    unit_lines: dict = field(default_factory=dict)
     note: str = ""  # one line for doctor's notes, when the layout needs saying
 
 
@@ -57,6 +59,10 @@ class Likelihood(ABC):
     """
 
     name: str = ""
+    # Whether the noisy sequences of a forward can be packed into shared rows (``data.padding: packed``);
+    # a likelihood that runs each example alone says False and the recipe's default padding becomes ``none``.
+    packs: bool = True
+    packs_reason: str = ""
 
     @abstractmethod
     def draws(self, example_id: str, length: int, cfg: Any) -> tuple:

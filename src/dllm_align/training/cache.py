@@ -51,6 +51,10 @@ SHARD_FMT = "shard-{:05d}.safetensors"
 # model id and revision are recorded too, but the weights digest is what is
 # compared: a moved folder or a re-download of the same revision is the same
 # reference, and a different checkpoint behind the same name is not.
+# The uniform-noise likelihood's settings and their defaults: in the fingerprint only when they differ from
+# the defaults (a cache that lacks one was made with its default).
+UNIFORM_FIELDS_DEFAULTS = {"time_power": 2, "parameterization": "denoiser", "self_conditioning": "none", "surrogate": "elbo"}
+UNIFORM_FIELDS = tuple(UNIFORM_FIELDS_DEFAULTS)
 STRICT_FIELDS = (
     "format_version",
     "reference_weights",
@@ -174,7 +178,7 @@ class Fingerprint:
     weight_files: list  # per-file digests, kept so later checks need not reread the weights
 
     def strict(self) -> dict:
-        return {k: self.fields[k] for k in STRICT_FIELDS}
+        return {k: self.fields[k] for k in STRICT_FIELDS} | {k: self.fields[k] for k in UNIFORM_FIELDS if k in self.fields}
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.strict(), sort_keys=True).encode("utf-8")).hexdigest()
@@ -252,6 +256,11 @@ def fingerprint(
         "dataset": dataset_digest(examples),
         "n_examples": len(examples),
     }
+    # The uniform-noise likelihood's choices change its values; recorded when they differ from the defaults,
+    # so that the caches of the other likelihoods (which ignore them) keep their fingerprints.
+    for key, default in UNIFORM_FIELDS_DEFAULTS.items():
+        if getattr(r, key) != default:
+            fields[key] = getattr(r, key)
     return Fingerprint(fields, files)
 
 
@@ -260,6 +269,10 @@ _FIELD_HINTS = {
     "seed": "reference.seed",
     "estimator": "reference.estimator",
     "stratified": "reference.stratified",
+    "time_power": "reference.time_power",
+    "parameterization": "reference.parameterization",
+    "self_conditioning": "reference.self_conditioning",
+    "surrogate": "reference.surrogate",
     "max_length": "data.max_length",
     "padding": "data.padding",
     "truncation": "data.truncation",
@@ -281,11 +294,11 @@ def _short(v) -> str:
 
 def compare(cached: dict, wanted: dict, where: Path) -> None:
     """Raise UserError naming the first fingerprint field that differs."""
-    for k in STRICT_FIELDS:
-        if cached.get(k) != wanted[k]:
+    for k in STRICT_FIELDS + UNIFORM_FIELDS:
+        if cached.get(k) != wanted.get(k):
             raise UserError(
                 f"reference cache {where} does not match this run: field '{k}' is {_short(cached.get(k))} "
-                f"in the cache but {_short(wanted[k])} here ({_FIELD_HINTS.get(k, k)})",
+                f"in the cache but {_short(wanted.get(k))} here ({_FIELD_HINTS.get(k, k)})",
                 hint="run `dllm-align precompute-ref` with this recipe, or point reference.cache at a matching cache",
             )
 

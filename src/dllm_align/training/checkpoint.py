@@ -127,6 +127,11 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
     sd = dict(state_dict)
     if getattr(config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied: the loader re-ties it
+    from dllm_align.models.families import family_for_config
+
+    skips = family_for_config(config).export_skips
+    if skips is not None:
+        sd = {k: v for k, v in sd.items() if not skips(k)}
     split = split_torch_state_dict_into_shards(sd, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: sd[n].detach().cpu().contiguous() for n in names}, str(folder / filename), metadata={"format": "pt"})

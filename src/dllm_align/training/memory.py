@@ -99,6 +99,8 @@ class ModelShape:
     shared_intermediate: int = 0
     # Per-head RMSNorm on queries and keys in every layer (Qwen3 / SDAR / LLaDA2 layouts).
     qk_norm: bool = False
+    # An explicit head width when it is not hidden / heads (Gemma 4 layouts: ``head_dim`` 256 at width 2816); 0: derived.
+    explicit_head_dim: int = 0
     # The family's likelihood (``dllm_align.objective.elbo.LIKELIHOODS``): what one unit's draws put through
     # the body (``Likelihood.footprint``).
     likelihood: str = "masked"
@@ -109,12 +111,12 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
 
     @property
     def attention_params(self) -> int:
-        d, kv = self.hidden, self.kv_heads * self.head_dim
-        return 2 * d * d + 2 * d * kv
+        d, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * d * q + 2 * d * kv
 
     @property
     def layer_params(self) -> int:
@@ -205,6 +207,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
 
     if not isinstance(cfg, dict):
         raise UserError(f"{source or 'config.json'}: expected a JSON object of model settings, got {type(cfg).__name__}")
+    if cfg.get("model_type") == "diffusion_gemma" and isinstance(cfg.get("text_config"), dict):
+        return _diffusion_gemma_shape(cfg, source)
 
     def pick(*keys, default=None, low: int = 1):
         for k in keys:
@@ -265,6 +269,31 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         config=cfg,
         **moe,
     )
+
+
+def _diffusion_gemma_shape(cfg: dict, source: str) -> ModelShape:
+    """DiffusionGemma's text stack (encoder and decoder are one set of tied weights, counted once): Gemma 4 MoE
+    layers, each with a dense gated MLP (``intermediate_size``, run by every token: counted as a shared expert)
+    beside ``num_experts`` experts of ``moe_intermediate_size`` (``top_k_experts`` active). Attention is sized
+    as the sliding layers (``head_dim``, ``num_key_value_heads``; five layers in six); the vision tower is not
+    counted (loaded frozen, never run)."""
+    t = cfg["text_config"]
+    d = _whole(t, "hidden_size", t.get("hidden_size"), source=source)
+    heads = _whole(t, "num_attention_heads", t.get("num_attention_heads"), source=source)
+    hd = _whole(t, "head_dim", t.get("head_dim") or d // heads, source=source)
+    layers = _whole(t, "num_hidden_layers", t.get("num_hidden_layers"), source=source)
+    experts = int(t.get("num_experts") or 0)
+    ei = _whole(t, "moe_intermediate_size", t.get("moe_intermediate_size"), source=source) if experts else 0
+    inter = _whole(t, "intermediate_size", t.get("intermediate_size"), source=source)
+    from dllm_align.models.families import get_family
+
+    return ModelShape(
+        vocab=_whole(t, "vocab_size", t.get("vocab_size"), source=source), hidden=d, layers=layers, heads=heads,
+        kv_heads=_whole(t, "num_key_value_heads", t.get("num_key_value_heads") or heads, source=source),
+        intermediate=inter, tied=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", True))), source=source, qk_norm=True,
+        explicit_head_dim=hd, experts=experts, active_experts=int(t.get("top_k_experts") or 0) if experts else 0,
+        expert_intermediate=ei, moe_layers=layers if experts else 0, shared_intermediate=inter if experts else 0,
+        likelihood=get_family("diffusion_gemma").likelihood, config=cfg)
 
 
 def model_shape(recipe) -> ModelShape:
@@ -455,6 +484,8 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     notes = []
     if foot.mask_bytes:
         lines[foot.mask_line] = min(units, rows) * foot.mask_bytes  # a forward row holds at most one unit's draws
+    for name, per_unit in foot.unit_lines.items():
+        lines[name] = units * per_unit
     if foot.note:
         notes.append(foot.note)
     if recipe.model.attn_implementation == "eager":

@@ -47,6 +47,7 @@ def make_plan(recipe, accelerator) -> TrainPlan:
     """The plan of ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train first)."""
     t = recipe.train
     check_trainable_on(recipe, accelerator.device)
+    check_fsdp(recipe, is_fsdp(accelerator))
     world = accelerator.num_processes
     ld, lu = class_weights(recipe)
     # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
@@ -66,6 +67,42 @@ def make_plan(recipe, accelerator) -> TrainPlan:
         accum=accum,
         global_batch=t.batch_size * accum * world,
     )
+
+
+def resolve_padding(recipe, quiet: bool = False):
+    """The recipe with ``data.padding`` as the model's likelihood allows, decided from its config.json before
+    anything loads or is written: a likelihood that does not pack (DiffusionGemma's uniform noise) turns the
+    default ``packed`` into ``none`` with one info line; a ``packed`` the recipe sets on purpose is refused by
+    name. Other recipes come back unchanged."""
+    from dllm_align.models.load import family_of_source
+    from dllm_align.objective.elbo import get_likelihood
+
+    if recipe.data.padding != "packed":
+        return recipe
+    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
+    lik = get_likelihood(fam.likelihood) if fam is not None else None
+    if lik is None or lik.packs:
+        return recipe
+    if "padding" in recipe.data.model_fields_set:
+        raise UserError(f"data.padding: packed is not available for {fam.name} (the {lik.name} likelihood does not pack)",
+                        hint=f"{lik.packs_reason}: use data.padding: none, or leave the key out")
+    if not quiet:
+        from dllm_align.core.console import info
+
+        info(f"data.padding: none ({fam.name}'s {lik.name} likelihood does not pack: {lik.packs_reason})")
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"padding": "none"})})
+
+
+def check_fsdp(recipe, fsdp: bool) -> None:
+    """Refuse, before anything loads, an FSDP launch for a family whose model FSDP cannot shard (its reason)."""
+    if not fsdp:
+        return
+    from dllm_align.models.load import family_of_source
+
+    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
+    if fam is not None and fam.fsdp_refusal:
+        raise UserError(f"FSDP is not available for {fam.name}: {fam.fsdp_refusal}",
+                        hint="launch with DDP (accelerate's MULTI_GPU) and LoRA, or on one device")
 
 
 def check_trainable_on(recipe, device) -> None:

@@ -39,22 +39,33 @@ class PolicyScorer(torch.nn.Module):
         self.model = mp.model
         self.__dict__["_mp"] = mp  # not a submodule: it only holds references
 
-    def forward(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
-        return self._mp.target_logprobs(input_ids, attention_mask, rows, cols, targets, packed=packed, streams=streams)
+    # The MaskPredictor scoring calls a likelihood may make through the wrapper.
+    CALLS = ("target_logprobs", "canvas_logits")
+
+    def forward(self, *args, call: str = "target_logprobs", **kwargs):
+        if call not in self.CALLS:
+            raise ValueError(f"PolicyScorer: no scoring call {call!r} (known: {', '.join(self.CALLS)})")
+        return getattr(self._mp, call)(*args, **kwargs)
 
 
 class PolicyView:
     """Duck-typed MaskPredictor for ``elbo_draws`` that routes through a (wrapped) PolicyScorer."""
 
-    def __init__(self, module, mask_token_id: int, block_size: Optional[int], likelihood: str):
+    def __init__(self, module, mask_token_id: int, block_size: Optional[int], likelihood: str,
+                 vocab_size: Optional[int] = None, canvas_length: Optional[int] = None):
         # The likelihood's name has no default: a block model must never fall back to the masked path.
         self.module = module
+        self.vocab_size = vocab_size
+        self.canvas_length = canvas_length
         self.mask_token_id = mask_token_id
         self.block_size = block_size
         self.likelihood = likelihood
 
     def target_logprobs(self, input_ids, attention_mask, rows, cols, targets, packed=None, streams=None):
-        return self.module(input_ids, attention_mask, rows, cols, targets, packed, streams)
+        return self.module(input_ids, attention_mask, rows, cols, targets, packed=packed, streams=streams)
+
+    def canvas_logits(self, examples, self_conditioning: str = "none"):
+        return self.module(examples, self_conditioning=self_conditioning, call="canvas_logits")
 
 
 # --------------------------------------------------------------------------- loading
@@ -84,13 +95,21 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, resume_from: Optional[
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise UserError("train.lora.enabled needs the peft package", hint="pip install 'dllm-align[lora]'") from None
-    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
+    from dllm_align.models.families import family_of
+
+    family = family_of(model)
+    targets = list(lora.target_modules)
+    if family.lora_modules is not None:  # tied stacks (DiffusionGemma): the family names the modules to adapt
+        targets = family.lora_modules(model, targets)
+    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none")
     try:
         with warnings.catch_warnings():  # peft asks the deprecated name of transformers 5.2x (a warning per run)
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
             get_peft_model(model, cfg)  # injects the adapter layers into the model in place
     except ValueError as e:
         raise UserError(f"train.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
+    if family.after_lora is not None:
+        family.after_lora(model)
     if resume_from is None:
         return
 
@@ -144,7 +163,7 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
         optimizer = accelerator.prepare(opt)
     if plan.fsdp:
         preserve_checkpoint_rng(module)  # FSDP2's layer checkpoints replay the forward's dropout masks
-    view = PolicyView(module, mp.mask_token_id, mp.block_size, mp.likelihood)
+    view = PolicyView(module, mp.mask_token_id, mp.block_size, mp.likelihood, mp.vocab_size, mp.canvas_length)
     return Trainable(module, view, optimizer, [p for p in module.parameters() if p.requires_grad])
 
 

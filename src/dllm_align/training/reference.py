@@ -38,6 +38,7 @@ from dllm_align.models.load import check_max_length, load_from_section
 from dllm_align.models.precision import accelerator_kwargs, precision_for, prepare_reference
 from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import DrawConfig, elbo_draws
+from dllm_align.training.plan import resolve_padding
 from dllm_align.training.cache import (
     FORMAT_VERSION,
     MANIFEST,
@@ -458,6 +459,7 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     Returns (PrecomputeReport, accelerator). Finished shards are reused.
     """
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
+    recipe = resolve_padding(recipe, quiet=not acc.is_main_process)
     ref_mp = load_reference(recipe, acc.device)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
     # the objective's extra rows of every step (the kl baseline's mismatched pairs)

@@ -53,10 +53,10 @@ from dllm_align.training.checkpoint import (
     save_checkpoint,
     state_dict_of,
 )
-from dllm_align.training.distributed import make_accelerator
+from dllm_align.training.distributed import is_fsdp, make_accelerator
 from dllm_align.training.loop import Run, load_data
 from dllm_align.training.monitor import MarginWatch, TrainResult, _fault, _flat, status_line
-from dllm_align.training.plan import TrainPlan, make_plan
+from dllm_align.training.plan import TrainPlan, check_fsdp, make_plan, resolve_padding
 from dllm_align.training.policy import load_policy, wrap_policy
 from dllm_align.training.reference import open_reference
 
@@ -77,6 +77,8 @@ def train(
     that change the results unless their keys are in ``allow_changes``.
     """
     acc = accelerator or make_accelerator(recipe)
+    recipe = resolve_padding(recipe, quiet=not acc.is_main_process)  # refused before the run folder is touched
+    check_fsdp(recipe, is_fsdp(acc))
     out = Path(recipe.output_dir)
     created = not out.exists()
     cached = recipe.reference.mode == "cached" and objective_for(recipe.train).needs_reference
@@ -134,6 +136,7 @@ def train(
 
 def setup_run(recipe, accelerator, resume_from: Optional[Path] = None, examples: Optional[list] = None) -> Run:
     """Everything a run needs, in order, loaded and checked before the run folder changes."""
+    recipe = resolve_padding(recipe, quiet=True)
     plan = make_plan(recipe, accelerator)
     mp = load_policy(recipe, plan, accelerator, resume_from)
     data = load_data(recipe, plan, mp.tokenizer, examples)

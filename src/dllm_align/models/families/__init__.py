@@ -17,11 +17,12 @@ from typing import Any, Optional
 from dllm_align.core.errors import UserError
 from dllm_align.models.families.base import Family
 from dllm_align.models.families.block import LLADA2, LLADA21, SDAR
+from dllm_align.models.families.diffusion_gemma import DIFFUSION_GEMMA
 from dllm_align.models.families.dream import DREAM
 from dllm_align.models.families.llada import LLADA
 from dllm_align.models.families.llada_moe import LLADA_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, LLADA_MOE, SDAR, LLADA2, LLADA21)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, LLADA_MOE, SDAR, LLADA2, LLADA21, DIFFUSION_GEMMA)}
 # Older folders written by dllm-align name the built-in models' family "tiny": LLaDA's manners.
 _ALIASES = {"tiny": "llada"}
 

@@ -78,6 +78,18 @@ class Family:
     # seed) -> a random model of its layout, deterministic by seed. None: the family has no built-in model.
     tiny_tokenizer: Optional[Callable[[], Any]] = None
     build_tiny: Optional[Callable[..., torch.nn.Module]] = None
+    # An encoder-decoder family's scoring call (DiffusionGemma): (model, context [S], clean canvases, their noisy
+    # versions [K, C], self_conditioning) -> per-canvas logits [K, C, V]; None: the family scores one sequence.
+    score_canvases: Optional[Callable[..., list]] = None
+    # LoRA on tied stacks: (model, target_modules) -> the module names to adapt, and (model) -> None, run after
+    # the adapters are injected; None: the recipe's target_modules as they are.
+    lora_modules: Optional[Callable[[Any, list], list]] = None
+    after_lora: Optional[Callable[[Any], Any]] = None
+    # Tied copies a saved checkpoint does not hold (DiffusionGemma: the encoder's text weights, which are the
+    # decoder's): key (transformers' name) -> True to leave it out of an export; None: every key is written.
+    export_skips: Optional[Callable[[str], bool]] = None
+    # Why FSDP cannot shard this family's model (said by name when a launch asks for it); None: it can.
+    fsdp_refusal: Optional[str] = None
 
     def block_size_in(self, config: dict | Any) -> Optional[int]:
         """The block size of one checkpoint (a config.json dict or a transformers config): its config's
