@@ -71,6 +71,13 @@ class DataSection(Section):
         description="'scored': append the chat template's end-of-turn token to every completion and mask and score it "
         "like a completion token (the model learns to stop); 'none': score only the completion's own tokens (the paper's code).",
     )
+    block_scoring: Literal["published", "completion_only"] = Field(
+        "published",
+        description="Block-diffusion models only (SDAR, LLaDA2.0): 'published': each completion is followed by the chat "
+        "template's end-of-turn tail and pad-token filler up to a whole number of blocks, all masked and scored, as SDAR's "
+        "and dllm's block trainers score and as the block sampler decodes (end_of_turn is then moot); 'completion_only': "
+        "the completion (and end_of_turn) only, the last block left partial. Ignored for whole-sequence models.",
+    )
     desirable_ratio: float = Field(
         1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
     )

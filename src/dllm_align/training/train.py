@@ -108,7 +108,7 @@ def setup_run(recipe, accelerator, resume_from: Optional[Path] = None, examples:
     """Everything a run needs, in order, loaded and checked before the run folder changes."""
     plan = make_plan(recipe, accelerator)
     mp = load_policy(recipe, plan, accelerator, resume_from)
-    data = load_data(recipe, plan, mp.tokenizer, examples)
+    data = load_data(recipe, plan, mp.tokenizer, examples, block_size=mp.block_size)
     reference = open_reference(recipe, plan, mp, data) if plan.objective.needs_reference else None
     policy = wrap_policy(mp, recipe.train, plan, accelerator)
     record = run_record(recipe, plan, data)
