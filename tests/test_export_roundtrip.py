@@ -5,11 +5,14 @@ Three checks per family:
 * always on: the published config.json fields (``model_type``, ``architectures``, ``auto_map``, block size and mask
   id for the block families) of :func:`published_config`, from a shrunk published config and from a model with no
   published source;
-* today's export (``training.checkpoint.save_model_folder`` with the trained model's own config) against those
-  fields: expected to fail (``xfail(strict=True)``) until training's export uses :mod:`dllm_align.models.export`;
+* training's export (``training.checkpoint.export``, ``final=True``), from a shrunk published checkpoint folder and
+  from a built-in model, for every family: the published identity, the source's remote code and generation config,
+  the published weight names (LLaDA's ``model.transformer.*``, LLaDA-MoE's per-expert matrices), and dllm-align
+  reading the folder back to the same logits; for Dream and LLaDA-MoE also an independent float64 forward of the
+  published architecture on the exported names and config;
 * the round trip: the exported folder, with the published remote code copied into it, loaded the way the
-  published code loads it (``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)``), gives the
-  trained model's logits. The published files come from ``$DLLM_ALIGN_PUBLISHED_DIR`` (tests/fixtures/published.py);
+  published code loads it (``AutoModelForCausalLM`` / ``AutoModel`` ``.from_pretrained(..., trust_remote_code=True)``),
+  gives the trained model's logits. The published files come from ``$DLLM_ALIGN_PUBLISHED_DIR`` (tests/fixtures/published.py);
   without them, or where they do not import (the published modeling files need transformers 4.5x: SDAR's imports
   ``flash_attn`` and ``transformers.modeling_attn_mask_utils``), the test skips saying so.
 """
@@ -91,72 +94,146 @@ def test_remote_code_files_follow_auto_map_and_relative_imports(tmp_path):
     assert (dest / "modeling_sdar.py").read_text().startswith("from .configuration_sdar")
 
 
-# --------------------------------------------------------------------------- today's export
+# --------------------------------------------------------------------------- training's export
 def _source_folder(family: str, tmp_path: Path):
     tok = _tok("dream") if family == "dream" else _tok()
     cfg = source_configs()[family]
     sd = {"sdar": sdar_state, "llada2": llada2_state, "dream": dream_state, "llada_moe": lladamoe_state}[family](cfg)
-    return write_checkpoint(tmp_path / "source", cfg, sd, tok), cfg
+    folder = write_checkpoint(tmp_path / "source", cfg, sd, tok)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": tok.bos_token_id}))
+    for ref in cfg.get("auto_map", {}).values():  # stand-ins for the published remote code the hub folder ships
+        (folder / f"{ref.rsplit('.', 1)[0]}.py").write_text("# published remote code\n")
+    return folder, cfg
 
 
-TODAY_FAILS = "training's export saves the native transformers config (no published architectures/auto_map/model_type)"
+def _export(mp, out: Path, source):
+    """``final/`` as training writes it (``training.checkpoint.export`` with ``final=True``)."""
+    from types import SimpleNamespace
+
+    from dllm_align.config.schema import LoraSection
+    from dllm_align.training.checkpoint import Saver, export
+
+    saver = Saver(SimpleNamespace(unwrap_model=lambda m: m), SimpleNamespace(model=mp.model), mp.tokenizer,
+                  False, 0, True)
+    sd = {"model." + k: v for k, v in mp.model.state_dict().items()}  # the PolicyScorer's names
+    export(saver, out, sd, LoraSection(), "source", final=True, source=source)
+    return json.loads((out / "config.json").read_text())
 
 
-@pytest.mark.parametrize("family", [
-    pytest.param("sdar", marks=pytest.mark.xfail(strict=True, reason=TODAY_FAILS + ": model_type qwen3")),
-    pytest.param("llada2", marks=pytest.mark.xfail(strict=True, reason=TODAY_FAILS + ": no auto_map")),
-    pytest.param("dream", marks=pytest.mark.xfail(strict=True, reason=TODAY_FAILS + ": a Qwen2 config")),
-    pytest.param("llada_moe", marks=pytest.mark.xfail(strict=True, reason=TODAY_FAILS + ": a Qwen3-MoE config")),
-])
-def test_todays_export_says_what_the_published_code_reads(family, tmp_path):
+BUILTIN = {"llada": "builtin:tiny", "dream": "builtin:tiny-dream", "sdar": "builtin:tiny-sdar",
+           "llada2": "builtin:tiny-llada2"}
+# (family, where the trained model came from): a published checkpoint folder, or a built-in model (no source)
+CASES = [(f, "source") for f in ("sdar", "llada2", "dream", "llada_moe")] + [(f, "builtin") for f in sorted(BUILTIN)]
+
+
+def _trained(family: str, origin: str, tmp_path: Path):
     from dllm_align.models.load import load_model
-    from dllm_align.training.checkpoint import save_model_folder
 
+    if origin == "builtin":
+        return load_model(BUILTIN[family]), None, None
     folder, source = _source_folder(family, tmp_path)
-    mp = load_model(str(folder))
+    return load_model(str(folder)), folder, source
+
+
+@pytest.mark.parametrize("family,origin", CASES)
+def test_training_export_is_in_the_published_layout_and_reloads_to_the_same_logits(family, origin, tmp_path):
+    from dllm_align.models.families.base import safetensors_files
+    from dllm_align.models.load import load_model
+    from safetensors import safe_open
+
+    mp, folder, source = _trained(family, origin, tmp_path)
     out = tmp_path / "final"
-    save_model_folder(out, mp.model.state_dict(), mp.model.config, mp.tokenizer)
-    written = json.loads((out / "config.json").read_text())
-    assert {k: written.get(k) for k in PUBLISHED_FIELDS} == {k: source[k] for k in PUBLISHED_FIELDS}
+    written = _export(mp, out, folder)
+    layout = LAYOUTS[family]
+    if source is not None:  # the source's own identity and its remote code and generation config
+        assert {k: written.get(k) for k in PUBLISHED_FIELDS} == {k: source[k] for k in PUBLISHED_FIELDS}
+        for ref in source["auto_map"].values():
+            assert (out / f"{ref.rsplit('.', 1)[0]}.py").is_file()
+        assert (out / "generation_config.json").is_file()
+    else:
+        assert written["model_type"] == layout.model_type and written["architectures"] == list(layout.architectures)
+        assert written["auto_map"] == layout.auto_map
+    assert "dllm_align_family" not in written and "is_causal" not in written
+    assert written["mask_token_id"] == mp.mask_token_id
+    if layout.block_size:
+        assert written["block_size"] == mp.block_size
+    names = set()
+    for f in safetensors_files(out):
+        with safe_open(str(f), framework="pt") as sf:
+            names |= set(sf.keys())
+    if family == "llada":  # LLaDA's published names
+        assert names and all(n.startswith("model.transformer.") for n in names), sorted(names)[:3]
+    if family == "llada_moe":  # the published per-expert matrices, as the source had them
+        assert any(".mlp.experts.0.gate_proj.weight" in n for n in names) and not any("gate_up_proj" in n for n in names)
+        assert names == set(lladamoe_state(source))
+    back = load_model(str(out))
+    ids = torch.randint(0, len(mp.tokenizer) - 1, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = mp.model(input_ids=ids).logits, back.model(input_ids=ids).logits
+    assert torch.equal(got, want), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("family", ["dream", "llada_moe"])
+def test_exported_weights_under_the_published_names_give_the_trained_logits_in_an_independent_forward(family, tmp_path):
+    """The exported folder read as the published architecture reads it (an independent float64 forward written from
+    the published modeling code, on the folder's own config.json and weight names)."""
+    from dllm_align.models.families.base import safetensors_files
+    from fixtures.family_checkpoints import reference_logits
+    from safetensors.torch import load_file
+
+    mp, folder, _ = _trained(family, "source", tmp_path)
+    out = tmp_path / "final"
+    cfg = _export(mp, out, folder)
+    sd = {}
+    for f in safetensors_files(out):
+        sd |= load_file(str(f))
+    ids = torch.randint(0, len(mp.tokenizer) - 1, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = mp.model(input_ids=ids).logits.double()
+    got = reference_logits(family, sd, cfg, ids)
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
 
 
 # --------------------------------------------------------------------------- the round trip through the published code
 PUBLISHED_CODE = {
     "sdar": ("JetAstra/SDAR", "training/model/SDAR-4B-Chat/modeling_sdar.py"),
     "llada2": ("ZHZisZZ/dllm", "dllm/pipelines/llada2/models/modeling_llada2_moe.py"),
+    "llada": ("ZHZisZZ/dllm", "dllm/pipelines/llada/models/modeling_llada.py"),
+    "llada_moe": ("ZHZisZZ/dllm", "dllm/pipelines/llada/models/modeling_lladamoe.py"),
+    "dream": ("ZHZisZZ/dllm", "dllm/pipelines/dream/models/modeling_dream.py"),
 }
 
 
 @pytest.mark.parametrize("family", sorted(PUBLISHED_CODE))
 def test_export_loaded_by_the_published_class_gives_the_trained_logits(family, tmp_path):
-    from dllm_align.models.load import load_model
-    from dllm_align.training.checkpoint import save_model_folder
+    """The exported folder with the published remote code copied in (from ``$DLLM_ALIGN_PUBLISHED_DIR``), loaded as
+    the published code loads it: ``AutoModelForCausalLM`` (``AutoModel`` where the published ``auto_map`` names no
+    causal-LM class) with ``trust_remote_code``."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     code_dir = require(*PUBLISHED_CODE[family]).parent
-    folder, source = _source_folder(family, tmp_path)
-    mp = load_model(str(folder))
+    mp, folder, _ = _trained(family, "builtin" if family == "llada" else "source", tmp_path)
     out = tmp_path / "final"
-    save_model_folder(out, mp.model.state_dict(), mp.model.config, mp.tokenizer)
-    cfg = published_config(family, json.loads((out / "config.json").read_text()), source)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for path in remote_code_files(code_dir, cfg):  # the local copy of the published code
+    cfg = _export(mp, out, None)  # the family's published identity, and the published code copied from the checkout
+    for path in remote_code_files(code_dir, cfg):
         shutil.copyfile(path, out / path.name)
-    from transformers import AutoModelForCausalLM
-
+    auto = AutoModelForCausalLM if "AutoModelForCausalLM" in cfg["auto_map"] else AutoModel
     try:
-        pub = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+        pub = auto.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
     except ImportError as e:
         import transformers
 
         pytest.skip(f"the published {family} modeling code does not import under transformers "
-                    f"{transformers.__version__} ({e})")
+                    f"{transformers.__version__} ({e}); run it where that code's transformers is installed")
     assert type(pub).__name__ == cfg["architectures"][0]
-    ids = torch.randint(0, cfg["vocab_size"] - 1, (1, 2 * cfg["block_size"]), generator=torch.Generator().manual_seed(0))
-    blk = torch.arange(ids.shape[1]) // cfg["block_size"]
-    allowed = blk[:, None] >= blk[None, :]
-    bias = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-    pos = torch.arange(ids.shape[1])[None]
+    ids = torch.randint(0, cfg["vocab_size"] - 1, (1, 8), generator=torch.Generator().manual_seed(0))
+    kw = {}
+    if LAYOUTS[family].block_size:  # the block families' published forward under a block-causal mask
+        blk = torch.arange(ids.shape[1]) // cfg["block_size"]
+        allowed = blk[:, None] >= blk[None, :]
+        kw["attention_mask"] = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        kw["position_ids"] = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
-        want = mp.model(input_ids=ids, attention_mask=bias, position_ids=pos).logits
-        got = pub(input_ids=ids, attention_mask=bias, position_ids=pos).logits
+        want = mp.model(input_ids=ids, **kw).logits
+        got = pub(input_ids=ids, **kw).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())

@@ -5,8 +5,10 @@ dllm-align loads every family natively into a transformers class (SDAR into ``Qw
 Llama body, LLaDA-MoE into ``Qwen3MoeForCausalLM``), so the config a trained model carries is that class's, not
 the published one: an SDAR folder saved as it is says ``model_type: qwen3`` with no ``architectures`` and no
 ``auto_map``, and SDAR's own loading path then builds a causal ``Qwen3ForCausalLM``. :func:`published_config`
-gives the fields the published layout needs; :func:`copy_remote_code` copies the modeling files the source
-checkpoint had. Both are pure apart from the copy (the caller writes the folder atomically).
+gives the fields the published layout needs (a family's ``published_fields`` translates a native config back);
+:func:`published_state` gives the published weight names (a family's ``published_state``: LLaDA's
+``model.transformer.*``, LLaDA-MoE's per-expert matrices); :func:`copy_remote_code` copies the modeling files the
+source checkpoint had; :func:`write_published_layout` does all of it to a saved folder. Both are pure apart from the copy (the caller writes the folder atomically).
 
 The source checkpoint's own ``config.json`` is the authority when there is one (training does not change the
 architecture): its ``model_type``, ``architectures``, ``auto_map`` and every other field are kept, and only
@@ -84,15 +86,22 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
     ``trained``: the config the trained model carries (``config.to_dict()``); ``source``: the source checkpoint's
     own ``config.json`` (None for a model with no published source). Raises KeyError for an unknown family.
     """
+    from dllm_align.models.families import get_family
+
     layout = LAYOUTS[family]
     if source is not None and (source.get("architectures") or source.get("auto_map")):
-        out = dict(source)
+        out = {k: v for k, v in source.items() if k not in _OWN_KEYS}
         for key in ("torch_dtype", "dtype"):
             if key in trained:
                 out["torch_dtype"] = str(trained[key]).replace("torch.", "")
         out.pop("dtype", None)
     else:
-        out = _rope_as_published({k: v for k, v in trained.items() if k not in _OWN_KEYS})
+        inverse = get_family(family).published_fields
+        out = inverse(trained) if inverse else {k: v for k, v in trained.items() if k not in _OWN_KEYS}
+        out = _rope_as_published(out)
+        out.pop("rope_parameters", None)
+        if "dtype" in trained:
+            out["dtype"] = trained["dtype"]
         out["model_type"] = layout.model_type
         out["architectures"] = list(layout.architectures)
         out["auto_map"] = dict(layout.auto_map)
@@ -139,3 +148,32 @@ def copy_remote_code(source: Path, dest: Path, cfg: dict) -> list[str]:
         shutil.copyfile(path, dest / path.name)
         names.append(path.name)
     return names
+
+
+def published_state(family: str, state: dict) -> dict:
+    """The trained (native) state dict under the family's published weight names."""
+    from dllm_align.models.families import get_family
+
+    inverse = get_family(family).published_state
+    return inverse(state) if inverse else dict(state)
+
+
+def write_published_layout(folder: Path, family: str, source: Optional[Path]) -> dict:
+    """Turn a model folder saved with the trained (native) config into the family's published layout, in place:
+    ``config.json`` from :func:`published_config`, and from the ``source`` checkpoint folder (None: a model with no
+    published source) its remote-code files and ``generation_config.json``. Returns the written config."""
+    import json
+
+    folder = Path(folder)
+    trained = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    src_cfg = None
+    if source is not None and (Path(source) / "config.json").is_file():
+        src_cfg = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    cfg = published_config(family, trained, src_cfg)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if source is not None and Path(source).is_dir():
+        copy_remote_code(Path(source), folder, cfg)
+        gen = Path(source) / "generation_config.json"
+        if gen.is_file():
+            shutil.copyfile(gen, folder / gen.name)
+    return cfg

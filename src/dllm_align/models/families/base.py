@@ -74,6 +74,11 @@ class Family:
     # seed) -> a random model of its layout, deterministic by seed. None: the family has no built-in model.
     tiny_tokenizer: Optional[Callable[[], Any]] = None
     build_tiny: Optional[Callable[..., torch.nn.Module]] = None
+    # Export in the published layout (``dllm_align.models.export``), the inverse of the native loading: the trained
+    # model's config.json dict -> the published config's fields (None: the native names are the published ones),
+    # and its state dict -> the published weight names (None: the same names).
+    published_fields: Optional[Callable[[dict], dict]] = None
+    published_state: Optional[Callable[[dict], dict]] = None
 
     def block_size_in(self, config: dict | Any) -> Optional[int]:
         """The block size of one checkpoint (a config.json dict or a transformers config): its config's
