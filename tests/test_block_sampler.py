@@ -225,3 +225,20 @@ def test_sdar_temperature_zero_is_the_limit_of_its_published_rule(threshold, mon
             return tok, p, p
         monkeypatch.setattr(blockmod, "limit_draw", t1_confidence)
         assert agree() < 20
+
+
+def test_block_rule_records_only_the_settings_it_reads():
+    from dllm_align.generate.settings import SamplerSettings
+
+    block = SamplerSettings(sampler="block", gen_length=8, block_length=4, steps=8).to_dict()
+    assert "remasking" not in block and block["top_k"] is None and block["sampler"] == "block"
+    llada = SamplerSettings(sampler="llada", gen_length=8, block_length=4, steps=8).to_dict()
+    assert llada["remasking"] == "low_confidence"
+
+
+def test_top_k_and_top_p_help_names_each_rule_that_reads_them():
+    from dllm_align.config.schema import GenerateSection
+
+    for key in ("top_k", "top_p"):
+        text = GenerateSection.model_fields[key].description
+        assert "Dream" in text and "block" in text, text

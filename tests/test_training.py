@@ -260,11 +260,13 @@ def test_lora_trains_adapter_only_and_exports_merged(toy):
     train(rec, examples=toy["examples"])
     from dllm_align.models.load import build_tiny_model
 
-    base = build_tiny_model().state_dict()
+    from dllm_align.models.export import published_state
+
+    base = published_state("llada", build_tiny_model().state_dict())  # final/ has LLaDA's published weight names
     final = final_params(rec.output_dir)
     assert final.keys() == base.keys()
     changed = {k for k in final if not torch.equal(final[k], base[k])}
-    assert changed and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in changed)
+    assert changed and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "attn_out")) for k in changed)
     ck = Path(rec.output_dir) / "checkpoints" / "step-2"
     assert (ck / "adapter.safetensors").exists()
 

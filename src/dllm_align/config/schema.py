@@ -232,7 +232,8 @@ class GenerateSection(Section):
     block_length: int = Field(32, ge=1, description="Semi-autoregressive block length; divides gen_length (paper: 32).")
     steps: int = Field(512, ge=1, description="Denoising steps in all; a multiple of the number of blocks (paper: 512).")
     remasking: Literal["low_confidence", "random"] = Field(
-        "low_confidence", description="Which candidates a step commits: the most probable ones, or random ones."
+        "low_confidence", description="LLaDA rule: which candidates a step commits, the most probable ones or random ones "
+        "(the block rule commits by confidence, statically or above generate.threshold; not recorded for it)."
     )
     temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise.")
     cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
@@ -251,8 +252,10 @@ class GenerateSection(Section):
         "origin", description="Dream rule: which masked positions a step commits (origin: random; else by confidence)."
     )
     alg_temp: float = Field(0.0, ge=0, description="Dream rule: > 0 draws the committed positions from softmax(confidence / alg_temp).")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="Dream rule: nucleus filtering of the candidates (applies at temperature 0 too).")
-    top_k: Optional[int] = Field(None, ge=1, description="Dream rule: top-k filtering of the candidates.")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Dream and block rules: nucleus filtering of the candidates "
+                                   "(Dream: applies at temperature 0 too; block: of the draw at temperature > 0, unused at 0).")
+    top_k: Optional[int] = Field(None, ge=1, description="Dream and block rules: top-k filtering of the candidates "
+                                 "(Dream: applies at temperature 0 too; block: of the draw at temperature > 0, unused at 0).")
     eps: float = Field(1e-3, gt=0, lt=1, description="Dream rule: the last timestep of linspace(1, eps, steps + 1).")
 
     @model_validator(mode="after")
