@@ -133,3 +133,112 @@ def test_llada2_rule_matches_a_plain_reading_of_the_published_loop(cache):
         got = block_generate(mp.model, prompt, mp.mask_token_id, 12, 4, steps, temperature=0.0, threshold=thr,
                              use_cache=cache, rule="llada2")
         assert torch.equal(got, want), (trial, got.tolist(), want.tolist())
+
+
+# --------------------------------------------------------------------------- SDAR's rule at T -> 0
+def _sdar_published(model, prompt, mask_id, gen, block, steps, temperature, strategy, threshold, seed):
+    """SDAR's published ``block_diffusion_generate`` written out plainly (no cache: the prefix recomputed under the
+    block-causal mask, the same values): temperature-scaled softmax, one multinomial draw per position, its
+    probability as the confidence; dynamic: every masked position above the threshold when they are at least the
+    step's count, else the count most confident; static: always the latter."""
+    torch.manual_seed(seed)
+    plen = len(prompt)
+    nb = -(-(plen + gen) // block)
+    total = nb * block
+    x = torch.full((1, total), mask_id)
+    x[0, :plen] = prompt
+    blk = torch.arange(total) // block
+    allowed = blk[:, None] >= blk[None, :]
+    sched = [block // steps + (1 if i < block % steps else 0) for i in range(steps)]
+    for b in range(plen // block, nb):
+        lo, hi = b * block, (b + 1) * block
+        for step in range(steps + 1):
+            masked = x[0, lo:hi] == mask_id
+            if not masked.any():
+                break
+            bias = torch.zeros(hi, hi).masked_fill(~allowed[:hi, :hi], float("-inf"))[None, None]
+            logits = model(input_ids=x[:, :hi], attention_mask=bias, position_ids=torch.arange(hi)[None],
+                           use_cache=False).logits[0, lo:hi].float()
+            probs = torch.softmax(logits / temperature, -1)
+            tok = torch.multinomial(probs, 1)[:, 0]
+            conf = torch.where(masked, probs.gather(-1, tok[:, None])[:, 0], torch.tensor(-torch.inf))
+            take = torch.zeros_like(masked)
+            high = conf > threshold
+            if strategy == "low_confidence_dynamic" and int(high.sum()) >= sched[step]:
+                take = high
+            else:
+                take[torch.topk(conf, sched[step]).indices] = True
+            x[0, lo:hi][take] = tok[take]
+    return x
+
+
+def _toy_prompts(tokenizer, n):
+    from dllm_align.data.toy import make_prompts, prompt_text
+
+    out = []
+    for digits in make_prompts(n, 4, seed=5):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(digits)}],
+                                             add_generation_prompt=True, tokenize=False)
+        out.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def test_limit_draw_is_the_argmax_with_confidence_one_ranked_by_the_logit_gap():
+    from dllm_align.generate.block import limit_draw
+
+    logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 5.0, 4.9], [3.0, -1.0, 0.5]]])
+    tok, conf, rank = limit_draw(logits)
+    assert tok.tolist() == [[0, 1, 0]] and conf.tolist() == [[1.0, 1.0, 1.0]]
+    assert torch.allclose(rank, torch.tensor([[1.0, 0.1, 2.5]]))
+    # as T -> 0 the published confidences order as the gaps do
+    p = torch.softmax(logits.double() / 0.05, -1).max(-1).values[0]
+    assert torch.argsort(p, descending=True).tolist() == torch.argsort(rank[0], descending=True).tolist() == [2, 0, 1]
+    masked = torch.tensor([True, True, True])
+    assert choose(masked, conf[0], 1, "low_confidence_static", 1.0, rank[0]).tolist() == [False, False, True]
+    assert choose(masked, conf[0], 1, "low_confidence_dynamic", 0.9, rank[0]).tolist() == [True, True, True]
+
+
+@pytest.mark.parametrize("threshold", [0.9, 0.5])
+def test_sdar_temperature_zero_is_the_limit_of_its_published_rule(threshold, monkeypatch):
+    """``temperature: 0`` under SDAR's rule decodes the toy prompts token for token as the published rule does at
+    T = 1e-3 (20/20 under the recipe's low_confidence_dynamic). The T = 1 probability as the confidence (LLaDA2's
+    greedy convention, which the SDAR rule used before) is a different rule: at threshold 0.9 it agrees on 15/20.
+    (``low_confidence_static`` at T = 1e-3 is not a usable reference: float32 rounds most confidences to exactly 1
+    and the published topk then breaks the ties by position; 16/20 there.)"""
+    import dllm_align.generate.block as blockmod
+    from dllm_align.models.load import load_model
+
+    mp = load_model("builtin:toy-sort-base-sdar")
+    model, mask = mp.model.eval(), mp.mask_token_id
+    prompts = _toy_prompts(mp.tokenizer, 20)
+    want = [_sdar_published(model, p, mask, 8, 4, 4, 1e-3, "low_confidence_dynamic", threshold, seed=i)
+            for i, p in enumerate(prompts)]
+
+    def agree():
+        return sum(torch.equal(block_generate(model, p, mask, 8, 4, 4, temperature=0.0, threshold=threshold), w)
+                   for p, w in zip(prompts, want))
+
+    assert agree() == 20
+    if threshold == 0.9:
+        def t1_confidence(logits):
+            tok, p = blockmod.draw(logits, 0.0)
+            return tok, p, p
+        monkeypatch.setattr(blockmod, "limit_draw", t1_confidence)
+        assert agree() < 20
+
+
+def test_block_rule_records_only_the_settings_it_reads():
+    from dllm_align.generate.settings import SamplerSettings
+
+    block = SamplerSettings(sampler="block", gen_length=8, block_length=4, steps=8).to_dict()
+    assert "remasking" not in block and block["top_k"] is None and block["sampler"] == "block"
+    llada = SamplerSettings(sampler="llada", gen_length=8, block_length=4, steps=8).to_dict()
+    assert llada["remasking"] == "low_confidence"
+
+
+def test_top_k_and_top_p_help_names_each_rule_that_reads_them():
+    from dllm_align.config.schema import GenerateSection
+
+    for key in ("top_k", "top_p"):
+        text = GenerateSection.model_fields[key].description
+        assert "Dream" in text and "block" in text, text

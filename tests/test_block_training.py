@@ -282,3 +282,78 @@ def test_flex_streams_gradients_equal_sdpa_streams_on_cuda():
     (a, ga), (b, gb) = grads
     assert torch.allclose(a, b, atol=1e-3, rtol=1e-4)
     assert max(float((x - y).abs().max() / (x.abs().max() + 1e-12)) for x, y in zip(ga, gb)) < 1e-3
+
+
+# --------------------------------------------------------------------------- the published layout (filled rows)
+FILLED = [(p, c + [257] * (-(len(p) + len(c)) % 4)) for p, c in UNEVEN]  # each row filled to whole blocks of 4
+
+
+def test_filled_rows_count_blocks_from_each_sequence_start_under_left_padding_and_packing():
+    """Rows in the published layout (a whole number of blocks each) give the values they give alone, unpadded,
+    whether the batch is left-padded (blocks counted from the first real token, not from column 0) or packed (from
+    each sequence's own start); counting blocks from the batch's column 0 instead would change them."""
+    mp = sharp_sdar()
+    names = [f"r{b}" for b in range(len(FILLED))]
+    cfg = DrawConfig(n_mc=3, seed=4)
+    T = max(len(p) + len(c) for p, c in FILLED)
+    left = torch.zeros(len(FILLED), T, dtype=torch.long)
+    am = torch.zeros_like(left)
+    cm = torch.zeros(len(FILLED), T, dtype=torch.bool)
+    for b, (p, c) in enumerate(FILLED):
+        n = len(p) + len(c)
+        assert n % 4 == 0
+        left[b, T - n:] = torch.tensor(p + c)
+        am[b, T - n:] = 1
+        cm[b, T - n + len(p):] = True
+    ids_r, am_r, cm_r = batch(True, FILLED)
+    with torch.no_grad():
+        alone = torch.stack([elbo_draws(mp, ids_r[b:b + 1, :len(p) + len(c)], None, cm_r[b:b + 1, :len(p) + len(c)],
+                                        names[b:b + 1], cfg)[0] for b, (p, c) in enumerate(FILLED)])
+        padded_left = elbo_draws(mp, left, am, cm, names, cfg)
+        packed = elbo_draws(mp, ids_r, am_r, cm_r, names, cfg, pack_length=24)
+        # not vacuous: the same left-padded rows with blocks counted from column 0 (positions ignoring the padding)
+        shifted = elbo_draws(mp, left, None, cm, names, cfg)
+    assert torch.allclose(padded_left, alone, atol=1e-5), (padded_left - alone).abs().max()
+    assert torch.allclose(packed, alone, atol=1e-4), (packed - alone).abs().max()
+    assert (shifted - alone).abs().max() > 1e-3
+
+
+def test_rewards_under_the_default_scoring_equal_the_published_trainers_exactly():
+    """The published trainers (SDAR's LlamaFactory fork, dllm's BD3LM) score reply + `<|im_end|>\\n` + pad filler to
+    whole blocks; with the default ``data.block_scoring`` dllm-align tokenises exactly that layout and scores exactly
+    those positions, so the implicit rewards beta (ELBO_policy - ELBO_ref), each by exact enumeration of the masks
+    with t on [1e-3, 1), are equal on every row. ``completion_only`` scores another layout and gives other rewards."""
+    from dllm_align.config.schema import DataSection
+    from dllm_align.data.examples import block_layout_for
+    from dllm_align.data.rows import Row
+    from dllm_align.data.tokenize import tokenize_rows
+    from test_tokenize import published_sdar_layout
+
+    policy, reference = sharp_sdar(seed=0), sharp_sdar(seed=1)
+    tok, b, beta = policy.tokenizer, policy.block_size, 0.1
+    user = [{"role": "user", "content": "s"}]
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen's, no system turn
+    replies = ["1", "12", "3 1", "21"]
+    rows = [Row(f"r{i}", user, r, True) for i, r in enumerate(replies)]
+
+    def reward(ids, scored):
+        x0, m = torch.tensor(ids), torch.tensor(scored)
+        with torch.no_grad():
+            e = [exact_block_elbo(hf_forward(mp.model), x0, m, mp.mask_token_id, b, eps=1e-3) for mp in (policy, reference)]
+        return beta * (e[0] - e[1])
+
+    data = DataSection(max_length=64)
+    assert data.block_scoring == "published"
+    ours = tokenize_rows(rows, tok, data, block=block_layout_for(data, tok, b))
+    only = tokenize_rows(rows, tok, DataSection(max_length=64, block_scoring="completion_only", end_of_turn="none"),
+                         block=block_layout_for(DataSection(block_scoring="completion_only"), tok, b))
+    diffs = []
+    for ex, co, reply in zip(ours, only, replies):
+        ids, labels = published_sdar_layout(tok, user, reply, b)
+        published = reward(ids, [lab != -100 for lab in labels])
+        got = reward(ex.prompt_ids + ex.completion_ids, [False] * len(ex.prompt_ids) + [True] * len(ex.completion_ids))
+        assert got == published, (reply, got, published)
+        diffs.append(abs(reward(co.prompt_ids + co.completion_ids,
+                                [False] * len(co.prompt_ids) + [True] * len(co.completion_ids)) - published))
+    assert max(diffs) > 1e-3, diffs

@@ -9,8 +9,9 @@ kept), 3 experts per token, one shared expert, vocabulary 64, ``rotary_dim`` 4 (
 published config.json names no mask, bos or eos token.
 
 The parity tests run the published modeling code (the dllm library's
-``dllm/pipelines/llada2/models/{configuration,modeling}_llada2_moe.py``) from ``/tmp/llada2pub`` when it
-has been fetched there (never committed); they skip, saying so, when it has not. The independent
+``dllm/pipelines/llada2/models/{configuration,modeling}_llada2_moe.py``) from a checkout of ZHZisZZ/dllm under
+``$DLLM_ALIGN_PUBLISHED_DIR`` (tests/fixtures/published.py says how; never committed); they skip, saying how to
+enable them, when it is not there. The independent
 reference below (loops over tokens, heads and experts; brute-force group selection) always runs.
 """
 
@@ -34,7 +35,7 @@ from dllm_align.models.families.llada2_body import Llada2MoeModelLM, Llada2Route
 from dllm_align.objective.block import hf_forward, hf_streams_forward, streams_mask
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llada2_mini_config.json"
-PUBLISHED = Path("/tmp/llada2pub")
+PUBLISHED_REPO, PUBLISHED_FILE = "ZHZisZZ/dllm", "dllm/pipelines/llada2/models/modeling_llada2_moe.py"
 # A second shape: dense-output and qkv biases, one expert per token (no renormalisation), no dense
 # layer, head_dim 16 != hidden / heads, a quarter of each head rotated, no shared expert.
 VARIANT = {"use_bias": True, "use_qkv_bias": True, "num_experts_per_tok": 1, "first_k_dense_replace": 0,
@@ -70,9 +71,9 @@ def published(monkeypatch):
     arithmetic alone: ``is_torch_fx_available`` (gone in transformers 5) -> False, and the ``default``
     rotary initialiser (gone too) -> transformers 4.x's: inv_freq = theta ** -(arange(0, d, 2) / d),
     d = int(head_dim * partial_rotary_factor)."""
-    if not (PUBLISHED / "modeling_llada2_moe.py").exists():
-        pytest.skip(f"the published LLaDA2.0 modeling code is not in {PUBLISHED} (fetch ZHZisZZ/dllm's "
-                    "dllm/pipelines/llada2/models/{configuration,modeling}_llada2_moe.py there to run this check)")
+    from fixtures.published import require
+
+    published_dir = require(PUBLISHED_REPO, PUBLISHED_FILE).parent
     import transformers.modeling_rope_utils as ru
     import transformers.utils.import_utils as iu
 
@@ -87,7 +88,7 @@ def published(monkeypatch):
     name = "_llada2_published"
     if name not in sys.modules:
         pkg = types.ModuleType(name)
-        pkg.__path__ = [str(PUBLISHED)]
+        pkg.__path__ = [str(published_dir)]
         monkeypatch.setitem(sys.modules, name, pkg)
     try:
         return importlib.import_module(name + ".modeling_llada2_moe")

@@ -160,3 +160,68 @@ def test_labels_ids_and_pairs(tok):
     long_prompt = [{"role": "user", "content": "y" * 80}]
     ((c, r),) = tokenize_pairs([PairRow("b", long_prompt, "z" * 20, "w")], tok, DataSection(max_length=64, truncation="prompt_left"))
     assert c.prompt_ids == r.prompt_ids and c.length == 64 and r.length < 64
+
+
+# --------------------------------------------------------------------------- block-diffusion layout
+@pytest.fixture(scope="module")
+def sdar_tok():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import dllm_align
+
+    return AutoTokenizer.from_pretrained(Path(dllm_align.__file__).parent / "assets" / "toy_sort_base_sdar")
+
+
+def published_sdar_layout(tokenizer, messages, reply, block):
+    """SDAR's LlamaFactory training layout, rebuilt independently: the whole conversation rendered by the
+    template (reply and its `<|im_end|>\\n`), labels -100 on the generation prompt, then the pad token,
+    scored, until the sample is a whole number of blocks."""
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reply}], tokenize=False)
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    labels = [-100] * n_prompt + ids[n_prompt:]
+    pad = (block - len(ids) % block) % block
+    return ids + [tokenizer.pad_token_id] * pad, labels + [tokenizer.pad_token_id] * pad
+
+
+def test_end_of_turn_tail_is_the_templates_whole_tail(sdar_tok, tok):
+    from dllm_align.data.tokenize import end_of_turn_tail
+
+    assert end_of_turn_tail(sdar_tok) == [sdar_tok.convert_tokens_to_ids("<|im_end|>"), sdar_tok("\n")["input_ids"][0]]
+    assert end_of_turn_tail(tok) == [end_of_turn_id(tok)]  # LLaDA's template: nothing after <|eot_id|>
+
+
+@pytest.mark.parametrize("reply", ["1 2 3", "1 2 3 4 5 6 7", "9", "3 1 2 0"])
+def test_block_layout_equals_sdars_published_training_layout(sdar_tok, reply):
+    """Prompt + completion is exactly SDAR's training sample, and the scored positions (completion_mask) are
+    exactly its non -100 labels: the reply, `<|im_end|>\\n` and the filler."""
+    from dllm_align.data.tokenize import block_layout
+
+    layout = block_layout(sdar_tok, 4)
+    assert layout.filler == sdar_tok.convert_tokens_to_ids("<|endoftext|>")
+    (ex,) = tokenize_rows([row(reply)], sdar_tok, DataSection(max_length=200), block=layout)
+    ids, labels = published_sdar_layout(sdar_tok, USER, reply, 4)
+    assert ex.prompt_ids + ex.completion_ids == ids
+    assert ex.length % 4 == 0
+    b = collate([ex], padding="none", max_length=200, pad_id=layout.filler)
+    scored = [i for i, m in enumerate(b["completion_mask"][0].tolist()) if m]
+    assert scored == [i for i, lab in enumerate(labels) if lab != -100]
+    (plain,) = tokenize_rows([row(reply)], sdar_tok, DataSection(max_length=200, end_of_turn="none"))
+    assert plain.completion_ids == ex.completion_ids[:len(plain.completion_ids)]  # completion_only: the reply alone
+
+
+def test_block_layout_cut_reply_loses_its_tail_but_fills_and_fits(sdar_tok):
+    from dllm_align.data.tokenize import block_layout
+
+    layout = block_layout(sdar_tok, 4)
+    (full,) = tokenize_rows([row("1 2 3 4 5 6 7 8 9")], sdar_tok, DataSection(max_length=400), block=layout)
+    room = len(full.prompt_ids) + 6  # not a whole number of blocks
+    (ex,) = tokenize_rows([row("1 2 3 4 5 6 7 8 9")], sdar_tok, DataSection(max_length=room), block=layout)
+    assert ex.length <= room and ex.length % 4 == 0
+    assert sdar_tok.convert_tokens_to_ids("<|im_end|>") not in ex.completion_ids
+    (pc, pr), = tokenize_pairs([PairRow("p", USER, "1 2 3", "3 2 1 0 9")], sdar_tok, DataSection(max_length=200),
+                               block=layout)
+    assert pc.length % 4 == 0 and pr.length % 4 == 0 and pc.prompt_ids == pr.prompt_ids

@@ -239,12 +239,16 @@ def test_checkpoints_reload_with_plain_transformers(toy):
     train(rec, examples=toy["examples"])
     out = Path(rec.output_dir)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]  # step-2 pruned, no temp dirs
-    for folder in (out / "checkpoints" / "step-4", out / "final"):
-        plain = AutoModelForCausalLM.from_pretrained(str(folder))
-        mp = load_model(str(folder))
-        x = torch.randint(0, 256, (1, 10))
-        torch.testing.assert_close(plain(x).logits, mp.logits(x))
-        assert not plain.config.is_causal
+    # checkpoints keep the native layout (plain transformers reads them); final/ is in LLaDA's published layout
+    # (tests/test_export_roundtrip.py), which dllm-align reads back to the same numbers
+    folder = out / "checkpoints" / "step-4"
+    plain = AutoModelForCausalLM.from_pretrained(str(folder))
+    mp = load_model(str(folder))
+    x = torch.randint(0, 256, (1, 10))
+    torch.testing.assert_close(plain(x).logits, mp.logits(x))
+    assert not plain.config.is_causal
+    assert json.loads((out / "final" / "config.json").read_text())["architectures"] == ["LLaDAModelLM"]
+    assert load_model(str(out / "final")).logits(x).shape == mp.logits(x).shape
     summary = json.loads((out / "final" / "training_summary.json").read_text())
     assert summary["steps"] == 5 and summary["steps_per_s"] > 0
     st = json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())
@@ -260,11 +264,13 @@ def test_lora_trains_adapter_only_and_exports_merged(toy):
     train(rec, examples=toy["examples"])
     from dllm_align.models.load import build_tiny_model
 
-    base = build_tiny_model().state_dict()
+    from dllm_align.models.export import published_state
+
+    base = published_state("llada", build_tiny_model().state_dict())  # final/ has LLaDA's published weight names
     final = final_params(rec.output_dir)
     assert final.keys() == base.keys()
     changed = {k for k in final if not torch.equal(final[k], base[k])}
-    assert changed and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in changed)
+    assert changed and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "attn_out")) for k in changed)
     ck = Path(rec.output_dir) / "checkpoints" / "step-2"
     assert (ck / "adapter.safetensors").exists()
 

@@ -71,6 +71,13 @@ class DataSection(Section):
         description="'scored': append the chat template's end-of-turn token to every completion and mask and score it "
         "like a completion token (the model learns to stop); 'none': score only the completion's own tokens (the paper's code).",
     )
+    block_scoring: Literal["published", "completion_only"] = Field(
+        "published",
+        description="Block-diffusion models only (SDAR, LLaDA2.0): 'published': each completion is followed by the chat "
+        "template's end-of-turn tail and pad-token filler up to a whole number of blocks, all masked and scored, as SDAR's "
+        "and dllm's block trainers score and as the block sampler decodes (end_of_turn is then moot); 'completion_only': "
+        "the completion (and end_of_turn) only, the last block left partial. Ignored for whole-sequence models.",
+    )
     desirable_ratio: float = Field(
         1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
     )
@@ -240,7 +247,8 @@ class GenerateSection(Section):
     block_length: int = Field(32, ge=1, description="Semi-autoregressive block length; divides gen_length (paper: 32).")
     steps: int = Field(512, ge=1, description="Denoising steps in all; a multiple of the number of blocks (paper: 512).")
     remasking: Literal["low_confidence", "random"] = Field(
-        "low_confidence", description="Which candidates a step commits: the most probable ones, or random ones."
+        "low_confidence", description="LLaDA rule: which candidates a step commits, the most probable ones or random ones "
+        "(the block rule commits by confidence, statically or above generate.threshold; not recorded for it)."
     )
     temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise.")
     cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
@@ -259,8 +267,10 @@ class GenerateSection(Section):
         "origin", description="Dream rule: which masked positions a step commits (origin: random; else by confidence)."
     )
     alg_temp: float = Field(0.0, ge=0, description="Dream rule: > 0 draws the committed positions from softmax(confidence / alg_temp).")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="Dream rule: nucleus filtering of the candidates (applies at temperature 0 too).")
-    top_k: Optional[int] = Field(None, ge=1, description="Dream rule: top-k filtering of the candidates.")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Dream and block rules: nucleus filtering of the candidates "
+                                   "(Dream: applies at temperature 0 too; block: of the draw at temperature > 0, unused at 0).")
+    top_k: Optional[int] = Field(None, ge=1, description="Dream and block rules: top-k filtering of the candidates "
+                                 "(Dream: applies at temperature 0 too; block: of the draw at temperature > 0, unused at 0).")
     eps: float = Field(1e-3, gt=0, lt=1, description="Dream rule: the last timestep of linspace(1, eps, steps + 1).")
 
     @model_validator(mode="after")

@@ -19,17 +19,37 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from dllm_align.core.errors import UserError
 
-def load_training_examples(recipe, tokenizer, *, quiet: bool = False) -> list:
-    """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation)."""
+def block_scoring(data, block_size: Optional[int]) -> Optional[str]:
+    """What ``data.block_scoring`` does for a model of ``block_size`` (None: a whole-sequence model, where it does
+    nothing): ``"published"`` or ``"completion_only"``. Recorded in the reference-cache fingerprint."""
+    if not block_size:
+        return None
+    return getattr(data, "block_scoring", "published")
+
+
+def block_layout_for(data, tokenizer, block_size: Optional[int]):
+    """The :class:`dllm_align.data.tokenize.BlockLayout` the tokenisers take for ``data.block_scoring`` and a model of
+    ``block_size``, or None (whole-sequence models, ``completion_only``)."""
+    from dllm_align.data.tokenize import block_layout
+
+    if block_scoring(data, block_size) != "published":
+        return None
+    return block_layout(tokenizer, int(block_size))
+
+
+def load_training_examples(recipe, tokenizer, *, quiet: bool = False, block_size: Optional[int] = None) -> list:
+    """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation). ``block_size``: the
+    model's block size (block-diffusion families), for the layout ``data.block_scoring`` names."""
     from dllm_align.data.load import rows_from_section
     from dllm_align.data.tokenize import tokenize_rows
 
     rows = rows_from_section(recipe.data, "train", quiet=quiet)
-    return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet)
+    return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet,
+                         block=block_layout_for(recipe.data, tokenizer, block_size))
 
 
 def make_collate(recipe, tokenizer) -> Callable[[list], dict]:

@@ -36,6 +36,14 @@ Truncation (recorded in the recipe: ``data.max_length``,
 
 Rows of a pair (:func:`tokenize_pairs`) share one prompt cut: with
 ``prompt_left`` it is sized for the longer of the two completions.
+
+Block-diffusion layout (a :class:`BlockLayout` passed to the tokenisers): the layout the published
+block trainers score (SDAR's LlamaFactory fork, dllm's BD3LM trainer; docs/block_diffusion.md) and the
+block sampler produces. The completion is the reply, then the chat template's whole end-of-turn tail
+(``<|im_end|>`` and the newline after it for Qwen's template), then filler tokens until prompt +
+completion is a whole number of blocks (blocks counted from the sequence start); every one of those
+positions is masked and scored. ``max_length`` is taken down to a whole number of blocks so the filled
+row still fits; a cut reply loses its tail (it must not be scored as finished) but is still filled.
 """
 
 from __future__ import annotations
@@ -135,6 +143,57 @@ def end_of_turn_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
+def end_of_turn_tail(tokenizer) -> list[int]:
+    """Every token the chat template renders after an assistant reply, up to and including the first special
+    token and the whitespace-only tokens right after it (``<|im_end|>``, ``\\n`` for Qwen's template): what a
+    rendered reply ends with, and what SDAR's training scores after it. Falls back to :func:`end_of_turn_id`."""
+    eot = end_of_turn_id(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        return [eot]
+    user = [{"role": "user", "content": "hi"}]
+    try:
+        head = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(
+            user + [{"role": "assistant", "content": _PROBE_REPLY}], add_generation_prompt=False, tokenize=False
+        )
+    except Exception:
+        return [eot]
+    if not (full.startswith(head) and _PROBE_REPLY in full[len(head):]):
+        return [eot]
+    ids = _encode(tokenizer, [full[len(head):].split(_PROBE_REPLY, 1)[1]], plain=False)[0]
+    if eot not in ids:
+        return [eot]
+    end = ids.index(eot) + 1
+    while end < len(ids) and not tokenizer.decode([ids[end]]).strip():
+        end += 1
+    return [int(i) for i in ids[:end]]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The published block-diffusion layout (module docstring): block size, end-of-turn tail, filler id."""
+
+    size: int
+    tail: tuple[int, ...]
+    filler: int
+
+    def fill(self, prompt_len: int, completion: list[int]) -> list[int]:
+        """``completion`` followed by filler up to the next block boundary of prompt + completion."""
+        return completion + [self.filler] * (-(prompt_len + len(completion)) % self.size)
+
+    def room(self, max_length: int) -> int:
+        """``max_length`` taken down to whole blocks (a filled row never exceeds it)."""
+        return max_length - max_length % self.size
+
+
+def block_layout(tokenizer, block_size: int) -> BlockLayout:
+    """The published layout for a block model of ``block_size``: the template's end-of-turn tail, filled with the
+    pad token (SDAR's ``<|endoftext|>``, as its LlamaFactory fork pads; LLaDA2.0's pad, as dFactory pads)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return BlockLayout(int(block_size), tuple(end_of_turn_tail(tokenizer)), pad_token_id(tokenizer))
+
+
 def pad_token_id(tokenizer) -> int:
     """The id used to pad: the tokenizer's pad token, else EOS (the paper pads with EOS)."""
     pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -198,9 +257,22 @@ def _prompt_ids(tokenizer, prompts: Iterable) -> dict[str, list[int]]:
     return dict(zip(keys, _encode(tokenizer, texts, plain=False)))
 
 
-def _completion_ids(tokenizer, texts: list[str], eot: Optional[int]) -> list[list[int]]:
-    tail = [] if eot is None else [eot]
-    return [ids + tail for ids in _encode(tokenizer, [t.strip() for t in texts], plain=True)]
+def _completion_ids(tokenizer, texts: list[str], tail: Sequence[int]) -> list[list[int]]:
+    return [ids + list(tail) for ids in _encode(tokenizer, [t.strip() for t in texts], plain=True)]
+
+
+def _tail(tokenizer, data_section, block: Optional[BlockLayout]) -> list[int]:
+    if block is not None:
+        return list(block.tail)
+    eot = scored_end_of_turn(tokenizer, data_section)
+    return [] if eot is None else [eot]
+
+
+def _cut_tail(completion: list[int], full_len: int, tail_len: int) -> list[int]:
+    """A cut completion loses whatever survived of the end-of-turn tail (it must not be scored as finished)."""
+    if len(completion) < full_len and tail_len:
+        return completion[:max(0, min(len(completion), full_len - tail_len))]
+    return completion
 
 
 def scored_end_of_turn(tokenizer, data_section) -> Optional[int]:
@@ -210,13 +282,16 @@ def scored_end_of_turn(tokenizer, data_section) -> Optional[int]:
     return end_of_turn_id(tokenizer)
 
 
-def tokenize_with_report(rows: Sequence, tokenizer, data_section) -> tuple[list[Example], TokenizeReport]:
+def tokenize_with_report(rows: Sequence, tokenizer, data_section,
+                         block: Optional[BlockLayout] = None) -> tuple[list[Example], TokenizeReport]:
     """:func:`tokenize_rows` plus what truncation did."""
-    eot = scored_end_of_turn(tokenizer, data_section)
+    tail = _tail(tokenizer, data_section, block)
     bos = tokenizer.bos_token_id
     max_len, max_p, rule = data_section.max_length, data_section.max_prompt_length, data_section.truncation
+    if block is not None:
+        max_len = block.room(max_len)
     prompts = _prompt_ids(tokenizer, (r.prompt for r in rows))
-    completions = _completion_ids(tokenizer, [r.completion for r in rows], eot)
+    completions = _completion_ids(tokenizer, [r.completion for r in rows], tail)
     rep = TokenizeReport(rows=len(rows))
     out = []
     for r, c in zip(rows, completions):
@@ -227,6 +302,8 @@ def tokenize_with_report(rows: Sequence, tokenizer, data_section) -> tuple[list[
         p, (c2,), p_cut, (c_cut,) = fitted
         rep.prompt_cut += p_cut
         rep.completion_cut += c_cut
+        if block is not None:
+            c2 = block.fill(len(p), _cut_tail(c2, len(c), len(tail)))
         out.append(Example(r.id, p, c2, r.label, r.pair_id))
     rep.kept = len(out)
     return out, rep
@@ -243,14 +320,15 @@ def _log(rep: TokenizeReport, max_length: int, rows_word: str = "rows") -> None:
         )
 
 
-def tokenize_rows(rows: Sequence, tokenizer, data_section, *, quiet: bool = False) -> list[Example]:
+def tokenize_rows(rows: Sequence, tokenizer, data_section, *, quiet: bool = False,
+                  block: Optional[BlockLayout] = None) -> list[Example]:
     """Tokenise unpaired rows (:class:`dllm_align.data.rows.Row`) into :class:`Example` s.
 
     ``data_section`` is the recipe's ``data`` section (``max_length``,
     ``max_prompt_length``, ``truncation``). Truncations are reported on stderr;
-    dropped rows always are.
+    dropped rows always are. ``block``: the published block-diffusion layout (module docstring).
     """
-    examples, rep = tokenize_with_report(rows, tokenizer, data_section)
+    examples, rep = tokenize_with_report(rows, tokenizer, data_section, block)
     if quiet:
         if rep.dropped:
             _log(TokenizeReport(dropped=rep.dropped), data_section.max_length)
@@ -261,20 +339,23 @@ def tokenize_rows(rows: Sequence, tokenizer, data_section, *, quiet: bool = Fals
     return examples
 
 
-def tokenize_pairs(pairs: Sequence, tokenizer, data_section, *, quiet: bool = False) -> list[tuple[Example, Example]]:
+def tokenize_pairs(pairs: Sequence, tokenizer, data_section, *, quiet: bool = False,
+                   block: Optional[BlockLayout] = None) -> list[tuple[Example, Example]]:
     """Tokenise pairs (:class:`dllm_align.data.rows.PairRow`) for VRPO: (chosen, rejected) per pair.
 
     The examples are ``ID:chosen`` (label true) and ``ID:rejected`` (label false)
     with pair id ``ID``, the same ids :func:`dllm_align.data.rows.unpair` gives, so the
     masks (seeded by id) match between the paired and unpaired views. Both share
-    the same (possibly cut) prompt.
+    the same (possibly cut) prompt. ``block``: the published block-diffusion layout (module docstring).
     """
-    eot = scored_end_of_turn(tokenizer, data_section)
+    tail = _tail(tokenizer, data_section, block)
     bos = tokenizer.bos_token_id
     max_len, max_p, rule = data_section.max_length, data_section.max_prompt_length, data_section.truncation
+    if block is not None:
+        max_len = block.room(max_len)
     prompts = _prompt_ids(tokenizer, (p.prompt for p in pairs))
-    chosen = _completion_ids(tokenizer, [p.chosen for p in pairs], eot)
-    rejected = _completion_ids(tokenizer, [p.rejected for p in pairs], eot)
+    chosen = _completion_ids(tokenizer, [p.chosen for p in pairs], tail)
+    rejected = _completion_ids(tokenizer, [p.rejected for p in pairs], tail)
     rep = TokenizeReport(rows=len(pairs))
     out = []
     for pr, c, r in zip(pairs, chosen, rejected):
@@ -285,6 +366,9 @@ def tokenize_pairs(pairs: Sequence, tokenizer, data_section, *, quiet: bool = Fa
         p, (c2, r2), p_cut, cuts = fitted
         rep.prompt_cut += p_cut
         rep.completion_cut += any(cuts)
+        if block is not None:
+            c2 = block.fill(len(p), _cut_tail(c2, len(c), len(tail)))
+            r2 = block.fill(len(p), _cut_tail(r2, len(r), len(tail)))
         out.append(
             (
                 Example(f"{pr.id}:chosen", p, c2, True, pr.id),

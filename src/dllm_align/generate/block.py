@@ -15,6 +15,13 @@ The rule, from the published code:
   no mask left it is fed once more and its keys and values are stored;
 * generation stops after a block when any stop id appears after the prompt.
 
+Temperature 0 (dllm-align's greedy setting; the published code divides by the temperature) is the limit of
+each rule's own draw. SDAR's: as T -> 0 softmax(logits / T) puts all its mass on the most probable token,
+so the drawn token is the argmax and its confidence tends to 1 at every position (every position clears any
+threshold below 1); the order in which ``low_confidence_static`` takes them is the order of
+1 - p_max(T) ~ exp(-gap / T), i.e. the gap between the two largest logits, widest first. LLaDA2's published
+rule is itself greedy (argmax, with the T = 1 probability as the confidence).
+
 The cache is transformers' ``DynamicCache``; a step that must not store is cropped back after the forward.
 """
 
@@ -47,7 +54,8 @@ def draw(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
     """Tokens and their probabilities, one multinomial draw per position (the published order of operations).
 
     ``temperature`` 0 (dllm-align's greedy setting; the published code divides by it) takes the most
-    probable token, its softmax probability as the confidence."""
+    probable token, its softmax probability as the confidence: LLaDA2's greedy rule (SDAR's limit is
+    :func:`limit_draw`)."""
     shape = logits.shape[:-1]
     logits = logits.reshape(-1, logits.shape[-1]).float()
     if temperature == 0:
@@ -70,9 +78,24 @@ def draw(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
     return tok.view(*shape), torch.gather(probs, -1, tok).view(*shape)
 
 
-def choose(masked: torch.Tensor, conf: torch.Tensor, count: int, strategy: str, threshold: float) -> torch.Tensor:
-    """Which masked positions of one block [b] to unmask this step."""
+def limit_draw(logits: torch.Tensor):
+    """SDAR's draw in the limit T -> 0 (module docstring): the argmax token, confidence 1, and the rank that orders
+    the confidences as T -> 0 (the gap between the two largest logits; +inf where there is one token only)."""
+    logits = logits.float()
+    if logits.shape[-1] < 2:
+        tok = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        return tok, torch.ones(tok.shape, device=logits.device), torch.full(tok.shape, torch.inf, device=logits.device)
+    top2 = torch.topk(logits, 2, dim=-1)
+    gap = top2.values[..., 0] - top2.values[..., 1]
+    return top2.indices[..., 0], torch.ones_like(gap), gap
+
+
+def choose(masked: torch.Tensor, conf: torch.Tensor, count: int, strategy: str, threshold: float,
+           rank: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which masked positions of one block [b] to unmask this step. ``rank`` (default: ``conf``) orders the
+    positions when the schedule's count of most confident is taken (the T -> 0 order, :func:`limit_draw`)."""
     conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+    order = conf if rank is None else torch.where(masked, rank.to(conf.dtype), torch.full_like(conf, -torch.inf))
     pick = torch.zeros_like(masked)
     if strategy == "low_confidence_dynamic":
         high = conf > threshold
@@ -80,7 +103,7 @@ def choose(masked: torch.Tensor, conf: torch.Tensor, count: int, strategy: str, 
             return high
     elif strategy != "low_confidence_static":
         raise ValueError(f"unknown remasking strategy {strategy!r}")
-    pick[torch.topk(conf, count).indices] = True
+    pick[torch.topk(order, count).indices] = True
     return pick
 
 
@@ -167,14 +190,22 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
                 logits = model(input_ids=ids, position_ids=pos[:, :hi], attention_mask=additive(causal[:hi, :hi]),
                                use_cache=False).logits[:, lo:hi]
             if step < steps:
-                tok, p = draw(logits, temperature, top_k, top_p, generator)
+                rank = None
+                if rule == "sdar" and temperature == 0:
+                    tok, p, rank = limit_draw(logits)
+                    rank = rank[0]
+                else:
+                    tok, p = draw(logits, temperature, top_k, top_p, generator)
                 count = int(sched[step]) if rule == "sdar" else min(int(sched[step]), int(masked.sum()))
-                pick = choose(masked[0], p[0], count, strategy, threshold)
+                pick = choose(masked[0], p[0], count, strategy, threshold, rank)
             else:
                 # The schedule is spent and masks remain: the mask id itself was drawn. The published loop
                 # raises an IndexError here; every remaining position is filled, the mask id excluded.
-                tok, _ = draw(logits.float().index_fill(-1, torch.tensor([mask_id], device=dev), -torch.inf),
-                              temperature, top_k, top_p, generator)
+                no_mask = logits.float().index_fill(-1, torch.tensor([mask_id], device=dev), -torch.inf)
+                if rule == "sdar" and temperature == 0:
+                    tok = limit_draw(no_mask)[0]
+                else:
+                    tok, _ = draw(no_mask, temperature, top_k, top_p, generator)
                 pick = masked[0]
             cur[0, pick] = tok[0, pick]
             step += 1

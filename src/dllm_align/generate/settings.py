@@ -15,6 +15,8 @@ from dllm_align.core.errors import UserError
 
 # Keys of the generate section that say how a run is organised, not which tokens a prompt gets.
 RUN_KEYS = frozenset({"backend", "batch_size", "split", "limit"})
+# Keys a named rule never reads (not recorded for it: a record names what decided the tokens).
+UNUSED_BY_RULE = {"block": frozenset({"remasking"})}
 
 
 # --------------------------------------------------------------------------- settings
@@ -59,8 +61,9 @@ class SamplerSettings(GenerateSection):
         return self.cache == "none" and self.threshold is None
 
     def to_dict(self) -> dict:
-        """The settings that decide the tokens (what a run records beside its outputs)."""
-        return self.model_dump(exclude=RUN_KEYS)
+        """The settings that decide the tokens (what a run records beside its outputs); with ``sampler: auto``
+        every key, since the rule is the model's."""
+        return self.model_dump(exclude=RUN_KEYS | UNUSED_BY_RULE.get(self.sampler, frozenset()))
 
 
 def _problems(err: ValidationError) -> list[str]:

@@ -1,12 +1,17 @@
 """Block diffusion (LLaDA2.x, SDAR, BD3-LM): the training attention masks, the block ELBO and its likelihood
 component (``"block"``, :class:`BlockDiffusion`).
 
-Facts this module follows (from the published training code, dllm's ``core/trainers/bd3lm.py`` and the
-serving tables that pair ``LLaDA2MoeModelLM`` with block 32 / mask 156895 and ``SDARForCausalLM`` with
-block 4 / mask 151669):
+Facts this module follows (from the published block-ELBO trainers, SDAR's LlamaFactory fork and dllm's
+``core/trainers/bd3lm.py``, which trains models converted from autoregressive ones and ships no SDAR or
+LLaDA2.0 training; and from the serving tables that pair ``LLaDA2MoeModelLM`` with block 32 / mask 156895
+and ``SDARForCausalLM`` with block 4 / mask 151669; docs/block_diffusion.md):
 
-* Blocks are counted from the start of the sequence: position ``p`` belongs to block ``p // b`` (the
-  published collator pads each example with EOS to a multiple of ``b``; prompt blocks are clean context).
+* Blocks are counted from the start of each sequence: position ``p`` belongs to block ``p // b``. Both
+  trainers fill each sample to a whole number of blocks (SDAR with its pad token, dllm with EOS) and score
+  the filler; ``data.block_scoring: published`` tokenises rows that way
+  (:class:`dllm_align.data.tokenize.BlockLayout`). Under left padding the positions, and so the blocks,
+  start at each row's first real token; packed rows restart them with each sequence. Prompt blocks are
+  clean context.
 * The training forward feeds ``[x_t ; x_0]`` (length 2L, both halves at positions 0..L-1) under a
   three-part mask: block-diagonal inside ``x_t``; ``x_t`` block k sees ``x_0`` blocks < k; ``x_0`` is
   block-causal (block k sees blocks <= k). Only the ``x_t`` half is scored.

@@ -39,6 +39,7 @@ from dllm_align.core import faults
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_path, sha256_file
 from dllm_align.core.runfolder import refuse_changes
+from dllm_align.data.examples import block_scoring
 from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_model_path
 from dllm_align.models.precision import precision_for
 
@@ -70,6 +71,7 @@ STRICT_FIELDS = (
     "estimator",
     "stratified",
     "end_of_turn",
+    "block_scoring",
     "attn_implementation",
 )
 # Recorded for the reader, not compared: they do not change any cached value.
@@ -210,6 +212,7 @@ def fingerprint(
     device,
     examples: Sequence,
     known_files: Optional[list] = None,
+    block_size: Optional[int] = None,
 ) -> Fingerprint:
     """The fingerprint of the reference values this recipe needs for ``examples``.
 
@@ -218,7 +221,8 @@ def fingerprint(
     model, from building it), the tokenizer is the one the examples were
     tokenised with, and the weights / compute dtypes are the training
     precision's (:func:`dllm_align.models.precision.precision_for`): a cache made in
-    fp32 does not serve a bf16-autocast run, nor the reverse.
+    fp32 does not serve a bf16-autocast run, nor the reverse. ``block_size``: the
+    model's (block-diffusion families), for the layout ``data.block_scoring`` gives.
     """
     name = reference_name(recipe)
     revision = recipe.model.revision
@@ -248,6 +252,8 @@ def fingerprint(
         "estimator": r.estimator,
         "stratified": r.stratified,
         "end_of_turn": d.end_of_turn,
+        # The block-diffusion layout (None for a whole-sequence model, where data.block_scoring does nothing).
+        "block_scoring": block_scoring(d, block_size),
         # The attention kernel is part of the function computed (flash / flex / sdpa round differently).
         "attn_implementation": recipe.model.attn_implementation or "sdpa",
         "composition": composition(recipe),
@@ -277,6 +283,7 @@ _FIELD_HINTS = {
     "padding": "data.padding",
     "truncation": "data.truncation",
     "end_of_turn": "data.end_of_turn",
+    "block_scoring": "data.block_scoring",
     "reference_weights": "the reference model's weights (reference.model / model.name_or_path)",
     "reference_dtype": "model.dtype",
     "compute_dtype": "train.mixed_precision (and the device: auto is bf16 on CUDA, no on CPU)",

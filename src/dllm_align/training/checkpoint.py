@@ -121,8 +121,10 @@ def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
     return out, adapter
 
 
-def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB") -> None:
-    """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer."""
+def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB",
+                      rename=None) -> None:
+    """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer. ``rename``: applied to
+    the state dict once a tied output layer is dropped (the published weight names of an export)."""
     folder.mkdir(parents=True, exist_ok=True)
     sd = dict(state_dict)
     if getattr(config, "tie_word_embeddings", False):
@@ -132,6 +134,8 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
     skips = family_for_config(config).export_skips
     if skips is not None:
         sd = {k: v for k, v in sd.items() if not skips(k)}
+    if rename is not None:
+        sd = rename(sd)
     split = split_torch_state_dict_into_shards(sd, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: sd[n].detach().cpu().contiguous() for n in names}, str(folder / filename), metadata={"format": "pt"})
@@ -217,13 +221,31 @@ def state_dict_of(saver: Saver) -> dict:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
 
-def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False) -> dict:
-    """Write the model folder; returns the LoRA adapter tensors (empty without LoRA)."""
+def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False,
+           source: Optional[Path] = None) -> dict:
+    """Write the model folder; returns the LoRA adapter tensors (empty without LoRA).
+
+    A checkpoint (``final=False``) keeps the native layout it resumes from. The final model is written in its
+    family's published layout (:mod:`dllm_align.models.export`: the published config.json identity, weight names,
+    and from ``source``, the folder the run started from, its remote code and generation config), so the published
+    code and the serving engines load it as the original; dllm-align reads it back to the same numbers."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
         return adapter
-    save_model_folder(folder, weights, saver.accelerator.unwrap_model(saver.module).model.config, saver.tokenizer)
+    config = saver.accelerator.unwrap_model(saver.module).model.config
+    if not final:
+        save_model_folder(folder, weights, config, saver.tokenizer)
+        return adapter
+    from dllm_align.models.export import LAYOUTS, published_state, write_published_layout
+    from dllm_align.models.families import family_for_config
+
+    family = family_for_config(config).name
+    if family not in LAYOUTS:  # no published layout to write
+        save_model_folder(folder, weights, config, saver.tokenizer)
+        return adapter
+    save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
+    write_published_layout(folder, family, source)
     return adapter
 
 

@@ -86,11 +86,13 @@ class TrainData:
         return [[extra[p] for p in m] for m in shard(list(range(len(batch))), plan.rank, plan.world, self.batch_size)]
 
 
-def load_data(recipe, plan: TrainPlan, tokenizer, examples: Optional[list] = None) -> TrainData:
-    """The recipe's rows tokenised (or ``examples``), made into the objective's units and counted into steps."""
+def load_data(recipe, plan: TrainPlan, tokenizer, examples: Optional[list] = None,
+              block_size: Optional[int] = None) -> TrainData:
+    """The recipe's rows tokenised (or ``examples``), made into the objective's units and counted into steps.
+    ``block_size``: the policy's (block-diffusion families), for ``data.block_scoring``."""
     t = recipe.train
     if examples is None:
-        examples = load_training_examples(recipe, tokenizer, quiet=not plan.main)
+        examples = load_training_examples(recipe, tokenizer, quiet=not plan.main, block_size=block_size)
     objective = plan.objective
     units = objective.make_units(examples)
     G = plan.global_batch

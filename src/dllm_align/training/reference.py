@@ -122,6 +122,7 @@ def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
         recipe,
         tokenizer=policy_mp.tokenizer,
         mask_token_id=policy_mp.mask_token_id,
+        block_size=policy_mp.block_size,
         device=plan.device,
         examples=data.examples,
         known_files=cache.weight_files(),
@@ -319,6 +320,7 @@ def precompute(
             recipe,
             tokenizer=ref_mp.tokenizer,
             mask_token_id=ref_mp.mask_token_id,
+            block_size=ref_mp.block_size,
             device=device,
             examples=examples,
             known_files=(old or {}).get("weight_files"),
@@ -461,7 +463,8 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     recipe = resolve_padding(recipe, quiet=not acc.is_main_process)
     ref_mp = load_reference(recipe, acc.device)
-    examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process)
+    examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process,
+                                      block_size=ref_mp.block_size)
     # the objective's extra rows of every step (the kl baseline's mismatched pairs)
     examples = examples + objective_for(recipe.train).reference_extras(recipe, examples)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)

@@ -139,7 +139,7 @@ def setup_run(recipe, accelerator, resume_from: Optional[Path] = None, examples:
     recipe = resolve_padding(recipe, quiet=True)
     plan = make_plan(recipe, accelerator)
     mp = load_policy(recipe, plan, accelerator, resume_from)
-    data = load_data(recipe, plan, mp.tokenizer, examples)
+    data = load_data(recipe, plan, mp.tokenizer, examples, block_size=mp.block_size)
     reference = open_reference(recipe, plan, mp, data) if plan.objective.needs_reference else None
     policy = wrap_policy(mp, recipe.train, plan, accelerator)
     record = run_record(recipe, plan, data)
@@ -296,7 +296,7 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
     if not main:
         return
     with disk_errors(final, "write the final model"):
-        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True)
+        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True, source=_source_folder(run))
     atomic_write_json(tmp / "training_summary.json", summary)
     write_checksums(tmp)
     fsync_tree(tmp)
@@ -305,6 +305,22 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(out)
+
+
+def _source_folder(run: Run) -> Optional[Path]:
+    """The checkpoint folder the policy was loaded from (its remote code and generation config go with the export);
+    None for a built-in model."""
+    from dllm_align.models.load import BUILTIN_SPECS, resolve_model_path
+
+    name = run.record.model
+    if name in BUILTIN_SPECS:
+        return None
+    revision = (run.record.recipe.get("model") or {}).get("revision")
+    try:
+        path = Path(resolve_model_path(name, revision))
+    except UserError:  # the run trained from it, so this is not expected; the export then carries no remote code
+        return None
+    return path if path.is_dir() else None
 
 
 def _bar_on() -> bool:

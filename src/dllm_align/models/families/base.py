@@ -90,6 +90,11 @@ class Family:
     export_skips: Optional[Callable[[str], bool]] = None
     # Why FSDP cannot shard this family's model (said by name when a launch asks for it); None: it can.
     fsdp_refusal: Optional[str] = None
+    # Export in the published layout (``dllm_align.models.export``), the inverse of the native loading: the trained
+    # model's config.json dict -> the published config's fields (None: the native names are the published ones),
+    # and its state dict -> the published weight names (None: the same names).
+    published_fields: Optional[Callable[[dict], dict]] = None
+    published_state: Optional[Callable[[dict], dict]] = None
 
     def block_size_in(self, config: dict | Any) -> Optional[int]:
         """The block size of one checkpoint (a config.json dict or a transformers config): its config's

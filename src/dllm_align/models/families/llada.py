@@ -134,6 +134,48 @@ def llada_key_to_llama(key: str) -> Optional[str]:
     return None
 
 
+def llama_config_to_llada(cfg: dict) -> dict:
+    """The inverse of :func:`llada_config_to_llama`: a trained (Llama) config dict as LLaDA's published config fields
+    (the ones ``configuration_llada.LLaDAConfig`` reads; the switches set to the only values the mapping allows)."""
+    heads = cfg["num_attention_heads"]
+    rope = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return {
+        "d_model": cfg["hidden_size"], "n_heads": heads, "n_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "n_layers": cfg["num_hidden_layers"], "mlp_hidden_size": cfg["intermediate_size"],
+        "mlp_ratio": max(1, cfg["intermediate_size"] // cfg["hidden_size"]),
+        "vocab_size": cfg["vocab_size"], "embedding_size": cfg["vocab_size"],
+        "max_sequence_length": cfg.get("max_position_embeddings", 4096), "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
+        "rope_theta": float(rope), "rope": True, "rope_full_precision": True, "alibi": False,
+        "weight_tying": bool(cfg.get("tie_word_embeddings", False)),
+        "include_qkv_bias": bool(cfg.get("attention_bias", False)), "include_bias": False, "bias_for_layer_norm": False,
+        "block_type": "llama", "block_group_size": 1, "layer_norm_type": "rms", "layer_norm_with_affine": True,
+        "attention_layer_norm": False, "attention_layer_norm_with_affine": True, "activation_type": "silu",
+        "input_emb_norm": False, "scale_logits": False, "multi_query_attention": None, "flash_attention": False,
+        "attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0, "use_cache": False,
+        **{k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id")},
+    }
+
+
+_LLAMA_TO_LLADA = {dst: src for src, dst in LLADA_RENAMES}
+
+
+def llama_key_to_llada(key: str) -> str:
+    """The inverse of :func:`llada_key_to_llama` (the published names under ``model.transformer.``); KeyError for a
+    name the mapping does not produce."""
+    top = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight", "lm_head.weight": "ff_out.weight"}
+    if key in top:
+        return "model.transformer." + top[key]
+    if key.startswith("model.layers."):
+        _, _, idx, rest = key.split(".", 3)
+        if rest in _LLAMA_TO_LLADA:
+            return f"model.transformer.blocks.{idx}.{_LLAMA_TO_LLADA[rest]}"
+    raise KeyError(f"no LLaDA name for weight {key!r}")
+
+
+def llama_state_to_llada(state: dict) -> dict:
+    return {llama_key_to_llada(k): v for k, v in state.items()}
+
+
 def _no_output_bias(model) -> None:
     """LLaDA's include_qkv_bias puts biases on q, k and v only; Llama's attention_bias would
     add one to o_proj too (and then ask the checkpoint for it)."""
@@ -195,4 +237,6 @@ LLADA = Family(
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "remasking": "low_confidence"},
     tiny_tokenizer=build_llada_tokenizer,
     build_tiny=build_llada_model,
+    published_fields=llama_config_to_llada,
+    published_state=llama_state_to_llada,
 )

@@ -121,6 +121,48 @@ def stack_experts(state: dict) -> dict:
     return out
 
 
+def qwen3moe_config_to_lladamoe(cfg: dict) -> dict:
+    """The inverse of :func:`lladamoe_config_to_qwen3moe`: a trained (Qwen3-MoE) config dict as LLaDA-MoE's published
+    config fields."""
+    heads = cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    dense = set(cfg.get("mlp_only_layers") or [])
+    rope = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    return {
+        "hidden_size": cfg["hidden_size"], "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads, "vocab_size": cfg["vocab_size"],
+        "max_position_embeddings": cfg.get("max_position_embeddings", 4096), "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
+        "rope_theta": float(rope), "partial_rotary_factor": 1.0, "rope_scaling": None,
+        "attention_bias": bool(cfg.get("attention_bias", False)), "attention_dropout": 0.0, "clip_qkv": None,
+        "qk_layernorm": True, "hidden_act": "silu", "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "expert_intermediate_size": cfg["moe_intermediate_size"], "dense_intermediate_size": cfg["intermediate_size"],
+        "moe_layer_freq": [0 if i in dense else 1 for i in range(layers)], "norm_topk_prob": False,
+        "moe_router_enable_expert_bias": False, "moe_router_score_function": "softmax",
+        "shared_expert_intermediate_size": None, "use_cache": False,
+        **{k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id")},
+    }
+
+
+def unstack_experts(state: dict) -> dict:
+    """The inverse of :func:`stack_experts`: Qwen3-MoE's stacked expert tensors -> the published per-expert matrices."""
+    out: dict = {}
+    for k, v in state.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            p = k[: -len("gate_up_proj")]
+            inter = v.shape[1] // 2
+            for j in range(v.shape[0]):
+                out[f"{p}{j}.gate_proj.weight"] = v[j, :inter]
+                out[f"{p}{j}.up_proj.weight"] = v[j, inter:]
+        elif k.endswith(".mlp.experts.down_proj"):
+            p = k[: -len("down_proj")]
+            for j in range(v.shape[0]):
+                out[f"{p}{j}.down_proj.weight"] = v[j]
+        else:
+            out[k] = v
+    return out
+
+
 def load_lladamoe_native(folder: Path, cfg: dict, dtype: torch.dtype):
     from transformers import Qwen3MoeForCausalLM
 
@@ -141,4 +183,6 @@ LLADA_MOE = Family(
     sampler="llada",
     load_native=load_lladamoe_native,
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "remasking": "low_confidence"},
+    published_fields=qwen3moe_config_to_lladamoe,
+    published_state=unstack_experts,
 )

@@ -1,0 +1,179 @@
+"""The published on-disk layout of each family's checkpoint: the ``config.json`` fields its own code and the
+serving engines key on, and the remote-code files beside it (docs/serving.md has the table and its sources).
+
+dllm-align loads every family natively into a transformers class (SDAR into ``Qwen3ForCausalLM``, LLaDA into a
+Llama body, LLaDA-MoE into ``Qwen3MoeForCausalLM``), so the config a trained model carries is that class's, not
+the published one: an SDAR folder saved as it is says ``model_type: qwen3`` with no ``architectures`` and no
+``auto_map``, and SDAR's own loading path then builds a causal ``Qwen3ForCausalLM``. :func:`published_config`
+gives the fields the published layout needs (a family's ``published_fields`` translates a native config back);
+:func:`published_state` gives the published weight names (a family's ``published_state``: LLaDA's
+``model.transformer.*``, LLaDA-MoE's per-expert matrices); :func:`copy_remote_code` copies the modeling files the
+source checkpoint had; :func:`write_published_layout` does all of it to a saved folder. Both are pure apart from the copy (the caller writes the folder atomically).
+
+The source checkpoint's own ``config.json`` is the authority when there is one (training does not change the
+architecture): its ``model_type``, ``architectures``, ``auto_map`` and every other field are kept, and only
+what training changed (the dtype) is taken from the trained config. A model with no published source (the
+built-in ones) gets the family's published fields from :data:`LAYOUTS`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One family's published config.json identity and the fields its own code reads."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    auto_map: dict = field(default_factory=dict)
+    # fields the published code or the serving engines read that a transformers config may not carry
+    block_size: Optional[int] = None
+    mask_token_id: Optional[int] = None
+
+
+LAYOUTS: dict[str, Layout] = {
+    "sdar": Layout(
+        "sdar", ("SDARForCausalLM",),
+        {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+        block_size=4, mask_token_id=151669),
+    "llada2": Layout(
+        "llada2_moe", ("LLaDA2MoeModelLM",),
+        {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig", "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+         "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+        block_size=32, mask_token_id=156895),
+    "llada": Layout(
+        "llada", ("LLaDAModelLM",),
+        {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
+         "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
+        mask_token_id=126336),
+    "dream": Layout(
+        "Dream", ("DreamModel",),
+        {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+        mask_token_id=151666),
+    "llada_moe": Layout(
+        "llada", ("LLaDAMoEModelLM",),
+        {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM"},
+        mask_token_id=156895),
+}
+
+# Keys dllm-align adds to a config for its own loading; the published code has no use for them.
+_OWN_KEYS = ("dllm_align_family", "is_causal")
+
+
+def _rope_as_published(cfg: dict) -> dict:
+    """transformers 5 writes ``rope_parameters``; the published (4.x-era) configuration classes read ``rope_theta``
+    and ``rope_scaling``."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" not in cfg:
+        cfg["rope_theta"] = rp.get("rope_theta")
+        kind = rp.get("rope_type", "default")
+        if kind != "default":
+            cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+        else:
+            cfg.setdefault("rope_scaling", None)
+    return cfg
+
+
+def published_config(family: str, trained: dict, source: Optional[dict] = None) -> dict:
+    """The ``config.json`` of an exported ``family`` checkpoint in its published layout.
+
+    ``trained``: the config the trained model carries (``config.to_dict()``); ``source``: the source checkpoint's
+    own ``config.json`` (None for a model with no published source). Raises KeyError for an unknown family.
+    """
+    from dllm_align.models.families import get_family
+
+    layout = LAYOUTS[family]
+    if source is not None and (source.get("architectures") or source.get("auto_map")):
+        out = {k: v for k, v in source.items() if k not in _OWN_KEYS}
+        for key in ("torch_dtype", "dtype"):
+            if key in trained:
+                out["torch_dtype"] = str(trained[key]).replace("torch.", "")
+        out.pop("dtype", None)
+    else:
+        inverse = get_family(family).published_fields
+        out = inverse(trained) if inverse else {k: v for k, v in trained.items() if k not in _OWN_KEYS}
+        out = _rope_as_published(out)
+        out.pop("rope_parameters", None)
+        if "dtype" in trained:
+            out["dtype"] = trained["dtype"]
+        out["model_type"] = layout.model_type
+        out["architectures"] = list(layout.architectures)
+        out["auto_map"] = dict(layout.auto_map)
+        if "dtype" in out:
+            out["torch_dtype"] = str(out.pop("dtype")).replace("torch.", "")
+    if layout.block_size is not None and "block_size" not in out:
+        out["block_size"] = int(trained.get("block_size") or layout.block_size)
+    if "mask_token_id" not in out:
+        out["mask_token_id"] = int(trained.get("mask_token_id") or layout.mask_token_id)
+    return out
+
+
+def remote_code_files(folder: Path, cfg: dict) -> list[Path]:
+    """The Python files of ``folder`` a published config (and tokenizer config) points at through ``auto_map``,
+    with the sibling modules they import from the same folder (``from .x import``), sorted."""
+    import json
+    import re
+
+    modules = set()
+    maps = [cfg.get("auto_map") or {}]
+    tok_cfg = folder / "tokenizer_config.json"
+    if tok_cfg.exists():
+        maps.append(json.loads(tok_cfg.read_text()).get("auto_map") or {})
+    for m in maps:
+        for ref in m.values():
+            for r in ref if isinstance(ref, (list, tuple)) else [ref]:
+                if isinstance(r, str) and "." in r:
+                    modules.add(r.rsplit(".", 1)[0].split("--")[-1])
+    found: set[Path] = set()
+    todo = sorted(modules)
+    while todo:
+        path = folder / f"{todo.pop()}.py"
+        if path in found or not path.exists():
+            continue
+        found.add(path)
+        todo += re.findall(r"^\s*from \.(\w+) import", path.read_text(), flags=re.M)
+    return sorted(found)
+
+
+def copy_remote_code(source: Path, dest: Path, cfg: dict) -> list[str]:
+    """Copy the remote-code files of ``source`` (:func:`remote_code_files`) into ``dest``; their names."""
+    names = []
+    for path in remote_code_files(source, cfg):
+        shutil.copyfile(path, dest / path.name)
+        names.append(path.name)
+    return names
+
+
+def published_state(family: str, state: dict) -> dict:
+    """The trained (native) state dict under the family's published weight names."""
+    from dllm_align.models.families import get_family
+
+    inverse = get_family(family).published_state
+    return inverse(state) if inverse else dict(state)
+
+
+def write_published_layout(folder: Path, family: str, source: Optional[Path]) -> dict:
+    """Turn a model folder saved with the trained (native) config into the family's published layout, in place:
+    ``config.json`` from :func:`published_config`, and from the ``source`` checkpoint folder (None: a model with no
+    published source) its remote-code files and ``generation_config.json``. Returns the written config."""
+    import json
+
+    folder = Path(folder)
+    trained = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    src_cfg = None
+    if source is not None and (Path(source) / "config.json").is_file():
+        src_cfg = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    cfg = published_config(family, trained, src_cfg)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if source is not None and Path(source).is_dir():
+        copy_remote_code(Path(source), folder, cfg)
+        gen = Path(source) / "generation_config.json"
+        if gen.is_file():
+            shutil.copyfile(gen, folder / gen.name)
+    return cfg
