@@ -142,11 +142,16 @@ def streams_attention(module, query, key, value, attention_mask, dropout: float 
     noisy_mask, clean_mask = (m.to(query.device) for m in s.masks)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     clean = sdpa(query[:, :, n:], key[:, :, n:], value[:, :, n:], attn_mask=clean_mask, scale=scaling)
+    # The noisy streams go through one 4-D call with the draws folded into the head dimension ([B, H*K, T, D]
+    # queries over [B, H*K, 2T, D] keys): CUDA's fused kernels (memory-efficient, cuDNN, flash) take 4-D
+    # inputs only, and a 5-D call falls back to the math kernel, which materialises every score. The mask
+    # [B, 1, T, 2T] is shared by every head and draw of a row, so it broadcasts with no copy.
     kc = key[:, :, n:].unsqueeze(2).expand(-1, -1, k, -1, -1)
     vc = value[:, :, n:].unsqueeze(2).expand(-1, -1, k, -1, -1)
-    kn = torch.cat([key[:, :, :n].reshape(b, h, k, t, d), kc], dim=3)
-    vn = torch.cat([value[:, :, :n].reshape(b, h, k, t, d), vc], dim=3)
-    noisy = sdpa(query[:, :, :n].reshape(b, h, k, t, d), kn, vn, attn_mask=noisy_mask, scale=scaling)
+    kn = torch.cat([key[:, :, :n].reshape(b, h, k, t, d), kc], dim=3).reshape(b, h * k, 2 * t, d)
+    vn = torch.cat([value[:, :, :n].reshape(b, h, k, t, d), vc], dim=3).reshape(b, h * k, 2 * t, d)
+    qn = query[:, :, :n].reshape(b, h * k, t, d)
+    noisy = sdpa(qn, kn, vn, attn_mask=noisy_mask[:, :, 0], scale=scaling)
     out = torch.cat([noisy.reshape(b, h, n, d), clean], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
