@@ -125,6 +125,10 @@ class Check:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
                     code, why = None, f"killed at its {limit:.0f} s limit (its share of --budget {self.args.budget:g})"
+                finally:  # this command ended from outside (SIGTERM, Ctrl-C): the part goes with it
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait()
             data = json.loads(res.read_text(encoding="utf-8")) if res.is_file() else {}
         seconds = round(time.monotonic() - t, 2)
         if why:
@@ -506,6 +510,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` around this command ends the running part too
     chk = Check(a.out, a)
     chk.result["limits_seconds"] = {n: round(s, 1) for n, s in limits.items()}
     for name in names:
