@@ -209,11 +209,11 @@ def test_activation_terms_match_what_a_real_forward_saves(name, mp, R, T):
 @pytest.mark.parametrize("mp", ["no", "bf16"])
 @pytest.mark.parametrize("K, T", [(4, 256), (8, 128)])
 def test_block_activation_terms_match_what_a_real_streams_forward_saves(name, mp, K, T):
-    """A block family's activation, K/V-copy, head (and bf16 weight-copy) lines against what a real ELBO forward
-    over K noisy streams and the clean one saves for its backward on the CPU. The CPU's math SDPA kernel also
-    keeps each attention's [T, 2T] / [T, T] probabilities, which CUDA's memory-efficient kernel does not keep and
-    doctor does not count: they are left out of the measurement. Measured 0.84-0.86x (without the K/V-copy
-    line: 0.73-0.79x)."""
+    """A block family's activation, streams-attention, head (and bf16 weight-copy) lines against what a real ELBO
+    forward over K noisy streams and the clean one saves for its backward on the CPU. doctor counts the attention
+    as CUDA's memory-efficient kernel keeps it (K/V copies, the masks' bias, a log-sum-exp: no probabilities);
+    the CPU's math kernel keeps each attention's [T, 2T] / [T, T] probabilities instead, which are left out of
+    the measurement (test_doctor_counts_attention_as_cudas_kernel_needs_it checks the kernel's own bytes)."""
     from dllm_align.config.recipe import load_recipe
     from dllm_align.models.load import load_model
     from dllm_align.models.precision import Precision
@@ -225,7 +225,8 @@ def test_block_activation_terms_match_what_a_real_streams_forward_saves(name, mp
     shape = model_shape(rec)
     est = estimate(shape, rec, Launch(), autocast=mp == "bf16")
     assert est.tokens == (K + 1) * T and not est.checkpointing
-    keys = ["activations (every layer)", "output head (chunked)", "block-diffusion streams K/V copies (saved for backward)"]
+    keys = ["activations (every layer)", "output head (chunked)",
+            "block-diffusion streams attention, SDPA efficient kernel (K/V copies, bias; saved for backward)"]
     keys += ["autocast bf16 weight copies (saved for backward)"] if mp == "bf16" else []
     predicted = sum(est.lines[k] for k in keys) - 128 * shape.vocab * 6  # the [128, V] block is scratch
     m = load_model(name, dtype="float32")
@@ -371,3 +372,59 @@ def test_fsdp_8gpu_estimate_for_llada2_mini_counts_every_expert_and_the_streams(
     want = dense + 19 * moe + 2 * v * d + d
     assert mem["model"]["params"] == want and 16.2e9 < want < 16.3e9
     assert mem["tokens_per_forward"] == (8 + 1) * 4096
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_doctor_counts_attention_as_cudas_kernel_needs_it(ckpt):
+    """Per backend, the attention bytes of the kernel CUDA runs (SDAR-1.7B's shape, 8 draws x 4,096 tokens,
+    bf16): SDPA's two masked 4-D calls on the memory-efficient kernel keep K/V copies, the bias and a
+    log-sum-exp (no score matrix: a tenth of what the math kernel would keep); eager keeps the whole row's
+    probabilities; FlexAttention is counted compiled, with the uncompiled score matrix named in a note. Each
+    kept per layer: once with checkpointing, every layer without. A masked family's lines are its own."""
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.models import attention_memory as am
+    from dllm_align.training.memory import Launch, estimate, shape_from_config
+
+    cfg = json.loads((Path(__file__).parent / "fixtures" / "sdar_1.7b_chat_config.json").read_text())
+    shape = shape_from_config(cfg, "sdar")
+    K, T, b = 8, 4096, 2
+    N, per = (K + 1) * T, 1 if ckpt else shape.layers
+
+    def est(attn, name="builtin:small-sdar", pad="paper", s=shape):
+        rec = load_recipe(None, [f"model.name_or_path={name}", f"reference.n_mc={K}", f"train.batch_size={b}",
+                                 f"data.max_length={T}", f"data.padding={pad}", "train.mixed_precision=bf16",
+                                 f"model.attn_implementation={attn}"], output_dir="x")
+        return estimate(s, rec, Launch(activation_checkpointing=ckpt), autocast=True)
+
+    sdpa = est("sdpa")
+    line = "block-diffusion streams attention, SDPA efficient kernel (K/V copies, bias; saved for backward)"
+    fused = am.streams_sdpa_bytes("efficient", 1, shape.heads, shape.head_dim, K, T, 2).saved
+    math = am.streams_sdpa_bytes("math", 1, shape.heads, shape.head_dim, K, T, 2).saved
+    assert sdpa.lines[line] == b * fused * per and fused * 10 < math
+    assert sdpa.lines["block-diffusion stream masks (bool)"] == b * 3 * T * T
+
+    eager = est("eager")
+    probs = eager.lines["block-diffusion eager attention probabilities (saved for backward)"]
+    assert probs == b * shape.heads * N * N * 2 * per
+    assert any("eager materialises" in n for n in eager.notes) and eager.total > sdpa.total
+
+    flex = est("flex_attention")
+    assert flex.lines["block-diffusion FlexAttention, compiled (log-sum-exp, saved for backward)"] == b * shape.heads * N * 4 * per
+    assert flex.lines["block-diffusion FlexAttention BlockMask"] == b * am.flex_block_mask_bytes(1, N)
+    raw = am.flex_bytes(False, 1, shape.heads, N).total
+    assert raw > 32 * 2**30 and any(f"{raw / 2**30:.1f} GiB" in n and "refused" in n for n in flex.notes)
+    assert flex.total < sdpa.total < eager.total
+
+    masked = model_shape_of("builtin:small")
+    plain = {a: est(a, "builtin:small", "packed", masked) for a in ("sdpa", "eager", "flex_attention")}
+    assert not any("block-diffusion" in k for e in plain.values() for k in e.lines)
+    assert "packed attention masks (bool + bf16 bias)" in plain["sdpa"].lines
+    assert "eager attention scores" in plain["eager"].lines and "eager attention scores" not in plain["sdpa"].lines
+    assert not any("mask" in k or "scores" in k for k in plain["flex_attention"].lines)
+
+
+def model_shape_of(name):
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.training.memory import model_shape
+
+    return model_shape(load_recipe(None, [f"model.name_or_path={name}"], output_dir="x"))

@@ -38,23 +38,24 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
   reduce-scatters every micro-batch (``training.loop.Run.sync``), DDP's
   gradients are whole anyway;
-* what the likelihood adds (its footprint: keys and values its attention copies and keeps, its own
-  masks). Block diffusion: a row is K noisy streams and one shared clean stream, (K+1) x max_length
-  tokens (``dllm_align.models.block_attention``), the clean stream never scored; plus the streams
-  attention's boolean masks (3 x max_length^2 bytes per row) and the keys and values it concatenates
-  per noisy stream (4 x heads x head_dim per noisy token and layer, kept for the backward). SDPA's
-  memory-efficient CUDA kernel keeps no score matrix; the CPU's math kernel does (not counted:
-  ``doctor`` sizes GPUs);
-* packed rows under SDPA or eager attention: the [rows, 1, L, L] boolean block
-  mask and its bf16 additive form (3 bytes per entry; flash and flex take
-  sequence offsets instead), unless the likelihood's own masks cover packed
-  rows (block diffusion's streams masks);
+* what the likelihood adds (its footprint), per attention implementation, in the bytes the kernel CUDA
+  chooses for it needs (``dllm_align.models.attention_memory``). Masked diffusion: packed rows under
+  SDPA or eager attention hold the [rows, 1, L, L] boolean block mask and its bf16 additive form (3 bytes
+  per entry; flash and flex take sequence offsets instead); eager attention adds rows x heads x length^2
+  x 4 bytes of scores, shown as its own line. Block diffusion: a row is K noisy streams and one shared
+  clean stream, (K+1) x max_length tokens (``dllm_align.models.block_attention``), the clean stream never
+  scored. Under SDPA its two masked 4-D calls run on the memory-efficient kernel, which keeps no score
+  matrix: per layer it keeps the keys and values the streams attention concatenates per noisy stream, the
+  masks' bias and a log-sum-exp per query; the streams' boolean masks (3 x max_length^2 bytes per row)
+  live through the forward. Under eager attention the whole row's scores and probabilities, ((K+1) x
+  max_length)^2 per head; under FlexAttention, compiled: a log-sum-exp per query and the BlockMask
+  (uncompiled it is refused where its score matrix does not fit). What a layer's attention keeps for the
+  backward is kept by one layer at a time with activation checkpointing, by every layer without;
 * a runtime reserve of 2 GiB (CUDA context, NCCL buffers, allocator
   fragmentation).
 
-Attention is assumed memory-efficient (SDPA / flash: O(tokens)); an eager
-implementation adds rows x heads x length^2 x 4 bytes per layer, shown as its
-own line. Mixture-of-experts activations are counted at the top-k experts'
+Plain attention is memory-efficient on CUDA (SDPA's flash or memory-efficient
+kernel, flash-attn: O(tokens), inside the layer's working set). Mixture-of-experts activations are counted at the top-k experts'
 width in the compute dtype (experts run under autocast: :mod:`dllm_align.models.precision`).
 
 Checked against measurements (``tests/test_doctor.py``): on the CPU, the bytes
@@ -378,7 +379,9 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     k = recipe.train_n_mc()
     objective = objective_for(t)
     units = t.batch_size * objective.rows_per_unit
-    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes)
+    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes,
+                                                      attn=recipe.model.attn_implementation or "sdpa",
+                                                      packed=recipe.data.padding == "packed")
     rows = units * foot.rows
     if t.rows_per_forward:
         rows = min(rows, t.rows_per_forward)
@@ -405,9 +408,9 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["activations" + (" (checkpointed layer inputs)" if ckpt else " (every layer)")] = ckpt_inputs if ckpt else L * tokens * per_token_layer
     lines["activations (one layer working set + backward)"] = working if ckpt else tokens * i * 4
     lines["output head (chunked)"] = head
-    if foot.saved_kv_bytes:
-        kv = scored * foot.saved_kv_bytes
-        lines[foot.kv_line] = kv if ckpt else L * kv
+    if foot.attention_saved:  # per unit and layer; a forward of fewer draws than a unit keeps its share
+        kv = scored * foot.attention_saved // (foot.scored_rows * recipe.data.max_length)
+        lines[foot.attention_line] = kv if ckpt else L * kv
         with_ckpt += kv
         without_ckpt += L * kv
     if autocast:
@@ -417,22 +420,15 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         lines["FSDP unsharded gradients before reduce-scatter (root + 1 layer)"] = (
             (shape.embedding_params + d + shape.largest_layer_params) * 4 if not t.lora.enabled else 0)
-    if recipe.data.padding == "packed" and (recipe.model.attn_implementation or "sdpa") in ("sdpa", "eager") \
-            and foot.dense_packed_masks:
-        L_max = recipe.data.max_length
-        lines["packed attention masks (bool + bf16 bias)"] = rows * L_max * L_max * 3
-    notes = []
+    for name, per_row in foot.row_lines:
+        lines[name] = rows * per_row
     if foot.mask_bytes:
         lines[foot.mask_line] = min(units, rows) * foot.mask_bytes  # a forward row holds at most one unit's draws
-    if foot.note:
-        notes.append(foot.note)
-    if recipe.model.attn_implementation == "eager":
-        lines["eager attention scores"] = rows * shape.heads * recipe.data.max_length**2 * 4
-        notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
+    notes = list(foot.notes)
     lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
     copies = "autocast bf16 weight copies (saved for backward)"
     fixed = sum(v for kk, v in lines.items()
-                if not kk.startswith(("activations", "output head (chunked)", copies, foot.kv_line)))
+                if not kk.startswith(("activations", "output head (chunked)", copies, foot.attention_line)))
     total = sum(lines.values())
     if autocast:
         body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
