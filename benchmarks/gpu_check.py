@@ -16,8 +16,10 @@ DIR/gpu_check.json (rewritten after every part), the parts' output to DIR/gpu_ch
   ~1B LLaDA-shaped body under every installed attention backend (sdpa, flash_attention_2 when flash-attn is
   installed, flex_attention) and for an SDAR-shaped block-diffusion body (sdpa and flex streams attention).
 * ``doctor``: an 8B LLaDA-shaped body with LoRA and activation checkpointing, 8 draws, one row per step,
-  ``padding: paper`` at the median and the 95th-percentile kto-mix-14k length: measured peak memory against
-  ``doctor``'s estimate for that very shape, seconds per step, and the epoch projected by tokens.
+  ``padding: paper`` at the median and the 95th-percentile kto-mix-14k length (``--doctor-shapes``): measured
+  peak memory (loading and steps apart) against ``doctor``'s estimate for that very shape, seconds per step, and
+  the epoch projected by tokens. A shape runs only where the estimate fits; running out of memory anyway is
+  recorded as a finding (the command then exits 1), and the next shape runs.
 * ``families``: for every registered model family's built-in shrunk model, one bf16 step and one generation.
 * ``benchmarks``: ``benchmarks/run.py --quick`` (throughput against the straightforward method), as JSON.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import math
 import os
@@ -111,6 +114,8 @@ class Check:
             res = Path(tmp) / "result.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--result", str(res), "--out", str(self.out),
                    "--device", self.args.device, "--limit", str(limit)] + (["--tiny"] if self.args.tiny else [])
+            cmd += ["--doctor-shapes", *getattr(self.args, "doctor_shapes", DOCTOR_SHAPES),
+                    "--pytest-runs", *getattr(self.args, "pytest_runs", PYTEST_RUNS)]
             t = time.monotonic()
             with self.log.open("a", encoding="utf-8") as log:
                 log.write(f"\n===== {name} (limit {limit:.0f} s) =====\n")
@@ -225,13 +230,17 @@ def _env() -> dict:
                 HF_DATASETS_OFFLINE="1", DLLM_ALIGN_NO_PROGRESS="1")
 
 
-def run_pytest(part: Part, tiny: bool, device: str) -> dict:
+PYTEST_RUNS = ("gpu-marked", "invariants-and-kernels")
+DOCTOR_SHAPES = ("p50", "p95")
+
+
+def run_pytest(part: Part, tiny: bool, device: str, which=PYTEST_RUNS) -> dict:
     runs = [("gpu-marked", ["-m", "gpu"])]
     if not tiny:
         runs.append(("invariants-and-kernels", ["tests/test_invariants.py", "tests/test_block_attention.py", "tests/test_packing.py",
                                                 "-k", "step0 or same_device or within_sequences or fused or flash or flex"]))
     out = {}
-    for name, args in runs:
+    for name, args in [r for r in runs if r[0] in which]:
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *args], cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=max(part.left() - 2, 1))
         tail = (p.stdout + p.stderr).strip().splitlines()
@@ -343,6 +352,9 @@ def _smoke(rec, steps: int) -> dict:
     try:
         return d.smoke(rec, steps, Launch())
     finally:
+        # the run's models sit in reference cycles until the collector runs: without this the 8B policy of one
+        # doctor shape (27.9 GB) was still on the device when the next shape loaded, and that one ran out of memory
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -373,15 +385,18 @@ def invariants(part: Part, tiny: bool, device: str) -> dict:
     return {"rows": rows, "all_ok": all(r.get("ok") for r in rows)}
 
 
-def doctor_timing(part: Part, tiny: bool, device: str) -> dict:
+def doctor_timing(part: Part, tiny: bool, device: str, which=DOCTOR_SHAPES) -> dict:
     """doctor's estimate against a measurement, for the very shape measured: an 8B LLaDA-shaped body, LoRA,
-    activation checkpointing, 8 draws of one row per step, padded to the median and the 95th-percentile length."""
+    activation checkpointing, 8 draws of one row per step, padded to the median and the 95th-percentile length.
+    A shape runs only where doctor's estimate says it fits; one that runs out of memory anyway is a finding
+    (``findings``), not the part's end."""
     import torch
 
     from dllm_align.training import doctor as d
     from dllm_align.training.memory import RESERVE, Launch
 
     _build_on(device)
+    OOM = getattr(torch, "OutOfMemoryError", MemoryError)
     model = _register_shapes(tiny)["8b"]
     pairs = read_lengths()
     totals = [min(p + c, 4096) for p, c in pairs]
@@ -390,25 +405,42 @@ def doctor_timing(part: Part, tiny: bool, device: str) -> dict:
     out: dict = {"model": model, "training": "LoRA r=8 (the recipe's targets), activation checkpointing, online reference",
                  "shapes": {}}
     per_token = []
-    for q in (0.5, 0.95):
+    for q in [q for q in (0.5, 0.95) if f"p{int(q * 100)}" in which]:
         length = -(-percentile(totals, q) // scale // 64) * 64  # padded to a multiple of 64
         data = Path(tempfile.mkdtemp(prefix="gpu-check-doctor-")) / "rows.jsonl"
         write_rows(data, 16, scale, length, length=length - 24)
         rec = _recipe(model, data, padding="paper", attn="sdpa", lora=True, device=device, k=k, max_length=length, batch=1,
                       ckpt=True, extra=("train.lora.r=8",))
         mem = d.memory_report(rec, Launch())
-        est = mem["estimate"]["total"]
+        e = mem["estimate"]
+        est = e["total"]
         shape = f"{k} draws x {length} tokens, 1 row"
+        name = f"p{int(q * 100)}"
+        row = {"draws_x_tokens": shape, "estimate_bytes": est, "estimate_without_reserve_bytes": est - RESERVE,
+               "estimate_steps_bytes": e["steps"] - RESERVE, "estimate_loading_bytes": max(e["loading"] - RESERVE, 0)}
         cap = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
-        if cap is not None and est - RESERVE > cap:
-            out["shapes"][f"p{int(q * 100)}"] = {"draws_x_tokens": shape, "estimate_bytes": est, "skipped": "estimate exceeds the GPU"}
+        if cap is not None and est > cap:  # doctor's own verdict: does not fit
+            out["shapes"][name] = {**row, "skipped": f"doctor's estimate {est / 1e9:.1f} GB does not fit {cap / 1e9:.1f} GB"}
+            part.save(**out)
             continue
-        sm = _smoke(rec, 2)
+        try:
+            sm = _smoke(rec, 2)
+        except OOM as x:  # doctor said it fits, the device disagreed: a finding, and the next shape still runs
+            msg = f"{shape}: out of memory where doctor's estimate ({est / 1e9:.1f} GB) fits" + (
+                f" {cap / 1e9:.1f} GB" if cap else "")
+            out["shapes"][name] = {**row, "out_of_memory": f"{type(x).__name__}: {x}"[:300]}
+            out.setdefault("findings", []).append(msg)
+            print(f"finding: {msg}", file=sys.stderr, flush=True)
+            part.save(**out)
+            continue
         per_token.append(sm["seconds_per_step"] / (k * length))
-        out["shapes"][f"p{int(q * 100)}"] = {
-            "draws_x_tokens": shape, "seconds_per_step": sm["seconds_per_step"], "peak_memory_bytes": sm["peak_memory_bytes"],
-            "peak_memory_kind": sm["peak_memory_kind"], "estimate_bytes": est, "estimate_without_reserve_bytes": est - RESERVE,
-            "measured_over_estimate": sm["peak_memory_bytes"] / max(est - RESERVE, 1), "invariant_ok": sm["invariant"]["ok"]}
+        row.update(seconds_per_step=sm["seconds_per_step"], peak_memory_bytes=sm["peak_memory_bytes"],
+                   peak_memory_kind=sm["peak_memory_kind"], peak_memory_loading_bytes=sm.get("peak_memory_loading_bytes"),
+                   peak_memory_steps_bytes=sm.get("peak_memory_steps_bytes"),
+                   measured_over_estimate=sm["peak_memory_bytes"] / max(est - RESERVE, 1), invariant_ok=sm["invariant"]["ok"])
+        if sm.get("peak_memory_steps_bytes"):
+            row["steps_measured_over_estimate"] = sm["peak_memory_steps_bytes"] / max(e["steps"] - RESERVE, 1)
+        out["shapes"][name] = row
         part.save(**out)
     if per_token:
         drawn = sum(k * min(p + c, 4096) for p, c in pairs) / len(pairs) * KTO_MIX_TRAIN_ROWS / scale
@@ -471,7 +503,7 @@ def run_part(a) -> int:
     os.environ.update(DLLM_ALIGN_NO_PROGRESS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     part = Part(a.result, a.limit)
     try:
-        extra = (a.out,) if a.part == "benchmarks" else ()
+        extra = {"benchmarks": (a.out,), "doctor": (tuple(a.doctor_shapes),), "pytest": (tuple(a.pytest_runs),)}.get(a.part, ())
         data = PARTS[a.part](part, a.tiny, a.device, *extra) or {}
         part.save(status="ok", **data)
         return 0
@@ -489,6 +521,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                     help=f"seconds for all parts together, shared out by SHARES (default {DEFAULT_BUDGET:g})")
     ap.add_argument("--only", nargs="*", metavar="PART", choices=list(PARTS), help="run only these parts")
+    ap.add_argument("--doctor-shapes", nargs="+", default=list(DOCTOR_SHAPES), choices=list(DOCTOR_SHAPES),
+                    help="the doctor part's kto-mix length percentiles (default: both)")
+    ap.add_argument("--pytest-runs", nargs="+", default=list(PYTEST_RUNS), choices=list(PYTEST_RUNS),
+                    help="the pytest part's runs (default: both; the second is not run with --tiny)")
     ap.add_argument("--measure-lengths", type=Path, metavar="FOLDER", help="rewrite benchmarks/kto_mix_lengths.json from the kto-mix-14k test split")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -516,8 +552,9 @@ def main(argv=None) -> int:
     for name in names:
         chk.part(name, limits[name])
     bad = [n for n, p in chk.result["parts"].items() if p["status"] != "ok"]
-    print(json.dumps({"json": str(a.out / "gpu_check.json"), "not_ok": bad, "seconds": chk.result["seconds"]}))
-    return 1 if bad else 0
+    findings = [f"{n}: {f}" for n, p in chk.result["parts"].items() for f in p.get("findings", [])]
+    print(json.dumps({"json": str(a.out / "gpu_check.json"), "not_ok": bad, "findings": findings, "seconds": chk.result["seconds"]}))
+    return 1 if bad or findings else 0
 
 
 if __name__ == "__main__":

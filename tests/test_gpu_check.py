@@ -133,3 +133,46 @@ def test_environment_part_names_a_too_old_transformers(monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.1.0")
     with pytest.raises(UserError, match=r"transformers 5\.1\.0 is too old"):
         mod.environment(None, True, "cpu")
+
+
+def test_doctor_part_records_an_out_of_memory_shape_as_a_finding_and_goes_on(tmp_path, monkeypatch):
+    """A shape doctor says fits but the device cannot hold is a finding with the estimate beside it; the part
+    still finishes, and the next shape runs (here the p50 shape runs out of memory, the p95 one runs)."""
+    import torch
+
+    mod = _module()
+    real, calls = mod._smoke, []
+
+    def smoke(rec, steps):
+        calls.append(rec.data.max_length)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 420.00 MiB.")
+        return real(rec, 1)
+
+    monkeypatch.setattr(mod, "_smoke", smoke)
+    monkeypatch.setattr(mod, "_build_on", lambda device: None)
+    part = mod.Part(tmp_path / "result.json", 300)
+    out = mod.doctor_timing(part, True, "cpu")
+    p50, p95 = out["shapes"]["p50"], out["shapes"]["p95"]
+    assert len(calls) == 2 and calls[0] < calls[1]
+    assert "OutOfMemoryError" in p50["out_of_memory"] and p50["estimate_bytes"] > 0 and "seconds_per_step" not in p50
+    assert out["findings"] == [f"{p50['draws_x_tokens']}: out of memory where doctor's estimate "
+                               f"({p50['estimate_bytes'] / 1e9:.1f} GB) fits"]
+    assert p95["seconds_per_step"] > 0 and p95["invariant_ok"] and "out_of_memory" not in p95
+    assert json.loads((tmp_path / "result.json").read_text())["findings"] == out["findings"]  # saved as it happened
+
+
+def test_doctor_part_runs_only_the_shapes_asked_for(tmp_path, monkeypatch):
+    mod = _module()
+    seen = []
+
+    def smoke(rec, steps):
+        seen.append(rec.data.max_length)
+        raise KeyboardInterrupt  # enough: the shape was reached
+
+    monkeypatch.setattr(mod, "_smoke", smoke)
+    monkeypatch.setattr(mod, "_build_on", lambda device: None)
+    with pytest.raises(KeyboardInterrupt):
+        mod.doctor_timing(mod.Part(tmp_path / "r.json", 300), True, "cpu", ("p95",))
+    p95 = -(-mod.percentile([min(p + c, 4096) for p, c in mod.read_lengths()], 0.95) // 16 // 64) * 64
+    assert seen == [p95]
