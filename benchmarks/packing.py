@@ -58,11 +58,12 @@ CONFIGS = {  # name -> (padding, group_by_length)
 def save_body_model(folder: Path):
     """A body-dominated bidirectional model (4 x 256, the tiny tokenizer's vocabulary), random init, seed 0."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models.load import _ready_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import build_tiny_tokenizer, require_transformers
 
-    _ready_transformers()
+    require_transformers(transformers.__version__)  # older releases make the body causal
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -99,7 +100,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from dllm_align.training import reference
+    from dllm_align.training import cache, reference
     from dllm_align.data.batching import micro_batches, plan_batches, tokens_fed
     from dllm_align.core.console import info
     from dllm_align.data.examples import make_collate
@@ -123,13 +124,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
             for m, folder in folders.items():
                 for name in CONFIGS:  # interleaved, so that load from other jobs does not land on one side only
                     recipe = _recipe(folder, root, name, device, batch, max_length)
-                    shutil.rmtree(reference.cache_dir(recipe), ignore_errors=True)
+                    shutil.rmtree(cache.cache_dir(recipe), ignore_errors=True)
                     ref_mp = load_model(str(folder), dtype="auto", device=device)
                     rep = reference.precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp)
                     del ref_mp
                     times[m, name]["pre"].append([rep.seconds])
-                    cache = reference.ReferenceCache.open(reference.cache_dir(recipe))
-                    values[m, name] = cache.lookup([e.id for e in examples], tp.K)
+                    ref_cache = cache.ReferenceCache.open(cache.cache_dir(recipe))
+                    values[m, name] = ref_cache.lookup([e.id for e in examples], tp.K)
                     train(recipe, examples=examples, accelerator=acc, overwrite=True)
                     rows = [json.loads(x) for x in (root / f"run_{name}" / "metrics.jsonl").read_text().splitlines()]
                     times[m, name]["train"].append([r["seconds"] for r in rows])

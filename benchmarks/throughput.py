@@ -109,11 +109,12 @@ def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
 def save_model(folder: Path):
     """The benchmark model (random init, seed 0) and the tiny tokenizer, in save_pretrained layout."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dllm_align.models.load import _ready_transformers, build_tiny_tokenizer
+    from dllm_align.models.load import build_tiny_tokenizer, require_transformers
 
-    _ready_transformers()
+    require_transformers(transformers.__version__)  # older releases make the body causal
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -318,7 +319,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from dllm_align.training import reference
+    from dllm_align.training import cache, reference
     from dllm_align.data.batching import plan_batches
     from dllm_align.core.console import info
     from dllm_align.objective.elbo import DrawConfig
@@ -347,13 +348,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         ours_pre, ours_train, sf_pre, sf_train = [], [], [], []
         for rep_i in range(repeats):
             # -- ours: the reference precompute and the training loop, as `precompute-ref` and `train` run them
-            shutil.rmtree(reference.cache_dir(recipe), ignore_errors=True)
+            shutil.rmtree(cache.cache_dir(recipe), ignore_errors=True)
             ref_mp = load_model(str(folder), dtype="auto", device=device)
             rep = reference.precompute(recipe, examples, collate, acc, ref_mp)
             ours_pre.append([rep.seconds])
             del ref_mp
-            cache = reference.ReferenceCache.open(reference.cache_dir(recipe))
-            ours_values = cache.lookup([e.id for e in examples], K)
+            ref_cache = cache.ReferenceCache.open(cache.cache_dir(recipe))
+            ours_values = ref_cache.lookup([e.id for e in examples], K)
             train(recipe, examples=examples, accelerator=acc, overwrite=True)
             rows = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
             ours_train.append([r["seconds"] for r in rows])
