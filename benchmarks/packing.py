@@ -104,13 +104,18 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.data.batching import micro_batches, plan_batches, tokens_fed
     from dllm_align.core.console import info
     from dllm_align.data.examples import make_collate
+    from dllm_align.data.public import Unavailable, kto_mix_test
     from dllm_align.models.load import load_model
     from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
+    try:
+        data = kto_mix_test(tp.REPO)
+    except Unavailable as e:
+        return {"packing_skipped": f"kto-mix-14k test split unavailable: {e}"}
     n_rows, scale, batch, repeats = SETTINGS[quick]
-    examples = tp.load_examples(n_rows, scale)
+    examples = tp.load_examples(data, n_rows, scale)
     max_length = math.ceil(tp.MAX_LENGTH * scale)
     lengths = [e.length for e in examples]
     models = {"body": save_body_model, "head": tp.save_model}

@@ -64,7 +64,7 @@ K = 8
 CHARS_PER_TOKEN = 4.0
 MAX_LENGTH = 4096
 BETA = 0.1
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-test"
+REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {  # quick -> (rows, scale, batch, repeats)
     False: (32, 1 / 24, 4, 2),
     True: (16, 1 / 32, 4, 1),
@@ -72,8 +72,9 @@ SETTINGS = {  # quick -> (rows, scale, batch, repeats)
 
 
 # --------------------------------------------------------------------------- rows and model
-def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
-    """Real rows cut to their scaled LLaDA-token length (module docstring)."""
+def load_examples(folder: Path, n_rows: int, scale: float, seed: int = 0) -> list:
+    """Real rows (``folder``: chosen.jsonl + rejected.jsonl) cut to their scaled LLaDA-token length
+    (module docstring)."""
     import dataclasses
 
     import numpy as np
@@ -83,11 +84,9 @@ def load_examples(n_rows: int, scale: float, seed: int = 0) -> list:
     from dllm_align.config.schema import DataSection
     from dllm_align.data.tokenize import Example, end_of_turn_id, tokenize_rows
 
-    if not (SHARED / "chosen.jsonl").exists():
-        raise FileNotFoundError(f"shared rows not found at {SHARED}")
     rows = []
     for name, label in (("chosen", True), ("rejected", False)):
-        for r in load_unpaired(str(SHARED / f"{name}.jsonl"), label=label, quiet=True):
+        for r in load_unpaired(str(folder / f"{name}.jsonl"), label=label, quiet=True):
             rows.append(dataclasses.replace(r, id=f"{r.id}:{name}"))
     pick = np.random.default_rng(seed).choice(len(rows), n_rows, replace=False)
     rows = [rows[i] for i in sorted(pick)]
@@ -325,12 +324,18 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
     from dllm_align.objective.elbo import DrawConfig
     from dllm_align.models.load import load_model
     from dllm_align.data.examples import make_collate
+    from dllm_align.data.public import Unavailable, kto_mix_test
     from dllm_align.training.train import train
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
+    try:
+        # ../shared beside the checkout, DLLM_ALIGN_KTO_MIX_TEST, a cached copy, or the hub
+        data = kto_mix_test(REPO)
+    except Unavailable as e:
+        return {"throughput_skipped": f"kto-mix-14k test split unavailable: {e}"}
     n_rows, scale, batch, repeats = SETTINGS[quick]
-    examples = load_examples(n_rows, scale)
+    examples = load_examples(data, n_rows, scale)
     cfg = DrawConfig(n_mc=K, seed=0)
     max_length = math.ceil(MAX_LENGTH * scale)
     with tempfile.TemporaryDirectory(prefix="dllm-bench-") as tmp:

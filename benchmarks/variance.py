@@ -15,15 +15,15 @@ import copy
 from pathlib import Path
 
 N_MC = 8
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "kto-mix-14k-test"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _examples(tok, n_rows: int):
+def _examples(folder: Path, tok, n_rows: int):
     from dllm_align.data.load import load_unpaired
     from dllm_align.config.schema import DataSection
     from dllm_align.data.tokenize import tokenize_rows
 
-    rows = load_unpaired(str(SHARED / "chosen.jsonl"), label=True, quiet=True)[:n_rows]
+    rows = load_unpaired(str(folder / "chosen.jsonl"), label=True, quiet=True)[:n_rows]
     section = DataSection(max_length=160, truncation="prompt_left", max_prompt_length=96)
     return tokenize_rows(rows, tok, section, quiet=True)
 
@@ -34,10 +34,15 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
 
     from dllm_align.data.batching import collate
     from dllm_align.objective.elbo import DrawConfig, elbo_draws
+    from dllm_align.data.public import Unavailable, kto_mix_test
     from dllm_align.models.load import load_model
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
+    try:
+        data = kto_mix_test(REPO)
+    except Unavailable as e:
+        return {"variance_skipped": f"kto-mix-14k test split unavailable: {e}"}
     ref = load_model("builtin:tiny", device=device, dtype="auto")  # bf16 on CUDA, fp32 on CPU
     pol = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(0)
@@ -45,7 +50,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         for p in pol.model.parameters():
             p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.005)
     n_rows, R = (8, 12) if quick else (24, 30)
-    exs = _examples(ref.tokenizer, n_rows)
+    exs = _examples(data, ref.tokenizer, n_rows)
     batch = collate(exs, "none", 160, ref.tokenizer.pad_token_id)
     batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
