@@ -485,8 +485,8 @@ class _LiveBytes:
     # a narrow deep body and long draws: the peak is in a step (checkpointed inputs, one layer's working set)
     (dict(hidden_size=128, layers=8, heads=4, intermediate_size=384), 8, 192, "steps"),
 ])
-def test_estimate_matches_the_measured_peak_of_a_lora_run_with_an_online_reference(tmp_path, monkeypatch, spec, draws,
-                                                                                   length, peak):
+def test_estimate_matches_the_measured_peak_of_a_lora_run_with_an_online_reference(tmp_path, monkeypatch, fresh_accelerate,
+                                                                                   spec, draws, length, peak):
     """doctor's estimate (reserve left out) against the peak of live tensor bytes of a real smoke run (model
     loading, two LoRA steps with activation checkpointing, bf16 autocast, the online reference resident) on the
     CPU, measured the way CUDA's max_memory_allocated counts: within 0.85-1.15x. The 8B LoRA shape measured
