@@ -50,6 +50,25 @@ def test_driver_runs_padding_and_writes_json(shared_data, tmp_path):
     assert {"date", "torch", "cores", "threads"} <= set(payload["machine"])
 
 
+def test_benchmarks_on_kto_mix_rows_say_skipped_without_them(tmp_path):
+    """A GPU node without the split (no ../shared, no `datasets`): the benchmarks that need its rows report
+    skipped with the reason, and the run still succeeds (they failed with FileNotFoundError on an H100)."""
+    import os
+
+    empty = tmp_path / "no-rows"
+    empty.mkdir()
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, DLLM_ALIGN_KTO_MIX_TEST=str(empty), PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick", "--only", "throughput", "packing", "variance",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())["results"]
+    for mod in ("throughput", "packing", "variance"):
+        assert "DLLM_ALIGN_KTO_MIX_TEST" in r[f"{mod}_skipped"] and f"{mod}_error" not in r
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "skipped" in line]
+    assert len(rows) == 7 and all(line.rstrip().endswith("| skipped |") for line in rows)
+
+
 def test_driver_exit_codes(bench_path, monkeypatch, capsys):
     import run
 

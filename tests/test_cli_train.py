@@ -39,6 +39,13 @@ def _env() -> dict:
     return env
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_per_test(fresh_accelerate):
+    """Every test's runs start from a clean accelerate state: a state an earlier run left (another mixed
+    precision) makes the next Accelerator refuse to start."""
+    yield
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A recipe file on the toy pairs, and a run folder whose reference cache is already computed."""
@@ -217,11 +224,16 @@ def test_shipped_accelerate_configs_load():
     assert single.num_processes == 1
 
 
-@pytest.mark.gpu
-def test_bf16_autocast_step_on_gpu(toy, tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device: bf16 autocast is only used on GPU")
-    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.max_steps=2"])
+@pytest.mark.parametrize("precision", ["bf16-set", pytest.param("auto-on-gpu", marks=pytest.mark.gpu)])
+def test_bf16_autocast_step(toy, tmp_path, precision):
+    """A bf16 run after fp32 ones in the same process (the module's fixture and earlier tests): accelerate's
+    process-wide state, made by the first run, refuses another mixed precision unless reset between tests
+    (the autouse fixture below). On the GPU ``auto`` picks bf16; on the CPU the recipe asks for it."""
+    if precision == "auto-on-gpu" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: train.mixed_precision auto picks bf16 only on GPU")
+    # (the module's cache is fp32 on the CPU: the bf16 run computes its reference online)
+    sets = ["--set", "train.mixed_precision=bf16", "--set", "reference.mode=online"] if precision == "bf16-set" else []
+    res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.max_steps=2", *sets])
     assert res.exit_code == 0, res.output
     assert "mixed precision bf16" in res.stderr
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in _metrics(tmp_path))

@@ -209,11 +209,11 @@ def test_activation_terms_match_what_a_real_forward_saves(name, mp, R, T):
 @pytest.mark.parametrize("mp", ["no", "bf16"])
 @pytest.mark.parametrize("K, T", [(4, 256), (8, 128)])
 def test_block_activation_terms_match_what_a_real_streams_forward_saves(name, mp, K, T):
-    """A block family's activation, K/V-copy, head (and bf16 weight-copy) lines against what a real ELBO forward
-    over K noisy streams and the clean one saves for its backward on the CPU. The CPU's math SDPA kernel also
-    keeps each attention's [T, 2T] / [T, T] probabilities, which CUDA's memory-efficient kernel does not keep and
-    doctor does not count: they are left out of the measurement. Measured 0.84-0.86x (without the K/V-copy
-    line: 0.73-0.79x)."""
+    """A block family's activation, streams-attention, head (and bf16 weight-copy) lines against what a real ELBO
+    forward over K noisy streams and the clean one saves for its backward on the CPU. doctor counts the attention
+    as CUDA's memory-efficient kernel keeps it (K/V copies, the masks' bias, a log-sum-exp: no probabilities);
+    the CPU's math kernel keeps each attention's [T, 2T] / [T, T] probabilities instead, which are left out of
+    the measurement (test_doctor_counts_attention_as_cudas_kernel_needs_it checks the kernel's own bytes)."""
     from dllm_align.config.recipe import load_recipe
     from dllm_align.models.load import load_model
     from dllm_align.models.precision import Precision
@@ -225,7 +225,8 @@ def test_block_activation_terms_match_what_a_real_streams_forward_saves(name, mp
     shape = model_shape(rec)
     est = estimate(shape, rec, Launch(), autocast=mp == "bf16")
     assert est.tokens == (K + 1) * T and not est.checkpointing
-    keys = ["activations (every layer)", "output head (chunked)", "block-diffusion streams K/V copies (saved for backward)"]
+    keys = ["activations (every layer)", "output head (chunked)",
+            "block-diffusion streams attention, SDPA efficient kernel (K/V copies, bias; saved for backward)"]
     keys += ["autocast bf16 weight copies (saved for backward)"] if mp == "bf16" else []
     predicted = sum(est.lines[k] for k in keys) - 128 * shape.vocab * 6  # the [128, V] block is scratch
     m = load_model(name, dtype="float32")
@@ -520,3 +521,143 @@ def test_doctor_on_the_published_diffusiongemma_26b_a4b_with_lora_on_8_h100(tmp_
     assert K * C * V * 4 == 2_147_483_648
     res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
     assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma: encoder layer i"), res.output
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_doctor_counts_attention_as_cudas_kernel_needs_it(ckpt):
+    """Per backend, the attention bytes of the kernel CUDA runs (SDAR-1.7B's shape, 8 draws x 4,096 tokens,
+    bf16): SDPA's two masked 4-D calls on the memory-efficient kernel keep K/V copies, the bias and a
+    log-sum-exp (no score matrix: a tenth of what the math kernel would keep); eager keeps the whole row's
+    probabilities; FlexAttention is counted compiled, with the uncompiled score matrix named in a note. Each
+    kept per layer: once with checkpointing, every layer without. A masked family's lines are its own."""
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.models import attention_memory as am
+    from dllm_align.training.memory import Launch, estimate, shape_from_config
+
+    cfg = json.loads((Path(__file__).parent / "fixtures" / "sdar_1.7b_chat_config.json").read_text())
+    shape = shape_from_config(cfg, "sdar")
+    K, T, b = 8, 4096, 2
+    N, per = (K + 1) * T, 1 if ckpt else shape.layers
+
+    def est(attn, name="builtin:small-sdar", pad="paper", s=shape):
+        rec = load_recipe(None, [f"model.name_or_path={name}", f"reference.n_mc={K}", f"train.batch_size={b}",
+                                 f"data.max_length={T}", f"data.padding={pad}", "train.mixed_precision=bf16",
+                                 f"model.attn_implementation={attn}"], output_dir="x")
+        return estimate(s, rec, Launch(activation_checkpointing=ckpt), autocast=True)
+
+    sdpa = est("sdpa")
+    line = "block-diffusion streams attention, SDPA efficient kernel (K/V copies, bias; saved for backward)"
+    fused = am.streams_sdpa_bytes("efficient", 1, shape.heads, shape.head_dim, K, T, 2).saved
+    math = am.streams_sdpa_bytes("math", 1, shape.heads, shape.head_dim, K, T, 2).saved
+    assert sdpa.lines[line] == b * fused * per and fused * 10 < math
+    assert sdpa.lines["block-diffusion stream masks (bool)"] == b * 3 * T * T
+
+    eager = est("eager")
+    probs = eager.lines["block-diffusion eager attention probabilities (saved for backward)"]
+    assert probs == b * shape.heads * N * N * 2 * per
+    assert any("eager materialises" in n for n in eager.notes) and eager.total > sdpa.total
+
+    flex = est("flex_attention")
+    assert flex.lines["block-diffusion FlexAttention, compiled (log-sum-exp, saved for backward)"] == b * shape.heads * N * 4 * per
+    assert flex.lines["block-diffusion FlexAttention BlockMask"] == b * am.flex_block_mask_bytes(1, N)
+    raw = am.flex_bytes(False, 1, shape.heads, N).total
+    assert raw > 32 * 2**30 and any(f"{raw / 2**30:.1f} GiB" in n and "refused" in n for n in flex.notes)
+    assert flex.total < sdpa.total < eager.total
+
+    masked = model_shape_of("builtin:small")
+    plain = {a: est(a, "builtin:small", "packed", masked) for a in ("sdpa", "eager", "flex_attention")}
+    assert not any("block-diffusion" in k for e in plain.values() for k in e.lines)
+    assert "packed attention masks (bool + bf16 bias)" in plain["sdpa"].lines
+    assert "eager attention scores" in plain["eager"].lines and "eager attention scores" not in plain["sdpa"].lines
+    assert not any("mask" in k or "scores" in k for k in plain["flex_attention"].lines)
+
+
+def model_shape_of(name):
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.training.memory import model_shape
+
+    return model_shape(load_recipe(None, [f"model.name_or_path={name}"], output_dir="x"))
+
+
+class _LiveBytes:
+    """The peak of live tensor storage bytes created while it is active, on the CPU: what CUDA's
+    ``max_memory_allocated`` counts (every op's outputs go through a dispatch mode; a storage counts from its
+    first op until its last reference goes, seen through a weak reference to it). Views share their storage."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.live, self.now, self.peak = {}, 0, 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker.add(out)
+                return out
+
+        self.mode = Mode()
+
+    def sweep(self):
+        for k in [k for k, (w, _) in self.live.items() if w.expired()]:
+            self.now -= self.live.pop(k)[1]
+
+    def add(self, out):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_flatten
+
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                w = StorageWeakRef(t.untyped_storage())
+                old = self.live.get(w.cdata)
+                if old is not None and not old[0].expired():
+                    continue
+                if old is not None:  # a freed storage's address reused
+                    self.now -= self.live.pop(w.cdata)[1]
+                self.live[w.cdata] = (w, t.untyped_storage().nbytes())
+                self.now += self.live[w.cdata][1]
+                if self.now > self.peak:
+                    self.sweep()
+                    self.peak = max(self.peak, self.now)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("spec, draws, length, peak", [
+    # a wide body and short draws: the peak is while loading (the policy and the fp32 reference before its cast)
+    (dict(hidden_size=768, layers=4, heads=12, intermediate_size=2304), 2, 48, "loading"),
+    # a narrow deep body and long draws: the peak is in a step (checkpointed inputs, one layer's working set)
+    (dict(hidden_size=128, layers=8, heads=4, intermediate_size=384), 8, 192, "steps"),
+])
+def test_estimate_matches_the_measured_peak_of_a_lora_run_with_an_online_reference(tmp_path, monkeypatch, fresh_accelerate,
+                                                                                   spec, draws, length, peak):
+    """doctor's estimate (reserve left out) against the peak of live tensor bytes of a real smoke run (model
+    loading, two LoRA steps with activation checkpointing, bf16 autocast, the online reference resident) on the
+    CPU, measured the way CUDA's max_memory_allocated counts: within 0.85-1.15x. The 8B LoRA shape measured
+    55.92 GB on an H100 where the steps' lines alone said 46.4 GB (0.83x): the fp32 reference while loading."""
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
+    from dllm_align.training import doctor as d
+    from dllm_align.training.memory import RESERVE, Launch, estimate, model_shape
+
+    monkeypatch.setitem(BUILTIN_SPECS, "builtin:doctor-peak", TinySpec(max_position_embeddings=512, **spec))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": [{"role": "user", "content": "p" * (length // 3)}],
+                                        "completion": [{"role": "assistant", "content": "c" * length}], "label": i % 2 == 0})
+                            + "\n" for i in range(4)))
+    rec = load_recipe("demo", ["model.name_or_path=builtin:doctor-peak", f"data.train={rows}", "data.format=unpaired",
+                               "data.padding=paper", f"data.max_length={length}", "train.lora.enabled=true", "train.lora.r=8",
+                               "train.mixed_precision=bf16", "model.gradient_checkpointing=true", "reference.mode=online",
+                               f"reference.n_mc={draws}", f"train.n_mc={draws}", "train.batch_size=1",
+                               "train.global_batch_size=1"], str(tmp_path / "run"))
+    est = estimate(model_shape(rec), rec, Launch(), autocast=True)
+    assert (est.loading > est.steps) == (peak == "loading"), (est.loading, est.steps)
+    with _LiveBytes() as live:
+        d.smoke(rec, 2, Launch())
+    ratio = live.peak / (est.total - RESERVE)
+    assert 0.85 <= ratio <= 1.15, (peak, live.peak, est.total - RESERVE, est.lines)

@@ -49,18 +49,52 @@ def recipe(toy, mp: str, *sets: str, out: str = "run"):
 
 
 def cache_for(toy, mp: str):
-    """Precompute (the library path: the reference loaded in the training precision) once per precision."""
+    """Precompute (the library path: the reference loaded in the training precision) once per precision, on the
+    device training will use (the accelerator ``make_accelerator`` gives: CUDA when one is visible), so that
+    every cached case compares two forwards on one device."""
     if mp not in toy["caches"]:
+        from accelerate.state import AcceleratorState, GradientState
+
         from dllm_align.training import reference as ref
+        from dllm_align.training import distributed
         from dllm_align.data.examples import load_training_examples, make_collate
         from dllm_align.models.load import build_tiny_tokenizer
 
         rec = recipe(toy, mp)
         tok = build_tiny_tokenizer()
         exs = load_training_examples(rec, tok, quiet=True)
-        ref.precompute(rec, exs, make_collate(rec, tok), None, None)
+        AcceleratorState._reset_state(True)  # the cache's precision, not a previous test's
+        GradientState._reset_state()
+        try:
+            ref.precompute(rec, exs, make_collate(rec, tok), distributed.make_accelerator(rec), None)
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
         toy["caches"][mp] = exs
     return toy["caches"][mp]
+
+
+def test_cache_and_policy_are_built_on_the_same_device(toy, monkeypatch):
+    """With a CUDA device visible (faked here: make_accelerator answers as it would there), the reference cache
+    is made on the device the step-0 tests train on, not on the CPU."""
+    from types import SimpleNamespace
+
+    from dllm_align.training import reference as ref
+    from dllm_align.training import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    trainer = SimpleNamespace(device=torch.device("cuda"), process_index=0, num_processes=1, is_main_process=True)
+    monkeypatch.setattr(distributed, "make_accelerator", lambda rec: trainer)
+    seen = {}
+
+    def spy(recipe, examples, collate, accelerator=None, ref_mp=None, overwrite=False):
+        # precompute's own rule for its device (training/reference.py)
+        seen["cache"] = accelerator.device if accelerator else torch.device("cpu")
+
+    monkeypatch.setattr(ref, "precompute", spy)
+    monkeypatch.setitem(toy, "caches", {})  # build afresh, through the spy
+    cache_for(toy, "no")
+    assert seen["cache"] == distributed.make_accelerator(None).device == torch.device("cuda")
 
 
 @pytest.mark.parametrize("mp", ["no", "bf16"])

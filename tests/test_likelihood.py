@@ -66,7 +66,7 @@ class AllMasked(Likelihood):
         total = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=lp.device).index_add(0, rows, lp)
         return total[:, None].repeat(1, cfg.n_mc if draws is None else len(draws))
 
-    def footprint(self, shape, draws, length, compute_bytes):
+    def footprint(self, shape, draws, length, compute_bytes, *, attn="sdpa", packed=False):
         return Footprint(rows=1, scored_rows=1)  # one forward row per unit, whatever K
 
 

@@ -113,6 +113,9 @@ def render(report: dict) -> str:
               f"{mem['tokens_per_forward']:,} tokens per forward"]
     for k, v in est["lines"].items():
         lines.append(f"  {k:<58} {v / 2**30:8.2f} GiB")
+    if est.get("loading", 0) > est.get("steps", est["total"]):  # the reference's fp32 load is the peak
+        lines.append(f"  {'a training step':<58} {est['steps'] / 2**30:8.2f} GiB")
+        lines.append(f"  {'while loading (policy + fp32 reference before its cast)':<58} {est['loading'] / 2**30:8.2f} GiB")
     lines.append(f"  {'total':<58} {est['total'] / 2**30:8.2f} GiB ({est['total'] / 1e9:.1f} GB)")
     lines.append(f"  with activation checkpointing {est['total_with_checkpointing'] / 2**30:.1f} GiB; "
                  f"without {est['total_without_checkpointing'] / 2**30:.1f} GiB")

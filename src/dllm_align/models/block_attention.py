@@ -32,7 +32,11 @@ Two more carry the same streams layout to other kernels (``model.attn_implementa
   of the three-part rule (:func:`streams_mask_mod`), so that only the (query block, key block) pairs
   the rule allows are computed: a noisy block meets its own block and the earlier clean blocks, never
   another stream; ordinary forwards (generation) run SDPA. Trains on CUDA (torch has no FlexAttention
-  backward on the CPU).
+  backward on the CPU). The kernel and the BlockMask's construction are compiled (``torch.compile``; on the
+  query's device, at FlexAttention's 128-token tile granularity): uncompiled, both materialise the whole
+  (K+1)T square, and they are refused by name where it does not fit (:mod:`dllm_align.models.attention_memory`).
+
+The noisy streams' SDPA call is 4-D, the draws folded into the heads: CUDA's fused kernels take 4-D inputs only.
 """
 
 from __future__ import annotations
@@ -103,12 +107,12 @@ def dense_streams_mask(s: Streams) -> torch.Tensor:
     return full[:, None]
 
 
-def streams_mask_mod(s: Streams):
-    """The three-part rule as a FlexAttention ``mask_mod`` over the whole (K+1)T row."""
+def streams_mask_mod(s: Streams, device=None):
+    """The three-part rule as a FlexAttention ``mask_mod`` over the whole (K+1)T row (its tensors on ``device``)."""
     k, t = s.draws, s.length
-    blocks = s.blocks
-    valid = s.valid if s.valid is not None else torch.ones_like(blocks, dtype=torch.bool)
-    docs = s.docs if s.docs is not None else torch.zeros_like(blocks)
+    blocks = s.blocks.to(device) if device is not None else s.blocks
+    valid = s.valid.to(blocks.device) if s.valid is not None else torch.ones_like(blocks, dtype=torch.bool)
+    docs = s.docs.to(blocks.device) if s.docs is not None else torch.zeros_like(blocks)
 
     def mask_mod(b, h, q_idx, kv_idx):
         sq, sk = q_idx // t, kv_idx // t
@@ -146,11 +150,16 @@ def streams_attention(module, query, key, value, attention_mask, dropout: float 
     noisy_mask, clean_mask = (m.to(query.device) for m in s.masks)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     clean = sdpa(query[:, :, n:], key[:, :, n:], value[:, :, n:], attn_mask=clean_mask, scale=scaling)
+    # The noisy streams go through one 4-D call with the draws folded into the head dimension ([B, H*K, T, D]
+    # queries over [B, H*K, 2T, D] keys): CUDA's fused kernels (memory-efficient, cuDNN, flash) take 4-D
+    # inputs only, and a 5-D call falls back to the math kernel, which materialises every score. The mask
+    # [B, 1, T, 2T] is shared by every head and draw of a row, so it broadcasts with no copy.
     kc = key[:, :, n:].unsqueeze(2).expand(-1, -1, k, -1, -1)
     vc = value[:, :, n:].unsqueeze(2).expand(-1, -1, k, -1, -1)
-    kn = torch.cat([key[:, :, :n].reshape(b, h, k, t, d), kc], dim=3)
-    vn = torch.cat([value[:, :, :n].reshape(b, h, k, t, d), vc], dim=3)
-    noisy = sdpa(query[:, :, :n].reshape(b, h, k, t, d), kn, vn, attn_mask=noisy_mask, scale=scaling)
+    kn = torch.cat([key[:, :, :n].reshape(b, h, k, t, d), kc], dim=3).reshape(b, h * k, 2 * t, d)
+    vn = torch.cat([value[:, :, :n].reshape(b, h, k, t, d), vc], dim=3).reshape(b, h * k, 2 * t, d)
+    qn = query[:, :, :n].reshape(b, h * k, t, d)
+    noisy = sdpa(qn, kn, vn, attn_mask=noisy_mask[:, :, 0], scale=scaling)
     out = torch.cat([noisy.reshape(b, h, n, d), clean], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
@@ -168,26 +177,86 @@ def streams_attention_eager(module, query, key, value, attention_mask, dropout: 
     return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def _flex_block_mask(s: Streams, n: int, device):
+_COMPILED: dict = {}
+
+
+def flex_compiles(device) -> bool:
+    """Whether ``torch.compile`` can build FlexAttention's fused kernels on ``device``: Triton on CUDA, a C++
+    compiler on the CPU (inductor's code generators)."""
+    import importlib.util
+    import shutil
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    if kind == "cpu":
+        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    return False
+
+
+def _compiled(name: str):
+    """``torch.compile`` of FlexAttention's entry points, made once per process (every layer and forward shares
+    the compiled graphs; shapes that change between batches get one dynamic recompile, torch's default)."""
+    if name not in _COMPILED:
+        from torch.nn.attention import flex_attention as fa
+
+        _COMPILED[name] = torch.compile(getattr(fa, name))
+    return _COMPILED[name]
+
+
+def _refuse_uncompiled(rows: int, heads: int, n: int, device) -> None:
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.attention_memory import flex_refusal
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        available = torch.cuda.mem_get_info(dev)[0]
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    why = flex_refusal(rows, heads, n, available)
+    if why:
+        raise UserError(why)
+
+
+def _flex_block_mask(s: Streams, n: int, device, heads: int):
+    """The BlockMask of the three-part rule at FlexAttention's tile granularity, built on ``device``: compiled
+    (tile by tile, never the whole square) where torch.compile works; uncompiled only where its [rows, n, n]
+    evaluation fits (else refused by name)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     cache = s.__dict__.setdefault("_flex", {})
     if device not in cache:  # one BlockMask per forward (every layer reads it)
-        cache[device] = create_block_mask(streams_mask_mod(s), s.blocks.shape[0], None, n, n, device=device)
+        rows = s.blocks.shape[0]
+        if flex_compiles(device):
+            make = _compiled("create_block_mask")
+        else:
+            _refuse_uncompiled(rows, heads, n, device)
+            make = create_block_mask
+        cache[device] = make(streams_mask_mod(s, device), rows, None, n, n, device=device)
     return cache[device]
 
 
 def streams_attention_flex(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            dllm_streams: Optional[Streams] = None, **kwargs):
     """The streams layout with torch's FlexAttention and a BlockMask of the three-part rule; SDPA without
-    ``dllm_streams`` (generation's short block-causal forwards gain nothing from a compiled kernel)."""
+    ``dllm_streams`` (generation's short block-causal forwards gain nothing from a compiled kernel).
+    Compiled wherever torch.compile works (uncompiled, FlexAttention materialises the whole score matrix:
+    about 87 GB per layer for SDAR-1.7B at 8 draws x 4,096 tokens); uncompiled only at sizes that fit."""
     if dllm_streams is None:
         return streams_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     from torch.nn.attention.flex_attention import flex_attention
 
-    block_mask = _flex_block_mask(dllm_streams, query.shape[2], query.device)
+    b, h, n, _ = query.shape
+    block_mask = _flex_block_mask(dllm_streams, n, query.device, h)
+    if flex_compiles(query.device):
+        attend = _compiled("flex_attention")
+    else:
+        _refuse_uncompiled(b, h, n, query.device)
+        attend = flex_attention
     groups = query.shape[1] // key.shape[1]
-    out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=groups > 1)
+    out = attend(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
 
 

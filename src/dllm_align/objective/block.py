@@ -287,22 +287,45 @@ class BlockDiffusion(AbsorbingMask):
             raise ValueError("the block-diffusion likelihood needs the model's block size (mp.block_size)")
         return block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
 
-    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
-        k, T = draws, length
-        return Footprint(
-            rows=k + 1,  # K noisy streams and one shared clean stream, never scored
-            scored_rows=k,
-            # the streams attention concatenates each noisy stream's keys and values with the clean stream's
-            # ([rows, heads, K, 2T, head_dim] each) and the backward keeps both: 4 x heads x head_dim per noisy token
-            saved_kv_bytes=4 * shape.heads * shape.head_dim * compute_bytes,
-            kv_line="block-diffusion streams K/V copies (saved for backward)",
-            # the streams attention's boolean masks per row: noisy queries over (own, clean) keys, clean over clean
-            mask_bytes=3 * T * T,
-            mask_line="block-diffusion stream masks (bool)",
-            dense_packed_masks=False,  # packed rows run under the streams masks above
-            note=(f"block diffusion (block {shape.block_size}): {k} noisy streams and one shared clean stream, "
-                  f"{k + 1} x {T} tokens of body per row (2 x {k} x {T} without the shared stream)"),
-        )
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int, *, attn: str = "sdpa",
+                  packed: bool = False) -> Footprint:
+        # Per backend, the attention bytes as the kernel CUDA runs needs them (models.attention_memory). One
+        # unit is one row of K noisy streams and the shared clean stream, N = (K + 1) x T tokens; packed rows
+        # run under the same streams masks, so no dense packed mask is added.
+        from dllm_align.models import attention_memory as am
+
+        k, T, cb = draws, length, compute_bytes
+        N = (k + 1) * T
+        notes = [f"block diffusion (block {shape.block_size}): {k} noisy streams and one shared clean stream, "
+                 f"{k + 1} x {T} tokens of body per row (2 x {k} x {T} without the shared stream)"]
+        mask_bytes, mask_line = 0, ""
+        if attn == "flex_attention":
+            # compiled (torch.compile with Triton on CUDA): a log-sum-exp per query and the BlockMask (made once
+            # per forward); uncompiled it is refused where its score matrix does not fit
+            att = am.flex_bytes(True, 1, shape.heads, N)
+            raw = am.flex_bytes(False, 1, shape.heads, N).total
+            line = "block-diffusion FlexAttention, compiled (log-sum-exp, saved for backward)"
+            mask_bytes, mask_line = att.transient, "block-diffusion FlexAttention BlockMask"
+            notes.append(f"model.attn_implementation: flex_attention counted compiled (torch.compile); without a "
+                         f"compiler it needs {raw / 2**30:.1f} GiB per row and layer for its score matrix and is "
+                         "refused where that does not fit")
+        elif attn == "eager":
+            # the whole row under one dense mask: scores and probabilities [heads, N, N] in the compute dtype
+            att = am.sdpa_bytes("math", 1, shape.heads, N, N, cb, mask_rows=1)
+            line = "block-diffusion eager attention probabilities (saved for backward)"
+            mask_bytes, mask_line = att.transient, "block-diffusion eager attention scores and dense mask"
+            notes.append("model.attn_implementation: eager materialises the ((K+1) x T)^2 attention scores; use sdpa")
+        else:
+            # two 4-D SDPA calls a layer (draws folded into the heads); both masked, so CUDA runs the
+            # memory-efficient kernel (no score matrix: its bias and a log-sum-exp), and the backward keeps
+            # the noisy streams' concatenated keys and values
+            kernel = am.sdpa_kernel("cuda", True, cb)
+            att = am.streams_sdpa_bytes(kernel, 1, shape.heads, shape.head_dim, k, T, cb)
+            line = f"block-diffusion streams attention, SDPA {kernel} kernel (K/V copies, bias; saved for backward)"
+            # the streams attention's boolean masks: noisy queries over (own, clean) keys, clean over clean
+            mask_bytes, mask_line = 3 * T * T, "block-diffusion stream masks (bool)"
+        return Footprint(rows=k + 1, scored_rows=k, attention_saved=att.saved, attention_line=line,
+                         mask_bytes=mask_bytes, mask_line=mask_line, notes=tuple(notes))
 
 
 BLOCK = BlockDiffusion()

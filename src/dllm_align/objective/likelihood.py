@@ -11,8 +11,8 @@ the kind of noise. A likelihood answers three questions:
   count and after a restart (the reference can then be precomputed);
 * :meth:`Likelihood.draw_terms`: the per-draw ELBO terms [B, K] of a batch under one model, differentiable
   through it; policy and reference make the same call and get the same draws;
-* :meth:`Likelihood.footprint`: what the K draws of one training unit put through the network
-  (:class:`Footprint`), in the memory model's terms.
+* :meth:`Likelihood.footprint`: what the K draws of one training unit put through the network, and what
+  its attention needs on the chosen backend (:class:`Footprint`), in the memory model's terms.
 
 A new likelihood is one module with a subclass and one line in ``objective.elbo.LIKELIHOODS``.
 """
@@ -35,19 +35,20 @@ class Footprint:
 
     rows: int  # rows one unit's draws put through the body (K; K + 1 with a shared clean stream)
     scored_rows: int  # of those, the rows whose positions the output head scores (a clean context row is not scored)
-    # Keys and values the attention copies and keeps for the backward, bytes per scored token and layer, with
-    # the line of the estimate that shows them (0: none beyond the layer's working set).
-    saved_kv_bytes: int = 0
-    kv_line: str = "attention K/V copies (saved for backward)"
-    # Attention masks one forward row holds (a row carries at most one unit's draws), bytes, and their line.
+    # What the attention kernel keeps for the backward beyond the layer's working set (copied keys and values,
+    # a mask's bias, a log-sum-exp, or the probabilities of a kernel that materialises them), bytes per unit and
+    # layer, with the line of the estimate that shows them (0: none).
+    attention_saved: int = 0
+    attention_line: str = "attention (saved for backward)"
+    # Attention masks one forward row holds (a row carries at most one unit's draws), bytes, and their line:
+    # made once per forward, alive through every layer.
     mask_bytes: int = 0
     mask_line: str = "attention masks"
-    # Packed rows under SDPA or eager attention hold the dense [rows, 1, L, L] block mask (and its bf16 form);
-    # False when the likelihood's own masks (``mask_bytes``) already cover packed rows.
-    dense_packed_masks: bool = True
     # Lines of their own, bytes per training unit (name -> bytes): what only this likelihood holds.
     unit_lines: dict = field(default_factory=dict)
-    note: str = ""  # one line for doctor's notes, when the layout needs saying
+    # Lines of bytes per forward row, held once per forward (a dense packed mask, an eager score matrix).
+    row_lines: tuple = ()
+    notes: tuple = ()  # lines for doctor's notes, when the layout or the kernel needs saying
 
 
 class Likelihood(ABC):
@@ -87,8 +88,12 @@ class Likelihood(ABC):
         the draws is the row's ELBO estimate (``objective.elbo.elbo_draws`` says what the arguments mean)."""
 
     @abstractmethod
-    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int, *, attn: str = "sdpa",
+                  packed: bool = False) -> Footprint:
         """What one training unit's ``draws`` draws of ``length`` tokens put through the body of a model of
         ``shape`` (``training.memory.ModelShape``: heads, head_dim, the family's block size, ..., and the
         config.json as read, ``shape.config``, for a size only this likelihood uses);
-        ``compute_bytes``: bytes of one activation element in the compute precision."""
+        ``compute_bytes``: bytes of one activation element in the compute precision; ``attn``: the attention
+        implementation (``model.attn_implementation``, ``sdpa`` when unset), its bytes counted as the kernel
+        CUDA chooses for it needs them (:mod:`dllm_align.models.attention_memory`); ``packed``: rows packed
+        with several examples each."""

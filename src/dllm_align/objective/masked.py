@@ -78,8 +78,19 @@ class MaskedDiffusion(AbsorbingMask):
     def draw_sums(self, mp, nb, input_ids, attention_mask, max_rows_per_forward, pack_length) -> torch.Tensor:
         return masked_draw_sums(mp, nb, max_rows_per_forward, pack_length)
 
-    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
-        return Footprint(rows=draws, scored_rows=draws)
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int, *, attn: str = "sdpa",
+                  packed: bool = False) -> Footprint:
+        # One draw is one row of the plain model: SDPA's fused kernels (flash, memory-efficient) and
+        # compiled flex keep O(tokens), within the layer's working set. Packed rows under SDPA or eager hold
+        # the dense [rows, 1, L, L] block mask and its bf16 additive form (3 bytes an entry; flash and flex
+        # take sequence offsets instead); eager attention holds the score matrix.
+        lines, notes = [], []
+        if packed and attn in ("sdpa", "eager"):
+            lines.append(("packed attention masks (bool + bf16 bias)", length * length * 3))
+        if attn == "eager":
+            lines.append(("eager attention scores", shape.heads * length * length * 4))
+            notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
+        return Footprint(rows=draws, scored_rows=draws, row_lines=tuple(lines), notes=tuple(notes))
 
 
 MASKED = MaskedDiffusion()

@@ -375,7 +375,8 @@ class UniformNoise(Likelihood):
                 terms.append(-per_pos.sum(dim=1))  # [K] float64
         return torch.stack(terms).float()  # [B, K]
 
-    def footprint(self, shape, draws: int, length: int, compute_bytes: int) -> Footprint:
+    def footprint(self, shape, draws: int, length: int, compute_bytes: int, *, attn: str = "sdpa",
+                  packed: bool = False) -> Footprint:
         # K noisy canvases plus the clean context through the body; the per-position logits over the whole
         # vocabulary are kept in fp32 for the bound (it sums over every token), counted by the memory model's
         # head line for the scored rows.
@@ -390,7 +391,7 @@ class UniformNoise(Likelihood):
             line["uniform-noise logits, fp32 + log-softmax (K x canvas x vocab x canvases)"] = \
                 2 * canvases * draws * C * int(shape.vocab) * 4
         return Footprint(rows=draws + 1, scored_rows=draws, unit_lines=line,
-                         note="uniform noise: the bound reads full-vocabulary fp32 logits at every canvas position")
+                         notes=("uniform noise: the bound reads full-vocabulary fp32 logits at every canvas position",))
 
 
 UNIFORM = UniformNoise()

@@ -240,6 +240,10 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
         torch.manual_seed(rec.train.seed)
         run = setup_run(rec, acc)
         plan, data = run.plan, run.data
+        load_peak = None
+        if cuda:  # loading's peak (the reference is cast after it loads) apart from the steps'
+            load_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         step_rows = plan.global_batch * plan.objective.rows_per_unit
         check_steps = max(1, min(max(2, math.ceil(INVARIANT_ROWS / step_rows)), data.steps_per_epoch))
         margins = invariant_margins(run, check_steps)
@@ -265,7 +269,8 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
             times.append(time.perf_counter() - s0)
             if acc.is_main_process:
                 info(f"doctor: smoke step {len(times)}/{steps}: {times[-1]:.2f} s")
-        peak = torch.cuda.max_memory_allocated() if cuda else max(_peak_rss() - base, 0)
+        step_peak = torch.cuda.max_memory_allocated() if cuda else None
+        peak = max(load_peak, step_peak) if cuda else max(_peak_rss() - base, 0)
         per_step = statistics.median(times[1:] or times)  # the first step is warm-up
         rows_per_step = step_rows
         n_rows = sum(len(u) for u in data.units)
@@ -285,6 +290,8 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
                           "reference": mode, "ok": worst <= tol, "note": note},
             "peak_memory_bytes": peak,
             "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process RSS growth (peak - before loading)",
+            "peak_memory_loading_bytes": load_peak,  # CUDA only: the policy and reference loaded
+            "peak_memory_steps_bytes": step_peak,  # CUDA only: the invariant check and the steps
             "seconds_per_step": per_step,
             "step_seconds": times,
             "extrapolated": {

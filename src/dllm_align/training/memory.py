@@ -38,29 +38,43 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   LLaDA-8B) and one decoder layer's. Gradient accumulation adds nothing: FSDP
   reduce-scatters every micro-batch (``training.loop.Run.sync``), DDP's
   gradients are whole anyway;
-* what the likelihood adds (its footprint: keys and values its attention copies and keeps, its own
-  masks). Block diffusion: a row is K noisy streams and one shared clean stream, (K+1) x max_length
-  tokens (``dllm_align.models.block_attention``), the clean stream never scored; plus the streams
-  attention's boolean masks (3 x max_length^2 bytes per row) and the keys and values it concatenates
-  per noisy stream (4 x heads x head_dim per noisy token and layer, kept for the backward). SDPA's
-  memory-efficient CUDA kernel keeps no score matrix; the CPU's math kernel does (not counted:
-  ``doctor`` sizes GPUs);
-* packed rows under SDPA or eager attention: the [rows, 1, L, L] boolean block
-  mask and its bf16 additive form (3 bytes per entry; flash and flex take
-  sequence offsets instead), unless the likelihood's own masks cover packed
-  rows (block diffusion's streams masks);
+* what the likelihood adds (its footprint), per attention implementation, in the bytes the kernel CUDA
+  chooses for it needs (``dllm_align.models.attention_memory``). Masked diffusion: packed rows under
+  SDPA or eager attention hold the [rows, 1, L, L] boolean block mask and its bf16 additive form (3 bytes
+  per entry; flash and flex take sequence offsets instead); eager attention adds rows x heads x length^2
+  x 4 bytes of scores, shown as its own line. Block diffusion: a row is K noisy streams and one shared
+  clean stream, (K+1) x max_length tokens (``dllm_align.models.block_attention``), the clean stream never
+  scored. Under SDPA its two masked 4-D calls run on the memory-efficient kernel, which keeps no score
+  matrix: per layer it keeps the keys and values the streams attention concatenates per noisy stream, the
+  masks' bias and a log-sum-exp per query; the streams' boolean masks (3 x max_length^2 bytes per row)
+  live through the forward. Under eager attention the whole row's scores and probabilities, ((K+1) x
+  max_length)^2 per head; under FlexAttention, compiled: a log-sum-exp per query and the BlockMask
+  (uncompiled it is refused where its score matrix does not fit). What a layer's attention keeps for the
+  backward is kept by one layer at a time with activation checkpointing, by every layer without;
 * a runtime reserve of 2 GiB (CUDA context, NCCL buffers, allocator
   fragmentation).
 
-Attention is assumed memory-efficient (SDPA / flash: O(tokens)); an eager
-implementation adds rows x heads x length^2 x 4 bytes per layer, shown as its
-own line. Mixture-of-experts activations are counted at the top-k experts'
+The device's peak is the larger of those lines' sum (the steps) and the peak
+while loading (``Estimate.loading``): an online reference under bf16 autocast
+is loaded at the weights' dtype (fp32: P x 4) and only then are its Linears
+cast to bf16 (``models.precision.prepare_reference``), so for a moment the
+device holds the policy's weights (on the CPU until FSDP shards them) and the
+whole fp32 reference. For an 8B LoRA run with 576-token draws that moment is
+the peak: measured 55.92 GB on an H100 against 55.85 GB of fp32 weights, two
+copies, while the steps' lines sum to 46.4 GB.
+
+Plain attention is memory-efficient on CUDA (SDPA's flash or memory-efficient
+kernel, flash-attn: O(tokens), inside the layer's working set). Mixture-of-experts activations are counted at the top-k experts'
 width in the compute dtype (experts run under autocast: :mod:`dllm_align.models.precision`).
 
 Checked against measurements (``tests/test_doctor.py``): on the CPU, the bytes
 a real forward of ``builtin:tiny`` / ``builtin:small`` saves for its backward
 (every saved tensor's storage, counted once) are within 0.8-1.25x of the
-activation, weight-copy and head lines, fp32 and bf16 autocast.
+activation, weight-copy and head lines, fp32 and bf16 autocast; and the
+whole estimate (reserve left out) is within 0.85-1.15x of the peak of live
+tensor bytes of a real LoRA smoke run with an online reference under bf16
+autocast, measured as CUDA's ``max_memory_allocated`` counts, both where the
+peak is while loading (1.00x) and where it is in a step (0.88x).
 """
 
 from __future__ import annotations
@@ -410,7 +424,9 @@ def read_launch(path: Optional[str]) -> Launch:
 @dataclass
 class Estimate:
     lines: dict = field(default_factory=dict)  # name -> bytes (the chosen checkpointing setting)
-    total: int = 0
+    total: int = 0  # max(steps, loading)
+    steps: int = 0  # the lines' sum: the peak of a training step
+    loading: int = 0  # the peak while the policy and reference load (module docstring), reserve included
     total_with_checkpointing: int = 0
     total_without_checkpointing: int = 0
     checkpointing: bool = False
@@ -422,7 +438,7 @@ class Estimate:
     def as_json(self) -> dict:
         d = asdict(self)
         d["lines_gib"] = {k: round(v / GiB, 2) for k, v in self.lines.items()}
-        for k in ("total", "total_with_checkpointing", "total_without_checkpointing"):
+        for k in ("total", "steps", "loading", "total_with_checkpointing", "total_without_checkpointing"):
             d[k + "_gib"] = round(getattr(self, k) / GiB, 2)
         return d
 
@@ -438,7 +454,9 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     k = recipe.train_n_mc()
     objective = objective_for(t)
     units = t.batch_size * objective.rows_per_unit
-    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes)
+    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes,
+                                                      attn=recipe.model.attn_implementation or "sdpa",
+                                                      packed=recipe.data.padding == "packed")
     rows = units * foot.rows
     if t.rows_per_forward:
         rows = min(rows, t.rows_per_forward)
@@ -465,9 +483,9 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     lines["activations" + (" (checkpointed layer inputs)" if ckpt else " (every layer)")] = ckpt_inputs if ckpt else L * tokens * per_token_layer
     lines["activations (one layer working set + backward)"] = working if ckpt else tokens * i * 4
     lines["output head (chunked)"] = head
-    if foot.saved_kv_bytes:
-        kv = scored * foot.saved_kv_bytes
-        lines[foot.kv_line] = kv if ckpt else L * kv
+    if foot.attention_saved:  # per unit and layer; a forward of fewer draws than a unit keeps its share
+        kv = scored * foot.attention_saved // (foot.scored_rows * recipe.data.max_length)
+        lines[foot.attention_line] = kv if ckpt else L * kv
         with_ckpt += kv
         without_ckpt += L * kv
     if autocast:
@@ -477,31 +495,35 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         lines["FSDP unsharded gradients before reduce-scatter (root + 1 layer)"] = (
             (shape.embedding_params + d + shape.largest_layer_params) * 4 if not t.lora.enabled else 0)
-    if recipe.data.padding == "packed" and (recipe.model.attn_implementation or "sdpa") in ("sdpa", "eager") \
-            and foot.dense_packed_masks:
-        L_max = recipe.data.max_length
-        lines["packed attention masks (bool + bf16 bias)"] = rows * L_max * L_max * 3
-    notes = []
+    for name, per_row in foot.row_lines:
+        lines[name] = rows * per_row
     if foot.mask_bytes:
         lines[foot.mask_line] = min(units, rows) * foot.mask_bytes  # a forward row holds at most one unit's draws
+    notes = list(foot.notes)
     for name, per_unit in foot.unit_lines.items():
         lines[name] = units * per_unit
-    if foot.note:
-        notes.append(foot.note)
-    if recipe.model.attn_implementation == "eager":
-        lines["eager attention scores"] = rows * shape.heads * recipe.data.max_length**2 * 4
-        notes.append("model.attn_implementation: eager materialises the attention scores; use sdpa")
     lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
     copies = "autocast bf16 weight copies (saved for backward)"
     fixed = sum(v for kk, v in lines.items()
-                if not kk.startswith(("activations", "output head (chunked)", copies, foot.kv_line)))
-    total = sum(lines.values())
+                if not kk.startswith(("activations", "output head (chunked)", copies, foot.attention_line)))
+    steps = sum(lines.values())
     if autocast:
         body_linear = shape.linear_params - (0 if shape.tied else shape.vocab * d)
         with_ckpt += shape.largest_layer_params * 2
         without_ckpt += body_linear * 2
+    loading = 0
+    if "online reference (resident)" in lines:
+        # the policy is loaded first (on the CPU under FSDP, sharded later), then the reference at the weights'
+        # dtype, whose Linears are cast to bf16 only once it is whole on the device
+        policy = 0 if launch.fsdp or launch.offload_params else P * wbytes + (T * 4 if t.lora.enabled else 0)
+        loading = policy + P * wbytes + RESERVE
+        if loading > steps:
+            notes.append(f"the peak is while loading: the policy's weights and the whole reference at {wbytes * 8}-bit "
+                         f"before its Linears are cast to bf16 ({loading / GiB:.1f} GiB with the reserve; the steps "
+                         f"need {steps / GiB:.1f} GiB)")
     return Estimate(
-        lines=lines, total=total, total_with_checkpointing=fixed + with_ckpt, total_without_checkpointing=fixed + without_ckpt,
+        lines=lines, total=max(steps, loading), steps=steps, loading=loading,
+        total_with_checkpointing=max(fixed + with_ckpt, loading), total_without_checkpointing=max(fixed + without_ckpt, loading),
         checkpointing=ckpt, tokens=tokens, params=P, trainable=T, notes=notes,
     )
 
