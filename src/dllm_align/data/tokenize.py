@@ -112,6 +112,24 @@ def _encode(tokenizer, texts: list[str], plain: bool) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, **kw)["input_ids"]
 
 
+def _reply_tail(tokenizer) -> Optional[str]:
+    """The text the chat template renders after an assistant reply (found with a probe reply), or None when the
+    tokenizer has no template or the template's output cannot be split around the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    user = [{"role": "user", "content": "hi"}]
+    try:
+        head = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(
+            user + [{"role": "assistant", "content": _PROBE_REPLY}], add_generation_prompt=False, tokenize=False
+        )
+    except Exception:
+        return None
+    if not (full.startswith(head) and _PROBE_REPLY in full[len(head):]):
+        return None
+    return full[len(head):].split(_PROBE_REPLY, 1)[1]
+
+
 def end_of_turn_id(tokenizer) -> int:
     """The token that closes an assistant turn in this tokenizer's chat template, else EOS."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -119,21 +137,12 @@ def end_of_turn_id(tokenizer) -> int:
         if getattr(tok, "special", False):
             special.add(i)
     tail_checked = False  # the template ends a reply with no special token: EOS it is
-    if getattr(tokenizer, "chat_template", None):
-        user = [{"role": "user", "content": "hi"}]
-        try:
-            head = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-            full = tokenizer.apply_chat_template(
-                user + [{"role": "assistant", "content": _PROBE_REPLY}], add_generation_prompt=False, tokenize=False
-            )
-        except Exception:
-            head = full = ""
-        if full.startswith(head) and _PROBE_REPLY in full[len(head):]:
-            tail = full[len(head):].split(_PROBE_REPLY, 1)[1]
-            for i in _encode(tokenizer, [tail], plain=False)[0]:
-                if i in special:
-                    return int(i)
-            tail_checked = True
+    tail = _reply_tail(tokenizer)
+    if tail is not None:
+        for i in _encode(tokenizer, [tail], plain=False)[0]:
+            if i in special:
+                return int(i)
+        tail_checked = True
     for name in () if tail_checked else ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<end_of_turn>", "<|end|>"):
         i = tokenizer.convert_tokens_to_ids(name)
         if isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None) and i in special:
@@ -148,19 +157,10 @@ def end_of_turn_tail(tokenizer) -> list[int]:
     token and the whitespace-only tokens right after it (``<|im_end|>``, ``\\n`` for Qwen's template): what a
     rendered reply ends with, and what SDAR's training scores after it. Falls back to :func:`end_of_turn_id`."""
     eot = end_of_turn_id(tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
+    tail = _reply_tail(tokenizer)
+    if tail is None:
         return [eot]
-    user = [{"role": "user", "content": "hi"}]
-    try:
-        head = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(
-            user + [{"role": "assistant", "content": _PROBE_REPLY}], add_generation_prompt=False, tokenize=False
-        )
-    except Exception:
-        return [eot]
-    if not (full.startswith(head) and _PROBE_REPLY in full[len(head):]):
-        return [eot]
-    ids = _encode(tokenizer, [full[len(head):].split(_PROBE_REPLY, 1)[1]], plain=False)[0]
+    ids = _encode(tokenizer, [tail], plain=False)[0]
     if eot not in ids:
         return [eot]
     end = ids.index(eot) + 1
