@@ -583,6 +583,9 @@ def test_a_full_disk_during_a_checkpoint_is_one_line(base: Base, tmp_path: Path,
         def broken(*a, **k):
             raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })")
         monkeypatch.setattr(safetensors.torch, "save_file", broken)
+        from dllm_align.training import checkpoint
+
+        monkeypatch.setattr(checkpoint, "save_file", broken)  # bound at import there
     else:
         def broken(*a, **k):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
