@@ -34,11 +34,10 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
         s = stats.summarize(outcomes, n_resamples=bootstrap, seed=seed)
         if la is not None:
             if s["n"]:
-                s["lc_awr"] = stats.lc_awr(outcomes, la[keep], lb[keep])
-                s["lc_trust"] = float(stats.lc_trust((la[keep] - lb[keep])[None])[0])
-                s["lc_ci90"] = list(stats.lc_awr_ci(outcomes, la[keep], lb[keep], n_resamples=bootstrap, seed=seed))
+                e = stats.lc_estimate(outcomes, la[keep], lb[keep], n_resamples=bootstrap, seed=seed)
+                s["lc_awr"], s["lc_ci90"], s["lc_withheld"], s["lc_vif"] = e["lc_awr"], e["ci90"], e["withheld"], e["vif"]
             else:
-                s["lc_awr"], s["lc_ci90"], s["lc_trust"] = None, None, None
+                s["lc_awr"], s["lc_ci90"], s["lc_withheld"], s["lc_vif"] = None, None, None, None
         return s
 
     out: dict[str, Any] = {"judges": {}}
@@ -151,10 +150,11 @@ def length_line(results: dict) -> Optional[str]:
     bal = ln.get("balance")
     if bal and bal["a_longer_share"] is not None:
         line += f". A's answer is the longer one on {100 * bal['a_longer_share']:.1f}% of prompts ({bal['a_longer']} A, {bal['b_longer']} B, {bal['equal']} equal)"
-        if bal["trust"] < 1:
-            line += (f". Warning: only {min(bal['a_longer'], bal['b_longer'])} prompt(s) on one side (fewer than "
-                     f"{bal['min_side']}): the lengths are too lopsided to separate length from quality, so the LC-AWR "
-                     f"is shrunk toward the AWR (trust {bal['trust']:.2f}) and cannot be trusted as a length control")
+    withheld = sorted({name for name, r in [*results["judges"].items(), ("MV", results.get("majority_vote") or {})]
+                       if r.get("lc_withheld")})
+    if withheld:
+        r = next(r for r in [*results["judges"].values(), results.get("majority_vote") or {}] if r.get("lc_withheld"))
+        line += f". LC-AWR withheld ({', '.join(withheld)}): {r['lc_withheld']}"
     return line
 
 
@@ -185,9 +185,9 @@ def results_markdown(results: dict) -> str:
         f"90% CI: 5th and 95th percentiles of {results['settings']['bootstrap_resamples']} bootstrap resamples of prompts "
         f"(seed {results['settings']['seed']}). MV: a win or loss only when both judges agree on it, else a tie. "
         "LC-AWR: the AWR predicted at zero length difference by a logistic regression of the outcome on "
-        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally, shrunk toward the AWR "
-        "when fewer than 25 prompts lie on one side; same resamples. Not comparable with AlpacaEval's leaderboard "
-        "(see docs/judging.md).",
+        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally, refitted on each of the "
+        "same resamples; withheld (-) when the data cannot tell the length slope from the intercept (variance "
+        "inflation above 4). See docs/judging.md for how it compares with AlpacaEval's figure.",
     ]
     ln = length_line(results)
     if ln:
