@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's judging API)
@@ -552,3 +552,42 @@ def judge_files(a_path: str | Path, b_path: str | Path, output: str | Path, sett
     rows_a, rows_b = read_generations(a_path), read_generations(b_path)
     pairs = match_rows(rows_a, rows_b, strict=strict, names=(str(a_path), str(b_path)))
     return judge_pairs(pairs, output, settings, environ=environ, labels=(str(a_path), str(b_path)))
+
+
+# =========================================================================== length anchors
+# AlpacaEval pins the length slope of its length-controlled win rate with "gamed" baselines: the
+# baseline's own answers made verbose and concise by the judge's model family, judged against the
+# baseline. A rewrite keeps the baseline's quality and changes its length, so its verdicts measure what
+# length alone does to this judge (dllm_align.judge.stats.lc_estimate, anchors).
+REWRITE_STYLES = {
+    "verbose": ("Rewrite the answer below to be much longer and more detailed: expand every point, add "
+                "explanation and examples, but add no new claims and keep every fact as it is."),
+    "concise": ("Rewrite the answer below to be as short as possible: keep its content and every fact, drop "
+                "everything else."),
+}
+
+
+def rewrite_for_length(client: ChatClient, model: str, prompts: Sequence[str], answers: Sequence[str], style: str,
+                       params: Mapping[str, Any], concurrency: int = 8) -> list[Optional[str]]:
+    """The answers rewritten in ``style`` ("verbose" or "concise") by ``model``, one per prompt, in order;
+    ``None`` where the request failed or the reply was empty (that prompt then has no anchor row)."""
+    if style not in REWRITE_STYLES:
+        raise UserError(f"length anchors: unknown style {style!r}", hint=f"one of {', '.join(REWRITE_STYLES)}")
+    if len(prompts) != len(answers):
+        raise ValueError("one answer per prompt")
+    from dllm_align.judge.client import JudgementFailed, run_pool
+
+    out: list[Optional[str]] = [None] * len(answers)
+
+    def one(i: int) -> str:
+        content = (f"{REWRITE_STYLES[style]} Reply with the rewritten answer only.\n\n"
+                   f"[Question]\n{prompts[i]}\n\n[Answer]\n{answers[i]}")
+        return client.complete(model, content, params).text.strip()
+
+    for i, got in run_pool(list(range(len(answers))), one, concurrency, client.stop):
+        if isinstance(got, JudgementFailed):
+            continue  # kept failing: no anchor row for this prompt
+        if isinstance(got, BaseException):
+            raise got
+        out[i] = got or None
+    return out
