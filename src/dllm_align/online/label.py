@@ -61,6 +61,14 @@ def _prompts_with_rows(source: str, split: Optional[str], limit: Optional[int]) 
     return out
 
 
+def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) -> str:
+    """A hash of the prompts' content (ids, messages and source rows), whatever file or built-in holds them:
+    what a resumed online run must still be labelling."""
+    from dllm_align.data.rows import content_hash
+
+    return content_hash([[p.id, p.messages, p.row] for p in _prompts_with_rows(source, split, limit)], n=32)
+
+
 def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
     """One sample's label: the verifier's True/False; None when an absolute judge could not decide."""
     from dllm_align.core.errors import RunFailure
@@ -76,6 +84,33 @@ def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
         raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
     except JudgementFailed as e:
         raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
+
+
+def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
+    """The verdicts per reason; for math_answer every reason is listed, zeros included, so that the summaries
+    of different rounds have the same keys."""
+    if rule == "math_answer":
+        from dllm_align.online.math_answer import reason_counts
+
+        return reason_counts(reasons.elements())
+    return dict(sorted(reasons.items()))
+
+
+def _labels(verifier, judge, items: list, flat: list, texts: list[str], section) -> list:
+    """Every sample's label, in order: the verifier's, or the absolute judge's (live, or through the Batch API
+    when ``judge.batch`` is set, as ``judge`` does)."""
+    if judge is not None and section.batch:
+        from dllm_align.core.errors import RunFailure
+        from dllm_align.judge.client import FatalApiError, JudgementFailed
+
+        try:
+            return judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])
+        except FatalApiError as e:
+            raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
+        except JudgementFailed as e:
+            raise RunFailure(f"the batch could not go on: {e}",
+                             hint="run the same command again: it continues the batch from the stage it reached") from None
+    return [_verdict(verifier, judge, items[i], t, j) for (i, j), t in zip(flat, texts)]
 
 
 def _prompt_text(messages: list) -> str:
@@ -112,6 +147,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
+    if temperature == 0 and n > 1:
+        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives the same completion {n} times per prompt",
+                        hint="sample at a temperature above 0, or use --n 1")
     backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
     judge = None
     if rule.startswith("judge:"):
@@ -150,7 +188,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     flat = [(i, j) for i in range(len(items)) for j in range(n)]
-    seeds = [row_seed(settings.seed, f"{items[i].id}:{j}") for i, j in flat]
+    # Round 0 keeps the seeds of `label` itself; later rounds draw new ones, so that a policy that did not
+    # change is not asked the very same random questions again.
+    seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
     info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
          f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}")
     with progress("sampling", len(flat), unit="samples") as bar:
@@ -159,25 +199,35 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     sampler = {k: v for k, v in settings.to_dict().items()}
     rows = []
     try:
-        labels = [_verdict(verifier, judge, items[i], c.text, j) for (i, j), c in zip(flat, comps)]
+        labels = _labels(verifier, judge, items, flat, [c.text for c in comps], recipe.judge)
     finally:
         if judge is not None:
             judge.close()
+    reasons: Counter = Counter()
     for ((i, j), c), ok in zip(zip(flat, comps), labels):
         p = items[i]
         if ok is None:  # an absolute judge that gave no verdict even when asked for it alone
             continue
-        rows.append({"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
-                     "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
-                     "verdict": "desirable" if ok else "undesirable"})
+        row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
+               "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
+               "verdict": "desirable" if ok else "undesirable"}
+        why = verifier.explain(_prompt_text(p.messages), c.text, p.row) if judge is None else None
+        if why is not None:
+            row["reason"] = why
+            reasons[why] += 1
+        rows.append(row)
     per_prompt = Counter()
     good = Counter()
     for r in rows:
         per_prompt[r["prompt_id"]] += 1
         good[r["prompt_id"]] += r["label"]
     n_good = sum(r["label"] for r in rows)
+    if judge is not None and judge.unjudgeable:  # said before the error below, which refers to it
+        from dllm_align.core.console import warn
+
+        warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     if not rows:
-        raise UserError("no sample got a verdict: nothing to write", hint="see the warnings above")
+        raise UserError("no sample got a verdict: nothing to write", hint="see the warning above")
     summary = {
         "rows": len(rows), "prompts": len(items), "samples_per_prompt": n, "desirable": n_good,
         "undesirable": len(rows) - n_good, "desirable_share": n_good / len(rows),
@@ -185,11 +235,8 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
+        "reasons": _reason_counts(verifier.name, reasons) if reasons else None,
     }
-    if judge is not None and judge.unjudgeable:
-        from dllm_align.core.console import warn
-
-        warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_json(summary_path, summary)
     return summary
