@@ -100,3 +100,61 @@ def test_the_difficulty_term_averages_over_prompts():
     assert abs(e["lc_awr"] - stats.awr(o)) < 0.03
     with pytest.raises(ValueError, match="one difficulty outcome per prompt"):
         stats.lc_estimate(o, la, lb, difficulty=g[:-1], n_resamples=1)
+
+
+def _gen(path, answers):
+    import json
+
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"question {i}", "completion": a}) + "\n"
+                            for i, a in enumerate(answers)))
+    return path
+
+
+def test_judge_with_length_anchors_and_difficulty_end_to_end(tmp_path, monkeypatch):
+    """`judge --length-anchors`: the judge model rewrites B verbose and concise, each rewrite is judged against
+    B, and the anchors enter the LC fit; rewrites and verdicts are cached (a rerun asks nothing). A is longer
+    on every prompt and the judge likes only length: without anchors the LC figure is withheld, with them
+    it is given. `--difficulty-from` reads a second model's outcomes."""
+    import json
+    import re
+
+    from reliability import run_cli
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    rng = np.random.default_rng(0)
+    n = 60
+    b = ["b" * int(k) for k in rng.integers(20, 60, n)]
+    a = [x + "a" * int(k) for x, k in zip(b, rng.integers(5, 40, n))]
+
+    def reply(content: str, n_messages: int) -> str:
+        if "Rewrite the answer below" in content:
+            answer = content.split("[Answer]\n", 1)[1]
+            return answer * 2 if "much longer" in content else answer[: max(1, len(answer) // 2)]
+        first = re.search(r"<answer_a>\n(.*?)\n</answer_a>", content, re.S).group(1)
+        second = re.search(r"<answer_b>\n(.*?)\n</answer_b>", content, re.S).group(1)
+        return "[[A]]" if len(first) > len(second) else "[[B]]" if len(second) > len(first) else "[[C]]"
+
+    fa, fb = _gen(tmp_path / "a.jsonl", a), _gen(tmp_path / "b.jsonl", b)
+    with JudgeServer(KEY) as srv:
+        srv.absolute = reply
+        base = ["judge", fa, fb, "--judge", "j1", "--base-url", srv.url, "--bootstrap", "200", "--json"]
+        plain = run_cli([*base, "-o", tmp_path / "plain"])
+        assert plain.code == 0, plain.err
+        r = run_cli([*base, "-o", tmp_path / "anch", "--length-anchors"])
+        assert r.code == 0, r.err
+        asked = len(srv.log)
+        again = run_cli([*base, "-o", tmp_path / "anch", "--length-anchors"])
+        assert again.code == 0 and len(srv.log) == asked
+        diff = run_cli([*base, "-o", tmp_path / "diff", "--length-anchors", "--difficulty-from", tmp_path / "plain"])
+        assert diff.code == 0, diff.err
+    p = json.loads(plain.out)["judges"]["j1"]
+    q = json.loads(r.out)["judges"]["j1"]
+    assert p["awr"] == 1.0 and p["lc_awr"] is None and p["lc_withheld"]
+    assert q["lc_awr"] is not None and q["lc_anchor_rows"] == 2 * n
+    assert json.loads(r.out)["settings"]["length_anchors"] == "j1"
+    rewrites = [json.loads(x) for x in (tmp_path / "anch" / "anchors" / "rewrites.jsonl").read_text().splitlines()]
+    assert len(rewrites) == 2 * n and {x["style"] for x in rewrites} == {"verbose", "concise"}
+    d = json.loads(diff.out)["judges"]["j1"]
+    assert d["lc_difficulty_missing"] == 0 and d["lc_awr"] is not None
+    bad = run_cli(["judge", fa, fb, "--judge", "rule:sort", "-o", tmp_path / "r", "--length-anchors"])
+    assert bad.code == 2 and "--anchors-model" in bad.err

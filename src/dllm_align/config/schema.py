@@ -338,6 +338,17 @@ class JudgeSection(Section):
     length_threshold: float = Field(
         0.1, ge=0, description="Mark the AWR when the two sides' mean answer lengths differ by more than this fraction."
     )
+    length_anchors: bool = Field(
+        False, description="LC-AWR length anchors (AlpacaEval's): B's answers rewritten verbose and concise by "
+        "length_anchors_model, each judged against B, enter the LC fit at weight 0.1 (rewrites and verdicts cached)."
+    )
+    length_anchors_model: Optional[str] = Field(
+        None, description="The model that rewrites B's answers for the length anchors (default: the first API judge)."
+    )
+    difficulty_from: Optional[str] = Field(
+        None, description="A second model's judge results against the same B (its outcomes.jsonl or run folder): "
+        "its per-prompt outcomes are the LC fit's instruction-difficulty term."
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> "JudgeSection":
