@@ -93,6 +93,10 @@ def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
         from dllm_align.online.math_answer import reason_counts
 
         return reason_counts(reasons.elements())
+    if rule == "sort":
+        from dllm_align.online.verifiers import SORT_REASONS
+
+        return {k: reasons.get(k, 0) for k in SORT_REASONS}
     return dict(sorted(reasons.items()))
 
 
@@ -118,7 +122,7 @@ def _prompt_text(messages: list) -> str:
     return users[-1] if users else (messages[-1].get("content", "") if messages else "")
 
 
-def _settings(recipe, temperature: Optional[float]):
+def _settings(recipe, temperature: Optional[float], fast: bool = True):
     from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
     from dllm_align.generate.settings import SamplerSettings
 
@@ -128,15 +132,16 @@ def _settings(recipe, temperature: Optional[float]):
         upd["temperature"] = temperature
     elif s.temperature == 0:
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
-    if s.cache == "none" and s.threshold is None:
+    if fast and s.cache == "none" and s.threshold is None:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
     return s.replace(**upd)
 
 
 def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[str] = None, split: str = "train",
           model: Optional[str] = None, limit: Optional[int] = None, temperature: Optional[float] = None,
-          answer_column: str = "answer", round_: int = 0, device=None) -> dict:
-    """Sample ``n`` completions per prompt and label them; returns the summary (module docstring)."""
+          answer_column: str = "answer", round_: int = 0, device=None, fast: bool = True) -> dict:
+    """Sample ``n`` completions per prompt and label them; returns the summary (module docstring). ``fast``
+    False keeps the recipe's decoding as it is (as ``generate`` decodes), instead of fast mode."""
     import torch
 
     from dllm_align.core.console import info, progress
@@ -182,7 +187,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         out.mkdir(parents=True, exist_ok=True)
         judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
         verifier = Rule(rule, judge)
-    settings = _settings(recipe, temperature)
+    settings = _settings(recipe, temperature, fast)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = recipe.model.name_or_path if model is None else model
     gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)

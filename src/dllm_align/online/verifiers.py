@@ -2,7 +2,8 @@
 
 Built in:
 
-* ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order.
+* ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order
+  (reasons: ``correct``, ``descending``, ``unsorted``, ``malformed``: not the prompt's digits).
 * ``math_answer``: the completion's final committed answer equals the row's reference answer (column
   ``answer`` by default, e.g. GSM8K's ``... #### 42``), compared by ``math-verify``. Only an answer the
   output commits to counts (the last ``####``, ``\\boxed{}`` or "the answer is", a correction after it
@@ -48,6 +49,22 @@ def _sort(prompt: str, completion: str, row: dict) -> bool:
     return completion.strip() == desirable(digits_of(prompt))
 
 
+SORT_REASONS = ("correct", "descending", "unsorted", "malformed")
+
+
+def _sort_why(prompt: str, completion: str, row: dict) -> str:
+    """``correct``; ``descending`` (the reverse sort); ``unsorted`` (the prompt's digits in another order);
+    ``malformed`` (not the prompt's digits: missing, extra or other characters)."""
+    from dllm_align.data.toy import desirable, digits_of, undesirable
+
+    digits, got = digits_of(prompt), completion.strip()
+    if got == desirable(digits):
+        return "correct"
+    if got == undesirable(digits):
+        return "descending"
+    return "unsorted" if sorted(got) == sorted(digits) else "malformed"
+
+
 def _math(column: str) -> tuple[Verifier, Callable[[str, str, dict], str]]:
     from dllm_align.online.math_answer import judge
 
@@ -66,7 +83,7 @@ BUILTIN = ("sort", "math_answer", "regex:PATTERN", "package.module:function")
 def get_rule(spec: str, *, answer_column: str = "answer") -> Rule:
     """The verifier a ``--rule`` names (module docstring); one error naming it when it is unknown."""
     if spec == "sort":
-        return Rule("sort", _sort)
+        return Rule("sort", _sort, why=_sort_why)
     if spec == "math_answer":
         check, why = _math(answer_column)
         return Rule("math_answer", check, (answer_column,), why)

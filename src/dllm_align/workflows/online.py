@@ -165,25 +165,26 @@ def _share_ci(rows: list[dict]) -> dict:
 
 def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Optional[float], answer_column: str,
                  heldout: Optional[str], limit: Optional[int]) -> Optional[dict]:
-    """The verifier's desirable share of ``model`` on the held-out prompts, greedy (one decode per prompt) and
-    sampled (``n`` per prompt at the online temperature), each with its 90% interval; reused when done.
+    """The verifier's desirable share of ``model`` on the held-out prompts, greedy (one decode per prompt with the
+    recipe's decoding, as ``generate``) and sampled (``n`` per prompt at the online temperature, as the labeller), each with its 90% interval; reused when done.
     None when there are no held-out prompts."""
     from dllm_align.online.label import ROWS, SUMMARY, label
 
     if heldout is None and recipe.data.test is None:
         return None
     res = {}
-    for kind, k, t in (("greedy", 1, 0.0), ("sampled", n, temperature)):
+    # greedy: the recipe's own decoding, as `generate` (and the demo's judging) decodes; sampled: as the labeller samples
+    for kind, k, t, fast in (("greedy", 1, 0.0, False), ("sampled", n, temperature, True)):
         d = out / kind
         if not (d / SUMMARY).exists():
             if heldout is not None:
                 label(recipe, d, rule=rule, n=k, prompts=heldout, model=str(model), limit=limit, temperature=t,
-                      answer_column=answer_column, round_=0)
+                      answer_column=answer_column, round_=0, fast=fast)
             else:
                 rec = recipe.model_copy(deep=True)
                 rec.data.train = recipe.data.test
                 label(rec, d, rule=rule, n=k, split="test", model=str(model), limit=limit, temperature=t,
-                      answer_column=answer_column, round_=0)
+                      answer_column=answer_column, round_=0, fast=fast)
         rows = [json.loads(x) for x in (d / ROWS).read_text(encoding="utf-8").splitlines() if x.strip()]
         res[kind] = _share_ci(rows)
     return res
@@ -332,8 +333,8 @@ def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
 def markdown_table(table: list[dict]) -> str:
     """The per-round table: the round's samples and weights, then the held-out shares of the model it trained."""
     head = ("| round | samples | desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U | reward D | reward U "
-            "| held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
-    lines = [head, "|" + "---|" * 11]
+            "| not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
+    lines = [head, "|" + "---|" * 12]
 
     def f(v):
         return "-" if v is None else f"{v:+.3f}"
@@ -342,8 +343,12 @@ def markdown_table(table: list[dict]) -> str:
         x = (t.get("heldout") or {}).get(kind)
         return "-" if not x else f"{100 * x['share']:.1f} [{100 * x['ci90'][0]:.1f}, {100 * x['ci90'][1]:.1f}]"
 
+    def why(t):
+        reasons = {k: v for k, v in (t.get("reasons") or {}).items() if k != "correct" and v}
+        return ", ".join(f"{k} {v}" for k, v in reasons.items()) or "-"
+
     for t in table:
         lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {t['prompts_all_desirable']} | "
                      f"{t['prompts_all_undesirable']} | {t['lambda_desirable']:.2f} | {t['lambda_undesirable']:.2f} | "
-                     f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} | {h(t, 'greedy')} | {h(t, 'sampled')} |")
+                     f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} | {why(t)} | {h(t, 'greedy')} | {h(t, 'sampled')} |")
     return "\n".join(lines)
