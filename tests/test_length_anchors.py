@@ -8,7 +8,7 @@ import pytest
 
 from dllm_align.judge import stats
 from dllm_align.judge.client import ChatClient
-from dllm_align.judge.run import rewrite_for_length
+from dllm_align.judge.anchors import rewrite_for_length
 from judge_server import JudgeServer
 
 KEY = "sk-test"
