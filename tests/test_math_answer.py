@@ -101,5 +101,10 @@ def test_the_rule_gives_its_reason_and_a_text_reference_is_compared_as_text():
     rule = get_rule("math_answer")
     assert rule.explain("q", "It is either 70 or 72.", {"answer": "#### 72"}) == "hedge"
     assert rule.fn("q", "The answer is 72.", {"answer": "#### 72"}) is True
-    assert get_rule("sort").explain("Sort: 2 1", "1 2", {}) is None
+    assert get_rule("regex:x").explain("q", "x", {}) is None  # a rule with no reasons
+    from dllm_align.data.toy import prompt_text
+
+    sort, q = get_rule("sort"), prompt_text("3142")
+    assert [sort.explain(q, c, {}) for c in ("1234", "4321", "1324", "1 234", "123")] == [
+        "correct", "descending", "unsorted", "malformed", "malformed"]
     assert judge("The answer is Paris.", "#### paris").desirable and not judge("The answer is Rome.", "#### Paris").desirable
