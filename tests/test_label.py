@@ -159,8 +159,8 @@ def test_math_answer_rows_carry_their_reason_and_the_summary_counts_them(tmp_pat
     for x in rows:
         assert x["reason"] in REASONS and x["label"] == (x["reason"] == "correct")
     assert summary["reasons"] == {k: Counter(x["reason"] for x in rows)[k] for k in REASONS}
-    sort = run_cli(["label", "demo", "-o", tmp_path / "s", "--prompts", src, "--n", "1"])  # a rule with no reasons
-    assert sort.code == 0 and json.loads((tmp_path / "s" / "label_summary.json").read_text())["reasons"] is None
+    plain = run_cli(["label", "demo", "-o", tmp_path / "s", "--prompts", src, "--n", "1", "--rule", "regex:1"])
+    assert plain.code == 0 and json.loads((tmp_path / "s" / "label_summary.json").read_text())["reasons"] is None  # no reasons
 
 
 def _judge_env(monkeypatch):
