@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's judging API)

@@ -113,7 +113,7 @@ _OPERATOR = re.compile(r"(?:\d|\))\s*(?:[-+*/×÷^]|\bx\b)\s*(?:-?\d|\(|\\frac)"
 # a fraction or mixed number is one number, not an operation ("2 1/2", "3/4", "2\\frac{1}{2}")
 _FRACTION_TOKEN = re.compile(r"(?<![\d.])(?:\d+\s+)?\d+/\d+(?![\d/])|(?:\d+\s*)?\\frac\{-?\d+\}\{\d+\}")
 _LEADING = [
-    (re.compile(rf"^(-?)(\d+)\s+(\d+)/(\d+)(?![\d/])"), "mixed"),
+    (re.compile(r"^(-?)(\d+)\s+(\d+)/(\d+)(?![\d/])"), "mixed"),
     (re.compile(r"^(-?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}"), "mixed"),
     (re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(\d+)\}"), "frac"),
     (re.compile(r"^(-?)(\d+)/(\d+)(?![\d/])"), "frac"),
