@@ -40,7 +40,7 @@ def online(
     with other settings, or fewer rounds than the folder finished, is refused by name. The per-round table
     is printed on stdout. Details: docs/online.md.
 
-    Example: dllm-align online demo -o runs/online --rounds 2 --rule sort --n 4 --limit 200
+    Example: dllm-align online demo_online -o runs/online --rounds 5
     """
     from dllm_align.config.recipe import load_recipe
     from dllm_align.core.console import result
