@@ -395,7 +395,9 @@ class JudgeServer:
                 err.append({"id": f"req-{i}", "custom_id": cid, "response": {"status_code": 500, "body": {"error": {"message": "server error"}}}, "error": None})
                 continue
             finish = "length" if action == "cutoff" else "stop"
-            if action == "garbage":
+            if self.absolute is not None:  # a yes/no judge, as for live requests
+                text = self.absolute(content, len(body["messages"]))
+            elif action == "garbage":
                 text = "Both have merit."
             elif action == "cutoff":
                 text = "Let me weigh both answers point by point. First, the"

@@ -4,40 +4,25 @@ provenance, reruns, and bad input (one Error line, nothing written)."""
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from dllm_align.data.toy import desirable, digits_of
-from dllm_align.online.verifiers import as_number, extract_answer, same_answer
+from dllm_align.online.math_answer import judge
 from reliability import run_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_answers.jsonl"
 FAST = ["--set", "generate.gen_length=16", "--set", "generate.block_length=16", "--set", "generate.steps=16"]
 
 
-def test_math_answer_extraction_on_gsm8k_style_outputs():
+def test_math_answer_on_the_older_gsm8k_style_outputs():
     """40 model-style solutions (####, \\boxed{}, "The answer is", units, commas, $, fractions, negatives,
-    wrong and missing answers), each hand-labelled right or wrong against its reference solution."""
+    wrong and missing answers), each hand-labelled right or wrong against its reference solution; the
+    held-out set and the per-format figures are in tests/test_math_answer.py."""
     rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     assert len(rows) == 40 and sum(not r["correct"] for r in rows) >= 6
-    got = [same_answer(extract_answer(r["output"]), extract_answer(r["answer"])) for r in rows]
-    assert got == [r["correct"] for r in rows]
-
-
-@pytest.mark.parametrize("text, want", [
-    ("Step 1... #### 72", "72"), ("so \\boxed{\\frac{3}{4}} is it", "\\frac{3}{4}"), ("The answer is $1,200.", "$1,200"),
-    ("answer: -3", "-3"), ("first 3 then 5 then 8", "8"), ("no number here", None),
-])
-def test_extraction_rules_in_order(text, want):
-    assert extract_answer(text) == want
-
-
-def test_numbers_compare_exactly():
-    assert as_number("1,234.50") == Fraction(2469, 2) and as_number("\\frac{3}{4}") == as_number("0.75")
-    assert as_number("160 minutes") == 160 and as_number("100%") == 100 and as_number("ten") is None
-    assert same_answer("$2.50", "2.5") and not same_answer("2.51", "2.5") and same_answer("Paris", "paris")
+    assert [judge(r["output"], r["answer"]).desirable for r in rows] == [r["correct"] for r in rows]
 
 
 def _label(tmp_path: Path, *extra, out="lab"):
@@ -100,8 +85,8 @@ def test_online_rounds_train_on_the_policys_own_samples_and_resume(tmp_path):
     """Two rounds: each labels the current policy's samples, balances the class weights, trains from the
     current policy against the initial reference; the second round samples the first round's model. A rerun
     reuses every finished stage; another setting is refused by name."""
-    args = ["online", "demo", "-o", tmp_path / "on", "--rounds", "2", "--n", "2", "--limit", "12", *FAST,
-            "--set", "train.batch_size=4", "--set", "reference.n_mc=2", "--set", "train.n_mc=2"]
+    args = ["online", "demo", "-o", tmp_path / "on", "--rounds", "2", "--n", "2", "--limit", "12", "--heldout-limit", "4", *FAST,
+            "--set", "train.max_steps=null", "--set", "train.batch_size=4", "--set", "reference.n_mc=2", "--set", "train.n_mc=2"]
     r = run_cli(args)
     assert r.code == 0, r.err
     rounds = json.loads((tmp_path / "on" / "rounds.json").read_text())["rounds"]
@@ -109,14 +94,15 @@ def test_online_rounds_train_on_the_policys_own_samples_and_resume(tmp_path):
     assert rounds[0]["policy"] == "builtin:toy-sort-base" and rounds[1]["policy"].endswith("round-0/final")
     for t in rounds:
         w = json.loads((tmp_path / "on" / f"round-{t['round']}" / "weights.json").read_text())
-        assert w["lambda_desirable"] * t["desirable"] == pytest.approx(w["lambda_undesirable"] * t["undesirable"])
+        assert w["balance_desirable"] * t["desirable"] == pytest.approx(w["balance_undesirable"] * t["undesirable"])
+        assert (w["lambda_desirable"], w["lambda_undesirable"]) == (w["balance_desirable"], 0.3 * w["balance_undesirable"])  # demo's lambda_U
     assert "| round | samples | desirable % |" in r.out and r.out.count("\n| 1 |") == 1
     before = (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text()
     again = run_cli(args)
     assert again.code == 0 and "reusing" in again.err
     assert (tmp_path / "on" / "round-1" / "labelled.jsonl").read_text() == before
     other = run_cli(args[:-2] + ["--set", "train.n_mc=2", "--set", "train.lr=0.5"])
-    assert other.code == 2 and "settings differ" in other.err and "train" in other.err
+    assert other.code == 2 and "differs from the recorded run" in other.err and "train.lr" in other.err
 
 
 def test_an_absolute_judge_labels_through_the_judge_client_with_a_cache(tmp_path, monkeypatch):
@@ -155,3 +141,77 @@ def test_an_absolute_judge_labels_through_the_judge_client_with_a_cache(tmp_path
     assert key not in "".join(p.read_text() for p in (tmp_path / "lab").iterdir() if p.is_file())
     distinct = {(x["prompt"][-1]["content"], x["completion"]) for x in rows}
     assert state["dodged"] >= 1 and asked == len(distinct) + state["dodged"]  # one per distinct sample, one re-ask per dodge
+
+
+def test_math_answer_rows_carry_their_reason_and_the_summary_counts_them(tmp_path):
+    from collections import Counter
+
+    from dllm_align.data.toy import desirable as ascending, make_prompts, prompt_text
+    from dllm_align.online.math_answer import REASONS
+
+    digits = make_prompts(6, 5, 3)
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": prompt_text(d), "answer": ascending(d)}) + "\n" for d in digits))
+    r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--rule", "math_answer", "--prompts", src, "--n", "2"])
+    assert r.code == 0, r.err
+    rows = [json.loads(x) for x in (tmp_path / "lab" / "labelled.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "lab" / "label_summary.json").read_text())
+    for x in rows:
+        assert x["reason"] in REASONS and x["label"] == (x["reason"] == "correct")
+    assert summary["reasons"] == {k: Counter(x["reason"] for x in rows)[k] for k in REASONS}
+    plain = run_cli(["label", "demo", "-o", tmp_path / "s", "--prompts", src, "--n", "1", "--rule", "regex:1"])
+    assert plain.code == 0 and json.loads((tmp_path / "s" / "label_summary.json").read_text())["reasons"] is None  # no reasons
+
+
+def _judge_env(monkeypatch):
+    key = "sk-test-label-0123456789"
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    return key
+
+
+def test_the_judge_labeller_uses_the_batch_api_when_asked(tmp_path, monkeypatch):
+    """--batch: the verdicts come through the Batch API (files, batches) and are cached like live ones; a
+    reply without a verdict is then asked live for the verdict alone."""
+    import re
+
+    from judge_server import JudgeServer
+
+    key = _judge_env(monkeypatch)
+
+    def yes_no(first: str, n_messages: int) -> str:
+        answer = first.split("[Answer]\n", 1)[1].strip()
+        request = re.search(r"sort: (\d+)", first).group(1)
+        if int(request) % 3 == 0 and n_messages == 1:
+            return "Hard to say."
+        return "[[YES]]" if answer == "".join(sorted(request)) else "Not sorted. [[NO]]"
+
+    with JudgeServer(key) as srv:
+        srv.absolute, srv.batch_polls = yes_no, 1
+        args = ["--rule", "judge:m", "--set", f"judge.base_url={srv.url}", "--set", "judge.batch_poll_interval=0.01", "--batch"]
+        r = _label(tmp_path, *args)
+        assert r.code == 0, r.err
+        batched, live = len(srv.batch_log), len(srv.bodies)
+        again = _label(tmp_path, *args)
+        assert again.code == 0 and len(srv.batch_log) == batched and len(srv.bodies) == live  # all cached
+    rows = [json.loads(x) for x in (tmp_path / "lab" / "labelled.jsonl").read_text().splitlines()]
+    distinct = {(x["prompt"][-1]["content"], x["completion"]) for x in rows}
+    assert batched == len(distinct) and len(rows) == 12
+    dodged = sum(1 for p, _ in distinct if int(re.search(r"sort: (\d+)", p).group(1)) % 3 == 0)
+    assert live == 2 * dodged  # each dodge asked live: the request, then the verdict alone
+    for x in rows:
+        assert x["label"] == (x["completion"].strip() == "".join(sorted(digits_of(x["prompt"][-1]["content"]))))
+    assert key not in "".join(p.read_text() for p in (tmp_path / "lab").rglob("*") if p.is_file())
+
+
+def test_the_unjudgeable_warning_comes_before_the_error_that_refers_to_it(tmp_path, monkeypatch):
+    from judge_server import JudgeServer
+
+    key = _judge_env(monkeypatch)
+    with JudgeServer(key) as srv:
+        srv.absolute = lambda first, n: "I would rather not say."
+        r = _label(tmp_path, "--rule", "judge:m", "--set", f"judge.base_url={srv.url}")
+    assert r.code == 2
+    lines = r.err.splitlines()
+    warn = next(i for i, x in enumerate(lines) if "got no [[YES]]/[[NO]] verdict" in x)
+    err = next(i for i, x in enumerate(lines) if x.startswith("Error: no sample got a verdict"))
+    assert warn < err and "warning above" in r.err

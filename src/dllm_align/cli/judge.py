@@ -78,6 +78,9 @@ def judge(
     length_threshold: Annotated[Optional[float], typer.Option(show_default=_shown("length_threshold"), help="Mark the AWR when mean answer lengths differ by more than this fraction.")] = None,
     allow_plain_http: Annotated[bool, typer.Option("--allow-plain-http", help="Allow the key over plain http:// to a host that is not loopback.", metavar="")] = False,
     env_proxy: Annotated[bool, typer.Option("--env-proxy", help="Use the proxy named by HTTP(S)_PROXY (ignored otherwise).", metavar="")] = False,
+    length_anchors: Annotated[bool, typer.Option("--length-anchors", help="LC-AWR length anchors: B's answers rewritten verbose and concise by the judge model (or --anchors-model), each judged against B, enter the LC fit at weight 0.1; rewrites and verdicts are cached in DIR/anchors.", metavar="")] = False,
+    anchors_model: Annotated[Optional[str], typer.Option("--anchors-model", metavar="MODEL", show_default=_shown("length_anchors_model"), help="The model that rewrites B's answers for --length-anchors (default: the first API judge).")] = None,
+    difficulty_from: Annotated[Optional[Path], typer.Option("--difficulty-from", metavar="RESULTS", help="A second model's judge run against the same B (its folder or outcomes.jsonl): its per-prompt outcomes enter the LC fit as instruction difficulty.")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.", metavar="")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.", metavar="")] = False,
 ) -> None:
@@ -85,7 +88,10 @@ def judge(
 
     Every prompt is judged with A's answer first and with B's first; A wins only if
     both orders prefer it. Two judges add the majority vote and Cohen's kappa.
-    LC-AWR is the AWR predicted at zero length difference between the answers.
+    LC-AWR is the AWR predicted at zero length difference between the answers; it is withheld, with
+    the reason, when the data cannot tell length from quality. --length-anchors pins the length slope
+    with B's own answers made verbose and concise (as AlpacaEval does); --difficulty-from adds the
+    instruction-difficulty term from a second model's results.
 
     Finished judgements are cached in the output folder: rerunning the same command
     resumes without repeating a request, and retries the ones that failed; with
@@ -124,6 +130,9 @@ def judge(
         "judge.length_threshold": ("--length-threshold", length_threshold),
         "judge.allow_plain_http": ("--allow-plain-http", True if allow_plain_http else None),
         "judge.env_proxy": ("--env-proxy", True if env_proxy else None),
+        "judge.length_anchors": ("--length-anchors", True if length_anchors else None),
+        "judge.length_anchors_model": ("--anchors-model", anchors_model),
+        "judge.difficulty_from": ("--difficulty-from", str(difficulty_from) if difficulty_from is not None else None),
     })
     if no_temperature:
         flags["judge.temperature"] = ("--no-temperature", None)  # sent as no temperature at all

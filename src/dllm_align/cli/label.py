@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import RecipeArg, SetOpt, command
+from dllm_align.cli.app import RecipeArg, SetOpt, command, given
 
 
 @command("label")
@@ -25,13 +25,15 @@ def label(
     limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", min=1, help="Only the first N prompts.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", metavar="T", min=0, max=10, help="Sampling temperature (default: the recipe's, or 1.0 when that is greedy).")] = None,
     answer_column: Annotated[str, typer.Option("--answer-column", metavar="NAME", help="The reference-answer column math_answer compares against.")] = "answer",
+    batch: Annotated[bool, typer.Option("--batch", metavar="", help="With --rule judge:MODEL: ask the judge through the Batch API (as judge --batch); rerun to continue.")] = False,
     set_: SetOpt = None,
 ) -> None:
     """Sample the model's own completions and label each one desirable or not with a verifier.
 
     The rows (prompt, completion, label, and their provenance: round, model, sampler, labeller, verdict)
     are what precompute-ref and train read; the summary gives the desirable share and how many prompts
-    got only good or only bad samples. Verifiers and their rules: docs/online.md.
+    got only good or only bad samples. math_answer stores each row's reason (correct, wrong, hedge,
+    truncated, expression, none) and the summary counts them. Verifiers and their rules: docs/online.md.
 
     Example: dllm-align label demo -o runs/label --rule sort --n 4 --limit 50
 
@@ -43,7 +45,7 @@ def label(
     from dllm_align.core.console import result
     from dllm_align.online.label import label as run_label
 
-    rec = load_recipe(recipe, set_, output_dir)
+    rec = load_recipe(recipe, set_, output_dir, flags=given({"judge.batch": ("--batch", True if batch else None)}))
     summary = run_label(rec, rec.output_dir, rule=rule, n=n, prompts=prompts, split=split, model=model, limit=limit,
                         temperature=temperature, answer_column=answer_column)
     write_run_info(rec, rec.output_dir, "label")

@@ -26,16 +26,25 @@ def online(
     drop_uniform: Annotated[bool, typer.Option("--drop-uniform", metavar="", help="Drop prompts whose samples are all desirable or all undesirable (kept by default).")] = False,
     temperature: Annotated[Optional[float], typer.Option("--temperature", metavar="T", show_default=d("online.temperature"), help="Sampling temperature (default: the recipe's, or 1.0 when that is greedy).")] = None,
     answer_column: Annotated[str, typer.Option("--answer-column", metavar="NAME", help="The reference-answer column math_answer compares against.")] = "answer",
+    heldout: Annotated[Optional[str], typer.Option("--heldout", metavar="FILE", help="Held-out prompts for the per-round evaluation (default: the recipe's data.test).")] = None,
+    heldout_limit: Annotated[Optional[int], typer.Option("--heldout-limit", metavar="N", show_default=d("online.heldout_limit"), help="Only the first N held-out prompts.")] = None,
+    keep: Annotated[Optional[str], typer.Option("--keep", metavar="WHICH", show_default=d("online.keep"), help="The final model: last (the last round's) or best (the round with the highest held-out greedy share).")] = None,
+    batch: Annotated[bool, typer.Option("--batch", metavar="", help="With --rule judge:MODEL: ask the judge through the Batch API (as judge --batch); rerun to continue.")] = False,
+    allow_change: Annotated[Optional[list[str]], typer.Option("--allow-change", metavar="KEY", help="Continue a run folder although this recorded setting differs (repeatable; 'all' for every key).")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Align a model from its own samples: label them with a verifier, then ELBO-KTO on them, in rounds.
 
-    The recipe's `online` section (if any) gives the defaults. Each round labels n samples per prompt from the current policy, balances the class weights
-    (lambda_D n_D = lambda_U n_U), computes the reference ELBOs (the initial model by default) and
-    trains from the current policy; the next round samples the trained model. A killed run continues
-    where it stopped. The per-round table is printed on stdout. Details: docs/online.md.
+    The recipe's `online` section (if any) gives the defaults. Each round labels n samples per prompt from the
+    current policy (math_answer also stores each verdict's reason: correct, wrong, hedge, truncated,
+    expression, none, counted per round), balances the class weights (lambda_D n_D = lambda_U n_U, times the
+    recipe's train.lambda_*), computes the reference ELBOs (the initial model by default), trains from the
+    current policy with the recipe's train settings, and evaluates the trained model on held-out prompts
+    (greedy and sampled). Seeds change from round to round. A killed run continues where it stopped; a rerun
+    with other settings, or fewer rounds than the folder finished, is refused by name. The per-round table
+    is printed on stdout. Details: docs/online.md.
 
-    Example: dllm-align online demo -o runs/online --rounds 2 --rule sort --n 4 --limit 200
+    Example: dllm-align online demo_online -o runs/online --rounds 5
     """
     from dllm_align.config.recipe import load_recipe
     from dllm_align.core.console import result
@@ -48,10 +57,17 @@ def online(
         "online.limit": ("--limit", limit), "online.reference": ("--reference", reference),
         "online.keep_uniform": ("--drop-uniform", False if drop_uniform else None),
         "online.temperature": ("--temperature", temperature),
+        "online.heldout": ("--heldout", heldout), "online.heldout_limit": ("--heldout-limit", heldout_limit),
+        "online.keep": ("--keep", keep),
+        "judge.batch": ("--batch", True if batch else None),
     })
+    from dllm_align.workflows.online import refuse_set_by_online
+
+    refuse_set_by_online(set_)
     rec = load_recipe(recipe, set_, output_dir, flags=flags)
     o = rec.online or OnlineSection()  # the recipe's online section (flags included), else the schema's defaults
     table = run_online(rec, rec.output_dir, rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, prompts=prompts,
                        reference=o.reference, keep_uniform=o.keep_uniform, temperature=o.temperature,
-                       answer_column=answer_column)
+                       answer_column=answer_column, heldout=o.heldout, heldout_limit=o.heldout_limit,
+                       heldout_n=o.heldout_n, keep=o.keep, allow_changes=allow_change or ())
     result(markdown_table(table))

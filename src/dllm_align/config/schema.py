@@ -370,6 +370,17 @@ class JudgeSection(Section):
     length_threshold: float = Field(
         0.1, ge=0, description="Mark the AWR when the two sides' mean answer lengths differ by more than this fraction."
     )
+    length_anchors: bool = Field(
+        False, description="LC-AWR length anchors (AlpacaEval's): B's answers rewritten verbose and concise by "
+        "length_anchors_model, each judged against B, enter the LC fit at weight 0.1 (rewrites and verdicts cached)."
+    )
+    length_anchors_model: Optional[str] = Field(
+        None, description="The model that rewrites B's answers for the length anchors (default: the first API judge)."
+    )
+    difficulty_from: Optional[str] = Field(
+        None, description="A second model's judge results against the same B (its outcomes.jsonl or run folder): "
+        "its per-prompt outcomes are the LC fit's instruction-difficulty term."
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> "JudgeSection":
@@ -486,7 +497,11 @@ class OnlineSection(Section):
     limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts of data.train.")
     reference: Literal["initial", "previous"] = Field("initial", description="Each round's reference: the initial model or the policy entering the round.")
     keep_uniform: bool = Field(True, description="Keep prompts whose samples are all desirable or all undesirable.")
-    temperature: Optional[float] = Field(None, ge=0, le=10, description="Sampling temperature (default: generate.temperature, or 1.0 when that is greedy).")
+    temperature: Optional[float] = Field(None, ge=0, le=10, description="Sampling temperature (default: generate.temperature, or 1.0 when that is greedy; 0 only with n = 1).")
+    heldout: Optional[str] = Field(None, description="Held-out prompts file for the per-round evaluation (default: data.test).")
+    heldout_limit: Optional[int] = Field(None, ge=1, description="Only the first N held-out prompts.")
+    heldout_n: int = Field(4, ge=1, le=1024, description="Samples per held-out prompt for the sampled held-out share (greedy: one).")
+    keep: Literal["last", "best"] = Field("last", description="The run's final model: the last round's, or the best round's by held-out greedy share.")
 
 
 # --------------------------------------------------------------------------- recipe

@@ -12,7 +12,8 @@ LENGTH_UNIT = "characters"
 
 
 def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths: Optional[tuple[Sequence[int], Sequence[int]]] = None,
-                       bootstrap: int = 5000, seed: int = 0) -> dict:
+                       bootstrap: int = 5000, seed: int = 0, anchors: Optional[Mapping[str, list]] = None,
+                       difficulty: Optional[Mapping[str, list]] = None) -> dict:
     """Statistics of per-prompt outcomes (+1 / 0 / -1, ``None`` for a prompt the judge
     could not finish), one list per judge, all lists in the same prompt order.
 
@@ -21,7 +22,11 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
     over the prompts both judges finished. With ``lengths`` (answer lengths of A
     and of B per prompt) every AWR gets its length-controlled twin ``lc_awr`` and
     ``lc_ci90`` over the same prompts. Every interval uses the same resamples
-    (same ``seed``) when the prompt counts agree.
+    (same ``seed``) when the prompt counts agree. ``anchors`` (per judge: a list of
+    ``(outcomes, lengths)`` of B's rewrites judged against B, one entry per prompt,
+    None where missing) and ``difficulty`` (per judge: a second model's outcome per
+    prompt, None where missing, counted as a tie) enter the LC fit
+    (:func:`dllm_align.judge.stats.lc_estimate`).
     """
     import numpy as np
 
@@ -30,22 +35,29 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
     la = np.asarray(lengths[0], dtype=np.float64) if lengths is not None else None
     lb = np.asarray(lengths[1], dtype=np.float64) if lengths is not None else None
 
-    def summ(outcomes: np.ndarray, keep: np.ndarray) -> dict:
+    def summ(outcomes: np.ndarray, keep: np.ndarray, judge: Optional[str] = None) -> dict:
         s = stats.summarize(outcomes, n_resamples=bootstrap, seed=seed)
         if la is not None:
             if s["n"]:
-                s["lc_awr"] = stats.lc_awr(outcomes, la[keep], lb[keep])
-                s["lc_trust"] = float(stats.lc_trust((la[keep] - lb[keep])[None])[0])
-                s["lc_ci90"] = list(stats.lc_awr_ci(outcomes, la[keep], lb[keep], n_resamples=bootstrap, seed=seed))
+                idx = np.flatnonzero(keep)
+                anc = [([o[i] for i in idx], [n[i] for i in idx]) for o, n in (anchors or {}).get(judge, ())] or None
+                g = (difficulty or {}).get(judge)
+                g = [0 if g[i] is None else g[i] for i in idx] if g is not None else None
+                e = stats.lc_estimate(outcomes, la[keep], lb[keep], anchors=anc, difficulty=g, n_resamples=bootstrap, seed=seed)
+                if anc is not None:
+                    s["lc_anchor_rows"] = int(sum(o is not None for a, _ in anc for o in a))
+                if g is not None:
+                    s["lc_difficulty_missing"] = int(sum(1 for i in idx if difficulty[judge][i] is None))
+                s["lc_awr"], s["lc_ci90"], s["lc_withheld"], s["lc_vif"] = e["lc_awr"], e["ci90"], e["withheld"], e["vif"]
             else:
-                s["lc_awr"], s["lc_ci90"], s["lc_trust"] = None, None, None
+                s["lc_awr"], s["lc_ci90"], s["lc_withheld"], s["lc_vif"] = None, None, None, None
         return s
 
     out: dict[str, Any] = {"judges": {}}
     for j, outs in per_judge.items():
         keep = np.array([o is not None for o in outs], dtype=bool)
         done = np.array([o for o in outs if o is not None], dtype=np.int8)
-        s = summ(done, keep)
+        s = summ(done, keep, j)
         s["failed_prompts"] = len(outs) - len(done)
         out["judges"][j] = s
     if len(per_judge) == 2:
@@ -151,10 +163,11 @@ def length_line(results: dict) -> Optional[str]:
     bal = ln.get("balance")
     if bal and bal["a_longer_share"] is not None:
         line += f". A's answer is the longer one on {100 * bal['a_longer_share']:.1f}% of prompts ({bal['a_longer']} A, {bal['b_longer']} B, {bal['equal']} equal)"
-        if bal["trust"] < 1:
-            line += (f". Warning: only {min(bal['a_longer'], bal['b_longer'])} prompt(s) on one side (fewer than "
-                     f"{bal['min_side']}): the lengths are too lopsided to separate length from quality, so the LC-AWR "
-                     f"is shrunk toward the AWR (trust {bal['trust']:.2f}) and cannot be trusted as a length control")
+    withheld = sorted({name for name, r in [*results["judges"].items(), ("MV", results.get("majority_vote") or {})]
+                       if r.get("lc_withheld")})
+    if withheld:
+        r = next(r for r in [*results["judges"].values(), results.get("majority_vote") or {}] if r.get("lc_withheld"))
+        line += f". LC-AWR withheld ({', '.join(withheld)}): {r['lc_withheld']}"
     return line
 
 
@@ -185,9 +198,9 @@ def results_markdown(results: dict) -> str:
         f"90% CI: 5th and 95th percentiles of {results['settings']['bootstrap_resamples']} bootstrap resamples of prompts "
         f"(seed {results['settings']['seed']}). MV: a win or loss only when both judges agree on it, else a tie. "
         "LC-AWR: the AWR predicted at zero length difference by a logistic regression of the outcome on "
-        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally, shrunk toward the AWR "
-        "when fewer than 25 prompts lie on one side; same resamples. Not comparable with AlpacaEval's leaderboard "
-        "(see docs/judging.md).",
+        "tanh(standardised length difference), A-longer and B-longer prompts weighted equally, refitted on each of the "
+        "same resamples; withheld (-) when the data cannot tell the length slope from the intercept (variance "
+        "inflation above 4). See docs/judging.md for how it compares with AlpacaEval's figure.",
     ]
     ln = length_line(results)
     if ln:

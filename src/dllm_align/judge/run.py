@@ -291,6 +291,14 @@ def judge_pairs(
     template = load_template(s["template"])
     rules = {j: get_rule(j[len("rule:"):]) for j in judges if j.startswith("rule:")}
     api_judges = [j for j in judges if j not in rules]
+    if s["length_anchors"] and not (s["length_anchors_model"] or api_judges):
+        raise UserError("--length-anchors: no model to rewrite B's answers (the judges are all rules)",
+                        hint="name one with --anchors-model MODEL (judge.length_anchors_model)")
+    difficulty = None
+    if s["difficulty_from"]:
+        from dllm_align.judge.anchors import difficulty_from
+
+        difficulty = difficulty_from(s["difficulty_from"], pairs, judges)
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} exists and is not a folder")
@@ -382,7 +390,13 @@ def judge_pairs(
 
         failed = sum(1 for k in tasks if k not in cache)  # distinct API judgements still missing
         results: dict[str, Any] = {"n": len(pairs), "a": labels[0], "b": labels[1]}
-        results.update(summarize_outcomes(per_judge, lengths=(len_a, len_b), bootstrap=s["bootstrap"], seed=s["seed"]))
+        anchors = None
+        if s["length_anchors"]:
+            from dllm_align.judge.anchors import length_anchors
+
+            anchors = length_anchors(pairs, out, s, environ, judges, judge_pairs=judge_pairs, params=params, answer_length=answer_length)
+        results.update(summarize_outcomes(per_judge, lengths=(len_a, len_b), bootstrap=s["bootstrap"], seed=s["seed"],
+                                          anchors=anchors, difficulty=difficulty))
         results["lengths"] = length_report(len_a, len_b, s["length_threshold"])
         if len(judges) == 2:
             j1, j2 = judges
@@ -409,8 +423,11 @@ def judge_pairs(
             "bootstrap_resamples": s["bootstrap"],
             "seed": s["seed"],
             "ci_level": 0.9,
-            "length_control": "logistic GLM of the outcome on tanh(standardised length difference), "
-                              "A-longer and B-longer prompts weighted equally; LC-AWR = prediction at zero difference",
+            "length_control": "logistic GLM of the outcome on tanh(standardised length difference) (+ instruction "
+                              "difficulty, + length anchors at weight 0.1 when given), A-longer and B-longer prompts "
+                              "weighted equally; LC-AWR = prediction at zero difference, withheld when the slope is not identified",
+            "length_anchors": (s["length_anchors_model"] or api_judges[0]) if s["length_anchors"] else None,
+            "difficulty_from": s["difficulty_from"],
             "length_unit": "characters",
             "failures": "excluded: a prompt counts for a judge only when both orders were judged",
         }

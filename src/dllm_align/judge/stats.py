@@ -24,7 +24,7 @@ The protocol:
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -262,53 +262,52 @@ def summarize(outcomes: Sequence[int] | np.ndarray, n_resamples: int = 5000, see
 
 # --------------------------------------------------------------------------- length control
 # The length-controlled AWR (LC-AWR) answers "what would the AWR be if A's and B's answers were
-# equally long?". It is in the spirit of AlpacaEval 2's length-controlled win rate, NOT that figure:
+# equally long?". The model is AlpacaEval 2's length-controlled GLM, fitted to our two-order outcome:
 #
 #   y_i = (o_i + 1) / 2 in {0, 0.5, 1},    x_i = tanh(d_i / sd(d)),   d_i = len(A_i) - len(B_i)
-#   logit P(y_i = 1) = theta0 + theta1 x_i, fitted by weighted maximum likelihood
-#   (fractional y, so a tie counts half a win), ridge penalty RIDGE * theta1^2 / 2,
-#   fit = sigmoid(theta0),
-#   LC-AWR = AWR + trust * (fit - AWR),   trust = min(1, m / LC_MIN_SIDE),
-#   m = min(#prompts where A is longer, #prompts where B is longer).
+#   logit P(y_i = 1) = theta + phi x_i + psi g_i          (g_i: instruction difficulty, optional)
+#   fitted by weighted maximum likelihood (fractional y: a tie counts half a win), ridge LC_RIDGE / 2
+#   on phi and psi;  LC-AWR = mean_i sigmoid(theta + psi g_i)   (the prediction at d = 0).
 #
-# Differences from AlpacaEval's model, so that nobody reads our numbers against its leaderboard:
-# AlpacaEval fits one preference per single, randomly ordered judgement, with an instruction-difficulty
-# term, cross-validated and regularised toward gamed baselines; we fit the two-order outcome (a win needs
-# both orders, which puts our figures a few points nearer 50% than single-order judgements), with no
-# instruction term, no cross-validation, and the two changes below, both found necessary by simulation.
+# Unlike AlpacaEval, each row is the two-order outcome (a win needs both orders), which puts our figures
+# a few points nearer 50% than single-order judgements; there is no cross-validation.
 #
-# 1. Balancing weights: the prompts where A is longer and those where B is longer get the same total
-#    weight (prompts of equal length keep weight 1). Without them, a judge that only prefers the longer
-#    answer makes the two groups linearly separable, and the intercept of a logistic fit is then set by
-#    the ratio of the group sizes (about 0.5 ln(n_A-longer / n_B-longer)), not by anything the judge did:
-#    on 200 prompts with A longer on 80% the unweighted fit gives 0.73 for a judge that only likes
-#    length, the weighted one 0.53 (tests/test_judge_report.py).
-# 2. Shrinkage toward the AWR when one side is thin: the balancing weights hand the few prompts on the
-#    minority side half of all the weight, so with A longer on 399 of 400 prompts one verdict moved the
-#    fit from 23% to 92%. With fewer than LC_MIN_SIDE prompts on a side the data cannot separate length
-#    from quality, and the estimate is pulled toward the AWR in proportion (trust = m / LC_MIN_SIDE;
-#    no prompt on one side: LC-AWR = AWR). The report gives the share of prompts where A is longer and
-#    the trust next to the value, and warns when trust < 1. On balanced data (m >= LC_MIN_SIDE) nothing
-#    changes: there the fit agrees with AlpacaEval's minimal GLM to about 1 point.
+# * Length anchors (AlpacaEval's "gamed" baselines): B's answers rewritten verbose and concise by the
+#   judge model and judged against B. A rewrite has B's quality, so its rows enter with no theta
+#   (logit = phi x + psi g) at weight ANCHOR_WEIGHT each (AlpacaEval: 0.2 split over its two rewrites);
+#   they pin the length slope from answers whose quality is known.
+# * Instruction difficulty: where a second model's verdicts against the same B on the same prompts are
+#   available, g_i = its outcome on prompt i (-1 / 0 / +1), as AlpacaEval's per-instruction term.
+# * Balancing weights on the model's rows: the prompts where A is longer and those where B is longer get
+#   the same total weight (equal lengths keep weight 1). Without them a judge that only prefers the
+#   longer answer makes the two groups separable and theta is set by the ratio of the group sizes (on 200
+#   prompts with A longer on 80% the unweighted fit gives 0.73 for a judge that only likes length, the
+#   weighted one 0.53).
+# * Identification: without anchors the data alone must tell the length slope from the intercept. How
+#   well they do is measured by the variance inflation of theta, VIF = (I^-1)_00 I_00 for the Fisher
+#   information I of the model's own rows at the fitted probabilities, unweighted (the information the
+#   data carry, not the balancing), and of the lengths alone (every p = 1/2); the larger counts. It is 1
+#   when x is centred on 0 and grows when (nearly) every prompt lies on one length side or the verdicts
+#   separate by length. Above LC_MAX_VIF = 4 (the length term doubles theta's standard error) the LC
+#   figure is withheld with the reason (never shrunk toward the AWR, which is the length-biased figure):
+#   a relative measure, the same for 50 prompts or 5,000. With anchors the slope comes from them and the
+#   figure is given.
+# * The interval is a percentile bootstrap over prompts that refits theta, phi and psi on every resample
+#   (anchor rows travel with their prompt), so it includes the slope's uncertainty.
+# The checks against AlpacaEval's published per-prompt annotations and LC figures, and the coverage in
+# simulation with a known length-free truth, are in docs/judging.md (benchmarks/lc_awr.py).
 LC_RIDGE = 1.0
-LC_MIN_SIDE = 25
+ANCHOR_WEIGHT = 0.1
+LC_MAX_VIF = 4.0
 _LC_ITERS = 60
 
 
-def lc_trust(d: np.ndarray) -> np.ndarray:
-    """How far the length fit is trusted (the shrinkage factor above), per row of length differences."""
-    m = np.minimum((d > 0).sum(-1), (d < 0).sum(-1))
-    return np.minimum(1.0, m / LC_MIN_SIDE)
-
-
 def lc_balance(len_a: Sequence[float], len_b: Sequence[float]) -> dict:
-    """How lopsided the answer lengths are: counts per side, the share of prompts where A is longer,
-    and the trust the length control gets (1: full; below 1 the LC-AWR is shrunk toward the AWR)."""
+    """How lopsided the answer lengths are: counts per side and the share of prompts where A is longer."""
     d = np.asarray(len_a, dtype=np.float64) - np.asarray(len_b, dtype=np.float64)
     n = int(d.size)
     a, b = int((d > 0).sum()), int((d < 0).sum())
-    return {"a_longer": a, "b_longer": b, "equal": n - a - b, "a_longer_share": (a / n) if n else None,
-            "trust": float(lc_trust(d)) if n else None, "min_side": LC_MIN_SIDE}
+    return {"a_longer": a, "b_longer": b, "equal": n - a - b, "a_longer_share": (a / n) if n else None}
 
 
 def _lc_weights(d: np.ndarray) -> np.ndarray:
@@ -320,32 +319,71 @@ def _lc_weights(d: np.ndarray) -> np.ndarray:
     return np.where((n_pos == 0) | (n_neg == 0), 1.0, w)
 
 
-def _lc_fit(d: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """LC-AWR of each row of ``d``, ``y`` (shape (R, n)), shrinkage included: damped Newton on the
-    penalised weighted log-likelihood (strictly concave in theta1; theta0 may run
-    off to +-inf when every outcome is a win or every one a loss, and then the
-    answer is 1 or 0 to float precision after the bounded iterations)."""
-    sd = d.std(axis=-1, keepdims=True)
-    x = np.tanh(np.divide(d, sd, out=np.zeros_like(d), where=sd > 0))
-    w = _lc_weights(d)
-    t0 = np.zeros(d.shape[0])
-    t1 = np.zeros(d.shape[0])
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return np.exp(-np.logaddexp(0.0, -z))
+
+
+def _newton(z: np.ndarray, y: np.ndarray, w: np.ndarray, penalty: np.ndarray) -> np.ndarray:
+    """Penalised weighted logistic fit, batched: ``z`` (R, m, k) designs, ``y`` and ``w`` (R, m), ``penalty``
+    (k,) ridge strengths; returns (R, k). Damped Newton (steps clipped to 5): the likelihood is strictly
+    concave in the penalised coefficients; an unpenalised intercept may run off toward +-inf when every
+    outcome is a win or every one a loss, and the prediction is then 1 or 0 to float precision."""
+    r_, m, k = z.shape
+    beta = np.zeros((r_, k))
+    ridge = np.diag(penalty)
     for _ in range(_LC_ITERS):
-        p = 1.0 / (1.0 + np.exp(-(t0[:, None] + t1[:, None] * x)))
-        r, h = w * (y - p), w * p * (1 - p)
-        g0, g1 = r.sum(-1), (r * x).sum(-1) - LC_RIDGE * t1
-        h00, h01, h11 = h.sum(-1), (h * x).sum(-1), (h * x * x).sum(-1) + LC_RIDGE
-        det = h00 * h11 - h01 * h01
-        ok = det > 1e-300
-        s0 = np.where(ok, (h11 * g0 - h01 * g1) / np.where(ok, det, 1.0), 0.0)
-        s1 = np.where(ok, (h00 * g1 - h01 * g0) / np.where(ok, det, 1.0), g1 / h11)
-        s0, s1 = np.clip(s0, -5, 5), np.clip(s1, -5, 5)  # damping: never a wild first step
-        t0, t1 = t0 + s0, t1 + s1
-        if max(np.abs(s0).max(), np.abs(s1).max()) < 1e-12:
+        p = _sigmoid(np.einsum("rmk,rk->rm", z, beta))
+        g = np.einsum("rm,rmk->rk", w * (y - p), z) - beta * penalty
+        h = np.einsum("rm,rmk,rml->rkl", w * p * (1 - p), z, z) + ridge
+        h = h + 1e-9 * np.eye(k)  # an intercept with no information (all wins): keep the system solvable
+        step = np.clip(np.linalg.solve(h, g[..., None])[..., 0], -5, 5)
+        beta = beta + step
+        if np.abs(step).max() < 1e-10:
             break
-    fit = 1.0 / (1.0 + np.exp(-t0))
-    awr_ = y.mean(-1)
-    return awr_ + lc_trust(d) * (fit - awr_)
+    return beta
+
+
+def _lc_design(d, y, anchors, g):
+    """Stacked rows of the fit for R resamples: model rows then anchor rows. ``d``, ``y``, ``g`` (R, n);
+    ``anchors`` a list of (da, ya, ok) each (R, n). Returns z (R, m, 3), y (R, m), w (R, m), vif (R,)."""
+    sd = d.std(axis=-1, keepdims=True)
+    scale = lambda v: np.tanh(np.divide(v, sd, out=np.zeros_like(v), where=sd > 0))  # noqa: E731
+    x = scale(d)
+    one = np.ones_like(x)
+    z = [np.stack([one, x, g], -1)]
+    ys, ws = [y], [_lc_weights(d)]
+    for da, ya, ok in anchors:
+        z.append(np.stack([np.zeros_like(x), scale(da), g], -1))
+        ys.append(ya)
+        ws.append(np.where(ok, ANCHOR_WEIGHT, 0.0))
+    return np.concatenate(z, 1), np.concatenate(ys, 1), np.concatenate(ws, 1)
+
+
+def _vif(z_model: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Variance inflation of theta from the unweighted information of the model's own rows (k = 2: the
+    intercept and the length slope; the difficulty term does not compete with length)."""
+    zz = z_model[..., :2]
+    p = _sigmoid(np.einsum("rmk,rk->rm", z_model, beta))
+    out = []
+    for v in (p * (1 - p), np.full_like(p, 0.25)):  # at the fit, and of the lengths alone (p = 1/2)
+        info = np.einsum("rm,rmk,rml->rkl", v, zz, zz)
+        det = info[:, 0, 0] * info[:, 1, 1] - info[:, 0, 1] ** 2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            vif = info[:, 0, 0] * info[:, 1, 1] / det
+        out.append(np.where(det > 1e-12 * np.maximum(info[:, 0, 0] * info[:, 1, 1], 1e-300), vif, np.inf))
+    return np.maximum(*out)
+
+
+def _lc_fit(d, y, anchors=(), g=None) -> tuple[np.ndarray, np.ndarray]:
+    """(LC-AWR, VIF) per row of ``d``, ``y`` (shape (R, n))."""
+    if g is None:
+        g = np.zeros_like(d)
+    z, yy, w = _lc_design(d, y, anchors, g)
+    penalty = np.array([0.0, LC_RIDGE, LC_RIDGE])
+    beta = _newton(z, yy, w, penalty)
+    n = d.shape[-1]
+    lc = _sigmoid(beta[:, :1] + beta[:, 2:3] * g).mean(-1)
+    return lc, _vif(z[:, :n], beta)
 
 
 def _lc_inputs(outcomes, len_a, len_b) -> tuple[np.ndarray, np.ndarray]:
@@ -356,34 +394,88 @@ def _lc_inputs(outcomes, len_a, len_b) -> tuple[np.ndarray, np.ndarray]:
     return la - lb, (o.astype(np.float64) + 1) / 2
 
 
-def lc_awr(outcomes: Sequence[int] | np.ndarray, len_a: Sequence[float], len_b: Sequence[float]) -> float:
-    """Length-controlled AWR: the AWR a weighted logistic GLM of the outcome on
-    tanh(standardised length difference) predicts at zero length difference, shrunk toward the AWR
-    when fewer than :data:`LC_MIN_SIDE` prompts lie on one side (see the comment above
-    :data:`LC_RIDGE`). Equal to the AWR when all differences are 0 or all lie on one side."""
-    d, y = _lc_inputs(outcomes, len_a, len_b)
-    if d.size == 0:
-        raise ValueError("LC-AWR of zero prompts is undefined")
-    return float(_lc_fit(d[None], y[None])[0])
+def _anchor_inputs(anchors, len_b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each anchor is ``(outcomes, lengths)`` of a rewrite of B judged against B, one entry per prompt,
+    ``None`` where the rewrite or its verdict is missing."""
+    out = []
+    for outcomes, lengths in anchors or ():
+        if len(outcomes) != len_b.size or len(lengths) != len_b.size:
+            raise ValueError(f"an anchor has one outcome and one length per prompt ({len_b.size} prompts)")
+        ok = np.array([o is not None and ln is not None for o, ln in zip(outcomes, lengths)])
+        ya = np.array([(o + 1) / 2 if o is not None else 0.5 for o in outcomes], dtype=np.float64)
+        la = np.array([ln if ln is not None else 0.0 for ln in lengths], dtype=np.float64)
+        if ok.any():
+            as_outcomes([o for o in outcomes if o is not None])
+        out.append((np.where(ok, la - len_b, 0.0), ya, ok))
+    return out
 
 
-def lc_awr_ci(outcomes, len_a, len_b, n_resamples: int = 5000, seed: int = 0, level: float = 0.90,
-              chunk: int = 250) -> tuple[float, float]:
-    """Percentile bootstrap interval of :func:`lc_awr` over the same resamples of
-    prompts as :func:`awr_ci` (the same ``seed``); the fit is vectorised over ``chunk`` resamples."""
+def lc_estimate(outcomes, len_a, len_b, *, anchors=None, difficulty=None, n_resamples: int = 5000, seed: int = 0,
+                level: float = 0.90, chunk: int = 250) -> dict:
+    """The length-controlled AWR, its bootstrap interval and whether it is given (comment above).
+
+    ``anchors``: optional list of ``(outcomes, lengths)``, B's answers rewritten (verbose, concise) and
+    judged against B, per prompt (``None`` where missing); ``difficulty``: optional per-prompt outcomes
+    (-1 / 0 / +1) of a second model against the same B. Returns ``{"lc_awr", "ci90", "withheld", "vif",
+    "anchors", "difficulty"}``; ``lc_awr`` and ``ci90`` are None and ``withheld`` says why when the length
+    slope is not identified."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     d, y = _lc_inputs(outcomes, len_a, len_b)
+    if d.size == 0:
+        raise ValueError("LC-AWR of zero prompts is undefined")
+    lb = np.asarray(len_b, dtype=np.float64)
+    anc = _anchor_inputs(anchors, lb)
+    g = None
+    if difficulty is not None:
+        g = as_outcomes(difficulty).astype(np.float64)
+        if g.shape != d.shape:
+            raise ValueError(f"one difficulty outcome per prompt ({d.size} prompts, {g.size} given)")
+    return lc_from_preferences(d, y, anchors=anc, difficulty=g, n_resamples=n_resamples, seed=seed, level=level,
+                               chunk=chunk)
+
+
+def lc_from_preferences(d: np.ndarray, y: np.ndarray, *, anchors=(), difficulty=None, n_resamples: int = 5000,
+                        seed: int = 0, level: float = 0.90, chunk: int = 250) -> dict:
+    """:func:`lc_estimate` on arrays: length differences ``d`` (A minus B), preferences ``y`` in [0, 1]
+    (fractional: AlpacaEval's per-prompt preferences fit as they are), anchors as ``(d_anchor, y_anchor,
+    present)`` arrays, ``difficulty`` per prompt in [-1, 1]."""
+    anc, g = list(anchors), difficulty
+    d, y = np.asarray(d, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    base = {"anchors": len(anc), "difficulty": g is not None}
+    if not (d != 0).any():
+        a = float(y.mean())  # every pair equally long: nothing to control, the AWR is the answer
+        vals = [float(y[ix].mean()) for ix in bootstrap_indices(d.size, n_resamples, seed)]
+        ci = [float(v) for v in np.percentile(vals, [50 - 50 * level, 50 + 50 * level])]
+        return {**base, "lc_awr": a, "ci90": ci, "withheld": None, "vif": 1.0}
+    lc, vif = _lc_fit(d[None], y[None], [tuple(v[None] for v in a) for a in anc], None if g is None else g[None])
+    vif0 = float(vif[0])
+    if not anc and not vif0 <= LC_MAX_VIF:
+        why = (f"the length slope is not identified from these data (variance inflation {vif0:.3g} > {LC_MAX_VIF:g}; "
+               f"A longer on {int((d > 0).sum())} of {d.size} prompts, B longer on {int((d < 0).sum())}): "
+               "add length anchors to measure it")
+        return {**base, "lc_awr": None, "ci90": None, "withheld": why, "vif": vif0}
     values, idx = [], []
+
+    def flush():
+        ix = np.stack(idx)
+        a = [tuple(v[ix] for v in t) for t in anc]
+        values.append(_lc_fit(d[ix], y[ix], a, None if g is None else g[ix])[0])
+
     for ix in bootstrap_indices(d.size, n_resamples, seed):
         idx.append(ix)
         if len(idx) == chunk:
-            values.append(_lc_fit(d[np.stack(idx)], y[np.stack(idx)]))
+            flush()
             idx = []
     if idx:
-        values.append(_lc_fit(d[np.stack(idx)], y[np.stack(idx)]))
+        flush()
     low, high = np.percentile(np.concatenate(values), [50 - 50 * level, 50 + 50 * level])
-    return float(low), float(high)
+    return {**base, "lc_awr": float(lc[0]), "ci90": [float(low), float(high)], "withheld": None, "vif": vif0}
+
+
+def lc_awr(outcomes, len_a, len_b, *, anchors=None, difficulty=None) -> Optional[float]:
+    """The length-controlled AWR (point estimate only), or None when it is withheld (:func:`lc_estimate`)."""
+    return lc_estimate(outcomes, len_a, len_b, anchors=anchors, difficulty=difficulty, n_resamples=1)["lc_awr"]
 
 
 def length_summary(lengths: Sequence[float]) -> dict:

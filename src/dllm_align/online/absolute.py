@@ -6,7 +6,8 @@ file or a log, retries and deadlines as for ``judge``). The prompt (:data:`TEMPL
 ``[[YES]]`` or ``[[NO]]``; a reply with neither is asked once more for the verdict alone, and then
 counted as unjudgeable: that sample is left out of the rows and counted in the summary. Every verdict is
 cached in ``DIR/label_cache.jsonl`` (keyed by model, prompt, answer and settings), so a rerun after a
-kill asks nothing twice. Requests are sent one at a time.
+kill asks nothing twice. Requests are sent one at a time, or with ``judge.batch`` through the Batch API
+(:meth:`AbsoluteJudge.batch`), as ``judge --batch`` does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def parse_yes_no(text: str) -> Optional[bool]:
     return None if not found else found[-1].upper() == "YES"
 
 
+def _yes_no(text: str) -> Optional[str]:
+    v = parse_yes_no(text)
+    return None if v is None else ("YES" if v else "NO")
+
+
 class AbsoluteJudge:
     """A verifier ``(prompt, completion, row) -> True | False | None`` (None: unjudgeable)."""
 
@@ -47,7 +53,7 @@ class AbsoluteJudge:
                                  max_retries=s["max_retries"], retry_base_delay=s["retry_base_delay"],
                                  retry_max_delay=s["retry_max_delay"], retry_after_max=s["retry_after_max"], concurrency=1,
                                  allow_plain_http=s["allow_plain_http"], env_proxy=s["env_proxy"])
-        self.model, self.params = model, request_params(s)
+        self.model, self.params, self.settings, self.out = model, request_params(s), s, Path(out_dir)
         self.path = Path(out_dir) / CACHE
         self.cache = {r["key"]: r for r in recover_jsonl(self.path) if r.get("verdict") in ("YES", "NO") and "key" in r}
         self._appender = None
@@ -80,6 +86,29 @@ class AbsoluteJudge:
             history = ({"role": "assistant", "content": reply.text}, {"role": "user", "content": FOLLOW_UP})
         self.unjudgeable += 1
         return None
+
+    def batch(self, pairs: list[tuple[str, str]]) -> list[Optional[bool]]:
+        """The verdicts of ``(prompt, completion)`` pairs, the uncached ones asked through the Batch API (as
+        ``judge --batch``: resumable at every stage from ``DIR/batch_state.json``). What a batch left without
+        a verdict is then asked live, with the re-ask for the verdict alone."""
+        import threading
+
+        from dllm_align.judge.batch import BatchRunner
+        from dllm_align.judge.cache import CacheWriter, Task
+
+        tasks: dict[str, Task] = {}
+        for prompt, completion in pairs:
+            key = self._key(prompt, completion)
+            if key not in self.cache and key not in tasks:
+                content = TEMPLATE.replace("{prompt}", prompt).replace("{completion}", completion)
+                tasks[key] = Task(key, self.model, "absolute", key[:16], content)
+        if tasks:
+            s = self.settings
+            with CacheWriter(self.path, self.cache) as writer:
+                runner = BatchRunner(self.client, self.out, self.params, writer, _yes_no, poll_interval=s["batch_poll_interval"],
+                                     poll_max=s["batch_poll_max"], stop=threading.Event())
+                runner.run(tasks, s["batch_rounds"] if s["batch_failed"] == "batch" else 1)
+        return [self(prompt, completion, {}) for prompt, completion in pairs]
 
     def close(self) -> None:
         if self._appender is not None:

@@ -62,6 +62,14 @@ def _prompts_with_rows(source: str, split: Optional[str], limit: Optional[int]) 
     return out
 
 
+def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) -> str:
+    """A hash of the prompts' content (ids, messages and source rows), whatever file or built-in holds them:
+    what a resumed online run must still be labelling."""
+    from dllm_align.data.rows import content_hash
+
+    return content_hash([[p.id, p.messages, p.row] for p in _prompts_with_rows(source, split, limit)], n=32)
+
+
 def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
     """One sample's label: the verifier's True/False; None when an absolute judge could not decide."""
     from dllm_align.core.errors import RunFailure
@@ -79,12 +87,43 @@ def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
         raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
 
 
+def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
+    """The verdicts per reason; for math_answer every reason is listed, zeros included, so that the summaries
+    of different rounds have the same keys."""
+    if rule == "math_answer":
+        from dllm_align.online.math_answer import reason_counts
+
+        return reason_counts(reasons.elements())
+    if rule == "sort":
+        from dllm_align.online.verifiers import SORT_REASONS
+
+        return {k: reasons.get(k, 0) for k in SORT_REASONS}
+    return dict(sorted(reasons.items()))
+
+
+def _labels(verifier, judge, items: list, flat: list, texts: list[str], section) -> list:
+    """Every sample's label, in order: the verifier's, or the absolute judge's (live, or through the Batch API
+    when ``judge.batch`` is set, as ``judge`` does)."""
+    if judge is not None and section.batch:
+        from dllm_align.core.errors import RunFailure
+        from dllm_align.judge.client import FatalApiError, JudgementFailed
+
+        try:
+            return judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])
+        except FatalApiError as e:
+            raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
+        except JudgementFailed as e:
+            raise RunFailure(f"the batch could not go on: {e}",
+                             hint="run the same command again: it continues the batch from the stage it reached") from None
+    return [_verdict(verifier, judge, items[i], t, j) for (i, j), t in zip(flat, texts)]
+
+
 def _prompt_text(messages: list) -> str:
     users = [m.get("content", "") for m in messages if m.get("role") == "user"]
     return users[-1] if users else (messages[-1].get("content", "") if messages else "")
 
 
-def _settings(recipe, temperature: Optional[float]):
+def _settings(recipe, temperature: Optional[float], fast: bool = True):
     from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
     from dllm_align.generate.settings import SamplerSettings
 
@@ -94,15 +133,16 @@ def _settings(recipe, temperature: Optional[float]):
         upd["temperature"] = temperature
     elif s.temperature == 0:
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
-    if s.cache == "none" and s.threshold is None:
+    if fast and s.cache == "none" and s.threshold is None:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
     return s.replace(**upd)
 
 
 def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[str] = None, split: str = "train",
           model: Optional[str] = None, limit: Optional[int] = None, temperature: Optional[float] = None,
-          answer_column: str = "answer", round_: int = 0, device=None) -> dict:
-    """Sample ``n`` completions per prompt and label them; returns the summary (module docstring)."""
+          answer_column: str = "answer", round_: int = 0, device=None, fast: bool = True) -> dict:
+    """Sample ``n`` completions per prompt and label them; returns the summary (module docstring). ``fast``
+    False keeps the recipe's decoding as it is (as ``generate`` decodes), instead of fast mode."""
     import torch
 
     from dllm_align.core.console import info
@@ -113,6 +153,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
+    if temperature == 0 and n > 1:
+        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives the same completion {n} times per prompt",
+                        hint="sample at a temperature above 0, or use --n 1")
     backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
     judge = None
     if rule.startswith("judge:"):
@@ -146,13 +189,15 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         out.mkdir(parents=True, exist_ok=True)
         judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
         verifier = Rule(rule, judge)
-    settings = _settings(recipe, temperature)
+    settings = _settings(recipe, temperature, fast)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     name = recipe.model.name_or_path if model is None else model
     gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     flat = [(i, j) for i in range(len(items)) for j in range(n)]
-    seeds = [row_seed(settings.seed, f"{items[i].id}:{j}") for i, j in flat]
+    # Round 0 keeps the seeds of `label` itself; later rounds draw new ones, so that a policy that did not
+    # change is not asked the very same random questions again.
+    seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
     if rank == 0:
         info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
              f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}"
@@ -161,8 +206,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     if world > 1:
         # rank 0 labels and writes; the others take its outcome (the same error on every rank)
         return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
-                                                    rows_path, summary_path) if rank == 0 else None)
-    return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path)
+                                                    rows_path, summary_path, recipe.judge) if rank == 0 else None)
+    return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
+                            recipe.judge)
 
 
 def _ranks() -> tuple[int, int]:
@@ -226,31 +272,42 @@ def from_rank0(fn):
     return box[0][1]
 
 
-def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path) -> dict:
+def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
+                     judge_section) -> dict:
     from dllm_align.core.io import atomic_write_json, atomic_write_text
 
     sampler = {k: v for k, v in settings.to_dict().items()}
     rows = []
     try:
-        labels = [_verdict(verifier, judge, items[i], c.text, j) for (i, j), c in zip(flat, comps)]
+        labels = _labels(verifier, judge, items, flat, [c.text for c in comps], judge_section)
     finally:
         if judge is not None:
             judge.close()
+    reasons: Counter = Counter()
     for ((i, j), c), ok in zip(zip(flat, comps), labels):
         p = items[i]
         if ok is None:  # an absolute judge that gave no verdict even when asked for it alone
             continue
-        rows.append({"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
-                     "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
-                     "verdict": "desirable" if ok else "undesirable"})
+        row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
+               "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
+               "verdict": "desirable" if ok else "undesirable"}
+        why = verifier.explain(_prompt_text(p.messages), c.text, p.row) if judge is None else None
+        if why is not None:
+            row["reason"] = why
+            reasons[why] += 1
+        rows.append(row)
     per_prompt = Counter()
     good = Counter()
     for r in rows:
         per_prompt[r["prompt_id"]] += 1
         good[r["prompt_id"]] += r["label"]
     n_good = sum(r["label"] for r in rows)
+    if judge is not None and judge.unjudgeable:  # said before the error below, which refers to it
+        from dllm_align.core.console import warn
+
+        warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     if not rows:
-        raise UserError("no sample got a verdict: nothing to write", hint="see the warnings above")
+        raise UserError("no sample got a verdict: nothing to write", hint="see the warning above")
     summary = {
         "rows": len(rows), "prompts": len(items), "samples_per_prompt": n, "desirable": n_good,
         "undesirable": len(rows) - n_good, "desirable_share": n_good / len(rows),
@@ -258,11 +315,8 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
+        "reasons": _reason_counts(verifier.name, reasons) if reasons else None,
     }
-    if judge is not None and judge.unjudgeable:
-        from dllm_align.core.console import warn
-
-        warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_json(summary_path, summary)
     return summary

@@ -2,13 +2,14 @@
 
 Built in:
 
-* ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order.
-* ``math_answer``: the completion's final answer equals the row's reference answer (column ``answer`` by
-  default, e.g. GSM8K's ``... #### 42``). The final answer is, in this order: the last ``#### X``; else the
-  last ``\\boxed{X}``; else the number after the last "answer is" / "answer:"; else the last number in the
-  text. Numbers are compared as exact fractions after removing ``$``, thousands commas, spaces and a
-  trailing period (``1,234.50`` = ``1234.5``; ``3/4`` = ``0.75``; ``-7`` = ``-7.0``); a non-numeric answer
-  is compared as trimmed, case-folded text.
+* ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order
+  (reasons: ``correct``, ``descending``, ``unsorted``, ``malformed``: not the prompt's digits).
+* ``math_answer``: the completion's final committed answer equals the row's reference answer (column
+  ``answer`` by default, e.g. GSM8K's ``... #### 42``), compared by ``math-verify``. Only an answer the
+  output commits to counts (the last ``####``, ``\\boxed{}`` or "the answer is", a correction after it
+  replacing it, else the stated result of the last sentence); a hedge, a truncated output, an expression
+  with no stated result or no answer at all is undesirable, and :meth:`Rule.explain` says which. The full
+  rule is in :mod:`dllm_align.online.math_answer`.
 * ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``).
 * ``package.module:function``: your function ``(prompt, completion, row) -> bool`` (``prompt`` is the last
   user message's text, ``row`` the prompt's source row as a dict); like the judge's rule judges, running
@@ -19,85 +20,27 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
-from fractions import Fraction
 from typing import Any, Callable, Optional
 
 from dllm_align.core.errors import UserError
 
 Verifier = Callable[[str, str, dict], bool]
 
-_NUMBER = r"-?\$?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\$?\s*\.\d+"
-_HASHES = re.compile(r"####\s*(.+?)\s*$", re.M)
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*(" + _NUMBER + r")", re.I)
-_ANY_NUMBER = re.compile(_NUMBER)
-
-
-def _boxed(text: str) -> Optional[str]:
-    """The contents of the last ``\\boxed{...}`` (nested braces counted)."""
-    i = text.rfind("\\boxed{")
-    if i < 0:
-        return None
-    depth, j = 1, i + len("\\boxed{")
-    start = j
-    while j < len(text) and depth:
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        j += 1
-    return text[start:j - 1] if depth == 0 else None
-
-
-def extract_answer(text: str) -> Optional[str]:
-    """The final answer of a worked solution (module docstring), or None."""
-    if not isinstance(text, str) or not text.strip():
-        return None
-    hashes = _HASHES.findall(text)
-    if hashes:
-        return hashes[-1].strip()
-    boxed = _boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    said = _ANSWER_IS.findall(text)
-    if said:
-        return said[-1].strip()
-    numbers = _ANY_NUMBER.findall(text)
-    return numbers[-1].strip() if numbers else None
-
-
-def as_number(answer: str) -> Optional[Fraction]:
-    """An answer as an exact number, or None when it is not one. A unit after the number is dropped
-    (``160 minutes``, ``25 students``, ``100%``)."""
-    s = answer.strip().replace("\\$", "").replace("$", "")
-    m = re.match(r"^\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)\s*(?:%|[A-Za-z][A-Za-z .]*)?$", s)
-    if m:
-        s = m.group(1)
-    s = s.replace(",", "").replace(" ", "").rstrip(".")
-    s = re.sub(r"^\\?(?:text|mathrm)\{([^}]*)\}$", r"\1", s)
-    s = re.sub(r"^\\[dt]?frac\{(-?\d+)\}\{(\d+)\}$", r"\1/\2", s)
-    try:
-        if "/" in s:
-            a, b = s.split("/", 1)
-            return Fraction(Decimal(a)) / Fraction(Decimal(b)) if Decimal(b) != 0 else None
-        return Fraction(Decimal(s))
-    except (InvalidOperation, ValueError, ZeroDivisionError):
-        return None
-
-
-def same_answer(got: Optional[str], want: Optional[str]) -> bool:
-    if got is None or want is None:
-        return False
-    a, b = as_number(got), as_number(want)
-    if a is not None and b is not None:
-        return a == b
-    return got.strip().casefold() == want.strip().casefold()
-
 
 @dataclass(frozen=True)
 class Rule:
-    """A verifier with its name and the source columns it needs."""
+    """A verifier with its name and the source columns it needs. ``why``, where the rule has one, gives the
+    reason behind a verdict (``math_answer``: one of :data:`dllm_align.online.math_answer.REASONS`), so a
+    labeller can count the no-answer kinds instead of folding them into "undesirable"."""
 
     name: str
     fn: Verifier
     needs: tuple[str, ...] = ()
+    why: Optional[Callable[[str, str, dict], str]] = None
+
+    def explain(self, prompt: str, completion: str, row: dict) -> Optional[str]:
+        """The reason behind the verdict, or None for a rule that gives none."""
+        return self.why(prompt, completion, row) if self.why is not None else None
 
 
 def _sort(prompt: str, completion: str, row: dict) -> bool:
@@ -106,11 +49,32 @@ def _sort(prompt: str, completion: str, row: dict) -> bool:
     return completion.strip() == desirable(digits_of(prompt))
 
 
-def _math(column: str) -> Verifier:
-    def check(prompt: str, completion: str, row: dict) -> bool:
-        return same_answer(extract_answer(completion), extract_answer(str(row[column])))
+SORT_REASONS = ("correct", "descending", "unsorted", "malformed")
 
-    return check
+
+def _sort_why(prompt: str, completion: str, row: dict) -> str:
+    """``correct``; ``descending`` (the reverse sort); ``unsorted`` (the prompt's digits in another order);
+    ``malformed`` (not the prompt's digits: missing, extra or other characters)."""
+    from dllm_align.data.toy import desirable, digits_of, undesirable
+
+    digits, got = digits_of(prompt), completion.strip()
+    if got == desirable(digits):
+        return "correct"
+    if got == undesirable(digits):
+        return "descending"
+    return "unsorted" if sorted(got) == sorted(digits) else "malformed"
+
+
+def _math(column: str) -> tuple[Verifier, Callable[[str, str, dict], str]]:
+    from dllm_align.online.math_answer import judge
+
+    def check(prompt: str, completion: str, row: dict) -> bool:
+        return judge(completion, str(row[column])).desirable
+
+    def why(prompt: str, completion: str, row: dict) -> str:
+        return judge(completion, str(row[column])).reason
+
+    return check, why
 
 
 BUILTIN = ("sort", "math_answer", "regex:PATTERN", "package.module:function")
@@ -119,9 +83,10 @@ BUILTIN = ("sort", "math_answer", "regex:PATTERN", "package.module:function")
 def get_rule(spec: str, *, answer_column: str = "answer") -> Rule:
     """The verifier a ``--rule`` names (module docstring); one error naming it when it is unknown."""
     if spec == "sort":
-        return Rule("sort", _sort)
+        return Rule("sort", _sort, why=_sort_why)
     if spec == "math_answer":
-        return Rule("math_answer", _math(answer_column), (answer_column,))
+        check, why = _math(answer_column)
+        return Rule("math_answer", check, (answer_column,), why)
     if spec.startswith("regex:"):
         pattern = spec[len("regex:"):]
         try:

@@ -15,6 +15,7 @@ rate with a 90% bootstrap interval.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -38,13 +39,16 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     rounds = None
     if rec.online is not None:
         # Online ELBO-KTO: no labelled rows, the policy's own samples labelled by the verifier, in rounds.
-        from dllm_align.workflows.online import markdown_table, run_online
+        from dllm_align.workflows.online import markdown_table, refuse_set_by_online, run_online
+
+        refuse_set_by_online(overrides)
 
         o = rec.online
         console.info(f"demo: [1-2/4] online ELBO-KTO: {o.rounds} round(s) of {o.n} samples per prompt labelled by {o.rule}")
         rounds = run_online(rec, out / "online", rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, reference=o.reference,
-                            keep_uniform=o.keep_uniform, temperature=o.temperature)
-        aligned = out / "online" / f"round-{o.rounds - 1}" / "final"
+                            keep_uniform=o.keep_uniform, temperature=o.temperature, heldout=o.heldout,
+                            heldout_limit=o.heldout_limit, heldout_n=o.heldout_n, keep=o.keep)
+        aligned = Path(json.loads((out / "online" / "rounds.json").read_text(encoding="utf-8"))["final_model"])
         console.info("online rounds:\n" + markdown_table(rounds))
     else:
         console.info(f"demo: [1/4] reference ELBOs of {base_model} -> {out / 'ref_cache'}")

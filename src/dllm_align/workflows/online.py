@@ -7,15 +7,28 @@ Round r (folder ``DIR/round-<r>``):
 2. prompts whose samples are all desirable or all undesirable carry no contrast within the prompt:
    kept (the default) or dropped (``--drop-uniform``);
 3. class weights balanced for the round, lambda_D n_D = lambda_U n_U (the paper's imbalance rule: a
-   verifier's labels are rarely balanced), written as the round's ``weights.json``;
+   verifier's labels are rarely balanced), times the recipe's ``train.lambda_*`` (1 and 1 leave the
+   balance as it is; the recipe's choice is honoured as a ratio on top of it), written with both
+   factors as the round's ``weights.json``;
 4. the reference ELBOs of the round's rows: the reference is the initial model (default) or the
    previous round's policy (``--reference previous``);
-5. ELBO-KTO on the round's rows, starting from the current policy; its final model is the next
-   round's policy.
+5. ELBO-KTO on the round's rows, starting from the current policy, for the recipe's ``train``
+   settings (``max_steps`` included); its final model is the next round's policy;
+6. the held-out evaluation of that model: the verifier's desirable share on held-out prompts
+   (``online.heldout``, default the recipe's ``data.test``), greedy and sampled, with 90% intervals.
+
+Sampling seeds (:func:`dllm_align.online.label.label`'s ``round_``), mask seeds and the batch order
+are drawn afresh each round (round 0 keeps the recipe's, so round 0 is what ``label`` + ``train`` give); the held-out samples use the same seeds every
+round, so that rounds differ only by their model. ``--keep best`` makes the round with the highest
+held-out greedy share (then sampled share, then the earlier round) the run's final model; ``last`` (the
+default) the last round's.
 
 Every stage is the resumable library call the other commands use: a killed run continues at the
-stage it reached (finished labels, caches and models are reused), and a rerun with other settings is
-refused by name (``DIR/online.json`` records them).
+stage it reached (finished labels, caches and models are reused). ``DIR/online.json`` records what
+defines a round (model, the prompts' content fingerprint whatever their source, rule, n, temperature,
+reference, seeds, train and generate settings); a rerun that differs is refused by name unless let
+through with ``--allow-change KEY``, and so is asking for fewer rounds than the folder finished.
+Recipe keys that online sets itself for each round are refused when given (:data:`SET_BY_ONLINE`).
 """
 
 from __future__ import annotations
@@ -28,26 +41,89 @@ from dllm_align.core import console
 from dllm_align.core.errors import UserError
 
 RECORD = "online.json"
+ROUNDS = "rounds.json"
+
+# Keys online sets itself for every round: a --set of one of them would be overwritten, so it is refused.
+SET_BY_ONLINE = {
+    "reference.model": "the reference is chosen with --reference (initial or previous)",
+    "reference.cache": "each round computes its own reference cache in its folder",
+    "data.format": "each round trains on its own unpaired labelled rows",
+    "data.label": "each round trains on its own unpaired labelled rows",
+    "data.weights_file": "each round's class weights are computed from its labels (scale them with train.lambda_*)",
+    "data.limit": "the number of prompts is --limit (online.limit)",
+}
+# Round recipe keys that are paths inside the run folder, set by online: a moved folder changes them and
+# nothing else (what they hold is pinned by online.json), so a round's training is continued through them.
+ROUND_PATHS = ("data.train", "data.weights_file", "model.name_or_path", "reference.model")
 
 
-def _check_settings(out: Path, settings: dict, main: bool = True) -> None:
+def refuse_set_by_online(overrides) -> None:
+    """One error naming every ``--set`` of a key that online sets itself (:data:`SET_BY_ONLINE`)."""
+    bad = []
+    for ov in overrides or []:
+        key = ov.partition("=")[0].strip()
+        if key in SET_BY_ONLINE:
+            bad.append(f"--set {ov}: online would replace it ({SET_BY_ONLINE[key]})")
+    if bad:
+        raise UserError("; ".join(bad), hint="leave it out: online sets it for every round")
+
+
+def _check_settings(out: Path, settings: dict, allow, main: bool = True) -> None:
     from dllm_align.core.io import atomic_write_json
+    from dllm_align.core.runfolder import differing, refuse_changes
 
     path = out / RECORD
     if path.exists():
         old = json.loads(path.read_text(encoding="utf-8"))
-        diffs = [(k, old.get(k), v) for k, v in settings.items() if old.get(k) != v and k != "rounds"]
-        if diffs:
-            listed = "; ".join(f"{k} (was {a!r}, now {b!r})" for k, a, b in diffs)
-            raise UserError(f"cannot continue the online run in {out}: settings differ from the recorded run: {listed}",
-                            hint="use the recorded settings, or another run folder (-o)")
-    if main:
+        diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source"))
+        allowed = refuse_changes(f"cannot continue the online run in {out}", diffs, allow=allow)
+        for k, a, b in allowed:
+            console.warn(f"online: {k} differs from the recorded run ({a!r} -> {b!r}): let through by --allow-change")
+    if main:  # one writer when several processes run the loop
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, settings)
 
 
-def _round_rows(rows_path: Path, keep_uniform: bool, out: Path) -> tuple[Path, dict]:
-    """The round's training rows (uniform prompts dropped unless kept) and their balanced class weights."""
+def _is_key(key: str, tree: dict) -> bool:
+    from dllm_align.core.runfolder import flatten
+
+    keys = set(flatten(tree))
+    return key in keys or any(k.startswith(key + ".") for k in keys)
+
+
+def _check_allow(allow, settings: dict, recipe_keys: dict) -> None:
+    """Every ``--allow-change KEY`` names a key of online.json or of the recipe (or is ``all``)."""
+    for a in allow:
+        if a != "all" and not _is_key(a, settings) and not _is_key(a, recipe_keys):
+            raise UserError(f"--allow-change {a}: no such key of the online run or the recipe",
+                            hint="name a key as the refusal did (e.g. prompts_fingerprint, seeds.reference, train.lr), or 'all'")
+
+
+def _finished_rounds(out: Path) -> int:
+    """How many rounds the folder finished (rounds.json, or the rounds whose training is done)."""
+    n = 0
+    if (out / ROUNDS).exists():
+        try:
+            n = len(json.loads((out / ROUNDS).read_text(encoding="utf-8")).get("rounds") or [])
+        except ValueError:
+            n = 0
+    while (out / f"round-{n}" / "train.done").exists():
+        n += 1
+    return n
+
+
+def round_seed(seed: int, r: int) -> int:
+    """The seed of round ``r``: the recipe's in round 0, then a hash of it and the round (31 bits)."""
+    if r == 0:
+        return seed
+    from dllm_align.generate.settings import row_seed
+
+    return row_seed(seed, f"online-round-{r}") & 0x7FFFFFFF
+
+
+def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[float, float]) -> tuple[Path, dict]:
+    """The round's training rows (uniform prompts dropped unless kept) and their class weights: balanced
+    (lambda_D n_D = lambda_U n_U, the larger 1) times the recipe's lambda_D, lambda_U."""
     from dllm_align.core.io import atomic_write_json, atomic_write_text
 
     rows = [json.loads(x) for x in rows_path.read_text(encoding="utf-8").splitlines() if x.strip()]
@@ -61,27 +137,109 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path) -> tuple[Path, d
     if n_d == 0 or n_u == 0:
         raise UserError(f"{rows_path}: every kept sample is {'undesirable' if n_d == 0 else 'desirable'}: no contrast to train on",
                         hint="sample more (--n), change the temperature, or keep uniform prompts (leave out --drop-uniform)")
-    lam_d, lam_u = (1.0, n_d / n_u) if n_d >= n_u else (n_u / n_d, 1.0)
+    bal_d, bal_u = (1.0, n_d / n_u) if n_d >= n_u else (n_u / n_d, 1.0)
+    lam_d, lam_u = bal_d * lambdas[0], bal_u * lambdas[1]
     train_path = out / "train_rows.jsonl"
     atomic_write_text(train_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
-    atomic_write_json(out / "weights.json", {"lambda_desirable": lam_d, "lambda_undesirable": lam_u})
-    return train_path, {"kept_rows": len(kept), "desirable": n_d, "undesirable": n_u, "lambda_desirable": lam_d,
-                        "lambda_undesirable": lam_u, "mixed_prompts": len(mixed), "prompts": len(by_prompt)}
+    weights = {"lambda_desirable": lam_d, "lambda_undesirable": lam_u, "balance_desirable": bal_d, "balance_undesirable": bal_u,
+               "recipe_lambda_desirable": lambdas[0], "recipe_lambda_undesirable": lambdas[1]}
+    atomic_write_json(out / "weights.json", weights)
+    return train_path, {"kept_rows": len(kept), "desirable": n_d, "undesirable": n_u, **weights,
+                        "mixed_prompts": len(mixed), "prompts": len(by_prompt)}
+
+
+def _share_ci(rows: list[dict]) -> dict:
+    """The desirable share of labelled rows with a 90% interval over prompts (the samples of one prompt are
+    not independent: the standard error is that of the per-prompt means)."""
+    import math
+
+    per: dict[str, list[bool]] = {}
+    for r in rows:
+        per.setdefault(r["prompt_id"], []).append(bool(r["label"]))
+    means = [sum(v) / len(v) for v in per.values()]
+    p = len(means)
+    m = sum(means) / p
+    sd = math.sqrt(sum((x - m) ** 2 for x in means) / (p - 1)) if p > 1 else 0.0
+    h = 1.6448536269514722 * sd / math.sqrt(p)
+    return {"share": m, "ci90": [max(0.0, m - h), min(1.0, m + h)], "prompts": p, "samples": len(rows)}
+
+
+def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Optional[float], answer_column: str,
+                 heldout: Optional[str], limit: Optional[int]) -> Optional[dict]:
+    """The verifier's desirable share of ``model`` on the held-out prompts, greedy (one decode per prompt with the
+    recipe's decoding, as ``generate``) and sampled (``n`` per prompt at the online temperature, as the labeller), each with its 90% interval; reused when done.
+    None when there are no held-out prompts."""
+    from dllm_align.online.label import ROWS, SUMMARY, label
+
+    if heldout is None and recipe.data.test is None:
+        return None
+    res = {}
+    # greedy: the recipe's own decoding, as `generate` (and the demo's judging) decodes; sampled: as the labeller samples
+    for kind, k, t, fast in (("greedy", 1, 0.0, False), ("sampled", n, temperature, True)):
+        d = out / kind
+        if not (d / SUMMARY).exists():
+            if heldout is not None:
+                label(recipe, d, rule=rule, n=k, prompts=heldout, model=str(model), limit=limit, temperature=t,
+                      answer_column=answer_column, round_=0, fast=fast)
+            else:
+                rec = recipe.model_copy(deep=True)
+                rec.data.train = recipe.data.test
+                label(rec, d, rule=rule, n=k, split="test", model=str(model), limit=limit, temperature=t,
+                      answer_column=answer_column, round_=0, fast=fast)
+        rows = [json.loads(x) for x in (d / ROWS).read_text(encoding="utf-8").splitlines() if x.strip()]
+        res[kind] = _share_ci(rows)
+    return res
 
 
 def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, limit: Optional[int] = None,
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
-               temperature: Optional[float] = None, answer_column: str = "answer") -> list[dict]:
-    """Run (or continue) ``rounds`` rounds; returns one row per round for the table."""
-    from dllm_align.online.label import ROWS, SUMMARY, label
+               temperature: Optional[float] = None, answer_column: str = "answer", heldout: Optional[str] = None,
+               heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
+               allow_changes=()) -> list[dict]:
+    """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
+    from dllm_align.core.io import atomic_write_json
+    from dllm_align.online.label import ROWS, SUMMARY, label, prompt_fingerprint
     from dllm_align.workflows import pipeline
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
     if reference not in ("initial", "previous"):
         raise UserError(f"--reference {reference}: initial or previous")
+    if keep not in ("last", "best"):
+        raise UserError(f"--keep {keep}: last or best")
+    if temperature == 0 and n > 1:
+        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives the same completion {n} times per prompt",
+                        hint="sample at a temperature above 0, or use --n 1")
+    if keep == "best" and heldout is None and recipe.data.test is None:
+        raise UserError("--keep best: no held-out prompts to rank the rounds by",
+                        hint="set data.test in the recipe, or online.heldout (--heldout FILE)")
     out = Path(out_dir)
+    done = _finished_rounds(out)
+    if rounds < done:
+        raise UserError(f"--rounds {rounds}: {out} has {done} finished rounds; fewer would rewrite its record without them",
+                        hint=f"use --rounds {done} (or more), or another run folder (-o); --keep best picks among the finished rounds")
     base = recipe.model.name_or_path
+    source = prompts or recipe.data.train
+    if source is None:
+        raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
+    from dllm_align.online.label import _settings as sampler_settings
+
+    settings = {
+        "model": base, "rule": rule, "n": n, "limit": limit, "prompts_source": str(source),
+        "prompts_fingerprint": prompt_fingerprint(str(source), None if prompts else "train", limit),
+        "reference": reference, "keep_uniform": keep_uniform, "answer_column": answer_column,
+        "temperature": sampler_settings(recipe, temperature).temperature,
+        "heldout_source": str(heldout or recipe.data.test) if (heldout or recipe.data.test) else None,
+        "heldout_fingerprint": (prompt_fingerprint(str(heldout), None, heldout_limit) if heldout else
+                                prompt_fingerprint(str(recipe.data.test), "test", heldout_limit) if recipe.data.test else None),
+        "heldout_n": heldout_n,
+        "seeds": {"generate": recipe.generate.seed, "reference": recipe.reference.seed, "data": recipe.data.seed,
+                  "train": recipe.train.seed},
+        "train": recipe.train.model_dump(mode="json"), "generate": recipe.generate.model_dump(mode="json"),
+        "rounds": rounds, "keep": keep,
+    }
+    recipe_keys = recipe.model_dump(mode="json")
+    _check_allow(allow_changes, settings, recipe_keys)
     rank, world = _process_group()
     main = rank == 0
     if world > 1:
@@ -89,49 +247,67 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         from dllm_align.core.runfolder import check_shared_folder
 
         check_shared_folder(out, "online run folder")
-    _check_settings(out, {"model": base, "rule": rule, "n": n, "limit": limit, "prompts": prompts, "reference": reference,
-                          "keep_uniform": keep_uniform, "temperature": temperature, "answer_column": answer_column,
-                          "train": recipe.train.model_dump(mode="json"), "generate": recipe.generate.model_dump(mode="json")},
-                    main)
+    _check_settings(out, settings, allow_changes, main)
     _barrier(world)
+    lambdas = (recipe.train.lambda_desirable, recipe.train.lambda_undesirable)
+    # a round's training continues through the keys let through that are recipe keys (online.json's own are checked above)
+    allow_round = tuple(ROUND_PATHS) + tuple(a for a in allow_changes if a == "all" or _is_key(a, recipe_keys))
+    initial = heldout_eval(recipe, base, out / "heldout-initial", rule=rule, n=heldout_n, temperature=temperature,
+                           answer_column=answer_column, heldout=heldout, limit=heldout_limit)
     policy, table = base, []
     for r in range(rounds):
         rd = out / f"round-{r}"
+        rec = recipe.model_copy(deep=True)
         if _agreed((rd / SUMMARY).exists(), world):  # rank 0's view: every rank takes the same path
             if main:
                 console.info(f"online: round {r}: reusing its labelled samples")
             summary = json.loads((rd / SUMMARY).read_text(encoding="utf-8"))
         else:
-            summary = label(recipe, rd, rule=rule, n=n, prompts=prompts, model=policy, limit=limit, temperature=temperature,
+            summary = label(rec, rd, rule=rule, n=n, prompts=prompts, model=policy, limit=limit, temperature=temperature,
                             answer_column=answer_column, round_=r)
         if world > 1:
             from dllm_align.online.label import from_rank0
 
-            train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd) if main else None)
+            train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd, lambdas) if main else None)
         else:
-            train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd)
-        rec = recipe.model_copy(deep=True)
+            train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd, lambdas)
+        if lambdas != (1.0, 1.0):
+            console.info(f"online: round {r}: class weights lambda_D {counts['lambda_desirable']:g}, lambda_U "
+                         f"{counts['lambda_undesirable']:g} (balanced {counts['balance_desirable']:g} / "
+                         f"{counts['balance_undesirable']:g} times the recipe's {lambdas[0]:g} / {lambdas[1]:g})")
         rec.output_dir = str(rd)
         rec.model.name_or_path = policy
         rec.reference.model = base if (reference == "initial" or r == 0) else policy
         rec.reference.cache = None
+        rec.reference.seed = round_seed(recipe.reference.seed, r)
+        rec.data.seed = round_seed(recipe.data.seed, r)
+        rec.train.seed = round_seed(recipe.train.seed, r)
         rec.data.train, rec.data.format, rec.data.label = str(train_rows), "unpaired", None
         rec.data.weights_file = str(rd / "weights.json")
         rec.data.limit = None
-        rec.train.max_steps = None
         pipeline.reference(rec)
-        final = pipeline.trained_model(rec)
+        final = pipeline.trained_model(rec, allow_changes=allow_round)
         metrics = json.loads((final / "training_summary.json").read_text(encoding="utf-8")).get("last_metrics") or {}
+        held = heldout_eval(recipe, final, rd / "heldout", rule=rule, n=heldout_n, temperature=temperature,
+                            answer_column=answer_column, heldout=heldout, limit=heldout_limit)
         table.append({"round": r, "policy": str(policy), "rows": summary["rows"], "desirable_share": summary["desirable_share"],
                       "prompts_all_desirable": summary["prompts_all_desirable"],
                       "prompts_all_undesirable": summary["prompts_all_undesirable"], **counts,
-                      "reward_desirable": metrics.get("reward_desirable"), "reward_undesirable": metrics.get("reward_undesirable")})
+                      "reasons": summary.get("reasons"), "heldout": held,
+                      "reward_desirable": metrics.get("reward_desirable"), "reward_undesirable": metrics.get("reward_undesirable"),
+                      "model": str(final)})
         policy = str(final)
+    best = None
+    if keep == "best":
+        best = max(range(len(table)), key=lambda i: (table[i]["heldout"]["greedy"]["share"],
+                                                     table[i]["heldout"]["sampled"]["share"], -i))
+        policy = table[best]["model"]
+        console.info(f"online: --keep best: round {best} (held-out greedy "
+                     f"{100 * table[best]['heldout']['greedy']['share']:.1f}%) is the final model")
     if main:
-        from dllm_align.core.io import atomic_write_json
-
-        atomic_write_json(out / "rounds.json", {"rounds": table, "final_model": policy})
-        _plot(out, table)
+        atomic_write_json(out / ROUNDS, {"rounds": table, "initial_heldout": initial, "keep": keep, "best_round": best,
+                                         "final_model": policy})
+        _plot(out, table, initial)
     _barrier(world)
     return table
 
@@ -168,8 +344,9 @@ def _agreed(value, world: int):
     return box[0]
 
 
-def _plot(out: Path, table: list[dict]) -> None:
-    """rounds.png: the desirable share of each round's samples (the policy's own accuracy under the verifier)."""
+def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
+    """rounds.png: the desirable share of each round's samples (the policy entering it), and the held-out
+    shares, greedy and sampled, of the model each round trained (x = round + 1; the initial model at 0)."""
     try:
         import matplotlib
 
@@ -179,12 +356,23 @@ def _plot(out: Path, table: list[dict]) -> None:
         return
     from dllm_align.core.io import atomic_path
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([t["round"] for t in table], [100 * t["desirable_share"] for t in table], marker="o")
-    ax.set_xlabel("round (samples of the policy entering it)")
-    ax.set_ylabel("desirable samples (%)")
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    ax.plot([t["round"] for t in table], [100 * t["desirable_share"] for t in table], marker="o", label="round's samples (policy entering it)")
+    held = [(t["round"] + 1, t["heldout"]) for t in table if t.get("heldout")]
+    if initial:
+        held = [(0, initial)] + held
+    for kind, mark in (("greedy", "s"), ("sampled", "^")):
+        if held:
+            xs = [x for x, _ in held]
+            ys = [100 * h[kind]["share"] for _, h in held]
+            lo = [100 * (h[kind]["share"] - h[kind]["ci90"][0]) for _, h in held]
+            hi = [100 * (h[kind]["ci90"][1] - h[kind]["share"]) for _, h in held]
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker=mark, capsize=3, label=f"held-out {kind} (after round x-1)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("desirable (%)")
     ax.set_title("Online ELBO-KTO: the verifier's verdict per round")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(out / "rounds.png") as tmp:
         fig.savefig(tmp, format="png", dpi=120)
@@ -192,12 +380,24 @@ def _plot(out: Path, table: list[dict]) -> None:
 
 
 def markdown_table(table: list[dict]) -> str:
-    head = "| round | samples | desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U | reward D | reward U |"
-    lines = [head, "|" + "---|" * 9]
+    """The per-round table: the round's samples and weights, then the held-out shares of the model it trained."""
+    head = ("| round | samples | desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U | reward D | reward U "
+            "| not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
+    lines = [head, "|" + "---|" * 12]
+
+    def f(v):
+        return "-" if v is None else f"{v:+.3f}"
+
+    def h(t, kind):
+        x = (t.get("heldout") or {}).get(kind)
+        return "-" if not x else f"{100 * x['share']:.1f} [{100 * x['ci90'][0]:.1f}, {100 * x['ci90'][1]:.1f}]"
+
+    def why(t):
+        reasons = {k: v for k, v in (t.get("reasons") or {}).items() if k != "correct" and v}
+        return ", ".join(f"{k} {v}" for k, v in reasons.items()) or "-"
+
     for t in table:
-        def f(v):
-            return "-" if v is None else f"{v:+.3f}"
         lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {t['prompts_all_desirable']} | "
                      f"{t['prompts_all_undesirable']} | {t['lambda_desirable']:.2f} | {t['lambda_undesirable']:.2f} | "
-                     f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} |")
+                     f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} | {why(t)} | {h(t, 'greedy')} | {h(t, 'sampled')} |")
     return "\n".join(lines)

@@ -26,8 +26,9 @@ def reference(recipe) -> None:
     run_precompute(recipe)
 
 
-def trained_model(recipe) -> Path:
-    """Train (or resume, or reuse) the policy of ``recipe``; returns its final model folder."""
+def trained_model(recipe, allow_changes=()) -> Path:
+    """Train (or resume, or reuse) the policy of ``recipe``; returns its final model folder. ``allow_changes``:
+    recipe keys that may differ from the recorded run (``--allow-change``)."""
     from dllm_align.training.checkpoint import FINAL
     from dllm_align.training.train import train
 
@@ -37,10 +38,10 @@ def trained_model(recipe) -> Path:
     if done.exists() and (final / "config.json").exists():
         from dllm_align.core.runfolder import check_training_settings
 
-        check_training_settings(recipe, out)  # a finished model is reused only for the settings that made it
+        check_training_settings(recipe, out, allow_changes)  # a finished model is reused only for the settings that made it
         console.info(f"train: reusing {final}")
         return final
-    res = train(recipe, resume=True)
+    res = train(recipe, resume=True, allow_changes=allow_changes)
     if console.global_rank() == 0:  # one writer when several processes train
         done.write_text(json.dumps({"steps": res.steps}) + "\n")
     return Path(res.final_dir)
