@@ -96,7 +96,8 @@ def load_native(folder: Path, cfg: dict, dtype: torch.dtype):
     from transformers import DiffusionGemmaForBlockDiffusion
 
     try:
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype, use_safetensors=True)
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype, use_safetensors=True,
+                                                                trust_remote_code=False)
     except OSError as e:
         raise UserError(f"{folder}: could not load the DiffusionGemma weights ({str(e).splitlines()[0][:200]})") from None
     model.config.dllm_align_family = "diffusion_gemma"
@@ -109,7 +110,7 @@ def fix_tokenizer(tok, folder: Path):
     if tok is None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(folder))
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     return tok
 
 
