@@ -141,6 +141,10 @@ def run_forked(args: list, *, env: dict, cwd: Path, timeout: float, sig: Optiona
             import torch
 
             torch.set_num_threads(1)
+            # As at a terminal: Ctrl-C raises KeyboardInterrupt, SIGTERM ends the process (a shell's background
+            # job would otherwise inherit SIGINT ignored).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if sig and sig != "KILL":
                 from dllm_align.core import faults
 
@@ -222,7 +226,10 @@ def check_case(case: Case, ctx: Ctx, t: Path, run: Run, timed_out: bool, before:
     if run.code not in codes:
         problems.append(f"exit {run.code}")
     errors = [line for line in run.err.splitlines() if line.startswith("Error:")]
-    if any(c != 0 for c in codes) and 0 not in codes:
+    if codes == (130,):  # Ctrl-C: the command says "Interrupted." (the CLI's convention), no Error line needed
+        if "Interrupted" not in run.err or len(errors) > 1:
+            problems.append("no 'Interrupted.' on Ctrl-C" if "Interrupted" not in run.err else f"{len(errors)} Error: lines")
+    elif any(c != 0 for c in codes) and 0 not in codes:
         if len(errors) != 1:
             problems.append(f"{len(errors)} Error: lines")
         else:
@@ -267,7 +274,8 @@ def _write(t: Path, rel: str, content, ctx: Ctx) -> None:
 def run_case(case: Case, ctx: Ctx, t: Path) -> Result:
     from judge_server import JudgeServer
 
-    t.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(t, ignore_errors=True)  # a case starts from an empty folder, also when --keep reruns it
+    t.mkdir(parents=True)
     for rel, content in case.files.items():
         _write(t, rel, content, ctx)
     srv = None
@@ -305,7 +313,7 @@ def run_case(case: Case, ctx: Ctx, t: Path) -> Result:
 
 
 # --------------------------------------------------------------------------- kill cases
-TIMING = {"created", "seconds", "tokens_per_s", "examples_per_s", "elapsed", "wall_seconds", "time", "started", "finished",
+TIMING = {"created", "seconds", "steps_per_s", "tokens_per_s", "examples_per_s", "elapsed", "wall_seconds", "time", "started", "finished",
           "duration_s", "when"}
 
 
@@ -315,6 +323,10 @@ def _scrub(v):
     if isinstance(v, list):
         return [_scrub(x) for x in v]
     return v
+
+
+def _text(p: Path, folder: Path) -> str:
+    return p.read_text().replace(str(folder), "<run>")
 
 
 def comparable(folder: Path) -> dict:
@@ -331,11 +343,13 @@ def comparable(folder: Path) -> dict:
             with safe_open(str(p), framework="pt") as f:
                 out[rel] = ({k: f.get_tensor(k).numpy().tobytes() for k in f.keys()}, f.metadata())
         elif p.suffix == ".jsonl":
-            out[rel] = [_scrub(json.loads(x)) for x in p.read_text().splitlines()]
+            out[rel] = [_scrub(json.loads(x)) for x in _text(p, folder).splitlines()]
         elif p.suffix == ".json" and p.name != "checksums.json":
-            out[rel] = _scrub(json.loads(p.read_text()))
+            out[rel] = _scrub(json.loads(_text(p, folder)))
         elif p.name == "checksums.json":
             out[rel] = sorted(json.loads(p.read_text()).get("files", {}))
+        elif p.suffix in (".yaml", ".txt", ".md", ".jinja"):
+            out[rel] = _text(p, folder)
         else:
             out[rel] = p.read_bytes()
     return out
@@ -344,7 +358,8 @@ def comparable(folder: Path) -> dict:
 def run_kill(kc: KillCase, ctx: Ctx, t: Path) -> Result:
     from reliability import stray_temps
 
-    t.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(t, ignore_errors=True)
+    t.mkdir(parents=True)
     fault = kc.fault
     if "R0+" in fault:
         kind, _, n = fault.partition(":")
@@ -360,6 +375,8 @@ def run_kill(kc: KillCase, ctx: Ctx, t: Path) -> Result:
         problems.append(f"interrupted run: exit {k.code}, expected {'/'.join(map(str, kc.code))}")
     if "Traceback (most recent call last)" in k.err:
         problems.append("interrupted run printed a traceback")
+    if "R0+" in kc.fault and not timed_out and not (t / "on" / "round-0" / "train.done").exists():
+        problems.append("harness: the interruption did not land in round 1")  # round 0 must be finished first
     if kc.sig != "KILL" and k.code in kc.code and len([x for x in k.err.splitlines() if x.startswith("Error:")]) > 1:
         problems.append("more than one Error line on interruption")
     r, timed_out = run_forked(args, env={}, cwd=t, timeout=kc.timeout)
@@ -417,12 +434,14 @@ def _make_sdar(ctx: Ctx) -> None:
     from fixtures.family_checkpoints import sdar_state
 
     cfg = json.loads((HERE / "fixtures" / "sdar_1.7b_chat_config.json").read_text())
+    tok = build_dream_tokenizer()
+    cfg["vocab_size"] = max(cfg["vocab_size"], len(tok))  # room for every id the toy prompts tokenize to
     folder = ctx.root / "sdar"
     if not (folder / "model.safetensors").exists():
         folder.mkdir(exist_ok=True)
         (folder / "config.json").write_text(json.dumps(cfg))
         save_file({k: v.contiguous() for k, v in sdar_state(cfg).items()}, str(folder / "model.safetensors"))
-        build_dream_tokenizer().save_pretrained(folder)
+        tok.save_pretrained(folder)
     ctx.sdar = folder
 
 
