@@ -445,16 +445,57 @@ class EvaluateSection(Section):
 
 
 # --------------------------------------------------------------------------- online
+VERIFIERS = ("sort", "math_answer", "regex:PATTERN", "judge:MODEL", "package.module:function")
+
+
+def verifier_problem(spec) -> Optional[str]:
+    """What is wrong with a verifier spec (``online.rule``, ``--rule``) as written, or None; nothing is imported
+    (``dllm_align.online.verifiers`` then loads a user's function and checks its arity)."""
+    import re
+
+    from dllm_align.core.usercode import spec_problem
+
+    if not isinstance(spec, str) or not spec.strip():
+        return "name a verifier: " + ", ".join(VERIFIERS)
+    if spec in ("sort", "math_answer"):
+        return None
+    if spec.startswith("regex:"):
+        pattern = spec[len("regex:"):]
+        if not pattern:
+            return "an empty pattern matches every completion: give the text a desirable completion contains"
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            return f"not a valid regular expression ({e})"
+        return None
+    if spec.startswith("judge:"):
+        return None if spec[len("judge:"):].strip() else "name the judge model, e.g. judge:gpt-4o-mini"
+    if ":" in spec:
+        return spec_problem(spec)
+    import difflib
+
+    close = difflib.get_close_matches(spec, ["sort", "math_answer"], n=1)
+    return f"unknown verifier {spec!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; known: " + ", ".join(VERIFIERS)
+
+
 class OnlineSection(Section):
     """Online ELBO-KTO (``dllm-align online``; ``demo`` runs it when a recipe has this section)."""
 
     rounds: int = Field(2, ge=1, le=100, description="Rounds of label -> reference -> ELBO-KTO.")
-    rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN or module:function.")
+    rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN, judge:MODEL or module:function.")
     n: int = Field(4, ge=1, le=1024, description="Samples per prompt and round.")
     limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts of data.train.")
     reference: Literal["initial", "previous"] = Field("initial", description="Each round's reference: the initial model or the policy entering the round.")
     keep_uniform: bool = Field(True, description="Keep prompts whose samples are all desirable or all undesirable.")
     temperature: Optional[float] = Field(None, ge=0, le=10, description="Sampling temperature (default: generate.temperature, or 1.0 when that is greedy).")
+
+    @field_validator("rule")
+    @classmethod
+    def _rule(cls, v):
+        problem = verifier_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 # --------------------------------------------------------------------------- recipe

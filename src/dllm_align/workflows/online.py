@@ -31,13 +31,23 @@ RECORD = "online.json"
 
 
 def _check_settings(out: Path, settings: dict) -> None:
+    """Record the run's settings in ``online.json``, or refuse a rerun with others. A record with no finished
+    stage behind it (no round's labelled samples yet) binds nothing: a first run refused or stopped before it
+    labelled anything leaves nothing that blocks the corrected rerun."""
     from dllm_align.core.io import atomic_write_json
+    from dllm_align.online.label import SUMMARY
 
     path = out / RECORD
     if path.exists():
-        old = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            old = None
+        if not isinstance(old, dict):
+            raise UserError(f"{path}: not the record online writes (damaged)",
+                            hint="restore it, or remove it to continue with the settings given now")
         diffs = [(k, old.get(k), v) for k, v in settings.items() if old.get(k) != v and k != "rounds"]
-        if diffs:
+        if diffs and any(out.glob(f"round-*/{SUMMARY}")):
             listed = "; ".join(f"{k} (was {a!r}, now {b!r})" for k, a, b in diffs)
             raise UserError(f"cannot continue the online run in {out}: settings differ from the recorded run: {listed}",
                             hint="use the recorded settings, or another run folder (-o)")
@@ -72,7 +82,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer") -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table."""
-    from dllm_align.online.label import ROWS, SUMMARY, label
+    from dllm_align.online.label import ROWS, SUMMARY, check_rule, label, read_prompts
     from dllm_align.workflows import pipeline
 
     if rounds < 1:
@@ -80,6 +90,16 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     if reference not in ("initial", "previous"):
         raise UserError(f"--reference {reference}: initial or previous")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the run")
+    # The rule and the prompts are refused before the folder is made or recorded (each round's label checks
+    # them again, with the model).
+    verifier = check_rule(rule, answer_column, recipe)
+    source = prompts or recipe.data.train
+    if source is None:
+        raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
+    if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
+        raise UserError(f"{source}: no prompts")
     base = recipe.model.name_or_path
     _check_settings(out, {"model": base, "rule": rule, "n": n, "limit": limit, "prompts": prompts, "reference": reference,
                           "keep_uniform": keep_uniform, "temperature": temperature, "answer_column": answer_column,
