@@ -80,7 +80,7 @@ import torch
 from dllm_align.core.errors import UserError
 from dllm_align.generate import block, dream  # noqa: F401 (their rules register on import)
 from dllm_align.generate.canvas import canvas, completion, first_stop
-from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for
+from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for, whole_sequence_model
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule
 
 
@@ -364,7 +364,7 @@ def _generate_batch_llada(mp, prompts, settings: SamplerSettings, seeds, stats, 
     return results  # type: ignore[return-value]
 
 
-register_rule(DecodingRule("llada", _generate_batch_llada))
+register_rule(DecodingRule("llada", _generate_batch_llada, whole_sequence_model))
 
 
 @torch.no_grad()
