@@ -121,7 +121,7 @@ def _math_row(column: str) -> Callable[[dict], Optional[str]]:
         v = row.get(column)
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not str(v).strip():
             return f"{column} is {json.dumps(v)[:40]}: math_answer needs a reference answer (text or a number)"
-        if extract_answer(str(v)) is None:
+        if not extract_answer(str(v)):
             return f"{column} {str(v)[:40]!r} holds no final answer for math_answer to compare against"
         return None
 
