@@ -256,3 +256,13 @@ def test_an_online_record_with_nothing_finished_binds_nothing(tmp_path):
     (tmp_path / RECORD).write_text('{"model": ')
     with pytest.raises(UserError, match="online.json: not the record"):
         _check_settings(tmp_path, {"rule": "sort", "n": 2})
+
+
+def test_greedy_sampling_of_several_samples_is_refused_before_anything_loads():
+    from dllm_align.core.errors import UserError
+    from dllm_align.online.label import check_temperature
+
+    check_temperature(0, 1)
+    check_temperature(None, 4)
+    with pytest.raises(UserError, match="--temperature 0 with --n 4"):
+        check_temperature(0, 4)

@@ -148,6 +148,13 @@ def _for_model(gen, settings, fast: bool):
     return gen.settings_for(settings)
 
 
+def check_temperature(temperature: Optional[float], n: int) -> None:
+    """Greedy samples of one prompt are one completion n times: ``--temperature 0`` with ``--n`` above 1 is refused."""
+    if temperature == 0 and n > 1:
+        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives one completion {n} times, with nothing "
+                        "to contrast", hint="sample at a temperature above 0 (1.0 by default), or --n 1")
+
+
 def check_judge(rule: str, section) -> None:
     """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
     from dllm_align.judge.client import check_base_url, read_api_key
@@ -207,6 +214,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
+    check_temperature(temperature, n)
     backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
     verifier = check_rule(rule, answer_column, recipe)
     source = prompts or recipe.data.train

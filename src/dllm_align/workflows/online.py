@@ -82,7 +82,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer") -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table."""
-    from dllm_align.online.label import ROWS, SUMMARY, check_rule, label, read_prompts
+    from dllm_align.online.label import ROWS, SUMMARY, check_rule, check_temperature, label, read_prompts
     from dllm_align.workflows import pipeline
 
     if rounds < 1:
@@ -94,6 +94,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the run")
     # The rule and the prompts are refused before the folder is made or recorded (each round's label checks
     # them again, with the model).
+    check_temperature(temperature, n)
     verifier = check_rule(rule, answer_column, recipe)
     source = prompts or recipe.data.train
     if source is None:
