@@ -167,11 +167,11 @@ def apply(rule: Rule, prompt: str, completion: str, row: dict, where: str) -> bo
     from dllm_align.core.usercode import call
 
     try:
-        v: Any = call(rule.fn, (prompt, completion, row), f"rule {rule.name}", where)
+        v: Any = call(rule.fn, (prompt, completion, row), f"--rule {rule.name}", where)
     except DllmAlignError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's function failed: say where, not a traceback
-        raise UserError(f"rule {rule.name} failed on {where}: {type(e).__name__}: {e}"[:400]) from None
+        raise UserError(f"--rule {rule.name} failed on {where}: {type(e).__name__}: {e}"[:400]) from None
     if not isinstance(v, bool):
-        raise UserError(f"rule {rule.name} returned {v!r}"[:200] + f" on {where}; a verifier returns True or False")
+        raise UserError(f"--rule {rule.name} returned {v!r}"[:200] + f" on {where}; a verifier returns True or False")
     return v
