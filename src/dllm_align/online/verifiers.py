@@ -9,10 +9,12 @@ Built in:
   text. Numbers are compared as exact fractions after removing ``$``, thousands commas, spaces and a
   trailing period (``1,234.50`` = ``1234.5``; ``3/4`` = ``0.75``; ``-7`` = ``-7.0``); a non-numeric answer
   is compared as trimmed, case-folded text.
-* ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``).
+* ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``; an empty pattern is
+  refused, and each search is bounded in time like a user's function, so catastrophic backtracking stops).
 * ``package.module:function``: your function ``(prompt, completion, row) -> bool`` (``prompt`` is the last
   user message's text, ``row`` the prompt's source row as a dict); like the judge's rule judges, running
-  your code is announced on stderr.
+  your code is announced on stderr. Its printing, exits and hangs are contained
+  (:mod:`dllm_align.core.usercode`); its arity is checked before anything is sampled.
 """
 
 from __future__ import annotations
