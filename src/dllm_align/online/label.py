@@ -247,8 +247,16 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
                             hint="shorten it or leave it out, or lower generate.gen_length")
     flat = [(i, j) for i in range(len(items)) for j in range(n)]
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}") for i, j in flat]
-    with DirLock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)"):
-        return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record)
+    made = not out.exists()
+    try:
+        with DirLock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)"):
+            return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record)
+    except BaseException:
+        # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
+        # is kept: the rerun reuses it).
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record) -> dict:
