@@ -59,7 +59,18 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path) -> tuple[Path, d
     """The round's training rows (uniform prompts dropped unless kept) and their balanced class weights."""
     from dllm_align.core.io import atomic_write_json, atomic_write_text
 
-    rows = [json.loads(x) for x in rows_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    rows = []
+    for i, line in enumerate(rows_path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if not isinstance(r, dict) or not isinstance(r.get("prompt_id"), str) or not isinstance(r.get("label"), bool):
+            raise UserError(f"{rows_path}:{i}: not a row label wrote (damaged)",
+                            hint=f"remove {rows_path.parent} to label the round again")
+        rows.append(r)
     by_prompt: dict[str, list[bool]] = {}
     for r in rows:
         by_prompt.setdefault(r["prompt_id"], []).append(r["label"])
@@ -82,8 +93,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer") -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table."""
-    from dllm_align.online.label import ROWS, SUMMARY, check_rule, check_temperature, label, read_prompts
-    from dllm_align.workflows import pipeline
+    from dllm_align.online.label import check_rule, check_temperature, read_prompts
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
@@ -101,6 +111,19 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
     if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
         raise UserError(f"{source}: no prompts")
+    from dllm_align.core.io import DirLock
+
+    # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
+    with DirLock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)"):
+        return _run_rounds(recipe, out, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts, reference=reference,
+                           keep_uniform=keep_uniform, temperature=temperature, answer_column=answer_column)
+
+
+def _run_rounds(recipe, out: Path, *, rounds: int, rule: str, n: int, limit: Optional[int], prompts: Optional[str],
+                reference: str, keep_uniform: bool, temperature: Optional[float], answer_column: str) -> list[dict]:
+    from dllm_align.online.label import ROWS, SUMMARY, label
+    from dllm_align.workflows import pipeline
+
     base = recipe.model.name_or_path
     _check_settings(out, {"model": base, "rule": rule, "n": n, "limit": limit, "prompts": prompts, "reference": reference,
                           "keep_uniform": keep_uniform, "temperature": temperature, "answer_column": answer_column,
