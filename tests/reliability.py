@@ -162,3 +162,13 @@ def stray_temps(*roots: Path) -> list[str]:
             if p.name.endswith(".tmp") or p.name.startswith(".tmp-") or ".part" in p.name:
                 found.append(str(p.relative_to(r)))
     return sorted(found)
+
+
+if __name__ == "__main__":  # python tests/reliability.py --round 4 [...]: an adversarial round as a table
+    args = sys.argv[1:]
+    if args[:2] != ["--round", "4"]:
+        sys.exit("usage: python tests/reliability.py --round 4 [--fast] [-k SUBSTRING] [--markdown FILE] [--json FILE]")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from round4 import main
+
+    sys.exit(main(args[2:]))

@@ -129,3 +129,54 @@ def test_llada21_checkpoints_are_refused_by_the_commands_with_the_reason(tmp_pat
     with pytest.raises(UserError, match=why) as e:
         load_model(str(tmp_path), device="cpu")
     assert name in str(e.value)
+
+
+# --------------------------------------------------------------------------- hostile settings, refused where read
+LLADA2_FIXTURE = Path(__file__).parent / "fixtures" / "llada2_mini_config.json"
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, True, "four", 10 ** 12])
+def test_a_block_size_that_cannot_be_is_refused_naming_the_key(value):
+    from dllm_align.training.memory import shape_from_config
+
+    cfg = dict(json.loads(FIXTURE.read_text()), block_size=value)
+    fam = family_for_config(cfg)
+    assert "block_size" in fam.block_size_problem(cfg)
+    with pytest.raises(UserError) as e:
+        shape_from_config(cfg, "m/config.json")  # doctor's reading
+    assert e.value.message.startswith("m/config.json: block_size")
+    assert fam.block_size_problem(dict(cfg, block_size=8)) is None
+
+
+@pytest.mark.parametrize("edit, key", [({"num_experts": 0}, "num_experts"), ({"num_experts": -8}, "num_experts"),
+                                       ({"n_group": 0}, "n_group")])
+def test_doctor_refuses_zero_experts_or_expert_groups(edit, key):
+    from dllm_align.training.memory import shape_from_config
+
+    with pytest.raises(UserError, match=f"m/config.json: {key}"):
+        shape_from_config(dict(json.loads(LLADA2_FIXTURE.read_text()), **edit), "m/config.json")
+
+
+def test_doctor_refuses_llada21_by_name_as_loading_does():
+    from dllm_align.training.memory import shape_from_config
+
+    with pytest.raises(UserError, match="m/config.json: llada21 checkpoint: LLaDA2.1 decodes with token editing"):
+        shape_from_config(dict(json.loads(LLADA2_FIXTURE.read_text()), model_type="llada21_moe"), "m/config.json")
+
+
+@pytest.mark.parametrize("edit, words", [({"sampler": "llada"}, "generate.sampler: llada: sdar is a block-diffusion model"),
+                                         ({"sampler": "dream", "cache": "none", "threshold": None}, "generate.sampler: dream"),
+                                         ({"cache": "dual"}, "generate.cache: dual")])
+def test_a_decoding_rule_that_is_not_the_block_familys_is_refused_by_the_rule_registry(edit, words):
+    from types import SimpleNamespace
+
+    import dllm_align.generate.sampler  # noqa: F401 - registers the rules
+    from dllm_align.generate.rules import settings_for
+    from dllm_align.generate.settings import SamplerSettings
+    from dllm_align.models.families import get_family
+
+    mp = SimpleNamespace(block_size=4, family=get_family("sdar"))
+    base = SamplerSettings(gen_length=8, block_length=4, steps=8, cache="prefix")
+    settings_for(mp, base)  # the family's own rule in its own block length decodes
+    with pytest.raises(UserError, match=words):
+        settings_for(mp, base.replace(**edit))

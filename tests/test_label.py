@@ -215,3 +215,114 @@ def test_the_unjudgeable_warning_comes_before_the_error_that_refers_to_it(tmp_pa
     warn = next(i for i, x in enumerate(lines) if "got no [[YES]]/[[NO]] verdict" in x)
     err = next(i for i, x in enumerate(lines) if x.startswith("Error: no sample got a verdict"))
     assert warn < err and "warning above" in r.err
+
+
+# --------------------------------------------------------------------------- hostile input, read where it is read
+@pytest.mark.parametrize("rows, words", [
+    ([{"id": "q0", "prompt": "Sort: 3 1"}, {"id": "q1", "prompt": None}], ("p.jsonl:2", "empty prompt")),
+    ([{"id": "q0", "prompt": "Sort: 3 1"}, {"id": "q1", "prompt": 42}], ("p.jsonl:2", "prompt must be")),
+    ([{"id": "q0", "prompt": " \n"}], ("p.jsonl:1", "empty prompt")),
+    ([{"id": "q0", "question": None}], ("p.jsonl:1", "question")),
+    ([{"id": "q0", "prompt": "Sort: 1"}, {"id": "q0", "prompt": "Sort: 2"}], ("p.jsonl:2", "'q0'", "p.jsonl:1")),
+    ([{"id": 5, "prompt": "Sort: 1"}, {"id": "5", "prompt": "Sort: 2"}], ("p.jsonl:2", "'5'")),
+    ([{"id": [1], "prompt": "Sort: 1"}], ("p.jsonl:1", "id must be")),
+    ([{"id": "q0", "prompt": "7 " * 150_000}], ("p.jsonl:1", "300,000 characters")),
+])
+def test_prompt_rows_are_refused_by_file_and_line(tmp_path, rows, words):
+    from dllm_align.core.errors import UserError
+    from dllm_align.online.label import read_prompts
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError) as e:
+        read_prompts(str(p), None, None)
+    assert all(w in e.value.message for w in words), e.value.message
+
+
+@pytest.mark.parametrize("answer", [None, "", "   ", [4], "#### ", True])
+def test_math_answer_rows_without_an_answer_are_refused_before_sampling(tmp_path, answer):
+    from dllm_align.core.errors import UserError
+    from dllm_align.online.label import read_prompts
+    from dllm_align.online.verifiers import get_rule
+
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "q0", "question": "2+2?", "answer": "#### 4"}) + "\n"
+                 + json.dumps({"id": "q1", "question": "3+3?", "answer": answer}) + "\n")
+    with pytest.raises(UserError) as e:
+        read_prompts(str(p), None, None, get_rule("math_answer"))
+    assert e.value.message.startswith(f"{p}:2: answer"), e.value.message
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("nosuch", "unknown verifier 'nosuch'"), ("sortt", "did you mean 'sort'"), ("regex:", "empty pattern"),
+    ("regex:(", "not a valid regular expression"), ("", "name a verifier"), ("judge:", "name the judge model"),
+    ("../../etc/passwd:f", "package.module:function"),
+])
+def test_a_rule_spec_is_refused_as_the_recipe_is_read(tmp_path, spec, words):
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.core.errors import UserError
+    from dllm_align.online.verifiers import check_spec
+
+    with pytest.raises(UserError) as e:
+        check_spec(spec, f"--rule {spec}")
+    assert e.value.message.startswith(f"--rule {spec}: ") and words in e.value.message
+    r = tmp_path / "r.yaml"
+    r.write_text("extends: demo_online\nonline:\n  rule: " + json.dumps(spec) + "\n")
+    with pytest.raises(UserError) as e:
+        load_recipe(str(r))
+    assert "online.rule" in e.value.message and words in e.value.message
+
+
+def test_a_folder_labelled_with_other_settings_is_not_relabelled(tmp_path):
+    from dllm_align.core.errors import UserError
+    from dllm_align.online.label import SUMMARY, _refuse_relabel
+
+    old = {"--rule": "sort", "--n": 2, "--model": "builtin:tiny", "generate": {"temperature": 1.0}}
+    (tmp_path / SUMMARY).write_text(json.dumps({"rows": 4, "settings": old}))
+    _refuse_relabel(tmp_path / SUMMARY, dict(old))  # the same settings: a rerun gives the same rows
+    with pytest.raises(UserError) as e:
+        _refuse_relabel(tmp_path / SUMMARY, dict(old, **{"--rule": r"regex:\d", "--n": 4}))
+    assert "--rule" in e.value.message and "--n" in e.value.message
+    # a summary written before settings were recorded: its labeller, samples and model still count
+    (tmp_path / SUMMARY).write_text(json.dumps({"labeller": "sort", "samples_per_prompt": 2, "model": "builtin:tiny"}))
+    with pytest.raises(UserError, match="--rule"):
+        _refuse_relabel(tmp_path / SUMMARY, dict(old, **{"--rule": "math_answer"}))
+
+
+def test_a_refused_label_creates_no_folder_and_a_held_folder_is_refused(tmp_path):
+    from dllm_align.core.io import DirLock
+
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "q0", "prompt": "Sort: 3 1"}) + "\n")
+    r = run_cli(["label", "demo", "-o", str(tmp_path / "lab"), "--prompts", str(p), "--rule", "judge:m",
+                 "--set", "judge.base_url=not a url"], env={"OPENAI_API_KEY": "sk-test"})
+    assert r.code == 2 and "judge.base_url" in r.err and not (tmp_path / "lab").exists()
+    with DirLock(tmp_path / "lab", "held"):
+        r = run_cli(["label", "demo", "-o", str(tmp_path / "lab"), "--prompts", str(p), "--n", "1", *FAST])
+    assert r.code == 2 and "another command is writing" in r.err and not list((tmp_path / "lab").iterdir())
+
+
+def test_an_online_record_with_nothing_finished_binds_nothing(tmp_path):
+    from dllm_align.core.errors import UserError
+    from dllm_align.workflows.online import RECORD, _check_settings
+
+    _check_settings(tmp_path, {"rule": "nosuch", "n": 2})
+    _check_settings(tmp_path, {"rule": "sort", "n": 2})  # nothing labelled yet: the corrected rerun goes ahead
+    assert json.loads((tmp_path / RECORD).read_text())["rule"] == "sort"
+    (tmp_path / "round-0").mkdir()
+    (tmp_path / "round-0" / "label_summary.json").write_text("{}")
+    with pytest.raises(UserError, match="rule"):
+        _check_settings(tmp_path, {"rule": "math_answer", "n": 2})
+    (tmp_path / RECORD).write_text('{"model": ')
+    with pytest.raises(UserError, match="online.json: not the record"):
+        _check_settings(tmp_path, {"rule": "sort", "n": 2})
+
+
+def test_greedy_sampling_of_several_samples_is_refused_before_anything_loads():
+    from dllm_align.core.errors import UserError
+    from dllm_align.online.label import check_temperature
+
+    check_temperature(0, 1)
+    check_temperature(None, 4)
+    with pytest.raises(UserError, match="--temperature 0 with --n 4"):
+        check_temperature(0, 4)

@@ -164,6 +164,21 @@ def test_shard_modified_after_the_manifest_is_refused(setup, tmp_path):
         refcache.read_shard(p)
 
 
+def test_a_shard_edited_in_place_with_size_and_mtime_kept_is_refused_naming_it(setup, tmp_path):
+    # Opening the cache hashes each shard's bytes against the manifest: no size-and-mtime shortcut to fool.
+    rec = _recipe(tmp_path, setup["data"])
+    rep = ref.precompute(rec, setup["examples"], setup["collate"], None, setup["mp"])
+    p = rep.cache / "shard-00000.safetensors"
+    st = p.stat()
+    raw = bytearray(p.read_bytes())
+    raw[-4] ^= 0x01  # one bit of a stored value
+    p.write_bytes(bytes(raw))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (p.stat().st_size, p.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(UserError, match="shard-00000.safetensors"):
+        refcache.ReferenceCache.open(rep.cache)
+
+
 def test_folder_digest_trusts_unchanged_files_only(tmp_path, tiny_dir):
     import shutil
 

@@ -37,7 +37,7 @@ def generate(
     remasking: Annotated[Optional[str], typer.Option("--remasking", show_default=d("generate.remasking"), help="low_confidence (paper) or random.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", show_default=d("generate.temperature"), help="0 = greedy (paper).")] = None,
     cfg: Annotated[Optional[float], typer.Option("--cfg", show_default=d("generate.cfg"), help="Classifier-free guidance scale (0 = off, paper).")] = None,
-    fast: Annotated[bool, typer.Option("--fast", help=f"Fast decoding: {FAST_CACHE} key/value cache and confidence threshold {FAST_THRESHOLD} (unless set otherwise).", metavar="")] = False,
+    fast: Annotated[bool, typer.Option("--fast", help=f"Fast decoding: a key/value cache ({FAST_CACHE}; prefix for the block rule) and confidence threshold {FAST_THRESHOLD} (unless set otherwise).", metavar="")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", show_default=d("generate.cache"), help="Key/value reuse within a block: none, prefix or dual.")] = None,
     threshold: Annotated[Optional[float], typer.Option("--threshold", help="Commit every candidate above this confidence (fast mode).")] = None,
     sampler: Annotated[Optional[str], typer.Option("--sampler", show_default=d("generate.sampler"), help="auto (the model family's rule), llada, dream or block.")] = None,
@@ -90,7 +90,9 @@ def generate(
     if fast:
         extra = {}
         if cache is None and rec.generate.cache == "none":
-            extra["generate.cache"] = ("--fast", FAST_CACHE)
+            from dllm_align.generate.rules import fast_cache
+
+            extra["generate.cache"] = ("--fast", fast_cache(rec.model, rec.generate.sampler))
         if threshold is None and rec.generate.threshold is None:
             extra["generate.threshold"] = ("--fast", FAST_THRESHOLD)
         if extra:

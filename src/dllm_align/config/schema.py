@@ -2,6 +2,9 @@
 judge, ablate, evaluate) with types, ranges and cross-field rules; unknown keys are refused.
 
 Key names follow the paper's vocabulary (beta, n_mc, lambda_desirable, ...).
+
+Size: about 610 lines, kept whole: it is the one description of the recipe file, and the recipe's
+cross-section rules read every section; split, the format would be spread over several modules.
 """
 
 from __future__ import annotations
@@ -488,11 +491,44 @@ class EvaluateSection(Section):
 
 
 # --------------------------------------------------------------------------- online
+VERIFIERS = ("sort", "math_answer", "regex:PATTERN", "judge:MODEL", "package.module:function")
+
+
+def verifier_problem(spec) -> Optional[str]:
+    """What is wrong with a verifier spec (``online.rule``, ``--rule``) as written, or None; nothing is imported
+    (``dllm_align.online.verifiers`` then loads a user's function and checks its arity)."""
+    import re
+
+    from dllm_align.core.usercode import spec_problem
+
+    if not isinstance(spec, str) or not spec.strip():
+        return "name a verifier: " + ", ".join(VERIFIERS)
+    if spec in ("sort", "math_answer"):
+        return None
+    if spec.startswith("regex:"):
+        pattern = spec[len("regex:"):]
+        if not pattern:
+            return "an empty pattern matches every completion: give the text a desirable completion contains"
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            return f"not a valid regular expression ({e})"
+        return None
+    if spec.startswith("judge:"):
+        return None if spec[len("judge:"):].strip() else "name the judge model, e.g. judge:gpt-4o-mini"
+    if ":" in spec:
+        return spec_problem(spec)
+    import difflib
+
+    close = difflib.get_close_matches(spec, ["sort", "math_answer"], n=1)
+    return f"unknown verifier {spec!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; known: " + ", ".join(VERIFIERS)
+
+
 class OnlineSection(Section):
     """Online ELBO-KTO (``dllm-align online``; ``demo`` runs it when a recipe has this section)."""
 
     rounds: int = Field(2, ge=1, le=100, description="Rounds of label -> reference -> ELBO-KTO.")
-    rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN or module:function.")
+    rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN, judge:MODEL or module:function.")
     n: int = Field(4, ge=1, le=1024, description="Samples per prompt and round.")
     limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts of data.train.")
     reference: Literal["initial", "previous"] = Field("initial", description="Each round's reference: the initial model or the policy entering the round.")
@@ -502,6 +538,14 @@ class OnlineSection(Section):
     heldout_limit: Optional[int] = Field(None, ge=1, description="Only the first N held-out prompts.")
     heldout_n: int = Field(4, ge=1, le=1024, description="Samples per held-out prompt for the sampled held-out share (greedy: one).")
     keep: Literal["last", "best"] = Field("last", description="The run's final model: the last round's, or the best round's by held-out greedy share.")
+
+    @field_validator("rule")
+    @classmethod
+    def _rule(cls, v):
+        problem = verifier_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 # --------------------------------------------------------------------------- recipe

@@ -257,6 +257,10 @@ def check_block_model(mp, settings: SamplerSettings) -> None:
     if settings.block_length != b:
         raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
                         hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+    if settings.cache == "dual":
+        raise UserError("generate.cache: dual: the block rule keeps finished blocks in its cache and recomputes the "
+                        "block being decoded; it has no cache of the positions after it",
+                        hint="set generate.cache: prefix (or none)")
 
 
 register_rule(DecodingRule("block", generate_batch_block, check_block_model))

@@ -39,6 +39,42 @@ def register_rule(rule: DecodingRule) -> DecodingRule:
     return rule
 
 
+def whole_sequence_model(mp, settings: SamplerSettings) -> None:
+    """The LLaDA and Dream rules decode one canvas of whole-sequence diffusion: a block-diffusion model is
+    refused by name (its own rule is ``block``, which ``sampler: auto`` picks)."""
+    b = getattr(mp, "block_size", None)
+    if b is not None:
+        raise UserError(f"generate.sampler: {settings.sampler}: {mp.family.name} is a block-diffusion model (blocks of {b}); "
+                        f"the {settings.sampler} rule decodes whole-sequence diffusion",
+                        hint="set generate.sampler: block (or auto, the family's own rule)")
+
+
+def fast_cache(model, sampler: str) -> str:
+    """The key/value cache fast decoding fills in (``generate --fast``) for this model section and
+    ``generate.sampler``: the block rule's is ``prefix`` (it has no cache of the positions after the block),
+    the LLaDA sampler's ``dual``. Read from the model's config.json alone, before any weights load; a model
+    that cannot be read gets ``dual`` here and its own error when it loads."""
+    import json
+    from pathlib import Path
+
+    from dllm_align.config.schema import FAST_CACHE
+
+    name = sampler
+    if name == "auto":
+        try:
+            from dllm_align.models.families import family_for_config, get_family
+            from dllm_align.models.load import BUILTIN_SPECS, resolve_config_file
+
+            if model.name_or_path in BUILTIN_SPECS:
+                name = get_family(BUILTIN_SPECS[model.name_or_path].family).sampler
+            else:
+                cfg = json.loads(Path(resolve_config_file(model.name_or_path, model.revision)).read_text(encoding="utf-8"))
+                name = family_for_config(cfg).sampler
+        except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
+            name = "auto"
+    return "prefix" if name == "block" else FAST_CACHE
+
+
 def rule_for(name: str) -> DecodingRule:
     try:
         return RULES[name]

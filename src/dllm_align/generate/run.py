@@ -111,6 +111,14 @@ def run_generate(
         "backend": g.backend,
     }
 
+    # A fresh run makes its generator (its model) and checks the rule's needs of it before the lock creates the
+    # output's folder: a refused model or setting leaves nothing behind. A resumed run makes it only when rows
+    # are left to do.
+    early = None
+    if not out.exists() and not part_files() and rows:
+        early = make_generator(g.backend, rec.model, device=dev)
+        early.settings_for(settings)
+
     # -- several nodes: rank 0 merges the part files every rank writes next to the output
     if state is not None:
         from dllm_align.core.runfolder import check_shared_folder
@@ -124,7 +132,7 @@ def run_generate(
     try:
         return _generate_into(
             rec, out, sidecar, rows, source, settings, settings_record, dev, rank, world, barrier, part_files,
-            overwrite, allow_long, make=lambda: make_generator(g.backend, rec.model, device=dev),
+            overwrite, allow_long, make=lambda: early or make_generator(g.backend, rec.model, device=dev),
         )
     finally:
         if lock is not None:

@@ -131,22 +131,11 @@ def _load_rule_modules() -> None:
 
 def user_function(spec: str, label: str) -> tuple[Callable, str]:
     """The function ``package.module:function`` names, announced on stderr: the one place dllm-align runs code
-    that a flag or a recipe names (rule judges here, verifiers in :mod:`dllm_align.online.verifiers`)."""
-    import importlib
+    that a flag or a recipe names (rule judges here, verifiers in :mod:`dllm_align.online.verifiers`); what is
+    contained of it (printing, exiting, hanging) is :mod:`dllm_align.core.usercode`."""
+    from dllm_align.core.usercode import load_function
 
-    from dllm_align.core.console import warn
-
-    mod_name, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UserError(f"{label}: cannot import module {mod_name!r} ({e})")
-    f = getattr(mod, attr, None)
-    if not callable(f):
-        raise UserError(f"{label}: module {mod_name!r} has no function {attr!r}")
-    # Code named by a flag or a recipe runs here: say whose.
-    warn(f"{label}: running your function {attr}() from {getattr(mod, '__file__', None) or mod_name}")
-    return f, attr
+    return load_function(spec, label)
 
 
 def get_rule(name: str) -> RuleFn:

@@ -335,6 +335,9 @@ def load_model(
         family = family_for_config(cfg)
         if family.refuse_reason:
             raise UserError(f"{path}: {family.name} checkpoint: {family.refuse_reason}")
+        block_problem = family.block_size_problem(cfg)
+        if block_problem:
+            raise UserError(f"{path / 'config.json'}: {block_problem}", hint="the block size the model was trained with")
         native = None if trust_remote_code else native_family(cfg)
         if native is not None:
             try:

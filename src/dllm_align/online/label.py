@@ -36,26 +36,65 @@ class Prompt:
     where: str
 
 
-def _prompts_with_rows(source: str, split: Optional[str], limit: Optional[int]) -> list[Prompt]:
-    """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``."""
-    from dllm_align.data.layouts import _messages
-    from dllm_align.data.read import read_tables
+# A prompt this long is no prompt a diffusion model of these families can take (their contexts are at most a
+# few tens of thousands of tokens); refused before it is tokenized, which alone would take minutes.
+MAX_PROMPT_CHARS = 200_000
+
+
+def _prompt_id(d: dict, msgs: list, where: str) -> str:
     from dllm_align.data.rows import content_hash
 
+    for col in ("prompt_id", "id"):
+        v = d.get(col)
+        if v is None or v == "":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise UserError(f"{where}: {col} must be a string or a whole number, got {type(v).__name__}")
+        return str(v)
+    return content_hash({"prompt": msgs})
+
+
+def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifier=None) -> list[Prompt]:
+    """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``; each
+    prompt, its id and the columns the verifier reads checked here, naming the file and line."""
+    from dllm_align.data.layouts import _messages
+    from dllm_align.data.read import read_tables
+    from dllm_align.data.rows import _Bad
+
     out: list[Prompt] = []
+    seen: dict[str, str] = {}
     for t in read_tables(source, split, allow_txt=True):
         for rec in t.records:
             if rec.problem:
                 raise UserError(f"{rec.where}: {rec.problem}")
             d = rec.data or {}
-            if "prompt" in d:
-                raw = d["prompt"]
-            elif "question" in d:  # GSM8K's column name
-                raw = d["question"]
-            else:
+            col = "prompt" if "prompt" in d else "question" if "question" in d else None  # question: GSM8K's name
+            if col is None:
                 raise UserError(f"{rec.where}: no prompt (or question) column")
-            msgs, _ = _messages(raw, "prompt", t.textual)
-            pid = str(d.get("prompt_id") or d.get("id") or content_hash({"prompt": msgs}))
+            raw = d[col]
+            if isinstance(raw, str) and len(raw) > MAX_PROMPT_CHARS:
+                raise UserError(f"{rec.where}: the {col} has {len(raw):,} characters; at most {MAX_PROMPT_CHARS:,} are read",
+                                hint="shorten it: no model of these families has room for it")
+            try:
+                msgs, _ = _messages(raw, col, t.textual)
+            except _Bad as e:
+                raise UserError(f"{rec.where}: {e}") from None
+            if sum(len(str(m.get("content", ""))) for m in msgs) > MAX_PROMPT_CHARS:
+                raise UserError(f"{rec.where}: the {col} is longer than {MAX_PROMPT_CHARS:,} characters")
+            pid = _prompt_id(d, msgs, rec.where)
+            if pid in seen:
+                raise UserError(f"{rec.where}: prompt id {pid!r} repeats the one at {seen[pid]}",
+                                hint="give each prompt its own id (samples and their seeds are named after it)")
+            seen[pid] = rec.where
+            if verifier is not None:
+                for need in verifier.needs:
+                    if need not in d:
+                        raise UserError(f"{rec.where}: no {need!r} column, which --rule {verifier.name} compares against",
+                                        hint="add the reference answers, or name their column with --answer-column")
+                if verifier.check_row is not None:
+                    problem = verifier.check_row(d)
+                    if problem:
+                        raise UserError(f"{rec.where}: {problem}")
             out.append(Prompt(pid, msgs, dict(d), rec.where))
             if limit and len(out) >= limit:
                 return out
@@ -67,7 +106,7 @@ def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) 
     what a resumed online run must still be labelling."""
     from dllm_align.data.rows import content_hash
 
-    return content_hash([[p.id, p.messages, p.row] for p in _prompts_with_rows(source, split, limit)], n=32)
+    return content_hash([[p.id, p.messages, p.row] for p in read_prompts(source, split, limit)], n=32)
 
 
 def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
@@ -124,6 +163,9 @@ def _prompt_text(messages: list) -> str:
 
 
 def _settings(recipe, temperature: Optional[float], fast: bool = True):
+    """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
+    then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
+    decoding as it is."""
     from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
     from dllm_align.generate.settings import SamplerSettings
 
@@ -133,71 +175,164 @@ def _settings(recipe, temperature: Optional[float], fast: bool = True):
         upd["temperature"] = temperature
     elif s.temperature == 0:
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
-    if fast and s.cache == "none" and s.threshold is None:
+    filled = fast and s.cache == "none" and s.threshold is None
+    if filled:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
-    return s.replace(**upd)
+    return s.replace(**upd), filled
+
+
+def _for_model(gen, settings, fast: bool):
+    """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
+    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
+    if fast and gen.settings_for(settings.replace(cache="none", threshold=None)).sampler == "block":
+        settings = settings.replace(cache="prefix")
+    return gen.settings_for(settings)
+
+
+def check_temperature(temperature: Optional[float], n: int) -> None:
+    """Greedy samples of one prompt are one completion n times: ``--temperature 0`` with ``--n`` above 1 is refused."""
+    if temperature == 0 and n > 1:
+        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives one completion {n} times, with nothing "
+                        "to contrast", hint="sample at a temperature above 0 (1.0 by default), or --n 1")
+
+
+def check_judge(rule: str, section) -> None:
+    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
+    from dllm_align.judge.client import check_base_url, read_api_key
+
+    if not rule[len("judge:"):].strip():
+        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
+    key = read_api_key(section.api_key_env)
+    try:
+        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
+    except UserError as e:  # the client names its own flag; label reads the recipe's key
+        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
+
+
+def check_rule(rule: str, answer_column: str, recipe):
+    """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
+    from dllm_align.online.verifiers import Rule, check_spec, get_rule
+
+    check_spec(rule, f"--rule {rule}")
+    if rule.startswith("judge:"):
+        check_judge(rule, recipe.judge)
+        return Rule(rule, lambda p, c, r: True)  # replaced by the judge once the folder is taken
+    return get_rule(rule, answer_column=answer_column)
+
+
+def _refuse_relabel(summary_path: Path, settings: dict) -> None:
+    """A folder labelled with other settings is not relabelled over: its rows would mix rules, models or samples."""
+    from dllm_align.core.runfolder import differing, refuse_changes
+
+    if not summary_path.is_file():
+        return
+    try:
+        old = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{summary_path}: not the JSON summary label writes", hint="remove the folder, or use another (-o)") from None
+    if not isinstance(old, dict):
+        raise UserError(f"{summary_path}: not the JSON summary label writes", hint="remove the folder, or use another (-o)")
+    recorded = old.get("settings") if isinstance(old.get("settings"), dict) else {
+        "--rule": old.get("labeller"), "--n": old.get("samples_per_prompt"), "--model": old.get("model")}
+    refuse_changes(f"cannot relabel {summary_path.parent}", differing(recorded, settings),
+                   hint="label into another run folder (-o), or with the settings it was labelled with")
 
 
 def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[str] = None, split: str = "train",
           model: Optional[str] = None, limit: Optional[int] = None, temperature: Optional[float] = None,
           answer_column: str = "answer", round_: int = 0, device=None, fast: bool = True) -> dict:
     """Sample ``n`` completions per prompt and label them; returns the summary (module docstring). ``fast``
-    False keeps the recipe's decoding as it is (as ``generate`` decodes), instead of fast mode."""
+    False keeps the recipe's decoding as it is (as ``generate`` decodes), instead of fast mode.
+
+    Everything that can be refused is refused before the run folder is created: the rule (a user's function
+    imported and its arity checked; a judge's key and URL), every prompt row, a folder labelled with other
+    settings, the model and its decoding rule, each prompt's length against the model's positions. The
+    folder is then locked (:class:`dllm_align.core.io.DirLock`, by rank 0 when several processes sample)
+    while samples are drawn and labelled."""
     import torch
 
-    from dllm_align.core.console import info
-    from dllm_align.core.io import check_not_input
+    from dllm_align.core.io import DirLock, check_not_input
     from dllm_align.generate.backend import backend_factory, make_generator
     from dllm_align.generate.settings import encode_prompt, row_seed
-    from dllm_align.online.verifiers import get_rule
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
-    if temperature == 0 and n > 1:
-        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives the same completion {n} times per prompt",
-                        hint="sample at a temperature above 0, or use --n 1")
+    check_temperature(temperature, n)
     backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
-    judge = None
-    if rule.startswith("judge:"):
-        if not rule[len("judge:"):]:
-            raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
-        from dllm_align.online.verifiers import Rule
-
-        verifier = Rule(rule, lambda p, c, r: True)  # replaced by the judge once the checks pass
-    else:
-        verifier = get_rule(rule, answer_column=answer_column)
+    verifier = check_rule(rule, answer_column, recipe)
     source = prompts or recipe.data.train
     if source is None:
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
-    items = _prompts_with_rows(str(source), None if prompts else split, limit)
+    items = read_prompts(str(source), None if prompts else split, limit, verifier)
     if not items:
         raise UserError(f"{source}: no prompts")
-    for col in verifier.needs:
-        missing = next((p for p in items if col not in p.row), None)
-        if missing is not None:
-            raise UserError(f"{missing.where}: no {col!r} column, which --rule {verifier.name} compares against",
-                            hint="add the reference answers, or name their column with --answer-column")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the labelled rows")
     rows_path, summary_path = out / ROWS, out / SUMMARY
     for p in (rows_path, summary_path):
         check_not_input(p)
     rank, world = _ranks()
-    if rule.startswith("judge:") and rank == 0:  # the judge (and its cache in the run folder) lives on rank 0
-        from dllm_align.online.absolute import AbsoluteJudge
-        from dllm_align.online.verifiers import Rule
-
-        out.mkdir(parents=True, exist_ok=True)
-        judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
-        verifier = Rule(rule, judge)
-    settings = _settings(recipe, temperature, fast)
-    dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    settings, filled = _settings(recipe, temperature, fast)
     name = recipe.model.name_or_path if model is None else model
+    record = {"--rule": rule, "--n": n, "--model": str(name), "--prompts": str(source), "--limit": limit,
+              "--answer-column": answer_column, "generate": settings.to_dict()}
+    _refuse_relabel(summary_path, record)
+    dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
+    settings = _for_model(gen, settings, filled)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
+    max_pos = gen.max_positions
+    for p, x in zip(items, ids):
+        if max_pos and len(x) + settings.gen_length > max_pos:
+            # Beyond its positions a model gives garbage, slowly: said before the first sample.
+            raise UserError(f"{p.where}: the prompt is {len(x):,} tokens; with generate.gen_length {settings.gen_length} "
+                            f"that is beyond the model's {max_pos:,} positions",
+                            hint="shorten it or leave it out, or lower generate.gen_length")
     flat = [(i, j) for i in range(len(items)) for j in range(n)]
     # Round 0 keeps the seeds of `label` itself; later rounds draw new ones, so that a policy that did not
     # change is not asked the very same random questions again.
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
+    made = rank == 0 and not out.exists()
+    # Rank 0 alone takes the lock (and alone writes); when several processes sample, whether it got the lock
+    # is said to every rank, so that no rank samples while rank 0 has stopped.
+    lock = DirLock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)") if rank == 0 else None
+    try:
+        if world > 1:
+            from_rank0(lambda: _enter(lock))
+        elif lock is not None:
+            lock.__enter__()
+        try:
+            return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
+                                 record, rank, world)
+        finally:
+            if lock is not None:
+                lock.__exit__(None, None, None)
+    except BaseException:
+        # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
+        # is kept: the rerun reuses it).
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _enter(lock) -> None:
+    lock.__enter__()
+
+
+def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
+                  rank: int, world: int) -> dict:
+    """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
+    from dllm_align.core.console import info
+
+    rows_path, summary_path = out / ROWS, out / SUMMARY
+    judge = None
+    if rule.startswith("judge:") and rank == 0:  # the judge (and its cache in the run folder) lives on rank 0
+        from dllm_align.online.absolute import AbsoluteJudge
+        from dllm_align.online.verifiers import Rule
+
+        judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
+        verifier = Rule(rule, judge)
     if rank == 0:
         info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
              f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}"
@@ -206,9 +341,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     if world > 1:
         # rank 0 labels and writes; the others take its outcome (the same error on every rank)
         return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
-                                                    rows_path, summary_path, recipe.judge) if rank == 0 else None)
+                                                    rows_path, summary_path, recipe.judge, record) if rank == 0 else None)
     return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                            recipe.judge)
+                            recipe.judge, record)
 
 
 def _ranks() -> tuple[int, int]:
@@ -273,7 +408,7 @@ def from_rank0(fn):
 
 
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                     judge_section) -> dict:
+                     judge_section, record: dict) -> dict:
     from dllm_align.core.io import atomic_write_json, atomic_write_text
 
     sampler = {k: v for k, v in settings.to_dict().items()}
@@ -315,7 +450,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
-        "reasons": _reason_counts(verifier.name, reasons) if reasons else None,
+        "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
     }
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_json(summary_path, summary)

@@ -10,19 +10,22 @@ Built in:
   replacing it, else the stated result of the last sentence); a hedge, a truncated output, an expression
   with no stated result or no answer at all is undesirable, and :meth:`Rule.explain` says which. The full
   rule is in :mod:`dllm_align.online.math_answer`.
-* ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``).
+* ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``; an empty pattern is
+  refused, and each search is bounded in time like a user's function, so catastrophic backtracking stops).
 * ``package.module:function``: your function ``(prompt, completion, row) -> bool`` (``prompt`` is the last
   user message's text, ``row`` the prompt's source row as a dict); like the judge's rule judges, running
-  your code is announced on stderr.
+  your code is announced on stderr. Its printing, exits and hangs are contained
+  (:mod:`dllm_align.core.usercode`); its arity is checked before anything is sampled.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from dllm_align.core.errors import UserError
+from dllm_align.core.errors import DllmAlignError, UserError
 
 Verifier = Callable[[str, str, dict], bool]
 
@@ -37,6 +40,8 @@ class Rule:
     fn: Verifier
     needs: tuple[str, ...] = ()
     why: Optional[Callable[[str, str, dict], str]] = None
+    # What is wrong with a source row for this rule (None: nothing), checked before anything is sampled.
+    check_row: Optional[Callable[[dict], Optional[str]]] = None
 
     def explain(self, prompt: str, completion: str, row: dict) -> Optional[str]:
         """The reason behind the verdict, or None for a rule that gives none."""
@@ -77,37 +82,66 @@ def _math(column: str) -> tuple[Verifier, Callable[[str, str, dict], str]]:
     return check, why
 
 
+def _math_row(column: str) -> Callable[[dict], Optional[str]]:
+    def problem(row: dict) -> Optional[str]:
+        v = row.get(column)
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not str(v).strip():
+            return f"{column} is {json.dumps(v)[:40]}: math_answer needs a reference answer (text or a number)"
+        from dllm_align.online.math_answer import reference_answer
+
+        want, text = reference_answer(str(v))
+        if want is None and not text:
+            return f"{column} {str(v)[:40]!r} holds no final answer for math_answer to compare against"
+        return None
+
+    return problem
+
+
 BUILTIN = ("sort", "math_answer", "regex:PATTERN", "package.module:function")
 
 
+def check_spec(spec: Any, label: str) -> None:
+    """Refuse a rule spec that cannot name a verifier, without importing anything (the recipe schema checks
+    ``online.rule`` with the same words); :func:`get_rule` then imports a user's module."""
+    from dllm_align.config.schema import verifier_problem
+
+    problem = verifier_problem(spec)
+    if problem:
+        raise UserError(f"{label}: {problem}")
+
+
 def get_rule(spec: str, *, answer_column: str = "answer") -> Rule:
-    """The verifier a ``--rule`` names (module docstring); one error naming it when it is unknown."""
+    """The verifier a ``--rule`` names (module docstring); one error naming it when it is unknown, and a user's
+    function that cannot take (prompt, completion, row) refused before anything is sampled."""
+    label = f"--rule {spec}"
+    check_spec(spec, label)
     if spec == "sort":
         return Rule("sort", _sort, why=_sort_why)
     if spec == "math_answer":
         check, why = _math(answer_column)
-        return Rule("math_answer", check, (answer_column,), why)
+        return Rule("math_answer", check, (answer_column,), why, _math_row(answer_column))
     if spec.startswith("regex:"):
-        pattern = spec[len("regex:"):]
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise UserError(f"--rule {spec}: not a valid regular expression ({e})") from None
+        rx = re.compile(spec[len("regex:"):])  # checked by check_spec
         return Rule(spec, lambda p, c, r: rx.search(c) is not None)
-    if ":" in spec:
-        from dllm_align.judge.run import user_function
+    if spec.startswith("judge:"):
+        raise UserError(f"{label}: the judge labels through dllm_align.online.absolute, not as a function")
+    from dllm_align.core.usercode import load_function
 
-        fn, _ = user_function(spec, f"--rule {spec}")
-        return Rule(spec, fn)
-    raise UserError(f"--rule {spec}: unknown verifier", hint=f"built-in: {', '.join(BUILTIN)}")
+    fn, _ = load_function(spec, label, args=("", "", {}), what="(prompt, completion, row) and return True or False")
+    return Rule(spec, fn)
 
 
 def apply(rule: Rule, prompt: str, completion: str, row: dict, where: str) -> bool:
-    """Run a verifier on one completion; an exception or a non-boolean answer is one error naming the row."""
+    """Run a verifier on one completion (printing, exiting and hanging contained: :mod:`dllm_align.core.usercode`);
+    an exception or a non-boolean answer is one error naming the rule and the row."""
+    from dllm_align.core.usercode import call
+
     try:
-        v: Any = rule.fn(prompt, completion, row)
+        v: Any = call(rule.fn, (prompt, completion, row), f"--rule {rule.name}", where)
+    except DllmAlignError:
+        raise
     except Exception as e:  # noqa: BLE001 - the user's function failed: say where, not a traceback
-        raise UserError(f"rule {rule.name} failed on {where}: {type(e).__name__}: {e}"[:400]) from None
+        raise UserError(f"--rule {rule.name} failed on {where}: {type(e).__name__}: {e}"[:400]) from None
     if not isinstance(v, bool):
-        raise UserError(f"rule {rule.name} returned {v!r} on {where}; a verifier returns True or False")
+        raise UserError(f"--rule {rule.name} returned {v!r}"[:200] + f" on {where}; a verifier returns True or False")
     return v

@@ -232,12 +232,25 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
             return default
         raise UserError(f"{source or 'config.json'}: no {keys[0]} (or {', '.join(keys[1:]) or 'equivalent'}): cannot size the model")
 
+    from dllm_align.models.families import family_for_config
+
+    fam = family_for_config(cfg)
+    if fam.refuse_reason:  # as loading it would (train, generate): refused by name, not sized
+        raise UserError(f"{source or 'config.json'}: {fam.name} checkpoint: {fam.refuse_reason}")
+    block_problem = fam.block_size_problem(cfg)
+    if block_problem:
+        raise UserError(f"{source or 'config.json'}: {block_problem}")
     d = pick("hidden_size", "d_model")
     heads = pick("num_attention_heads", "n_heads")
     layers = pick("num_hidden_layers", "n_layers")
     if d % heads:
         raise UserError(f"{source or 'config.json'}: hidden size {d} is not a multiple of num_attention_heads {heads}")
-    experts = pick("num_experts", "n_routed_experts", default=0, low=0)
+    routed = any(cfg.get(k) is not None for k in ("num_experts_per_tok", "moe_topk", "n_group"))
+    # A config that routes tokens to experts has at least one (0 is a dense model only where nothing routes).
+    experts = pick("num_experts", "n_routed_experts", default=0, low=1 if routed else 0)
+    for k in ("n_group", "topk_group"):
+        if cfg.get(k) is not None:
+            _whole(cfg, k, cfg[k], low=1, source=source)
     moe = {}
     if experts:
         # LLaDA-MoE: expert_intermediate_size, dense_intermediate_size and a per-layer
@@ -261,9 +274,6 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         mlp = cfg.get("dense_intermediate_size") or cfg.get("intermediate_size") or ei
     else:
         mlp = cfg.get("intermediate_size") or cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d)
-    from dllm_align.models.families import family_for_config
-
-    fam = family_for_config(cfg)
     kv = pick("num_key_value_heads", "n_kv_heads", default=heads)
     if heads % kv:
         raise UserError(f"{source or 'config.json'}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")

@@ -68,17 +68,29 @@ def refuse_set_by_online(overrides) -> None:
         raise UserError("; ".join(bad), hint="leave it out: online sets it for every round")
 
 
-def _check_settings(out: Path, settings: dict, allow, main: bool = True) -> None:
+def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> None:
+    """Record the run's settings in ``online.json``, or refuse a rerun with others (those let through by
+    ``--allow-change`` are warned about). A record with no finished stage behind it (no labelled samples yet,
+    of a round or a held-out evaluation) binds nothing: a first run refused or stopped before it labelled
+    anything leaves nothing that blocks the corrected rerun. Rank 0 alone writes (``main``)."""
     from dllm_align.core.io import atomic_write_json
     from dllm_align.core.runfolder import differing, refuse_changes
+    from dllm_align.online.label import SUMMARY
 
     path = out / RECORD
     if path.exists():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source"))
-        allowed = refuse_changes(f"cannot continue the online run in {out}", diffs, allow=allow)
-        for k, a, b in allowed:
-            console.warn(f"online: {k} differs from the recorded run ({a!r} -> {b!r}): let through by --allow-change")
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            old = None
+        if not isinstance(old, dict):
+            raise UserError(f"{path}: not the record online writes (damaged)",
+                            hint="restore it, or remove it to continue with the settings given now")
+        if any(out.glob(f"*/{SUMMARY}")):
+            diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source"))
+            allowed = refuse_changes(f"cannot continue the online run in {out}", diffs, allow=allow)
+            for k, a, b in allowed:
+                console.warn(f"online: {k} differs from the recorded run ({a!r} -> {b!r}): let through by --allow-change")
     if main:  # one writer when several processes run the loop
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, settings)
@@ -126,7 +138,18 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
     (lambda_D n_D = lambda_U n_U, the larger 1) times the recipe's lambda_D, lambda_U."""
     from dllm_align.core.io import atomic_write_json, atomic_write_text
 
-    rows = [json.loads(x) for x in rows_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    rows = []
+    for i, line in enumerate(rows_path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if not isinstance(r, dict) or not isinstance(r.get("prompt_id"), str) or not isinstance(r.get("label"), bool):
+            raise UserError(f"{rows_path}:{i}: not a row label wrote (damaged)",
+                            hint=f"remove {rows_path.parent} to label the round again")
+        rows.append(r)
     by_prompt: dict[str, list[bool]] = {}
     for r in rows:
         by_prompt.setdefault(r["prompt_id"], []).append(r["label"])
@@ -197,9 +220,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
                allow_changes=()) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
-    from dllm_align.core.io import atomic_write_json
-    from dllm_align.online.label import ROWS, SUMMARY, label, prompt_fingerprint
-    from dllm_align.workflows import pipeline
+    from dllm_align.online.label import check_rule, check_temperature, from_rank0, read_prompts
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
@@ -207,17 +228,59 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError(f"--reference {reference}: initial or previous")
     if keep not in ("last", "best"):
         raise UserError(f"--keep {keep}: last or best")
-    if temperature == 0 and n > 1:
-        raise UserError(f"--temperature 0 with --n {n}: greedy decoding gives the same completion {n} times per prompt",
-                        hint="sample at a temperature above 0, or use --n 1")
+    check_temperature(temperature, n)
     if keep == "best" and heldout is None and recipe.data.test is None:
         raise UserError("--keep best: no held-out prompts to rank the rounds by",
                         hint="set data.test in the recipe, or online.heldout (--heldout FILE)")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the run")
     done = _finished_rounds(out)
     if rounds < done:
         raise UserError(f"--rounds {rounds}: {out} has {done} finished rounds; fewer would rewrite its record without them",
                         hint=f"use --rounds {done} (or more), or another run folder (-o); --keep best picks among the finished rounds")
+    # The rule and the prompts are refused before the folder is made or recorded (each round's label checks
+    # them again, with the model).
+    verifier = check_rule(rule, answer_column, recipe)
+    source = prompts or recipe.data.train
+    if source is None:
+        raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
+    if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
+        raise UserError(f"{source}: no prompts")
+    from dllm_align.core.io import DirLock
+    from dllm_align.online.label import _enter
+
+    rank, world = _process_group()
+    if world > 1:
+        # rank 0 writes the run's records and labelled rows, every rank reads them back
+        from dllm_align.core.runfolder import check_shared_folder
+
+        check_shared_folder(out, "online run folder")
+    # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
+    # Rank 0 alone takes it; whether it got it is said to every rank, so that none goes on without it.
+    lock = DirLock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)") if rank == 0 else None
+    try:
+        if world > 1:
+            from_rank0(lambda: _enter(lock))
+        elif lock is not None:
+            lock.__enter__()
+        return _run_rounds(recipe, out, rank=rank, world=world, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts,
+                           reference=reference, keep_uniform=keep_uniform, temperature=temperature,
+                           answer_column=answer_column, heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n,
+                           keep=keep, allow_changes=allow_changes)
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: str, n: int, limit: Optional[int],
+                prompts: Optional[str], reference: str, keep_uniform: bool, temperature: Optional[float],
+                answer_column: str, heldout: Optional[str], heldout_limit: Optional[int], heldout_n: int, keep: str,
+                allow_changes) -> list[dict]:
+    from dllm_align.core.io import atomic_write_json
+    from dllm_align.online.label import ROWS, SUMMARY, label, prompt_fingerprint
+    from dllm_align.workflows import pipeline
+
     base = recipe.model.name_or_path
     source = prompts or recipe.data.train
     if source is None:
@@ -228,7 +291,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         "model": base, "rule": rule, "n": n, "limit": limit, "prompts_source": str(source),
         "prompts_fingerprint": prompt_fingerprint(str(source), None if prompts else "train", limit),
         "reference": reference, "keep_uniform": keep_uniform, "answer_column": answer_column,
-        "temperature": sampler_settings(recipe, temperature).temperature,
+        "temperature": sampler_settings(recipe, temperature)[0].temperature,
         "heldout_source": str(heldout or recipe.data.test) if (heldout or recipe.data.test) else None,
         "heldout_fingerprint": (prompt_fingerprint(str(heldout), None, heldout_limit) if heldout else
                                 prompt_fingerprint(str(recipe.data.test), "test", heldout_limit) if recipe.data.test else None),
@@ -240,13 +303,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     }
     recipe_keys = recipe.model_dump(mode="json")
     _check_allow(allow_changes, settings, recipe_keys)
-    rank, world = _process_group()
     main = rank == 0
-    if world > 1:
-        # rank 0 writes the run's records and labelled rows, every rank reads them back
-        from dllm_align.core.runfolder import check_shared_folder
-
-        check_shared_folder(out, "online run folder")
     _check_settings(out, settings, allow_changes, main)
     _barrier(world)
     lambdas = (recipe.train.lambda_desirable, recipe.train.lambda_undesirable)

@@ -43,7 +43,10 @@ def trained_model(recipe, allow_changes=()) -> Path:
         return final
     res = train(recipe, resume=True, allow_changes=allow_changes)
     if console.global_rank() == 0:  # one writer when several processes train
-        done.write_text(json.dumps({"steps": res.steps}) + "\n")
+        # The run's steps, not this session's: a run resumed after its last step (killed while exporting) took
+        # no step in this session, yet its model has every step.
+        summary = json.loads((Path(res.final_dir) / "training_summary.json").read_text(encoding="utf-8"))
+        done.write_text(json.dumps({"steps": summary["steps"]}) + "\n")
     return Path(res.final_dir)
 
 

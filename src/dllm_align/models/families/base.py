@@ -27,6 +27,10 @@ from dllm_align.core.errors import UserError
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
 
+# A block longer than this is no block (when the config does not say how many positions the model has).
+MAX_BLOCK_SIZE = 65536
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything the rest of the code needs to know about one model family."""
@@ -96,11 +100,33 @@ class Family:
     published_fields: Optional[Callable[[dict], dict]] = None
     published_state: Optional[Callable[[dict], dict]] = None
 
-    def block_size_in(self, config: dict | Any) -> Optional[int]:
-        """The block size of one checkpoint (a config.json dict or a transformers config): its config's
-        ``block_size``, else the published one; None for a whole-sequence family."""
+    def block_size_problem(self, config: dict | Any) -> Optional[str]:
+        """What is wrong with a checkpoint's ``block_size`` (None: nothing, or a whole-sequence family): a whole
+        number of positions from 1 to the model's positions (``MAX_BLOCK_SIZE`` when it does not say)."""
         if not self.block_size:
             return None
+        value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
+        if value is None:
+            return None
+        positions = (config.get("max_position_embeddings") if isinstance(config, dict)
+                     else getattr(config, "max_position_embeddings", None))
+        top = positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else MAX_BLOCK_SIZE
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            return (f"block_size {value!r}: a whole number of positions from 1 to {top:,} "
+                    f"(the published {self.name} models use {self.block_size})")
+        return None
+
+    def block_size_in(self, config: dict | Any) -> Optional[int]:
+        """The block size of one checkpoint (a config.json dict or a transformers config): its config's
+        ``block_size``, else the published one; None for a whole-sequence family. A bad value is refused
+        (:meth:`block_size_problem`; the loaders name the file first)."""
+        if not self.block_size:
+            return None
+        problem = self.block_size_problem(config)
+        if problem:
+            from dllm_align.core.errors import UserError
+
+            raise UserError(f"the model's config: {problem}")
         value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
         return int(value or self.block_size)
 
