@@ -71,6 +71,13 @@ def _params(folder: Path) -> dict:
     return load_file(str(folder / "model.safetensors"))
 
 
+def _final_params(folder: Path) -> dict:
+    """A final/ model's weights under the names dllm-align trains with (final/ is written in the published layout)."""
+    from dllm_align.models.load import load_model
+
+    return {k: v.detach() for k, v in load_model(str(folder)).model.state_dict().items()}
+
+
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -83,9 +90,15 @@ def test_precompute_then_train_writes_a_loadable_model(toy):
     assert res.exit_code == 0, res.output
     assert res.stdout.strip().endswith(str(out / "final"))  # stdout: the result only
     assert "steps/s" in res.stderr and "examples/s" in res.stderr
-    for folder in (out / "checkpoints" / "step-4", out / "final"):
-        model = AutoModelForCausalLM.from_pretrained(str(folder))
-        torch.testing.assert_close(dict(model.state_dict())["lm_head.weight"], _params(folder)["lm_head.weight"])
+    ckpt = out / "checkpoints" / "step-4"  # checkpoints keep the native layout: plain transformers reads them
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt))
+    torch.testing.assert_close(dict(model.state_dict())["lm_head.weight"], _params(ckpt)["lm_head.weight"])
+    # final/ is in LLaDA's published layout (tests/test_export_roundtrip.py): dllm-align reads it back, and its
+    # weights are the run's last step (not the checkpoint's)
+    assert json.loads((out / "final" / "config.json").read_text())["architectures"] == ["LLaDAModelLM"]
+    final = _final_params(out / "final")
+    assert final["lm_head.weight"].shape == model.state_dict()["lm_head.weight"].shape
+    assert not torch.equal(final["lm_head.weight"], model.state_dict()["lm_head.weight"])
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for key in ("loss", "baseline", "saturation", "lr", "grad_norm", "tokens_per_s", "examples_per_s"):
@@ -148,7 +161,7 @@ def test_two_processes_equal_one_process_with_batch_two(toy, tmp_path):
             assert y[key] == pytest.approx(x[key], abs=1e-4), (x["step"], key)
         for key in ("loss", "grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-4), (x["step"], key)
-    a, b = _params(one / "final"), _params(two / "final")
+    a, b = _final_params(one / "final"), _final_params(two / "final")
     from dllm_align.models.load import build_tiny_model
 
     init = build_tiny_model().state_dict()
@@ -180,7 +193,7 @@ def test_kl_baseline_two_processes_of_one_row_equal_one_process_of_two(toy, tmp_
         assert y["baseline"] == pytest.approx(x["baseline"], abs=1e-4), x["step"]
         for key in ("loss", "grad_norm"):
             assert y[key] == pytest.approx(x[key], rel=1e-4), (x["step"], key)
-    a, b = _params(one / "final"), _params(two / "final")
+    a, b = _final_params(one / "final"), _final_params(two / "final")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=0)
 
