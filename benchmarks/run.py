@@ -4,7 +4,9 @@
 
 Each benchmark compares dllm-align with a faithful implementation of the
 straightforward method written in the benchmark itself (see each module's
-docstring), and first checks that both sides compute the same numbers.
+docstring), and first checks that both sides compute the same numbers;
+``cli_startup`` and ``demo`` report absolute seconds instead (how long a user
+waits for ``--help`` and for the demo; the tests assert no time).
 Memory and time targets are asserted here, not in the unit tests: the exit
 code is 1 when a target is missed or a benchmark fails (``--no-assert``: only
 a failure counts). ``--quick`` runs small settings and ``--smoke`` the
@@ -79,6 +81,14 @@ BENCHMARKS = [
      lambda v, r: v >= 1.6,
      lambda r: _pair(_get(r, "block_stream_figures", "shared_ex_per_s"),
                      _get(r, "block_stream_figures", "2l_ex_per_s"), ".2f", "ex/s")),
+    ("cli_startup", "cli_help_seconds", "absolute: best of 7 (--quick 3, --smoke 2) fresh `dllm-align --help` processes", "<= 2 s",
+     lambda v, r: v <= 2.0,
+     lambda r: f"{r['cli_help_seconds']:.2f} s best, {_get(r, 'cli_startup_figures', 'median_s'):.2f} s median"
+     + (", torch loaded!" if _get(r, "cli_startup_figures", "torch_loaded") else ", torch not loaded")),
+    ("demo", "demo_seconds", "absolute: `dllm-align demo` in a fresh process (README's Quick start)", "<= 300 s",
+     lambda v, r: v <= 300.0,
+     lambda r: f"{r['demo_seconds']:.0f} s, peak {_get(r, 'demo_figures', 'peak_memory_mb'):,} MB, "
+     f"AWR {_get(r, 'demo_figures', 'awr'):.3f}"),
     ("variance", "variance_ratio_shared", "independent masks for policy and reference", "reported", None,
      lambda r: _pair(r.get("variance_shared"), r.get("variance_independent"), ".3g", "")),
     ("variance", "variance_ratio_stratified", "independent masks for policy and reference", "reported", None,
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write the ratios, settings and machine as JSON")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--only", nargs="*", metavar="NAME",
-                    help="run only these modules (memory padding throughput packing generation block_stream variance)")
+                    help="run only these modules (memory padding throughput packing generation block_stream cli_startup demo variance)")
     ap.add_argument("--no-assert", action="store_true",
                     help="exit 0 even if a target is missed (a failing benchmark still exits 1)")
     ap.add_argument("--threads", type=int, metavar="N",

@@ -84,3 +84,20 @@ def fresh_accelerate():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture()
+def connections(monkeypatch) -> list:
+    """Every address a socket of this process tries to connect to while the test runs (they still connect):
+    "offline", "no retries" and "at once" asserted as the attempts made, never as seconds on a clock."""
+    import socket
+
+    seen: list = []
+    real = socket.socket.connect
+
+    def connect(self, address):
+        seen.append(address)
+        return real(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return seen

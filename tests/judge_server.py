@@ -8,7 +8,8 @@ prompt id and the order (which marker comes first) whatever the template.
 * ``verdicts[(model, id, order)]`` is the verdict it answers ("A", "B", "C");
   missing entries answer ``default_verdict`` (a position-biased judge: "A").
 * ``faults[(model, id, order)]`` is a list of actions spent one per request
-  before the normal answer: "429" (Retry-After: 1), "429ms" (retry-after-ms: 30),
+  before the normal answer: "429" (Retry-After: 1), "429ms" (retry-after-ms: 30), "429-hour"
+  (Retry-After: 3600), "429-year" (Retry-After: an HTTP date a year ahead),
   "500", "503", "slow" (answers after ``slow_seconds``), "drop" (closes the
   connection without answering), "garbage" (a reply with no verdict), "badjson",
   "302", "400", "401", "404". The action "forever-garbage" never runs out.
@@ -74,6 +75,7 @@ class JudgeServer:
         self.answer_as: dict[str, str] = {}  # model asked -> model the reply names (server-side routing)
         self.absolute = None  # (first message, number of messages) -> reply text, for absolute (yes/no) judging
         self.fail_after: int | None = None
+        self.long_wait_after = 0  # a "429-hour" / "429-year" answer waits until this many requests have arrived (10 s at most)
         self.held = threading.Event()  # set once a request is being held
         self.release = threading.Event()
         self.lock = threading.Lock()
@@ -224,8 +226,12 @@ class JudgeServer:
                     return self._send(400, {"error": {"message": "context too long" + echo}})
                 if action == "429":
                     return self._send(429, {"error": {"message": "rate limited" + echo}}, {"Retry-After": "1"})
-                if action == "429-hour":  # a server asking for an hour
-                    return self._send(429, {"error": {"message": "rate limited" + echo}}, {"Retry-After": "3600"})
+                if action in ("429-hour", "429-year"):  # a server asking for an hour, or (as an HTTP date) a year
+                    t0 = time.monotonic()
+                    while len(srv.log) < srv.long_wait_after and time.monotonic() - t0 < 10:
+                        time.sleep(0.01)
+                    after = "3600" if action == "429-hour" else time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 365 * 86400))
+                    return self._send(429, {"error": {"message": "rate limited" + echo}}, {"Retry-After": after})
                 if action == "429ms":
                     return self._send(429, {"error": {"message": "rate limited"}}, {"retry-after-ms": "30"})
                 if action in ("500", "503"):

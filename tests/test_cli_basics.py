@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -23,16 +22,13 @@ def test_version():
     assert __version__ in r.stdout
 
 
-def test_help_is_fast_and_light():
-    # --help must not import torch or transformers.
+def test_help_is_light():
+    # --help must not import torch or transformers (its speed is measured by `benchmarks/run.py --only cli_startup`).
     code = "import sys, dllm_align.cli.app as a; sys.argv=['dllm-align','--help']\ntry:\n a.main()\nexcept SystemExit: pass\nprint('torch' in sys.modules, 'transformers' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
-    t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    elapsed = time.perf_counter() - t
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False False"
-    assert elapsed < 5.0  # generous for a loaded CI box; typically ~0.3 s
 
 
 def test_unknown_recipe_is_one_line_exit_2():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -328,25 +327,23 @@ def test_folder_with_split_files(tmp_path):
         load_unpaired(d / "data")
 
 
-def test_hub_offline_is_one_line_and_fast():
-    t = time.perf_counter()
+def test_hub_offline_is_one_line_without_a_connection(connections):
     with pytest.raises(UserError) as e:
         load_unpaired("trl-lib/kto-mix-14k", split="train")
-    assert time.perf_counter() - t < 10
+    assert connections == []  # offline means no attempt, not a quick timeout
     assert "not in the local cache" in e.value.message and "HF_DATASETS_OFFLINE" in e.value.message
     assert "\n" not in e.value.message
 
 
-def test_hub_unreachable_fails_without_retries(monkeypatch):
+def test_hub_unreachable_fails_without_retries(monkeypatch, connections):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
-    t = time.perf_counter()
     with pytest.raises(UserError, match="cannot reach the Hugging Face Hub to load dataset 'HuggingFaceH4/ultrafeedback_binarized'"):
         load_paired("HuggingFaceH4/ultrafeedback_binarized", split="train_prefs")
-    assert time.perf_counter() - t < 5
+    assert connections == [("127.0.0.1", 9)]  # one attempt, refused, no retries
 
 
 def test_missing_and_unknown_sources(tmp_path):

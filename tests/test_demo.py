@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -16,15 +15,14 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    t = time.perf_counter()
     res = runner.invoke(app, ["demo", "-o", str(out)])
-    return out, res, time.perf_counter() - t
+    return out, res
 
 
 def test_demo_aligns_the_toy_model(demo_run):
-    out, res, seconds = demo_run
+    # How long it takes is measured by `python benchmarks/run.py --only demo`, not asserted here.
+    out, res = demo_run
     assert res.exit_code == 0, res.output
-    assert seconds < 300, f"the demo must finish within 5 minutes (took {seconds:.0f} s)"
     results = json.loads((out / "results.json").read_text())
     assert set(results["rows"]) == {"aligned", "chosen", "rejected"}
     for row in results["rows"].values():
@@ -72,7 +70,7 @@ def test_ablate_runs_on_the_block_family(tmp_path):
 def test_demo_output_reads_without_the_paper(demo_run):
     import re
 
-    out, res, _ = demo_run
+    out, res = demo_run
     assert res.exit_code == 0, res.output
     # plain lines after the table: the task, what AWR and the target rows mean, exact sorts
     after = res.stdout.split("rejected target", 1)[1]
@@ -96,14 +94,21 @@ def test_demo_output_reads_without_the_paper(demo_run):
     assert res.stderr.count("r+ / r- = mean reward margin") == 1
 
 
-def test_demo_rerun_reuses_every_stage(demo_run):
-    out, _, first = demo_run
+def test_demo_rerun_reuses_every_stage(demo_run, monkeypatch):
+    out, _ = demo_run
     before = json.loads((out / "results.json").read_text())
-    t = time.perf_counter()
+    kept = {p: p.read_bytes() for p in [*out.glob("gen.*.jsonl"), *(out / "final").rglob("*")] if p.is_file()}
+    assert len(kept) > 4
+
+    def no_training(*a, **k):
+        raise AssertionError("the rerun trained again")
+
+    monkeypatch.setattr("dllm_align.training.train.train", no_training)
     res = runner.invoke(app, ["demo", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    assert time.perf_counter() - t < max(30.0, first / 3)
     assert "train: reusing" in res.stderr
+    assert res.stderr.count("200 already in") == 2  # base and aligned generations: nothing sampled again
+    assert {p: p.read_bytes() for p in kept} == kept  # the model and the samples as they were
     assert json.loads(res.stdout) == before
 
 
@@ -121,12 +126,10 @@ def test_ablate_imbalance_table_plot_and_instant_rerun(tmp_path):
         r = json.loads(f.read_text())
         assert abs(r["lambda_desirable"] * r["n_desirable"] - r["lambda_undesirable"] * r["n_undesirable"]) <= 1e-3 * max(r["n_desirable"], r["n_undesirable"])
     assert "| desirable | 0.1 |" in res.stdout
-    t = time.perf_counter()
     again = runner.invoke(app, args)
     assert again.exit_code == 0
-    assert again.stderr.count("done, reusing") == 6
+    assert again.stderr.count("done, reusing") == 6  # every setting reused: nothing trained, sampled or judged again
     assert "same run as desirable_1, reusing it" in res.stderr  # ratio 1 of both sweeps trains once
-    assert time.perf_counter() - t < 20
     assert again.stdout == res.stdout
 
 
@@ -135,3 +138,17 @@ def test_ablate_rejects_bad_ratio(tmp_path):
     assert res.exit_code == 2
     assert "ratios must be in (0, 1]" in res.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_demo_runs_on_one_thread_unless_the_user_chose():
+    """`dllm-align demo` as the README's Quick start types it (no OMP_NUM_THREADS) runs torch on one thread:
+    on a loaded 2-core box the default thread count stretched it to 46 minutes."""
+    import torch
+
+    from dllm_align.workflows.demo import one_thread_unless_chosen
+
+    env: dict = {}
+    assert one_thread_unless_chosen(env) is True
+    assert env == {"OMP_NUM_THREADS": "1"} and torch.get_num_threads() == 1
+    chosen = {"OMP_NUM_THREADS": "2"}
+    assert one_thread_unless_chosen(chosen) is False and chosen == {"OMP_NUM_THREADS": "2"}

@@ -244,8 +244,8 @@ def test_ctrl_c_while_polling_stops_at_once_and_the_rerun_collects_the_same_batc
 
 def test_result_file_oddities_are_counted_exactly(tmp_path, files):
     """One id answered twice with different verdicts is taken from neither answer (first-wins had moved
-    the counts from 3/2/3 to 2/1/5) and retried; the same answer twice is one answer; an error line
-    beside a good answer is no failure; a reply cut off at the token cap says so."""
+    the counts from 3/2/3 to 2/1/5) and put into one new batch, never asked live; the same answer twice is
+    one answer; an error line beside a good answer is no failure; a reply cut off at the token cap says so."""
     a, b = files
     out = tmp_path / "out"
     with JudgeServer(KEY) as srv:
@@ -255,9 +255,44 @@ def test_result_file_oddities_are_counted_exactly(tmp_path, files):
         r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)])
         assert r.exit_code == 0, r.stderr
         live = sorted((x["id"], x["order"]) for x in srv.log)
-    assert live == [("p1", "AB"), ("p5", "BA")]  # the conflict and the cut-off reply, retried live; nothing else
+        second = uploaded_keys(srv)[1:]
+    assert live == [("p5", "BA")]  # the cut-off reply, retried live; nothing else
+    state = json.loads((out / "batch_state.json").read_text())["batches"]
+    assert len(state) == 2 and second == [[k for k in state[1]["keys"]]] and list(state[1]["keys"].values()) == [["judge-1", "p1", "AB"]]
     assert "2 failed" in r.stderr and "answered more than once with different verdicts" in r.stderr
+    assert "Submitting the 1 request(s) whose results conflicted in one new batch (not asked live)" in r.stderr
     assert exact(out) == (3, 2, 3, 8, 0.5625)  # the script's numbers, unmoved
+
+
+@pytest.mark.parametrize("batch_failed", ["live", "batch"])
+def test_a_result_file_that_conflicts_for_every_id_is_decided_by_one_new_batch(tmp_path, files, batch_failed):
+    """Every id answered twice with conflicting verdicts, in every batch the server runs: the ids go into one
+    new batch, and what conflicts there too fails with the reason (exit 1); nothing is asked live, and no third
+    batch is made (before: 142 live retries, 17 of 80 judgements failed after 150 s)."""
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.batch_faults = {("judge-1", i, o): ["dup-conflict"] * 5 for i in J1 for o in ("AB", "BA")}
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv, "--batch-failed", batch_failed)])
+        assert srv.log == [] and len(srv.batches) == 2, r.stderr
+        assert sorted(uploaded_keys(srv)[0]) == sorted(uploaded_keys(srv)[1])  # all 16 requests, once more
+    assert r.exit_code == 1 and "16 judgement(s) failed" in r.stderr, r.stderr
+    rows = [json.loads(x) for x in (out / "outcomes.jsonl").read_text().splitlines()]
+    err = rows[0]["judges"]["judge-1"]["error"]
+    assert "answers this request 2 times with different verdicts" in err and "; in the new batch: batch " in err
+
+
+def test_conflicting_results_settled_by_the_new_batch_give_the_exact_numbers(tmp_path, files):
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "judge-1", J1)
+        srv.batch_faults = {("judge-1", i, o): ["dup-conflict"] for i in J1 for o in ("AB", "BA")}  # the first batch only
+        r = cli([a, b, "-o", out, "--judge", "judge-1", *batch_args(srv)])
+        assert r.exit_code == 0, r.stderr
+        assert srv.log == [] and len(srv.batches) == 2
+    assert exact(out) == (3, 2, 3, 8, 0.5625)
 
 
 def test_a_reply_cut_off_at_the_token_cap_is_named(tmp_path, files):

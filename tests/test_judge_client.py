@@ -181,16 +181,46 @@ def test_reasoning_models_work_through_max_completion_tokens(tmp_path, files):
     assert settings["max_completion_tokens"] == 4000 and settings["temperature"] is None and settings["max_tokens"] is None
 
 
-def test_a_servers_retry_after_is_capped_and_said(tmp_path, files):
-    """A 429 asking for an hour (Retry-After: 3600) waits judge.retry_after_max at most, with a warning naming
-    both figures; before, `--max-retries 1 --timeout 5` sat silent for as long as the server asked."""
+@pytest.mark.parametrize("fault, asked", [("429-hour", "Retry-After: 3600: a wait of 3,600 s"), ("429-year", "a wait of 31,5")])
+def test_a_server_asking_for_hours_is_not_asked_again(tmp_path, files, fault, asked):
+    """Every request answered 429 with Retry-After an hour (or an HTTP date a year) ahead: the judge sends no
+    request after the first such answer (it waited judge.retry_after_max per request and retry before: ten
+    minutes for 80 judgements), and exits 1 saying when the server asked to be retried and how to go on."""
     a, b = files
     with JudgeServer(KEY) as srv:
-        srv.faults = {("m", "p0", "AB"): ["429-hour"]}
-        r = cli([a, b, "-o", tmp_path / "out", "--judge", "m", *fast(srv), "--max-retries", "1", "--retry-after-max", "0.2"])
-        assert r.exit_code == 0, r.stderr
-        assert [x["action"] for x in srv.log if (x["id"], x["order"]) == ("p0", "AB")] == ["429-hour", "ok"]
-    assert "asked to wait 3600 s before retrying" in r.stderr and "waiting 0.2 s (judge.retry_after_max)" in r.stderr
+        srv.faults = {("m", i, o): [fault] * 20 for i in IDS for o in ("AB", "BA")}
+        r = cli([a, b, "-o", tmp_path / "out", "--judge", "m", *fast(srv), "--max-retries", "6"])
+        sent = list(srv.log)
+    assert r.exit_code == 1, r.stderr
+    assert 1 <= len(sent) <= 4 and all(x["action"] == fault for x in sent)  # the requests in flight at most, none retried
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("Error:")]
+    assert f"{srv.url} asked to be retried after " in line and asked in line and "judge.retry_after_max 60 s" in line
+    assert "run the same command again after that time" in line
+    assert "Hint: 0 of 16 judgements are in" in r.stderr
+    assert r.stdout == "" and not (tmp_path / "out" / "results.json").exists()
+
+
+def test_requests_in_flight_finish_and_are_kept_when_a_server_asks_for_an_hour(tmp_path, files):
+    """Four requests in flight; one is answered "come back in an hour", the other three answer slowly: those
+    three finish and are cached, nothing else is sent, and the rerun asks only for the 13 others."""
+    a, b = files
+    out = tmp_path / "out"
+    with JudgeServer(KEY) as srv:
+        script(srv, "m", J1)
+        srv.long_wait_after = 4  # the 429 leaves once all four requests have arrived
+        srv.faults = {("m", "p0", "AB"): ["429-hour"], ("m", "p0", "BA"): ["slow"], ("m", "p1", "AB"): ["slow"], ("m", "p1", "BA"): ["slow"]}
+        r = cli([a, b, "-o", out, "--judge", "m", *fast(srv), "--timeout", "10"])
+        assert r.exit_code == 1, r.stderr
+        assert sorted((x["id"], x["order"], x["action"]) for x in srv.log) == [
+            ("p0", "AB", "429-hour"), ("p0", "BA", "slow"), ("p1", "AB", "slow"), ("p1", "BA", "slow")]
+        cached = [json.loads(x) for x in (out / "cache.jsonl").read_text().splitlines()]
+        assert sorted((c["id"], c["order"]) for c in cached) == [("p0", "BA"), ("p1", "AB"), ("p1", "BA")]
+        assert "Hint: 3 of 16 judgements are in" in r.stderr
+        again = cli([a, b, "-o", out, "--judge", "m", *fast(srv)])  # the server answers now
+        assert again.exit_code == 0, again.stderr
+        assert len(srv.log) == 4 + 13  # only the judgements not cached
+    j = _results(out)["m"]
+    assert (j["wins"], j["losses"], j["ties"]) == (3, 2, 3)
 
 
 def test_retry_after_cap_is_bounded_and_documented():

@@ -326,3 +326,30 @@ def test_greedy_sampling_of_several_samples_is_refused_before_anything_loads():
     check_temperature(None, 4)
     with pytest.raises(UserError, match="--temperature 0 with --n 4"):
         check_temperature(0, 4)
+
+
+def test_a_labelling_judge_that_asks_for_an_hour_stops_the_label_run_at_once(tmp_path, monkeypatch):
+    """The judge server answers five samples, then 429 with Retry-After: 3600: `label` sends nothing more,
+    exits 1 saying when the server asked to be retried and how to go on, writes no rows, and keeps the five
+    verdicts; the rerun asks only for the others."""
+    from judge_server import JudgeServer
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-label-0123456789")
+    with JudgeServer("sk-test-label-0123456789") as srv:
+        srv.absolute = lambda first, n: "[[YES]]"
+        srv.faults = {("m", "?", "?"): ["ok"] * 5 + ["429-hour"] * 50}
+        args = ["--rule", "judge:m", "--set", f"judge.base_url={srv.url}"]
+        r = _label(tmp_path, *args)
+        assert r.code == 1, r.err
+        assert [x["action"] for x in srv.log] == ["ok"] * 5 + ["429-hour"]  # not retried, nothing after it
+        (line,) = [x for x in r.err.splitlines() if x.startswith("Error:")]
+        assert f"{srv.url} asked to be retried after " in line and "Retry-After: 3600" in line
+        assert "run the same command again after that time" in line
+        assert not (tmp_path / "lab" / "labelled.jsonl").exists()
+        assert len((tmp_path / "lab" / "label_cache.jsonl").read_text().splitlines()) == 5
+        srv.faults = {}
+        again = _label(tmp_path, *args)
+        assert again.code == 0, again.err
+        rows = [json.loads(x) for x in (tmp_path / "lab" / "labelled.jsonl").read_text().splitlines()]
+        distinct = {(x["prompt"][-1]["content"], x["completion"]) for x in rows}
+        assert len(srv.log) == 6 + len(distinct) - 5  # the cached five are not asked again

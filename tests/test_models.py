@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from dllm_align.core.errors import UserError
 from dllm_align.models.load import build_tiny_tokenizer, load_model
 
 # --------------------------------------------------------------------------- tiny model
-def test_tiny_roundtrip_and_speed(tiny, tiny_dir):
+def test_tiny_roundtrip_and_training_step(tiny, tiny_dir):
     tok = tiny.tokenizer
     text = "Sort 3 1 2 — héllo ✓"
     ids = tok(text, add_special_tokens=False).input_ids
@@ -30,18 +29,14 @@ def test_tiny_roundtrip_and_speed(tiny, tiny_dir):
 
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
     torch.testing.assert_close(plain(x).logits, tiny.logits(x))
-    # a training step on CPU takes milliseconds
+    # it trains: a step moves the weights (its speed is a benchmark's business: benchmarks/run.py)
     model = again.model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        loss = model(torch.randint(0, 256, (2, 64))).logits.logsumexp(-1).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t)
-    assert min(times) < 0.25  # typically ~10 ms; min() is robust to a busy machine
+    before = [q.detach().clone() for q in model.parameters()]
+    loss = model(torch.randint(0, 256, (2, 64))).logits.logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and any(not torch.equal(b, q) for b, q in zip(before, model.parameters()))
 
 
 def test_tiny_is_bidirectional(tiny):
@@ -208,11 +203,10 @@ def test_no_pickle_checkpoints(tmp_path):
 
 
 # --------------------------------------------------------------------------- resolving
-def test_offline_hub_is_one_line_and_fast():
-    t = time.perf_counter()
+def test_offline_hub_is_one_line_without_a_connection(connections):
     with pytest.raises(UserError) as ei:
         load_model("GSAI-ML/LLaDA-8B-Instruct")
-    assert time.perf_counter() - t < 10
+    assert connections == []
     assert "GSAI-ML/LLaDA-8B-Instruct" in ei.value.message and "\n" not in ei.value.message
     assert "local" in ei.value.hint
 

@@ -275,3 +275,69 @@ def test_the_flash_recipe_trains_a_shrunk_llada2_with_adapters_on_attention_and_
     assert not any(".experts." in n.replace(".shared_experts.", "") for n in names)  # routed experts frozen
     assert yaml.safe_load((run / "recipe.train.yaml").read_text())["train"]["lora"]["target_modules"][2:] == [
         "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
+
+
+# --------------------------------------------------------------------------- bounded work on hostile YAML
+def _billion_laughs(levels: int = 9, width: int = 9) -> str:
+    lines = ["laughs:", f"  l0: &l0 [{', '.join(['lol'] * width)}]"]
+    for i in range(1, levels + 1):
+        lines.append(f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
+    return "extends: demo\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("command", [["recipes", "check"], ["recipes", "show"], ["train"], ["judge", "a.jsonl", "b.jsonl", "--recipe"]])
+def test_an_alias_bomb_is_refused_before_it_expands(tmp_path, monkeypatch, command):
+    """Nested anchors used 9 times each would expand to 9^10 values; the loader sizes the alias graph and refuses."""
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "bomb.yaml"
+    p.write_text(_billion_laughs())
+    r = runner.invoke(app, [*command, str(p), "-o", str(tmp_path / "out")] if command[0] != "recipes" else [*command, str(p)])
+    if command[0] == "recipes" and command[1] == "show":  # show prints the file as written (no aliases expanded)
+        assert r.exit_code == 0 and r.stdout == p.read_text()
+        return
+    assert r.exit_code == 2, r.output
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("Error:")]
+    assert line == f"Error: {p}: refused: its aliases expand to more than 100,000 values (an alias bomb?)"
+    assert r.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_too_many_aliases_are_refused_with_the_limit(tmp_path):
+    from dllm_align.config.recipe import MAX_ALIASES, read_yaml
+
+    p = tmp_path / "r.yaml"
+    p.write_text("extends: demo\nx: &a 1\ny: [" + ", ".join(["*a"] * (MAX_ALIASES + 1)) + "]\n")
+    with pytest.raises(UserError) as e:
+        read_yaml(p)
+    assert e.value.message == f"{p}:3: refused: more than {MAX_ALIASES} aliases (*name); a recipe needs a few at most"
+    p.write_text("extends: demo\nx: &a 1\ny: [" + ", ".join(["*a"] * MAX_ALIASES) + "]\n")
+    assert read_yaml(p)["y"] == [1] * MAX_ALIASES  # up to the limit, aliases are ordinary YAML
+
+
+def test_a_48_mb_recipe_is_refused_by_its_size(tmp_path):
+    p = tmp_path / "big.yaml"
+    with open(p, "w") as f:
+        f.write("extends: demo\ntrain:\n")
+        line = "  # " + "x" * 1020 + "\n"
+        for _ in range(48 << 10):
+            f.write(line)
+    r = runner.invoke(app, ["recipes", "check", str(p)])
+    assert r.exit_code == 2, r.output
+    size = p.stat().st_size
+    assert r.stderr.splitlines()[0] == f"Error: {p}: {size:,} bytes, more than the 64 KiB a recipe file may hold"
+    assert r.stdout == ""
+    r = runner.invoke(app, ["recipes", "show", str(p)])  # printed as written: bounded the same way
+    assert r.exit_code == 2 and r.stderr.startswith(f"Error: {p}: {size:,} bytes") and r.stdout == ""
+    # an --set value is bounded too
+    from dllm_align.config.recipe import MAX_YAML_BYTES
+
+    with pytest.raises(UserError, match=r"--set train.beta: 65,537 characters, more than the 64 KiB a recipe may hold"):
+        load_recipe("demo", ["train.beta=" + "1" * (MAX_YAML_BYTES + 1)])
+
+
+def test_an_accelerate_config_is_read_with_the_same_bounds(tmp_path):
+    from dllm_align.training.memory import read_launch
+
+    p = tmp_path / "acc.yaml"
+    p.write_text(_billion_laughs().replace("extends: demo\n", "distributed_type: NO\n"))
+    with pytest.raises(UserError, match=r"acc.yaml: refused: its aliases expand to more than 100,000 values"):
+        read_launch(str(p))

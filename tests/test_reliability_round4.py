@@ -15,11 +15,9 @@ import pytest
 from round4 import make_ctx, run_case, run_kill
 from round4_cases import CASES, KILLS
 
-# Fast cases that still fail, by class (docs/reliability.md, "fourth round"). The label, rule, folder, online,
-# recipe and doctor refusals that failed before the fixes pass now; their markers were removed.
-FAILS_TODAY = {
-    "recipe-alias-bomb-check": "a YAML alias bomb is expanded without bound (recipes check hangs)",
-}
+# Fast cases that still fail, by class (docs/reliability.md, "fourth round"): none. The refusals that failed
+# before the fixes pass now; their markers were removed.
+FAILS_TODAY: dict[str, str] = {}
 
 
 def _param(case):

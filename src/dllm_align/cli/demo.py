@@ -26,14 +26,17 @@ def demo(
     rejected target vs the base model; adjusted win rate with a 90% bootstrap
     interval), a few lines that explain it, and writes DIR/results.json, results.md
     and demo.png (reward margins over training, AWR bars). A rerun reuses every
-    finished stage.
+    finished stage. PyTorch runs on one thread unless OMP_NUM_THREADS says otherwise
+    (the models are tiny; more threads only fight over a shared box).
 
     Example: dllm-align demo --output-dir runs/demo
     """
     import json
 
     from dllm_align.core.console import info, result
-    from dllm_align.workflows.demo import closing_line, print_table, run_demo
+    from dllm_align.workflows.demo import closing_line, one_thread_unless_chosen, print_table, run_demo
+
+    one_thread_unless_chosen()
 
     res = run_demo(recipe, output_dir, set_)
     if json_out:

@@ -35,10 +35,10 @@ def show(recipe: RecipeArg) -> None:
 
     Example: dllm-align recipes show demo > my_recipe.yaml
     """
-    from dllm_align.config.recipe import locate
+    from dllm_align.config.recipe import locate, read_yaml_text
     from dllm_align.core.console import result
 
-    result(locate(recipe).read_text(encoding="utf-8"))
+    result(read_yaml_text(locate(recipe)))
 
 
 @command("check", group=group)

@@ -131,6 +131,14 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
 # Recipe values nest a few levels (section.key.list.item); anything this deep is a mistake or an attack
 # (Python's recursion limit would otherwise surface as a raw RecursionError).
 MAX_DEPTH = 32
+# Bounded work for any YAML a command reads (the bundled recipes are under 3 KB, with a handful of
+# aliases at most): a file past MAX_YAML_BYTES is refused before it is parsed (the pure-Python parser
+# takes seconds per megabyte), and aliases are counted and their expansion sized on the parsed node
+# graph, so an alias bomb ("billion laughs": nested anchors, each used many times) is refused at
+# once instead of being expanded by whatever walks the values next.
+MAX_YAML_BYTES = 64 << 10
+MAX_ALIASES = 100
+MAX_YAML_VALUES = 100_000
 
 
 def _depth(obj: Any, limit: int = MAX_DEPTH) -> int:
@@ -151,6 +159,8 @@ def _depth(obj: Any, limit: int = MAX_DEPTH) -> int:
 def _load_text(text: str) -> Any:
     """Parse YAML text with the recipe loader (safe, no duplicate keys, merge keys, text-only tags),
     refusing values nested deeper than :data:`MAX_DEPTH`. Raises yaml.YAMLError or ValueError."""
+    if len(text) > MAX_YAML_BYTES:  # a --set value, or text that was not read through read_yaml_text
+        raise ValueError(f"{len(text):,} characters, more than the {MAX_YAML_BYTES >> 10} KiB a recipe may hold")
     loader = _UniqueKeyLoader(text)  # a SafeLoader: plain data only
     try:
         try:
@@ -209,12 +219,35 @@ def _shown(flag: str, value: Any) -> str:
     return f"{flag} {', '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
 
 
+class YamlTooLarge(yaml.composer.ComposerError):
+    """YAML refused for the work it would take (too many aliases, or aliases that expand too far)."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one,
     so a second `train:` section would silently replace the first). Standard merge keys
     (``<<: *defaults``) work, keys written beside them override the merged ones, and values
     tagged as something other than text, numbers, booleans, lists or mappings (``!!binary``,
     ``!!set``) are refused."""
+
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise YamlTooLarge(
+                    None, None, f"more than {MAX_ALIASES} aliases (*name); a recipe needs a few at most", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None and self.aliases:
+            size = _expanded_size(node, MAX_YAML_VALUES)
+            if size > MAX_YAML_VALUES:
+                raise YamlTooLarge(
+                    None, None, f"its aliases expand to more than {MAX_YAML_VALUES:,} values (an alias bomb?)", None)
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
@@ -234,6 +267,51 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _expanded_size(root, limit: int) -> int:
+    """How many values a YAML node graph holds once every alias is expanded (an alias is the same node
+    object as its anchor, so the graph is shared): each node's size is computed once, without recursion,
+    and the count stops past ``limit``."""
+    sizes: dict[int, int] = {}
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            kids = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            kids = list(node.value)
+        else:
+            kids = []
+        if not children_done and any(id(k) not in sizes for k in kids):
+            stack.append((node, True))
+            stack += [(k, False) for k in kids if id(k) not in sizes]
+            continue
+        sizes[id(node)] = min(limit + 1, 1 + sum(sizes.get(id(k), 0) for k in kids))
+    return sizes[id(root)]
+
+
+def read_yaml_text(path: Path, what: str = "recipe") -> str:
+    """A YAML file's text, read only up to :data:`MAX_YAML_BYTES` (a bigger file, or a device that never
+    ends, is refused by its size before any of it is parsed)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a folder, not a {what} file") from None
+    if len(data) > MAX_YAML_BYTES:
+        try:
+            size = f"{path.stat().st_size:,} bytes"
+        except OSError:
+            size = "more"
+        raise UserError(f"{path}: {size}, more than the {MAX_YAML_BYTES >> 10} KiB a {what} file may hold",
+                        hint=f"a {what} holds settings, not data: point at data files from it")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def _refuse_tag(loader, node):
     raise yaml.constructor.ConstructorError(
         None, None, f"a value tagged {node.tag.replace('tag:yaml.org,2002:', '!!')} is not allowed in a recipe "
@@ -244,21 +322,26 @@ for _tag in ("binary", "set", "omap", "pairs"):
     _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
 
 
-def read_yaml(path: Path) -> dict:
-    note_input(path, "recipe")
+def load_yaml_file(path: Path, what: str = "recipe") -> Any:
+    """A YAML file (a recipe, an accelerate config) read with bounded work: its size, its nesting and its
+    aliases are limited; every problem is one UserError naming the file (and the line)."""
+    text = read_yaml_text(path, what)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
-    try:
-        raw = _load_text(text)
+        return _load_text(text)
     except ValueError as e:
-        raise UserError(f"{path}: {e}", hint="recipes nest a few levels (section.key); flatten the value")
+        raise UserError(f"{path}: {e}", hint=f"a {what} nests a few levels (section.key); flatten the value")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if isinstance(e, YamlTooLarge):
+            raise UserError(f"{path}{where}: refused: {problem}", hint="write the values out, or use a few anchors")
         raise UserError(f"{path}{where}: invalid YAML: {problem}")
+
+
+def read_yaml(path: Path) -> dict:
+    note_input(path, "recipe")
+    raw = load_yaml_file(path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -344,7 +344,7 @@ class JudgeSection(Section):
     )
     retry_max_delay: float = Field(60.0, ge=0, description="Cap on one backoff delay in seconds.")
     retry_after_max: float = Field(
-        60.0, ge=0, le=86400, description="Longest wait a server's Retry-After may impose before one retry, in seconds (longer requests are capped, with a warning)."
+        60.0, ge=0, le=86400, description="Longest wait a server's Retry-After may impose before one retry, in seconds (a server asking for longer is not asked again in the run: it exits 1 saying when to resume)."
     )
     max_parse_retries: int = Field(
         1, ge=0, description="Further requests when a reply holds no [[A]]/[[B]]/[[C]] verdict (each one shows the judge its reply and asks for the verdict alone); then the judgement counts as unjudgeable."

@@ -66,6 +66,11 @@ class BatchRunner:
         self.folder = out / FOLDER
         self.state = self._load_state()
         self.submitted = 0  # requests put into new batches by this run
+        # Requests a result file answered more than once with different verdicts: a fault of the server's
+        # batch, not of the request, so they are decided by batches alone (never re-asked live): one new
+        # batch for all of them, and what still conflicts or fails there is a failure with its reason.
+        self.conflicted: dict[str, str] = {}
+        self.settled: set[str] = set()  # keys the batches decided (returned failed; not to be retried live)
 
     # ------------------------------------------------------------------ state
     def _load_state(self) -> dict:
@@ -100,12 +105,22 @@ class BatchRunner:
                 info(f"Continuing {b['name']} ({len(b['keys'])} requests, stage: {b['status']})")
                 why.update(self._drive(b))
         for _ in range(rounds):
-            todo = [t for k, t in tasks.items() if k not in self.writer.cache]
+            todo = [t for k, t in tasks.items() if k not in self.writer.cache and k not in self.conflicted]
             if not todo:
                 break
             for chunk in self._chunks(todo):
                 b = self._write(chunk)
                 why.update(self._drive(b))
+        again = {k: m for k, m in self.conflicted.items() if k in tasks and k not in self.writer.cache}
+        if again:
+            from dllm_align.core.console import info
+
+            info(f"Submitting the {len(again)} request(s) whose results conflicted in one new batch (not asked live)")
+            self.settled = set(again)
+            for chunk in self._chunks([tasks[k] for k in again]):
+                b = self._write(chunk)
+                for k, msg in self._drive(b).items():
+                    why[k] = f"{again[k]}; in the new batch: {msg}" if k in again else msg
         return {k: why.get(k, "not judged") for k in tasks if k not in self.writer.cache}
 
     def _chunks(self, todo: list[Task]) -> list[list[Task]]:
@@ -311,6 +326,8 @@ class BatchRunner:
                 # would silently move the counts); the judgement is retried like any failure.
                 conflicts += 1
                 why[key] = f"batch {b['batch_id']}: the result file answers this request {len(answers)} times with different verdicts ({', '.join(sorted(verdicts))}); none was taken"
+                if key not in self.settled:
+                    self.conflicted[key] = why[key]
                 continue
             if not answers:
                 why[key] = problems[0]
@@ -325,7 +342,7 @@ class BatchRunner:
             from dllm_align.core.console import warn
 
             warn(f"{b['name']}: {conflicts} request(s) answered more than once with different verdicts in the result file; "
-                 "none of those answers was taken (they are retried)")
+                 "none of those answers was taken" + ("" if self.settled & set(b["keys"]) else " (they go into one new batch)"))
         if batch.status in ("failed", "cancelled") and batch.errors is not None and batch.errors.data:
             e = batch.errors.data[0]
             reason = self.client.scrub(f"batch {b['batch_id']} {batch.status}: {e.code or ''} {e.message or ''}".strip())

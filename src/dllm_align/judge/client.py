@@ -28,7 +28,8 @@ does not:
   (``max_retries=0``): its sleeps cannot be interrupted and its delays cannot be
   configured. :meth:`ChatClient.call` retries 408/409/425/429/5xx, timeouts and
   dropped connections with exponential backoff and jitter, or the server's
-  ``Retry-After`` / ``retry-after-ms``.
+  ``Retry-After`` / ``retry-after-ms``. A server asking for a longer wait than
+  ``retry_after_max`` is not asked again in this run (:class:`ServerAskedToWait`).
 * **Errors name the URL actually requested** (from the request object), and
   every message is scrubbed of the key.
 
@@ -38,6 +39,7 @@ loop share one request state (URL, key scrubbing, limits), and splitting them wo
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import json
 import os
@@ -155,6 +157,15 @@ class FatalApiError(Exception):
     def __init__(self, message: str, user_error: bool = True):
         super().__init__(message)
         self.user_error = user_error
+
+
+class ServerAskedToWait(FatalApiError):
+    """The server asked to be retried later than ``judge.retry_after_max`` allows: no request is sent to it
+    again in this run (those in flight finish); the message says when it asked to be retried and how to resume."""
+
+    def __init__(self, message: str, retry_at: float):
+        super().__init__(message, user_error=False)
+        self.retry_at = retry_at  # seconds since the epoch
 
 
 class Cancelled(Exception):
@@ -409,6 +420,9 @@ class ChatClient:
         self.retry_max_delay = retry_max_delay
         self.retry_after_max = retry_after_max
         self.stop = stop or threading.Event()
+        # Set when a server asked for a wait past retry_after_max: no new request or retry starts; unlike
+        # `stop`, the responses being read are not cut, so what is in flight finishes and is kept.
+        self.held: Optional[ServerAskedToWait] = None
         self.stats = stats or ClientStats()
         self._rng = random.Random()
         self._sockets: set = set()
@@ -483,8 +497,24 @@ class ChatClient:
         return cap * (0.5 + 0.5 * self._rng.random())
 
     def _sleep(self, seconds: float) -> None:
-        if self.stop.wait(seconds):
-            raise Cancelled()
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self.stop.wait(min(left, 0.2)):
+                raise Cancelled()
+            if self.held is not None:  # another request was told to wait for hours: this retry is not sent
+                raise self.held
+
+    def _hold(self, wait_s: float, asked: str, status: int) -> ServerAskedToWait:
+        """Record (once) that the server asked to be retried in ``wait_s`` seconds, past retry_after_max."""
+        with self._lock:
+            if self.held is None:
+                at = time.time() + wait_s
+                when = dt.datetime.fromtimestamp(at, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+                self.held = ServerAskedToWait(self.scrub(
+                    f"{self.base_url} asked to be retried after {when} (HTTP {status}, {asked}: a wait of {wait_s:,.0f} s, "
+                    f"more than judge.retry_after_max {self.retry_after_max:g} s): nothing more was requested from it; run "
+                    "the same command again after that time (verdicts already obtained are kept and not asked again)"), at)
+            return self.held
 
     def call(self, fn: Callable[[Any], Any], what: str, *, retry: bool = True) -> Any:
         """``fn(sdk)`` with retries; raises :class:`JudgementFailed` (this call
@@ -495,6 +525,8 @@ class ChatClient:
         for attempt in range(tries):
             if self.stop.is_set():
                 raise Cancelled()
+            if self.held is not None:
+                raise self.held
             wait_s: Optional[float] = None
             self.stats.request()
             try:
@@ -535,6 +567,12 @@ class ChatClient:
                 if status in (408, 409, 425, 429) or status >= 500:
                     last, reason = f"HTTP {status} ({msg})" if msg else f"HTTP {status}", f"http-{status}"
                     wait_s = _retry_after(headers)
+                    if wait_s is not None and wait_s > self.retry_after_max:
+                        # A server may ask for an hour (Retry-After: 3600, or an HTTP date a year ahead):
+                        # waiting, or retrying sooner, is against its word; stop asking it in this run.
+                        ms = headers.get("retry-after-ms")
+                        asked = f"retry-after-ms: {ms}" if ms else f"Retry-After: {headers.get('retry-after')}"
+                        raise self._hold(wait_s, self.scrub(asked[:80]), status)
                 else:  # 400, 413, 422, ...: this request will not succeed by repeating it
                     hint = ""
                     if status == 400 and any(p in msg for p in ("max_tokens", "temperature")):
@@ -555,14 +593,6 @@ class ChatClient:
             if attempt == tries - 1:
                 break
             self.stats.retry(reason)
-            if wait_s is not None and wait_s > self.retry_after_max:
-                # A server may ask for an hour (Retry-After: 3600, or an HTTP date a year ahead): the wait is
-                # capped (judge.retry_after_max), and said, so a run never sits silent on a server's word.
-                from dllm_align.core.console import warn
-
-                warn(self.scrub(f"{self.base_url} asked to wait {wait_s:.0f} s before retrying ({reason}); waiting "
-                                f"{self.retry_after_max:g} s (judge.retry_after_max) instead"))
-                wait_s = self.retry_after_max
             delay = self._backoff(attempt) if wait_s is None else wait_s + 0.1 * self.retry_base_delay * self._rng.random()
             self._sleep(delay)
         raise JudgementFailed(f"gave up after {tries} attempt(s); last: {last}")

@@ -198,6 +198,7 @@ from dllm_align.judge.client import (  # noqa: E402
     JudgementFailed,
     Reply,
     Scrubber,
+    ServerAskedToWait,
     _retry_after,
     read_api_key,
 )
@@ -352,6 +353,10 @@ def judge_pairs(
             finally:
                 if client is not None:
                     client.close()
+        if isinstance(fatal, ServerAskedToWait):
+            have = sum(1 for k in used_keys if k in cache)
+            raise RunFailure(str(fatal), hint=f"{have} of {len(used_keys)} judgements are in {cache_path}; the rerun asks only "
+                             "for the others (or raise --retry-after-max, at most 86400 s, to wait as long as the server asks)")
         if fatal is not None:
             raise (UserError(str(fatal)) if fatal.user_error else RunFailure(str(fatal)))
         for k, where in slots.items():
@@ -455,9 +460,13 @@ def _obtain(tasks: dict[str, Task], client: ChatClient, s: dict, params: dict, o
     except JudgementFailed as e:
         raise RunFailure(client.scrub(f"the batch could not go on: {e}"),
                          hint="run the same command again: it continues each batch from the stage it reached")
-    if why and s["batch_failed"] == "live":
-        info(f"Retrying {len(why)} judgement(s) that failed in the batch live")
-        return _run_live([tasks[k] for k in why], client, s, params, writer, slots, errors, stop, len(tasks) - len(why) + already)
+    live = [k for k in why if k not in runner.settled and k not in runner.conflicted]  # a conflict is decided by batches
+    if live and s["batch_failed"] == "live":
+        info(f"Retrying {len(live)} judgement(s) that failed in the batch live")
+        fatal = _run_live([tasks[k] for k in live], client, s, params, writer, slots, errors, stop, len(tasks) - len(live) + already)
+        why = {k: m for k, m in why.items() if k not in live}
+        if fatal is not None:
+            return fatal
     for k, msg in why.items():
         for slot in slots[k]:
             errors[slot] = msg
@@ -520,6 +529,12 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
                 if n_failed <= 3:  # show why; the rest are in outcomes.jsonl
                     warn(f"judgement failed ({t.judge}, id {t.id!r}, order {t.order}): {msg}"
                          + ("; further failures are counted, not shown" if n_failed == 3 else ""))
+            elif isinstance(res, ServerAskedToWait):
+                # No new request starts (the client holds them all), but the ones in flight are not cut:
+                # their verdicts are cached as they arrive; the tasks not sent are left for the rerun.
+                if fatal is None:
+                    fatal = res
+                continue
             elif isinstance(res, FatalApiError):
                 if fatal is None:
                     fatal = res

@@ -365,19 +365,16 @@ _DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED", "MULTI_XPU"
 
 
 def read_launch(path: Optional[str]) -> Launch:
-    import yaml
-
+    from dllm_align.config.recipe import load_yaml_file
     from dllm_align.core.errors import UserError
 
     if path is None:
         return Launch()
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = load_yaml_file(p, "accelerate config")  # bounded like a recipe: size, nesting, aliases
     except FileNotFoundError:
         raise UserError(f"accelerate config not found: {p}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{p}: expected a mapping of accelerate settings")
     # Validated like a recipe: each value where it is read, refused by key with what is allowed.
