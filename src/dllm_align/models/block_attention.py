@@ -194,14 +194,19 @@ def flex_compiles(device) -> bool:
     return False
 
 
-def _compiled(name: str):
-    """``torch.compile`` of FlexAttention's entry points, made once per process (every layer and forward shares
-    the compiled graphs; shapes that change between batches get one dynamic recompile, torch's default)."""
-    if name not in _COMPILED:
+def _compiled(name: str, device):
+    """``torch.compile`` of FlexAttention's entry points, made once per process and device type (every layer and
+    forward shares the compiled graphs). On CUDA, shapes that change between batches get one dynamic recompile,
+    torch's default. On the CPU each shape is compiled on its own (``dynamic=False``): torch 2.13's C++ code
+    generation for FlexAttention with symbolic sizes emitted code that does not compile (an undeclared
+    ``cur_qSplitSize`` variable) once a second shape arrived in one process."""
+    kind = torch.device(device).type
+    key = (name, kind)
+    if key not in _COMPILED:
         from torch.nn.attention import flex_attention as fa
 
-        _COMPILED[name] = torch.compile(getattr(fa, name))
-    return _COMPILED[name]
+        _COMPILED[key] = torch.compile(getattr(fa, name), dynamic=None if kind == "cuda" else False)
+    return _COMPILED[key]
 
 
 def _refuse_uncompiled(rows: int, heads: int, n: int, device) -> None:
@@ -230,7 +235,7 @@ def _flex_block_mask(s: Streams, n: int, device, heads: int):
     if device not in cache:  # one BlockMask per forward (every layer reads it)
         rows = s.blocks.shape[0]
         if flex_compiles(device):
-            make = _compiled("create_block_mask")
+            make = _compiled("create_block_mask", device)
         else:
             _refuse_uncompiled(rows, heads, n, device)
             make = create_block_mask
@@ -251,7 +256,7 @@ def streams_attention_flex(module, query, key, value, attention_mask, dropout: f
     b, h, n, _ = query.shape
     block_mask = _flex_block_mask(dllm_streams, n, query.device, h)
     if flex_compiles(query.device):
-        attend = _compiled("flex_attention")
+        attend = _compiled("flex_attention", query.device)
     else:
         _refuse_uncompiled(b, h, n, query.device)
         attend = flex_attention
