@@ -1,4 +1,4 @@
-"""Generation throughput: exact mode, a straightforward SPEC.md §7 sampler, and fast mode.
+"""Generation throughput: exact mode, a straightforward sampler (docs/design.md#generation), and fast mode.
 
 Run: ``PYTHONPATH=src python benchmarks/generation.py [--size full|quick|smoke] [--device cpu]``
 or call :func:`run` (``benchmarks/run.py`` does). Batch 1, the prompt below,
@@ -30,7 +30,7 @@ PROMPT = (
 
 @torch.no_grad()
 def straightforward(mp, prompt, gen_length, block_length, steps):
-    """SPEC.md §7 written plainly: one prompt, one full forward per step, logits everywhere, no cache.
+    """The sampler of docs/design.md#generation written plainly: one prompt, one full forward per step, logits everywhere, no cache.
 
     Temperature 0, low_confidence; score ties go to the leftmost position (as in exact mode).
     """

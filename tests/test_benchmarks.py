@@ -223,26 +223,34 @@ def test_the_timings_the_suite_does_not_assert_are_benchmark_parts(tmp_path):
 def test_the_demo_part_runs_the_quick_start_command(bench_path, monkeypatch, tmp_path):
     """The demo part runs `python -m dllm_align demo -o FRESH` with the caller's environment (so without
     OMP_NUM_THREADS the demo picks one thread itself) and reads its results; a failing demo is an error.
-    (Its smoke size runs a real, shortened demo in CI's benchmark smoke, not here.)"""
+    The peak memory is the demo child's own, not the largest of every child the process has waited for
+    (run.py runs the other benchmarks' children first). The demo itself is replaced by a small child
+    that writes the results; its smoke size runs a real, shortened demo in CI's benchmark smoke."""
     import demo as bench_demo
     import run
 
     (row,) = [b for b in run.BENCHMARKS if b[0] == "demo"]
     assert row[1] == "demo_seconds" and row[3] == "<= 300 s" and row[4](299.0, {}) and not row[4](301.0, {})
+    # An earlier child of this process with a large peak (about 400 MB touched).
+    subprocess.run([sys.executable, "-c", "b = bytearray(400 * 2**20)"], check=True)
     seen = {}
+    real_popen = subprocess.Popen
 
-    def fake_run(cmd, env, **kw):
-        seen.update(cmd=cmd, env=env)
-        out = Path(cmd[cmd.index("-o") + 1])
-        out.mkdir(parents=True)
-        (out / "results.json").write_text(json.dumps({"awr": 0.7, "ci90": [0.65, 0.75]}))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+    def child(code):
+        def popen(cmd, env, **kw):
+            seen.update(cmd=cmd, env=env)
+            out = cmd[cmd.index("-o") + 1]
+            return real_popen([sys.executable, "-c", code, out], env=env, **kw)
+        return popen
 
+    writes = ("import json, pathlib, sys; b = bytearray(40 * 2**20); o = pathlib.Path(sys.argv[1]); "
+              "o.mkdir(parents=True); (o / 'results.json').write_text(json.dumps({'awr': 0.7, 'ci90': [0.65, 0.75]}))")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(bench_demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_demo.subprocess, "Popen", child(writes))
     r = bench_demo.run(size="full")
     assert seen["cmd"][1:4] == ["-m", "dllm_align", "demo"] and "--set" not in seen["cmd"]
     assert "OMP_NUM_THREADS" not in seen["env"] and r["demo_figures"]["awr"] == 0.7 and r["demo_seconds"] >= 0
-    monkeypatch.setattr(bench_demo.subprocess, "run", lambda cmd, env, **kw: subprocess.CompletedProcess(cmd, 1, "", "Error: boom\n"))
-    with pytest.raises(RuntimeError, match="exited 1"):
+    assert 40 <= r["demo_figures"]["peak_memory_mb"] < 300, r["demo_figures"]
+    monkeypatch.setattr(bench_demo.subprocess, "Popen", child("import sys; sys.stderr.write('Error: boom\\n'); sys.exit(2)"))
+    with pytest.raises(RuntimeError, match="exited 2.*Error: boom"):
         bench_demo.run(size="smoke")
