@@ -215,28 +215,38 @@ def _repeated(cache, k: int):
 
 def canvas_logits(model, context: torch.Tensor, canvases: list[torch.Tensor], noisy: list[torch.Tensor],
                   self_conditioning: str = "none") -> list[torch.Tensor]:
-    """Decoder logits of the noisy versions of one example's canvases, each conditioned on the clean context
-    before it; the clean sequence goes through the encoder once.
+    """Decoder logits of the noisy versions of one example's canvases (or of G examples of the same shape), each
+    conditioned on the clean context before it; the clean sequence goes through the encoder once.
 
     ``context`` [S]: the prompt; ``canvases``: the clean canvases [C_b] in order; ``noisy``: for each canvas
     its K noisy versions [K, C_b]. Returns for each canvas fp32 logits [K, C_b, V] (soft-capped, the model's own
-    head). ``self_conditioning``: ``none`` (zero signal, one pass) or ``detached`` (a first pass without
-    gradient whose logits condition the second, the published training convention).
+    head). With a leading batch dimension (``context`` [G, S], ``canvases`` [G, C_b], ``noisy`` [G, K, C_b]) the
+    G examples, which must have the same lengths (nothing is padded), run in one encoder and one decoder call per
+    canvas and the result is [G, K, C_b, V] per canvas. ``self_conditioning``: ``none`` (zero signal, one pass)
+    or ``detached`` (a first pass without gradient whose logits condition the second, the published training
+    convention).
     """
-    cache = model.model.encoder(input_ids=context[None], cache=_new_cache(model)).cache
+    if self_conditioning not in ("none", "detached"):
+        raise ValueError(f"self_conditioning must be 'none' or 'detached', got {self_conditioning!r}")
+    single = context.dim() == 1
+    if single:
+        context, canvases, noisy = context[None], [c[None] for c in canvases], [x[None] for x in noisy]
+    G = context.shape[0]
+    cache = model.model.encoder(input_ids=context, cache=_new_cache(model)).cache
     out = []
-    for b, (clean, xt) in enumerate(zip(canvases, noisy)):
+    for b, xt in enumerate(noisy):
         if b:
-            cache = model.model.encoder(input_ids=canvases[b - 1][None], cache=cache).cache
-        rep = _repeated(cache, xt.shape[0])
+            cache = model.model.encoder(input_ids=canvases[b - 1], cache=cache).cache
+        K, C = xt.shape[1], xt.shape[2]
+        rep = _repeated(cache, K)  # row g's cache repeated K times in a row: the order of xt's [G, K] rows
+        flat = xt.reshape(G * K, C)
         sc = None
         if self_conditioning == "detached":
             with torch.no_grad():
-                sc = model(cache=rep, decoder_input_ids=xt).logits.detach()
-        elif self_conditioning != "none":
-            raise ValueError(f"self_conditioning must be 'none' or 'detached', got {self_conditioning!r}")
-        out.append(model(cache=rep, decoder_input_ids=xt, self_conditioning_logits=sc).logits)
-    return out
+                sc = model(cache=rep, decoder_input_ids=flat).logits.detach()
+        logits = model(cache=rep, decoder_input_ids=flat, self_conditioning_logits=sc).logits
+        out.append(logits.view(G, K, C, logits.shape[-1]))
+    return [o[0] for o in out] if single else out
 
 
 # --------------------------------------------------------------------------- LoRA on tied stacks
