@@ -283,6 +283,33 @@ def tied_copy(key: str) -> bool:
     return key.startswith("model.encoder.language_model.") and not key.endswith("layer_scalar")
 
 
+def write_generation_config(folder: Path, config, tokenizer, source: Optional[Path]) -> None:
+    """``generation_config.json`` of an exported model: the source checkpoint's, with every sampler setting it leaves
+    unset filled from the published one (:data:`PUBLISHED_GENERATION`; the stop and pad ids from this tokenizer).
+    transformers' ``save_pretrained`` writes those settings as null (its ``generate`` fills its defaults at call
+    time), but vLLM's DiffusionGemma sampler reads them from the file: ``sampler_config`` (an EntropyBound one, by
+    class name), ``t_min``, ``t_max``, ``stability_threshold``, ``confidence_threshold``, ``max_denoising_steps``."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (DiffusionGemmaGenerationConfig,
+                                                                                EntropyBoundSamplerConfig)
+
+    gen = None if source is None else Path(source) / "generation_config.json"
+    cfg = (DiffusionGemmaGenerationConfig.from_pretrained(str(gen.parent)) if gen is not None and gen.is_file()
+           else DiffusionGemmaGenerationConfig())
+    pub = PUBLISHED_GENERATION
+    # the published stop ids in the published order: <eos> 1, <turn|> 106, <|tool_response> 50
+    stops = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in (EOS, TURN_CLOSE, TOOL_RESPONSE))
+             if isinstance(i, int) and i != tokenizer.unk_token_id]
+    fill = {"max_new_tokens": pub["max_new_tokens"], "max_denoising_steps": pub["max_denoising_steps"],
+            "sampler_config": EntropyBoundSamplerConfig(entropy_bound=pub["entropy_bound"]), "t_min": pub["t_min"],
+            "t_max": pub["t_max"], "stability_threshold": pub["stability_threshold"],
+            "confidence_threshold": pub["confidence_threshold"], "eos_token_id": stops,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else pub["pad_token_id"]}
+    for key, value in fill.items():
+        if getattr(cfg, key, None) is None:
+            setattr(cfg, key, value)
+    cfg.save_pretrained(str(folder))
+
+
 def decoder_layer_class(model) -> Optional[type]:
     for mod in model.modules():
         if type(mod).__name__ == "DiffusionGemmaDecoderTextLayer":
@@ -308,6 +335,7 @@ DIFFUSION_GEMMA = Family(
     lora_modules=lora_modules,
     after_lora=share_adapters,
     export_skips=tied_copy,
+    export_extras=write_generation_config,
     fsdp_refusal=("encoder layer i and decoder layer i share every weight but are separate modules, so wrapping "
                   "the layer class as FSDP units would shard one parameter in two units; no paired wrap is built yet"),
 )
