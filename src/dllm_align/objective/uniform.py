@@ -126,7 +126,10 @@ def per_token_nelbo(
     delta = same.double()
     term1 = V * beta * (p_i - delta) / (one_minus_a * (1.0 + beta * delta) * (1.0 + beta * p_i))
     # integrand = (1/(V alpha)) * (log_sum + (V/xbar_theta_i - V/xbar_i)), V/xbar_theta_i - V/xbar_i = -term1
-    return (log_sum - term1) / (beta * one_minus_a)
+    # It is a divergence rate, >= 0 in exact arithmetic; where the network is all but certain and right, rounding
+    # (of log-probabilities that sum to 1 only to within their precision) leaves values a few ulps either side of
+    # 0: those below are 0, so that no draw of an ELBO comes out positive.
+    return ((log_sum - term1) / (beta * one_minus_a)).clamp_min(0.0)
 
 
 def loo_from_denoiser(log_probs: torch.Tensor, xt: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -363,7 +366,8 @@ class UniformNoise(Likelihood):
             logits = mp.canvas_logits([(r[0], r[1], r[2]) for r in group], self_conditioning=sc)
             for r, per_canvas in zip(group, logits):
                 x0, xt, t, w = r[3], r[4], r[5], r[6]
-                lp = torch.log_softmax(torch.cat(per_canvas, dim=1).float(), dim=-1)  # [K, L, V]
+                # normalised in float64 (the integrand assumes the probabilities sum to 1; fp32's do only to ~1e-7)
+                lp = torch.log_softmax(torch.cat(per_canvas, dim=1).double(), dim=-1)  # [K, L, V]
                 dev = lp.device
                 flat = lp.reshape(-1, lp.shape[-1])
                 x0k = x0.to(dev)[None, :].expand(K, -1).reshape(-1)
