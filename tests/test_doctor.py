@@ -516,8 +516,9 @@ def test_doctor_on_the_published_diffusiongemma_26b_a4b_with_lora_on_8_h100(tmp_
     assert mem["estimate"]["trainable"] < 1e8  # LoRA adapters only
     K, C, V = 8, 256, 262_144
     lines = mem["estimate"]["lines"]
-    # 1024 tokens = 4 canvases of 256, fp32 logits and their log-softmax: 2.1 GB per canvas and copy at K = 8
-    assert lines["uniform-noise logits, fp32 + log-softmax (K x canvas x vocab x canvases)"] == 2 * 4 * K * C * V * 4
+    # 1024 tokens = 4 canvases of 256, fp32 logits kept twice: 2.1 GB per canvas and copy at K = 8
+    assert lines["uniform-noise logits, fp32, twice (K x canvas x vocab x canvases)"] == 2 * 4 * K * C * V * 4
+    assert lines["uniform-noise bound, float64 working set of one chunk"] == (1 << 24) * 28
     assert K * C * V * 4 == 2_147_483_648
     res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
     assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma: encoder layer i"), res.output
