@@ -83,7 +83,8 @@ class Family:
     tiny_tokenizer: Optional[Callable[[], Any]] = None
     build_tiny: Optional[Callable[..., torch.nn.Module]] = None
     # An encoder-decoder family's scoring call (DiffusionGemma): (model, context [S], clean canvases, their noisy
-    # versions [K, C], self_conditioning) -> per-canvas logits [K, C, V]; None: the family scores one sequence.
+    # versions [K, C], self_conditioning) -> per-canvas logits [K, C, V], or for G examples of one shape (context
+    # [G, S], canvases [G, C], noisy [G, K, C]) -> [G, K, C, V]; None: the family scores one sequence.
     score_canvases: Optional[Callable[..., list]] = None
     # LoRA on tied stacks: (model, target_modules) -> the module names to adapt, and (model) -> None, run after
     # the adapters are injected; None: the recipe's target_modules as they are.

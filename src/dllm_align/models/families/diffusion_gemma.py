@@ -15,7 +15,8 @@ over the clean context and a bidirectional decoder over a canvas, loaded into tr
   predictor interface asks for; no draw uses it.
 * **Scoring** (:func:`canvas_logits`): the clean context is encoded once per example and its cache
   shared by the K noisy canvases of every draw; a completion longer than one canvas appends each clean
-  canvas to the cache with one more encoder call (the clean stream of block diffusion).
+  canvas to the cache with one more encoder call (the clean stream of block diffusion). Examples of the same
+  shape run as one batch (nothing is padded).
 * **Generation**: transformers' own ``generate`` with the published generation config (``generate.rules``).
 * **LoRA** (:func:`lora_modules`, :func:`share_adapters`): adapters go on the decoder's modules and the
   encoder's twins are pointed at the same adapted modules, so the tied weights stay tied through training
