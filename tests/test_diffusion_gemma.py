@@ -309,6 +309,7 @@ def test_cli_shrunk_published_config_precompute_train_generate(shrunk_folder, tm
         assert set(f.keys()) == set(g.keys())
     m = DiffusionGemmaForBlockDiffusion.from_pretrained(run / "final")
     assert m.model.encoder.language_model.layers[0].self_attn.q_proj.weight is m.model.decoder.layers[0].self_attn.q_proj.weight
+    assert vllm_layout_problems(run / "final") == []
     if objective != "elbo_kto":
         return
     out = tmp_path / "gen.jsonl"
@@ -316,6 +317,83 @@ def test_cli_shrunk_published_config_precompute_train_generate(shrunk_folder, tm
     assert res.exit_code == 0, res.output
     gen = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(gen) == 3 and all("completion" in r and r["num_tokens"] <= 16 for r in gen)
+
+
+# --------------------------------------------------------------------------- vLLM's loader (read, not run)
+# Facts read from vLLM's DiffusionGemma model file (vllm/model_executor/models/diffusion_gemma.py, the
+# vllm-project/vllm snapshot of the code search, commit 00c25c81): the registry maps the architecture
+# DiffusionGemmaForBlockDiffusion to its DiffusionGemmaForConditionalGeneration; its weight mapper renames these
+# checkpoint prefixes (any other name would be an unexpected weight); the full-attention layers are built without
+# v_proj (values are the keys); the self-conditioning MLP is pre_norm (weighted), gate/up/down projections of width
+# config.self_conditioning_size or text_config.intermediate_size, and a weightless post_norm; the text config
+# fields it reads itself; and its sampler reads these generation_config.json fields (refusing a sampler_config
+# whose class name is not EntropyBound...). vLLM itself was not run.
+VLLM_PREFIXES = ("model.decoder.self_conditioning.", "model.decoder.", "model.encoder.language_model.",
+                 "model.encoder.vision_tower.", "model.encoder.embed_vision.")
+VLLM_TEXT_FIELDS = ("hidden_size", "vocab_size", "tie_word_embeddings", "final_logit_softcapping", "intermediate_size",
+                    "rms_norm_eps")
+VLLM_GENERATION_FIELDS = ("sampler_config", "t_min", "t_max", "confidence_threshold", "stability_threshold",
+                          "max_denoising_steps")
+
+
+def vllm_layout_problems(folder: Path) -> list[str]:
+    """What in an exported folder vLLM's DiffusionGemma loader would not find or not expect (facts above)."""
+    from safetensors import safe_open
+
+    problems = []
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg.get("text_config") or {}
+    if "DiffusionGemmaForBlockDiffusion" not in (cfg.get("architectures") or []):
+        problems.append(f"architectures {cfg.get('architectures')}")
+    problems += [f"text_config.{k} missing" for k in VLLM_TEXT_FIELDS if k not in text]
+    problems += [f"vision_config.{k} missing" for k in ("hidden_size", "intermediate_size")
+                 if k not in (cfg.get("vision_config") or {})]
+    if text.get("tie_word_embeddings") is not True:
+        problems.append("lm_head untied: vLLM ties it to the embedding only when tie_word_embeddings is true")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    problems += [f"unexpected weight {k}" for k in shapes if not k.startswith(VLLM_PREFIXES)]
+    # the encoder's text keys land on the decoder's names: each must have a decoder twin
+    problems += [f"encoder key without a decoder twin: {k}" for k in shapes if k.startswith(VLLM_PREFIXES[2])
+                 and k.replace(VLLM_PREFIXES[2], VLLM_PREFIXES[1]) not in shapes]
+    for i, kind in enumerate(text.get("layer_types") or []):
+        has_v = f"model.decoder.layers.{i}.self_attn.v_proj.weight" in shapes
+        if has_v != (kind == "sliding_attention"):
+            problems.append(f"layer {i} ({kind}): v_proj {'present' if has_v else 'missing'}")
+    sc = {k[len(VLLM_PREFIXES[0]):]: v for k, v in shapes.items() if k.startswith(VLLM_PREFIXES[0])}
+    width = cfg.get("self_conditioning_size") or text.get("intermediate_size")
+    want = {"pre_norm.weight": (text.get("hidden_size"),), "gate_proj.weight": (width, text.get("hidden_size")),
+            "up_proj.weight": (width, text.get("hidden_size")), "down_proj.weight": (text.get("hidden_size"), width)}
+    if sc != want:
+        problems.append(f"self-conditioning weights {sc} (vLLM builds {want})")
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    problems += [f"generation_config.json: {k} missing" for k in VLLM_GENERATION_FIELDS if gen.get(k) is None]
+    sampler = gen.get("sampler_config") or {}
+    if "EntropyBound" not in str(sampler.get("_cls_name", "")) or not (sampler.get("entropy_bound") or 0) > 0:
+        problems.append(f"generation_config.json: sampler_config {sampler} (vLLM needs an EntropyBound one, bound > 0)")
+    return problems
+
+
+def test_vllm_layout_check_catches_what_vllm_would_refuse(tmp_path):
+    """The check above can fail: an lm_head key, a v_proj on a full-attention layer, no generation config."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "bad"
+    tok = dg.build_tokenizer()
+    cfg = shrunk_published(tok)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({"lm_head.weight": torch.zeros(2, 2), "model.decoder.layers.5.self_attn.v_proj.weight": torch.zeros(2, 2)},
+              str(folder / "model.safetensors"))
+    problems = vllm_layout_problems(folder)
+    assert "unexpected weight lm_head.weight" in problems
+    assert "layer 5 (full_attention): v_proj present" in problems
+    assert "layer 0 (sliding_attention): v_proj missing" in problems
+    assert "generation_config.json: sampler_config missing" in problems
+    shutil.rmtree(folder)
 
 
 def test_cli_packed_padding_refused_by_name_before_anything_is_written(tmp_path):

@@ -516,11 +516,42 @@ def test_doctor_on_the_published_diffusiongemma_26b_a4b_with_lora_on_8_h100(tmp_
     assert mem["estimate"]["trainable"] < 1e8  # LoRA adapters only
     K, C, V = 8, 256, 262_144
     lines = mem["estimate"]["lines"]
-    # 1024 tokens = 4 canvases of 256, fp32 logits and their log-softmax: 2.1 GB per canvas and copy at K = 8
-    assert lines["uniform-noise logits, fp32 + log-softmax (K x canvas x vocab x canvases)"] == 2 * 4 * K * C * V * 4
+    # 1024 tokens = 4 canvases of 256, fp32 logits kept twice: 2.1 GB per canvas and copy at K = 8
+    assert lines["uniform-noise logits, fp32, twice (K x canvas x vocab x canvases)"] == 2 * 4 * K * C * V * 4
+    assert lines["uniform-noise bound, float64 working set of one chunk"] == (1 << 24) * 28
     assert K * C * V * 4 == 2_147_483_648
     res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
     assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma: encoder layer i"), res.output
+
+
+def test_the_diffusiongemma_recipe_validates_and_doctor_gives_a_verdict_offline(tmp_path):
+    """diffusiongemma_kto_mix_14k as shipped: the paper's KTO settings, every departure a commented recipe choice,
+    LoRA on attention, the published sampler; `doctor` on it (the published config.json, nothing downloaded) gives
+    a verdict under DDP on 8 x 80 GB, and an FSDP launch is refused by name."""
+    import shutil
+
+    from dllm_align.config.recipe import load_recipe
+
+    path = REPO / "recipes" / "diffusiongemma_kto_mix_14k.yaml"
+    r = load_recipe(str(path))
+    assert r.model.name_or_path == "google/diffusiongemma-26B-A4B-it" and r.model.dtype == "bfloat16"
+    assert (r.train.objective, r.train.beta, r.reference.n_mc, r.train.global_batch_size) == ("elbo_kto", 0.1, 8, 8)
+    assert r.train.lora.enabled and set(r.train.lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert (r.reference.surrogate, r.reference.self_conditioning, r.reference.time_power) == ("elbo", "none", 2)
+    assert (r.generate.sampler, r.generate.gen_length, r.generate.steps) == ("diffusion_gemma", 256, 48)
+    assert r.data.padding == "none" and r.data.max_length == 1024
+    text = path.read_text()
+    assert text.count("Recipe choice") >= 4 and "padding: paper" in text  # each departure says why
+    folder = tmp_path / "dg26"
+    folder.mkdir()
+    shutil.copy(REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json", folder / "config.json")
+    sets = ["--set", f"model.name_or_path={folder}", "-o", str(tmp_path / "run"), "--json", "--gpu-memory", "80"]
+    res = runner.invoke(app, ["doctor", str(path), "--config", str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), *sets])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["verdict"] == "fits" and mem["launch"]["processes"] == 8 and mem["estimate"]["trainable"] < 1e8
+    res = runner.invoke(app, ["doctor", str(path), "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
+    assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma"), res.output
 
 
 @pytest.mark.parametrize("ckpt", [True, False])

@@ -343,3 +343,36 @@ def test_the_bound_is_minimised_by_the_leave_one_out_posterior_not_the_denoiser(
     xta = torch.arange(V).repeat_interleave(V)
     conv = loo_from_denoiser(den_logits.reshape(V * V, V), xta, torch.full((V * V,), t, dtype=torch.float64))
     np.testing.assert_allclose(conv.exp().numpy(), torch.stack([loo.T] * V, 0).reshape(V * V, V).numpy(), atol=1e-12)
+
+
+def test_bound_in_recomputed_chunks_keeps_only_the_logits_and_changes_nothing(monkeypatch):
+    """The likelihood's per-position terms in chunks recomputed in the backward pass: the same values and gradients
+    as one plain call, and what autograd keeps is the fp32 logits (4 bytes an entry), not the bound's float64
+    tensors (24 bytes an entry kept by the plain call)."""
+    import dllm_align.objective.uniform as u
+
+    N, V = 96, 512
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(N, V, generator=g)
+    x0, xt = torch.randint(0, V, (N,), generator=g), torch.randint(0, V, (N,), generator=g)
+    t = torch.rand(N, generator=g) * 0.98 + 0.01
+
+    def run(fn):
+        logits = base.clone().requires_grad_(True)
+        kept = {}
+
+        def pack(x):
+            if x.numel() >= N * V // 8:
+                kept[(x.data_ptr(), x.dtype, x.numel())] = x.numel() * x.element_size()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            v = fn(logits)
+        v.sum().backward()
+        return v.detach(), logits.grad, sum(kept.values()) / (N * V)
+
+    plain = run(lambda lg: u.draw_nelbo(torch.log_softmax(lg.double(), -1), x0, xt, t, "denoiser"))
+    monkeypatch.setattr(u, "BOUND_CHUNK", 40 * V)  # three chunks
+    chunked = run(lambda lg: u._bound_terms(lg, x0, xt, t, "denoiser", "elbo"))
+    assert torch.equal(plain[0], chunked[0]) and torch.equal(plain[1], chunked[1])
+    assert plain[2] >= 24 and chunked[2] <= 4

@@ -124,14 +124,16 @@ def unpaired_rows(prompts: list[str], split: str, seed: int = 0, both: bool = Tr
     return rows
 
 
+BASES = ("toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar", "toy_sort_base_gemma")
 ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def install_base(folder: str, name: str = "toy_sort_base") -> str:
-    """Copy a trained base model (the ``toy_sort_base``, ``toy_sort_base_dream`` or ``toy_sort_base_sdar``
-    recipe's final/ folder) into the package as ``builtin:toy-sort-base`` (or ``-dream``, ``-sdar``)."""
-    if name not in ("toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar"):
-        raise SystemExit(f"unknown packaged base {name!r} (toy_sort_base, toy_sort_base_dream or toy_sort_base_sdar)")
+    """Copy a trained base model (the ``toy_sort_base``, ``toy_sort_base_dream``, ``toy_sort_base_sdar`` or
+    ``toy_sort_base_gemma`` recipe's final/ folder) into the package as ``builtin:toy-sort-base`` (or ``-dream``,
+    ``-sdar``, ``-gemma``)."""
+    if name not in BASES:
+        raise SystemExit(f"unknown packaged base {name!r} ({', '.join(BASES)})")
     src = Path(folder)
     dst = Path(__file__).resolve().parents[1] / "assets" / name
     dst.mkdir(parents=True, exist_ok=True)

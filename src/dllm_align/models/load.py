@@ -86,12 +86,15 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     # DiffusionGemma's published config shrunk (6 layers in its 5:1 sliding/full pattern, 4 experts top-2, canvas 8;
     # families/diffusion_gemma.py's tiny_config)
     "builtin:tiny-diffusiongemma": TinySpec(layers=6, intermediate_size=96, family="diffusion_gemma"),
+    # the same layout a little wider: the DiffusionGemma demo's base (recipe toy_sort_base_gemma)
+    "builtin:small-diffusiongemma": TinySpec(hidden_size=96, layers=6, heads=4, intermediate_size=96,
+                                             family="diffusion_gemma"),
 }
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
 BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream",
-                  "builtin:toy-sort-base-sdar": "toy_sort_base_sdar"}
+                  "builtin:toy-sort-base-sdar": "toy_sort_base_sdar", "builtin:toy-sort-base-gemma": "toy_sort_base_gemma"}
 
 
 # The oldest transformers whose attention masks honour ``config.is_causal = False``: 5.0 and 5.1 build a

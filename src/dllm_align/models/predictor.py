@@ -254,9 +254,24 @@ class MaskPredictor:
         if score is None:
             raise RuntimeError(f"the {self.family.name} family scores one sequence, not canvases against a context")
         dev = self.device
+        # Examples of the same shape (context length, canvas lengths, draws) run as one batch: nothing is padded,
+        # so a row's value does not depend on which rows share its call beyond floating-point rounding, and the
+        # reference (computed in training's micro-batches) groups exactly as training does.
+        groups: dict[tuple, list[int]] = {}
+        for i, (ctx, clean, noisy) in enumerate(examples):
+            key = (int(ctx.shape[0]), tuple(int(c.shape[0]) for c in clean), tuple(int(x.shape[0]) for x in noisy))
+            groups.setdefault(key, []).append(i)
+        out: list = [None] * len(examples)
         with self._autocast(dev.type):
-            return [score(self.model, ctx.to(dev), [c.to(dev) for c in clean], [x.to(dev) for x in noisy],
-                          self_conditioning) for ctx, clean, noisy in examples]
+            for idx in groups.values():
+                nb = len(examples[idx[0]][1])
+                ctx = torch.stack([examples[i][0] for i in idx]).to(dev)
+                clean = [torch.stack([examples[i][1][b] for i in idx]).to(dev) for b in range(nb)]
+                noisy = [torch.stack([examples[i][2][b] for i in idx]).to(dev) for b in range(nb)]
+                per_canvas = score(self.model, ctx, clean, noisy, self_conditioning)
+                for j, i in enumerate(idx):
+                    out[i] = [p[j] for p in per_canvas]
+        return out
 
     # Rows of the output head computed at once by the chunked scorer: a [chunk, V] fp32 block
     # (128 x 126,464 x 4 B = 65 MB for LLaDA). 0 turns chunking off.

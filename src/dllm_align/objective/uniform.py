@@ -126,7 +126,10 @@ def per_token_nelbo(
     delta = same.double()
     term1 = V * beta * (p_i - delta) / (one_minus_a * (1.0 + beta * delta) * (1.0 + beta * p_i))
     # integrand = (1/(V alpha)) * (log_sum + (V/xbar_theta_i - V/xbar_i)), V/xbar_theta_i - V/xbar_i = -term1
-    return (log_sum - term1) / (beta * one_minus_a)
+    # It is a divergence rate, >= 0 in exact arithmetic; where the network is all but certain and right, rounding
+    # (of log-probabilities that sum to 1 only to within their precision) leaves values a few ulps either side of
+    # 0: those below are 0, so that no draw of an ELBO comes out positive.
+    return ((log_sum - term1) / (beta * one_minus_a)).clamp_min(0.0)
 
 
 def loo_from_denoiser(log_probs: torch.Tensor, xt: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -301,6 +304,38 @@ def _row_parts(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], 
     return context, input_ids[b, first:last + 1]
 
 
+# Positions x vocabulary entries of one chunk of the bound (:func:`_bound_terms`): its float64 working set is
+# about 28 bytes an entry (the log-softmax, softplus's input and output, the fp32 logits' copy), 470 MB here.
+BOUND_CHUNK = 1 << 24
+
+
+def _bound_chunk(logits: torch.Tensor, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, par: str,
+                 surrogate: str) -> torch.Tensor:
+    # normalised in float64: the integrand assumes the probabilities sum to 1 (fp32's do only to ~1e-7)
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return flat_ce_terms(lp, x0) if surrogate == "flat_ce" else draw_nelbo(lp, x0, xt, t, par)
+
+
+def _bound_terms(logits: torch.Tensor, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, par: str,
+                 surrogate: str) -> torch.Tensor:
+    """Per-position terms [N] (float64) from fp32 logits [N, V], in chunks of positions whose float64 working set
+    is recomputed in the backward pass (``torch.utils.checkpoint``) instead of kept: what stays between forward and
+    backward is the logits the model returned, 4 bytes an entry, not the bound's 24 bytes of float64 tensors
+    (measured with saved-tensor hooks). The values are those of one unchunked call: every operation is per
+    position."""
+    rows = max(1, BOUND_CHUNK // max(1, logits.shape[-1]))
+    out = []
+    for s in range(0, logits.shape[0], rows):
+        args = (logits[s:s + rows], x0[s:s + rows], xt[s:s + rows], t[s:s + rows], par, surrogate)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            from torch.utils.checkpoint import checkpoint
+
+            out.append(checkpoint(_bound_chunk, *args, use_reentrant=False))
+        else:
+            out.append(_bound_chunk(*args))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 class UniformNoise(Likelihood):
     """Uniform-noise block diffusion (DiffusionGemma): the per-canvas continuous-time ELBO above, each canvas
     conditioned on the clean context before it (the block-diffusion factorisation).
@@ -363,14 +398,17 @@ class UniformNoise(Likelihood):
             logits = mp.canvas_logits([(r[0], r[1], r[2]) for r in group], self_conditioning=sc)
             for r, per_canvas in zip(group, logits):
                 x0, xt, t, w = r[3], r[4], r[5], r[6]
-                lp = torch.log_softmax(torch.cat(per_canvas, dim=1).float(), dim=-1)  # [K, L, V]
-                dev = lp.device
-                flat = lp.reshape(-1, lp.shape[-1])
-                x0k = x0.to(dev)[None, :].expand(K, -1).reshape(-1)
-                if surrogate == "flat_ce":
-                    per_pos = flat_ce_terms(flat, x0k).view(K, -1)
-                else:
-                    per_pos = draw_nelbo(flat, x0k, xt.to(dev).reshape(-1), t.to(dev).reshape(-1), par).view(K, -1)
+                dev = per_canvas[0].device
+                cols, at = [], 0
+                for lg in per_canvas:  # [K, C_b, V] each
+                    C_b = lg.shape[1]
+                    cols.append(_bound_terms(lg.reshape(-1, lg.shape[-1]),
+                                             x0[at:at + C_b].to(dev)[None, :].expand(K, -1).reshape(-1),
+                                             xt[:, at:at + C_b].to(dev).reshape(-1), t[:, at:at + C_b].to(dev).reshape(-1),
+                                             par, surrogate).view(K, C_b))
+                    at += C_b
+                per_pos = torch.cat(cols, dim=1)  # [K, L] float64
+                if surrogate != "flat_ce":
                     per_pos = per_pos * w.to(dev)
                 terms.append(-per_pos.sum(dim=1))  # [K] float64
         return torch.stack(terms).float()  # [B, K]
@@ -381,15 +419,18 @@ class UniformNoise(Likelihood):
         # vocabulary are kept in fp32 for the bound (it sums over every token), counted by the memory model's
         # head line for the scored rows.
         # The bound sums over the whole vocabulary at every canvas position, so the per-position logits of every
-        # canvas of the unit's completion are kept in fp32 with their log-softmax (K x C x V x 4 bytes each per
-        # canvas: 2.1 GB at K = 8 for the published 26B), the completion taken at its longest (``length``).
+        # canvas of the unit's completion are kept in fp32 until the backward pass, twice (the soft-cap's saved
+        # tanh and the logits returned: K x C x V x 4 bytes each per canvas, 2.1 GB at K = 8 for the published 26B),
+        # the completion taken at its longest (``length``); the bound's float64 tensors exist one chunk at a time
+        # (``BOUND_CHUNK`` entries, about 28 bytes each) and are recomputed in the backward pass.
         line = {}
         cfg = getattr(shape, "config", None) or {}
         C = int(cfg.get("canvas_length") or 0)
         if C and shape is not None:
             canvases = -(-length // C)
-            line["uniform-noise logits, fp32 + log-softmax (K x canvas x vocab x canvases)"] = \
+            line["uniform-noise logits, fp32, twice (K x canvas x vocab x canvases)"] = \
                 2 * canvases * draws * C * int(shape.vocab) * 4
+            line["uniform-noise bound, float64 working set of one chunk"] = BOUND_CHUNK * 28
         return Footprint(rows=draws + 1, scored_rows=draws, unit_lines=line,
                          notes=("uniform noise: the bound reads full-vocabulary fp32 logits at every canvas position",))
 

@@ -240,9 +240,12 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     from dllm_align.models.export import LAYOUTS, published_state, write_published_layout
     from dllm_align.models.families import family_for_config
 
-    family = family_for_config(config).name
+    fam = family_for_config(config)
+    family = fam.name
     if family not in LAYOUTS:  # no published layout to write
         save_model_folder(folder, weights, config, saver.tokenizer)
+        if fam.export_extras is not None:
+            fam.export_extras(folder, config, saver.tokenizer, source)
         return adapter
     save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
     write_published_layout(folder, family, source)

@@ -83,7 +83,8 @@ class Family:
     tiny_tokenizer: Optional[Callable[[], Any]] = None
     build_tiny: Optional[Callable[..., torch.nn.Module]] = None
     # An encoder-decoder family's scoring call (DiffusionGemma): (model, context [S], clean canvases, their noisy
-    # versions [K, C], self_conditioning) -> per-canvas logits [K, C, V]; None: the family scores one sequence.
+    # versions [K, C], self_conditioning) -> per-canvas logits [K, C, V], or for G examples of one shape (context
+    # [G, S], canvases [G, C], noisy [G, K, C]) -> [G, K, C, V]; None: the family scores one sequence.
     score_canvases: Optional[Callable[..., list]] = None
     # LoRA on tied stacks: (model, target_modules) -> the module names to adapt, and (model) -> None, run after
     # the adapters are injected; None: the recipe's target_modules as they are.
@@ -92,6 +93,10 @@ class Family:
     # Tied copies a saved checkpoint does not hold (DiffusionGemma: the encoder's text weights, which are the
     # decoder's): key (transformers' name) -> True to leave it out of an export; None: every key is written.
     export_skips: Optional[Callable[[str], bool]] = None
+    # Files the published layout holds beside the weights and config that ``save_pretrained`` of the config does
+    # not write: (folder, the model's config, tokenizer, the folder the run started from or None) -> None, run
+    # after the final model is saved (DiffusionGemma: generation_config.json, which its serving engines read).
+    export_extras: Optional[Callable[[Path, Any, Any, Optional[Path]], None]] = None
     # Why FSDP cannot shard this family's model (said by name when a launch asks for it); None: it can.
     fsdp_refusal: Optional[str] = None
     # Export in the published layout (``dllm_align.models.export``), the inverse of the native loading: the trained

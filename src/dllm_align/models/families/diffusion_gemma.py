@@ -15,7 +15,8 @@ over the clean context and a bidirectional decoder over a canvas, loaded into tr
   predictor interface asks for; no draw uses it.
 * **Scoring** (:func:`canvas_logits`): the clean context is encoded once per example and its cache
   shared by the K noisy canvases of every draw; a completion longer than one canvas appends each clean
-  canvas to the cache with one more encoder call (the clean stream of block diffusion).
+  canvas to the cache with one more encoder call (the clean stream of block diffusion). Examples of the same
+  shape run as one batch (nothing is padded).
 * **Generation**: transformers' own ``generate`` with the published generation config (``generate.rules``).
 * **LoRA** (:func:`lora_modules`, :func:`share_adapters`): adapters go on the decoder's modules and the
   encoder's twins are pointed at the same adapted modules, so the tied weights stay tied through training
@@ -215,28 +216,38 @@ def _repeated(cache, k: int):
 
 def canvas_logits(model, context: torch.Tensor, canvases: list[torch.Tensor], noisy: list[torch.Tensor],
                   self_conditioning: str = "none") -> list[torch.Tensor]:
-    """Decoder logits of the noisy versions of one example's canvases, each conditioned on the clean context
-    before it; the clean sequence goes through the encoder once.
+    """Decoder logits of the noisy versions of one example's canvases (or of G examples of the same shape), each
+    conditioned on the clean context before it; the clean sequence goes through the encoder once.
 
     ``context`` [S]: the prompt; ``canvases``: the clean canvases [C_b] in order; ``noisy``: for each canvas
     its K noisy versions [K, C_b]. Returns for each canvas fp32 logits [K, C_b, V] (soft-capped, the model's own
-    head). ``self_conditioning``: ``none`` (zero signal, one pass) or ``detached`` (a first pass without
-    gradient whose logits condition the second, the published training convention).
+    head). With a leading batch dimension (``context`` [G, S], ``canvases`` [G, C_b], ``noisy`` [G, K, C_b]) the
+    G examples, which must have the same lengths (nothing is padded), run in one encoder and one decoder call per
+    canvas and the result is [G, K, C_b, V] per canvas. ``self_conditioning``: ``none`` (zero signal, one pass)
+    or ``detached`` (a first pass without gradient whose logits condition the second, the published training
+    convention).
     """
-    cache = model.model.encoder(input_ids=context[None], cache=_new_cache(model)).cache
+    if self_conditioning not in ("none", "detached"):
+        raise ValueError(f"self_conditioning must be 'none' or 'detached', got {self_conditioning!r}")
+    single = context.dim() == 1
+    if single:
+        context, canvases, noisy = context[None], [c[None] for c in canvases], [x[None] for x in noisy]
+    G = context.shape[0]
+    cache = model.model.encoder(input_ids=context, cache=_new_cache(model)).cache
     out = []
-    for b, (clean, xt) in enumerate(zip(canvases, noisy)):
+    for b, xt in enumerate(noisy):
         if b:
-            cache = model.model.encoder(input_ids=canvases[b - 1][None], cache=cache).cache
-        rep = _repeated(cache, xt.shape[0])
+            cache = model.model.encoder(input_ids=canvases[b - 1], cache=cache).cache
+        K, C = xt.shape[1], xt.shape[2]
+        rep = _repeated(cache, K)  # row g's cache repeated K times in a row: the order of xt's [G, K] rows
+        flat = xt.reshape(G * K, C)
         sc = None
         if self_conditioning == "detached":
             with torch.no_grad():
-                sc = model(cache=rep, decoder_input_ids=xt).logits.detach()
-        elif self_conditioning != "none":
-            raise ValueError(f"self_conditioning must be 'none' or 'detached', got {self_conditioning!r}")
-        out.append(model(cache=rep, decoder_input_ids=xt, self_conditioning_logits=sc).logits)
-    return out
+                sc = model(cache=rep, decoder_input_ids=flat).logits.detach()
+        logits = model(cache=rep, decoder_input_ids=flat, self_conditioning_logits=sc).logits
+        out.append(logits.view(G, K, C, logits.shape[-1]))
+    return [o[0] for o in out] if single else out
 
 
 # --------------------------------------------------------------------------- LoRA on tied stacks
@@ -273,6 +284,33 @@ def tied_copy(key: str) -> bool:
     return key.startswith("model.encoder.language_model.") and not key.endswith("layer_scalar")
 
 
+def write_generation_config(folder: Path, config, tokenizer, source: Optional[Path]) -> None:
+    """``generation_config.json`` of an exported model: the source checkpoint's, with every sampler setting it leaves
+    unset filled from the published one (:data:`PUBLISHED_GENERATION`; the stop and pad ids from this tokenizer).
+    transformers' ``save_pretrained`` writes those settings as null (its ``generate`` fills its defaults at call
+    time), but vLLM's DiffusionGemma sampler reads them from the file: ``sampler_config`` (an EntropyBound one, by
+    class name), ``t_min``, ``t_max``, ``stability_threshold``, ``confidence_threshold``, ``max_denoising_steps``."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (DiffusionGemmaGenerationConfig,
+                                                                                EntropyBoundSamplerConfig)
+
+    gen = None if source is None else Path(source) / "generation_config.json"
+    cfg = (DiffusionGemmaGenerationConfig.from_pretrained(str(gen.parent)) if gen is not None and gen.is_file()
+           else DiffusionGemmaGenerationConfig())
+    pub = PUBLISHED_GENERATION
+    # the published stop ids in the published order: <eos> 1, <turn|> 106, <|tool_response> 50
+    stops = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in (EOS, TURN_CLOSE, TOOL_RESPONSE))
+             if isinstance(i, int) and i != tokenizer.unk_token_id]
+    fill = {"max_new_tokens": pub["max_new_tokens"], "max_denoising_steps": pub["max_denoising_steps"],
+            "sampler_config": EntropyBoundSamplerConfig(entropy_bound=pub["entropy_bound"]), "t_min": pub["t_min"],
+            "t_max": pub["t_max"], "stability_threshold": pub["stability_threshold"],
+            "confidence_threshold": pub["confidence_threshold"], "eos_token_id": stops,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else pub["pad_token_id"]}
+    for key, value in fill.items():
+        if getattr(cfg, key, None) is None:
+            setattr(cfg, key, value)
+    cfg.save_pretrained(str(folder))
+
+
 def decoder_layer_class(model) -> Optional[type]:
     for mod in model.modules():
         if type(mod).__name__ == "DiffusionGemmaDecoderTextLayer":
@@ -298,6 +336,7 @@ DIFFUSION_GEMMA = Family(
     lora_modules=lora_modules,
     after_lora=share_adapters,
     export_skips=tied_copy,
+    export_extras=write_generation_config,
     fsdp_refusal=("encoder layer i and decoder layer i share every weight but are separate modules, so wrapping "
                   "the layer class as FSDP units would shard one parameter in two units; no paired wrap is built yet"),
 )
