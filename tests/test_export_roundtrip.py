@@ -10,11 +10,16 @@ Three checks per family:
   the published weight names (LLaDA's ``model.transformer.*``, LLaDA-MoE's per-expert matrices), and dllm-align
   reading the folder back to the same logits; for Dream and LLaDA-MoE also an independent float64 forward of the
   published architecture on the exported names and config;
-* the round trip: the exported folder, with the published remote code copied into it, loaded the way the
-  published code loads it (``AutoModelForCausalLM`` / ``AutoModel`` ``.from_pretrained(..., trust_remote_code=True)``),
-  gives the trained model's logits. The published files come from ``$DLLM_ALIGN_PUBLISHED_DIR`` (tests/fixtures/published.py);
-  without them, or where they do not import (the published modeling files need transformers 4.5x: SDAR's imports
-  ``flash_attn`` and ``transformers.modeling_attn_mask_utils``), the test skips saying so.
+* the round trip: the exported folder, with the published remote code beside it (from the source folder, or for
+  the built-in LLaDA from ``model.published_code``), loaded the way the published code loads it
+  (``AutoModelForCausalLM`` / ``AutoModel`` ``.from_pretrained(..., trust_remote_code=True)``; dllm's LLaDA-MoE class
+  named explicitly, as dllm loads it) in another interpreter with the transformers that code pins
+  (tests/fixtures/published_forward.py; logits back as safetensors), gives the trained model's logits. The published
+  files come from ``$DLLM_ALIGN_PUBLISHED_DIR``, the interpreters from ``$DLLM_ALIGN_PUBLISHED_PYTHON_SDAR`` and
+  ``$DLLM_ALIGN_PUBLISHED_PYTHON_DLLM`` (tests/fixtures/published.py); without them the test skips saying how to
+  set them up;
+* a built-in model's export, which has no published code to carry, names no ``auto_map`` unless
+  ``model.published_code`` supplies the files.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_align.models.export import LAYOUTS, copy_remote_code, published_config, remote_code_files
+from dllm_align.models.export import (LAYOUTS, copy_remote_code, missing_remote_code, published_config,
+                                      remote_code_files)
 from fixtures.family_checkpoints import (dream_config, dream_state, llada2_config, llada2_state, lladamoe_config,
                                          lladamoe_state, sdar_config, sdar_state, write_checkpoint)
-from fixtures.published import require
+from fixtures.published import require, require_python
 
 PUBLISHED_FIELDS = ("model_type", "architectures", "auto_map")
 
@@ -106,7 +112,7 @@ def _source_folder(family: str, tmp_path: Path):
     return folder, cfg
 
 
-def _export(mp, out: Path, source):
+def _export(mp, out: Path, source, code=None):
     """``final/`` as training writes it (``training.checkpoint.export`` with ``final=True``)."""
     from types import SimpleNamespace
 
@@ -116,7 +122,7 @@ def _export(mp, out: Path, source):
     saver = Saver(SimpleNamespace(unwrap_model=lambda m: m), SimpleNamespace(model=mp.model), mp.tokenizer,
                   False, 0, True)
     sd = {"model." + k: v for k, v in mp.model.state_dict().items()}  # the PolicyScorer's names
-    export(saver, out, sd, LoraSection(), "source", final=True, source=source)
+    export(saver, out, sd, LoraSection(), "source", final=True, source=source, code=code)
     return json.loads((out / "config.json").read_text())
 
 
@@ -152,7 +158,7 @@ def test_training_export_is_in_the_published_layout_and_reloads_to_the_same_logi
         assert (out / "generation_config.json").is_file()
     else:
         assert written["model_type"] == layout.model_type and written["architectures"] == list(layout.architectures)
-        assert written["auto_map"] == layout.auto_map
+        assert "auto_map" not in written  # no published code to name (test_a_builtin_export_...)
     assert "dllm_align_family" not in written and "is_causal" not in written
     assert written["mask_token_id"] == mp.mask_token_id
     if layout.block_size:
@@ -202,38 +208,146 @@ PUBLISHED_CODE = {
     "llada_moe": ("ZHZisZZ/dllm", "dllm/pipelines/llada/models/modeling_lladamoe.py"),
     "dream": ("ZHZisZZ/dllm", "dllm/pipelines/dream/models/modeling_dream.py"),
 }
+# dllm's LLaDA-MoE code is not the hub's remote code (its config class is ``LLaDAMoEConfig``, the hub's auto_map names
+# ``LLaDAConfig``); dllm loads LLaDA-MoE checkpoints with its class, so the round trip does the same.
+BY_CLASS = {"llada_moe": "LLaDAMoEModelLM"}
+# dllm's LLaDAModelLM builds its body with ``init_device = "cuda"`` hard-coded (the hub's file, which dllm copied,
+# says "cpu"); where CUDA is absent the test's copy of that file has the hub's line, nothing else changed.
+LLADA_INIT = ('model_config.init_device = "cuda"', 'model_config.init_device = "cpu"')
+FORWARD = Path(__file__).parent / "fixtures" / "published_forward.py"
+
+
+def published_logits(python: str, folder: Path, inputs: dict, tmp_path: Path, cls: str = ""):
+    """The logits of ``folder`` loaded by its published code in interpreter ``python`` (tests/fixtures/
+    published_forward.py), and the name of the class it built. Inputs and logits travel as safetensors."""
+    import os
+    import subprocess
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # that interpreter's own transformers
+    args = [python, str(FORWARD), str(folder), str(tmp_path / "inputs.safetensors"), str(tmp_path / "logits.safetensors")]
+    proc = subprocess.run(args + ([cls] if cls else []), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with safe_open(str(tmp_path / "logits.safetensors"), framework="pt") as f:
+        return f.get_tensor("logits"), f.metadata()["class"]
+
+
+def round_trip(family: str, tmp_path: Path, python: str, code_file: Path) -> float:
+    """Max |logit difference| between a model loaded by dllm-align and its ``final/`` export loaded by the published
+    code (asserting the published class is the one ``architectures`` names). A family with a shrunk published
+    config: a checkpoint folder in that config carrying the published remote code, loaded by dllm-align and
+    exported with the folder as its source (the code travels with the export). LLaDA: the built-in model, exported
+    with ``code`` naming a folder of the published files (``model.published_code``)."""
+    from dllm_align.models.load import load_model
+
+    code_dir = code_file.parent
+    if family == "llada":
+        code = tmp_path / "code"
+        shutil.copytree(code_dir, code)
+        if not torch.cuda.is_available():
+            text = (code / code_file.name).read_text()
+            assert text.count(LLADA_INIT[0]) == 1
+            (code / code_file.name).write_text(text.replace(*LLADA_INIT))
+        mp, source = load_model(BUILTIN["llada"]), None
+    else:
+        source, cfg = _source_folder(family, tmp_path)
+        for path in remote_code_files(code_dir, cfg):  # the published files in place of the stand-ins
+            shutil.copyfile(path, source / path.name)
+        mp, code = load_model(str(source)), None
+    out = tmp_path / "final"
+    cfg = _export(mp, out, source, code)
+    cls = f"{code_file}:{BY_CLASS[family]}" if family in BY_CLASS else ""
+    if not cls:
+        assert "auto_map" in cfg and not missing_remote_code(out, cfg)
+    V = min(cfg["vocab_size"], len(mp.tokenizer))
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs, kw = {"input_ids": ids}, {}
+    if LAYOUTS[family].block_size:  # the block families' published forward under a block-causal mask
+        blk = torch.arange(ids.shape[1]) // mp.block_size
+        allowed = (blk[:, None] >= blk[None, :]).expand(ids.shape[0], 1, -1, -1).contiguous()
+        inputs |= {"attention_mask": allowed, "position_ids": torch.arange(ids.shape[1]).expand_as(ids).contiguous()}
+        kw = {"attention_mask": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min),
+              "position_ids": inputs["position_ids"]}
+    got, name = published_logits(python, out, inputs, tmp_path, cls)
+    assert name == cfg["architectures"][0]
+    with torch.no_grad():
+        want = mp.model(input_ids=ids, **kw).logits.float()
+    assert got.shape[:2] == want.shape[:2]
+    return float((got[..., :want.shape[-1]] - want).abs().max())
 
 
 @pytest.mark.parametrize("family", sorted(PUBLISHED_CODE))
 def test_export_loaded_by_the_published_class_gives_the_trained_logits(family, tmp_path):
-    """The exported folder with the published remote code copied in (from ``$DLLM_ALIGN_PUBLISHED_DIR``), loaded as
-    the published code loads it: ``AutoModelForCausalLM`` (``AutoModel`` where the published ``auto_map`` names no
-    causal-LM class) with ``trust_remote_code``."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    """The exported folder, loaded as the published code loads it (``AutoModelForCausalLM``, ``AutoModel`` where
+    the published ``auto_map`` names no causal-LM class, with ``trust_remote_code``) by an interpreter with the
+    transformers that code was written for (``$DLLM_ALIGN_PUBLISHED_PYTHON``), gives the trained model's logits."""
+    repo, path = PUBLISHED_CODE[family]
+    code_file = require(repo, path)
+    python = require_python(repo)
+    delta = round_trip(family, tmp_path, python, code_file)
+    print(f"\n{family}: max |published - trained logit| = {delta:.3g}")  # the figure docs/serving.md records (-s)
+    assert delta < 1e-4, delta
 
-    code_dir = require(*PUBLISHED_CODE[family]).parent
-    mp, folder, _ = _trained(family, "builtin" if family == "llada" else "source", tmp_path)
-    out = tmp_path / "final"
-    cfg = _export(mp, out, None)  # the family's published identity, and the published code copied from the checkout
-    for path in remote_code_files(code_dir, cfg):
-        shutil.copyfile(path, out / path.name)
-    auto = AutoModelForCausalLM if "AutoModelForCausalLM" in cfg["auto_map"] else AutoModel
-    try:
-        pub = auto.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
-    except ImportError as e:
-        import transformers
 
-        pytest.skip(f"the published {family} modeling code does not import under transformers "
-                    f"{transformers.__version__} ({e}); run it where that code's transformers is installed")
-    assert type(pub).__name__ == cfg["architectures"][0]
-    ids = torch.randint(0, cfg["vocab_size"] - 1, (1, 8), generator=torch.Generator().manual_seed(0))
-    kw = {}
-    if LAYOUTS[family].block_size:  # the block families' published forward under a block-causal mask
-        blk = torch.arange(ids.shape[1]) // cfg["block_size"]
-        allowed = blk[:, None] >= blk[None, :]
-        kw["attention_mask"] = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-        kw["position_ids"] = torch.arange(ids.shape[1])[None]
-    with torch.no_grad():
-        want = mp.model(input_ids=ids, **kw).logits
-        got = pub(input_ids=ids, **kw).logits
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+def test_a_builtin_export_without_published_code_names_no_auto_map(tmp_path):
+    """A built-in model has no published folder: its ``final/`` keeps the published identity the engines key on
+    but leaves out an ``auto_map`` that would name files it does not carry; given a folder of the published code
+    (``model.published_code``) it carries the files ``auto_map`` names (and their sibling imports)."""
+    from dllm_align.models.load import load_model
+
+    mp = load_model("builtin:tiny-sdar")
+    bare = _export(mp, tmp_path / "bare", None)
+    assert bare["architectures"] == ["SDARForCausalLM"] and bare["model_type"] == "sdar" and "auto_map" not in bare
+    assert not list((tmp_path / "bare").glob("*.py"))
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "configuration_sdar.py").write_text("X = 1\n")
+    (code / "modeling_sdar.py").write_text("from .configuration_sdar import X\nfrom .fused import Y\n")
+    (code / "fused.py").write_text("Y = 2\n")
+    with_code = _export(mp, tmp_path / "with_code", None, code)
+    assert with_code["auto_map"] == LAYOUTS["sdar"].auto_map
+    assert sorted(p.name for p in (tmp_path / "with_code").glob("*.py")) == ["configuration_sdar.py", "fused.py",
+                                                                             "modeling_sdar.py"]
+    (code / "configuration_sdar.py").unlink()  # a folder missing a module auto_map names: no auto_map
+    assert "auto_map" not in _export(mp, tmp_path / "partial", None, code)
+
+
+def test_train_ships_the_published_code_named_by_the_recipe_and_refuses_a_missing_folder(tmp_path, fresh_accelerate):
+    """`train` from a built-in model: with ``model.published_code`` its ``final/`` carries the files ``auto_map`` names
+    and ``training_summary.json`` lists them; without it no ``auto_map``, said on stderr; a folder that does not exist
+    is refused before training (exit 2, naming the key)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from dllm_align.cli.app import app
+    from fixtures.sort_toy import write_pairs
+
+    code = tmp_path / "code"
+    code.mkdir()
+    for ref in LAYOUTS["llada"].auto_map.values():  # stand-ins for LLaDA's published files
+        (code / f"{ref.rsplit('.', 1)[0]}.py").write_text("# published remote code\n")
+    recipe = {"name": "code", "model": {"name_or_path": "builtin:tiny", "published_code": str(code)},
+              "data": {"train": str(write_pairs(tmp_path / "pairs.jsonl", n=4)), "format": "paired", "max_length": 64},
+              "reference": {"n_mc": 1}, "train": {"objective": "sft", "batch_size": 2, "max_steps": 1}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    runner = CliRunner()
+    res = runner.invoke(app, ["train", str(path), "-o", str(tmp_path / "with")])
+    assert res.exit_code == 0, res.output
+    final = tmp_path / "with" / "final"
+    assert json.loads((final / "config.json").read_text())["auto_map"] == LAYOUTS["llada"].auto_map
+    assert json.loads((final / "training_summary.json").read_text())["remote_code"] == ["configuration_llada.py",
+                                                                                        "modeling_llada.py"]
+    res = runner.invoke(app, ["train", str(path), "-o", str(tmp_path / "without"), "--set", "model.published_code=null"])
+    assert res.exit_code == 0, res.output
+    final = tmp_path / "without" / "final"
+    assert "auto_map" not in json.loads((final / "config.json").read_text())
+    assert json.loads((final / "training_summary.json").read_text())["remote_code"] == []
+    assert "names no auto_map" in res.stderr
+    res = runner.invoke(app, ["train", str(path), "-o", str(tmp_path / "bad"), "--set",
+                              f"model.published_code={tmp_path / 'nowhere'}"])
+    assert res.exit_code == 2 and "model.published_code" in res.output, res.output
+    assert not (tmp_path / "bad" / "final").exists()

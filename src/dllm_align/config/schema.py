@@ -9,6 +9,7 @@ cross-section rules read every section; split, the format would be spread over s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -37,8 +38,20 @@ class ModelSection(Section):
         "auto", description="Parameter dtype: auto = bfloat16 on GPU, float32 on CPU."
     )
     mask_token_id: Optional[int] = Field(None, ge=0, description="Override the mask token id read from the model.")
+    published_code: Optional[str] = Field(
+        None, description="Folder holding the family's published modeling files (configuration_*.py, modeling_*.py), "
+        "copied into the exported final/ when the model's own folder has none (a built-in model); without them "
+        "final/ names no auto_map (docs/serving.md).")
     gradient_checkpointing: bool = False
     attn_implementation: Optional[Literal["eager", "sdpa", "flash_attention_2", "flex_attention"]] = None
+
+    @field_validator("published_code")
+    @classmethod
+    def _published_code_is_a_folder(cls, v: Optional[str]) -> Optional[str]:
+        # checked when the recipe is read, not after a run's training, when the export would otherwise drop auto_map
+        if v is not None and not Path(v).expanduser().is_dir():
+            raise ValueError(f"{v!r} is not a folder (it should hold the family's published modeling files)")
+        return v
 
 
 # --------------------------------------------------------------------------- data

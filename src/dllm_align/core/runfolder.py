@@ -30,6 +30,7 @@ TRAIN_NEUTRAL = (
     "name",
     "description",
     "output_dir",
+    "model.published_code",  # only what final/ carries beside the weights
     "train.save_every",
     "train.keep_checkpoints",
     "train.log_every",

@@ -158,10 +158,24 @@ def published_state(family: str, state: dict) -> dict:
     return inverse(state) if inverse else dict(state)
 
 
-def write_published_layout(folder: Path, family: str, source: Optional[Path]) -> dict:
+def missing_remote_code(folder: Path, cfg: dict) -> list[str]:
+    """The modules ``cfg``'s ``auto_map`` names that ``folder`` has no file for (``modeling_sdar`` for
+    ``modeling_sdar.SDARForCausalLM``), sorted."""
+    mods = {r.rsplit(".", 1)[0].split("--")[-1] for r in (cfg.get("auto_map") or {}).values()
+            if isinstance(r, str) and "." in r}
+    return sorted(m for m in mods if not (Path(folder) / f"{m}.py").is_file())
+
+
+def write_published_layout(folder: Path, family: str, source: Optional[Path], code: Optional[Path] = None) -> dict:
     """Turn a model folder saved with the trained (native) config into the family's published layout, in place:
     ``config.json`` from :func:`published_config`, and from the ``source`` checkpoint folder (None: a model with no
-    published source) its remote-code files and ``generation_config.json``. Returns the written config."""
+    published source) its remote-code files and ``generation_config.json``. ``code``: a folder holding the family's
+    published modeling files, copied in when the source has none (a built-in model).
+
+    A folder whose ``auto_map`` names modules it does not carry cannot be loaded through it (transformers looks
+    for the files beside config.json), so when neither ``source`` nor ``code`` supplies them, ``auto_map`` is left
+    out: ``model_type`` and ``architectures`` (what the serving engines key on) stay, and the code can be added later
+    together with the ``auto_map`` of :data:`LAYOUTS`. Returns the written config."""
     import json
 
     folder = Path(folder)
@@ -170,10 +184,14 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path]) ->
     if source is not None and (Path(source) / "config.json").is_file():
         src_cfg = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
     cfg = published_config(family, trained, src_cfg)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if source is not None and Path(source).is_dir():
         copy_remote_code(Path(source), folder, cfg)
         gen = Path(source) / "generation_config.json"
         if gen.is_file():
             shutil.copyfile(gen, folder / gen.name)
+    if code is not None and missing_remote_code(folder, cfg):
+        copy_remote_code(Path(code), folder, cfg)
+    if missing_remote_code(folder, cfg):
+        cfg.pop("auto_map", None)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return cfg

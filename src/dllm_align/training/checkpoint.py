@@ -222,13 +222,15 @@ def state_dict_of(saver: Saver) -> dict:
 
 
 def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False,
-           source: Optional[Path] = None) -> dict:
+           source: Optional[Path] = None, code: Optional[Path] = None) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA).
 
     A checkpoint (``final=False``) keeps the native layout it resumes from. The final model is written in its
     family's published layout (:mod:`dllm_align.models.export`: the published config.json identity, weight names,
-    and from ``source``, the folder the run started from, its remote code and generation config), so the published
-    code and the serving engines load it as the original; dllm-align reads it back to the same numbers."""
+    and from ``source``, the folder the run started from, its remote code and generation config; from ``code``, a
+    folder of the family's published modeling files, when the source has none), so the published code and the
+    serving engines load it as the original; dllm-align reads it back to the same numbers. Without the remote code
+    the folder names no ``auto_map`` (said on stderr)."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
@@ -248,7 +250,12 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
             fam.export_extras(folder, config, saver.tokenizer, source)
         return adapter
     save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
-    write_published_layout(folder, family, source)
+    cfg = write_published_layout(folder, family, source, code)
+    if "auto_map" not in cfg:
+        info(f"export: the final model carries no {family} remote code (neither the model's folder nor "
+             f"model.published_code has the files), so its config.json names no auto_map: it loads through "
+             f"dllm-align and the serving engines that know {cfg['architectures'][0]}; for the published code's "
+             f"trust_remote_code load set model.published_code to a folder of its modeling files (docs/serving.md)")
     return adapter
 
 

@@ -296,7 +296,10 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
     if not main:
         return
     with disk_errors(final, "write the final model"):
-        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True, source=_source_folder(run))
+        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True, source=_source_folder(run),
+               code=_published_code(run))
+    # the remote-code files final/ carries (none: its config.json names no auto_map; docs/serving.md)
+    summary = {**summary, "remote_code": sorted(p.name for p in tmp.glob("*.py"))}
     atomic_write_json(tmp / "training_summary.json", summary)
     write_checksums(tmp)
     fsync_tree(tmp)
@@ -321,6 +324,12 @@ def _source_folder(run: Run) -> Optional[Path]:
     except UserError:  # the run trained from it, so this is not expected; the export then carries no remote code
         return None
     return path if path.is_dir() else None
+
+
+def _published_code(run: Run) -> Optional[Path]:
+    """``model.published_code``: a folder of the family's published modeling files for ``final/`` (None: unset)."""
+    code = (run.record.recipe.get("model") or {}).get("published_code")
+    return Path(code).expanduser() if code else None
 
 
 def _bar_on() -> bool:
