@@ -162,3 +162,14 @@ def test_each_round_labels_and_trains_on_its_greedy_decodes_unless_told_not_to(t
     # the setting defines the run: continuing the folder without it is refused by name
     again = _online(out, "--no-greedy")
     assert again.code == 2 and "greedy" in again.err, again.err
+
+
+def test_a_finished_run_continues_with_more_rounds(tmp_path):
+    """--rounds above the finished rounds continues the folder: the online section a round's training
+    recorded (rounds, keep) does not change what that round trained, so it does not block the rerun."""
+    out = tmp_path / "run"
+    assert _online(out, "--no-greedy", rounds=1).code == 0
+    more = _online(out, "--no-greedy", rounds=2)
+    assert more.code == 0 and "online.rounds" not in more.err, more.err
+    assert "round 0: reusing" in more.err
+    assert [t["round"] for t in json.loads((out / "rounds.json").read_text())["rounds"]] == [0, 1]
