@@ -18,6 +18,7 @@ coverage of the 90% interval, how often the figure is withheld, and the RMSE, pe
 
     python benchmarks/lc_awr.py alpacaeval /tmp/ae --leaderboard /tmp/alpaca_eval_leaderboard.csv
     python benchmarks/lc_awr.py simulate --sets 40 --resamples 400
+    python benchmarks/lc_awr.py simulate --sets 200 --resamples 300 --only "balanced, length-loving, anchors"
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def simulate(args) -> None:
     print("| scenario | truth (%) | AWR mean (%) | LC given | 90% CI covers truth (of given) | LC RMSE (pp) | AWR RMSE (pp) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, (mu, b, share, anchors) in SCENARIOS.items():
+        if args.only and name not in args.only:
+            continue
         truth = _truth(mu)
         rng = np.random.default_rng(7)
         given = cover = 0
@@ -162,6 +165,7 @@ def main() -> None:
     s.add_argument("--sets", type=int, default=40)
     s.add_argument("--n", type=int, default=400)
     s.add_argument("--resamples", type=int, default=400)
+    s.add_argument("--only", action="append", metavar="SCENARIO", help="only this scenario (repeatable; its name as the table prints it)")
     args = ap.parse_args()
     alpacaeval(args) if args.what == "alpacaeval" else simulate(args)
 

@@ -24,6 +24,7 @@ def online(
     limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", show_default=d("online.limit"), help="Only the first N prompts.")] = None,
     reference: Annotated[Optional[str], typer.Option("--reference", metavar="WHICH", show_default=d("online.reference"), help="The reference of each round: initial (the recipe's model) or previous (the policy entering the round).")] = None,
     drop_uniform: Annotated[bool, typer.Option("--drop-uniform", metavar="", help="Drop prompts whose samples are all desirable or all undesirable (kept by default).")] = False,
+    no_greedy: Annotated[bool, typer.Option("--no-greedy", metavar="", help="Train on the samples alone, without each prompt's labelled greedy decode (online.greedy).")] = False,
     temperature: Annotated[Optional[float], typer.Option("--temperature", metavar="T", show_default=d("online.temperature"), help="Sampling temperature (default: the recipe's, or 1.0 when that is greedy).")] = None,
     answer_column: Annotated[str, typer.Option("--answer-column", metavar="NAME", help="The reference-answer column math_answer compares against.")] = "answer",
     heldout: Annotated[Optional[str], typer.Option("--heldout", metavar="FILE", help="Held-out prompts for the per-round evaluation (default: the recipe's data.test).")] = None,
@@ -36,7 +37,7 @@ def online(
     """Align a model from its own samples: label them with a verifier, then ELBO-KTO on them, in rounds.
 
     The recipe's `online` section (if any) gives the defaults. Each round labels n samples per prompt from the
-    current policy (math_answer also stores each verdict's reason: correct, wrong, hedge, truncated,
+    current policy, and its greedy decode of each prompt (math_answer also stores each verdict's reason: correct, wrong, hedge, truncated,
     expression, none, counted per round), balances the class weights (lambda_D n_D = lambda_U n_U, times the
     recipe's train.lambda_*), computes the reference ELBOs (the initial model by default), trains from the
     current policy with the recipe's train settings, and evaluates the trained model on held-out prompts
@@ -56,6 +57,7 @@ def online(
         "online.rounds": ("--rounds", rounds), "online.rule": ("--rule", rule), "online.n": ("--n", n),
         "online.limit": ("--limit", limit), "online.reference": ("--reference", reference),
         "online.keep_uniform": ("--drop-uniform", False if drop_uniform else None),
+        "online.greedy": ("--no-greedy", False if no_greedy else None),
         "online.temperature": ("--temperature", temperature),
         "online.heldout": ("--heldout", heldout), "online.heldout_limit": ("--heldout-limit", heldout_limit),
         "online.keep": ("--keep", keep),
@@ -69,5 +71,5 @@ def online(
     table = run_online(rec, rec.output_dir, rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, prompts=prompts,
                        reference=o.reference, keep_uniform=o.keep_uniform, temperature=o.temperature,
                        answer_column=answer_column, heldout=o.heldout, heldout_limit=o.heldout_limit,
-                       heldout_n=o.heldout_n, keep=o.keep, allow_changes=allow_change or ())
+                       heldout_n=o.heldout_n, keep=o.keep, greedy=o.greedy, allow_changes=allow_change or ())
     result(markdown_table(table))

@@ -546,6 +546,7 @@ class OnlineSection(Section):
     limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts of data.train.")
     reference: Literal["initial", "previous"] = Field("initial", description="Each round's reference: the initial model or the policy entering the round.")
     keep_uniform: bool = Field(True, description="Keep prompts whose samples are all desirable or all undesirable.")
+    greedy: bool = Field(True, description="Also label each prompt's greedy decode (the recipe's decoding, as generate and the held-out greedy share decode) every round and train on it with the samples.")
     temperature: Optional[float] = Field(None, ge=0, le=10, description="Sampling temperature (default: generate.temperature, or 1.0 when that is greedy; 0 only with n = 1).")
     heldout: Optional[str] = Field(None, description="Held-out prompts file for the per-round evaluation (default: data.test).")
     heldout_limit: Optional[int] = Field(None, ge=1, description="Only the first N held-out prompts.")

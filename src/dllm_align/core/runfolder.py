@@ -50,6 +50,7 @@ TRAIN_NEUTRAL = (
     "judge",
     "ablate",
     "evaluate",
+    "online",  # how many rounds, which round is kept: online's own record checks what defines a round
 )
 
 

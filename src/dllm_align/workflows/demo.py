@@ -64,7 +64,7 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
         console.info(f"demo: [1-2/4] online ELBO-KTO: {o.rounds} round(s) of {o.n} samples per prompt labelled by {o.rule}")
         rounds = run_online(rec, out / "online", rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, reference=o.reference,
                             keep_uniform=o.keep_uniform, temperature=o.temperature, heldout=o.heldout,
-                            heldout_limit=o.heldout_limit, heldout_n=o.heldout_n, keep=o.keep)
+                            heldout_limit=o.heldout_limit, heldout_n=o.heldout_n, keep=o.keep, greedy=o.greedy)
         aligned = Path(json.loads((out / "online" / "rounds.json").read_text(encoding="utf-8"))["final_model"])
         console.info("online rounds:\n" + markdown_table(rounds))
     else:

@@ -3,7 +3,9 @@
 Round r (folder ``DIR/round-<r>``):
 
 1. ``label``: ``n`` samples per prompt from the current policy (round 0: the recipe's model), each
-   labelled by the verifier (:mod:`dllm_align.online.label`);
+   labelled by the verifier (:mod:`dllm_align.online.label`), and (``greedy``, the default) one greedy
+   decode per prompt with the recipe's decoding, labelled the same way and trained on with the samples:
+   the decoding a user runs (and the held-out evaluation measures) is then what the loop learns from;
 2. prompts whose samples are all desirable or all undesirable carry no contrast within the prompt:
    kept (the default) or dropped (``--drop-uniform``);
 3. class weights balanced for the round, lambda_D n_D = lambda_U n_U (the paper's imbalance rule: a
@@ -87,6 +89,8 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
             raise UserError(f"{path}: not the record online writes (damaged)",
                             hint="restore it, or remove it to continue with the settings given now")
         if any(out.glob(f"*/{SUMMARY}")):
+            # a run recorded before rounds labelled their greedy decodes trained on its samples alone
+            old.setdefault("greedy", False)
             diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source"))
             allowed = refuse_changes(f"cannot continue the online run in {out}", diffs, allow=allow)
             for k, a, b in allowed:
@@ -133,11 +137,7 @@ def round_seed(seed: int, r: int) -> int:
     return row_seed(seed, f"online-round-{r}") & 0x7FFFFFFF
 
 
-def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[float, float]) -> tuple[Path, dict]:
-    """The round's training rows (uniform prompts dropped unless kept) and their class weights: balanced
-    (lambda_D n_D = lambda_U n_U, the larger 1) times the recipe's lambda_D, lambda_U."""
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-
+def _read_rows(rows_path: Path) -> list[dict]:
     rows = []
     for i, line in enumerate(rows_path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -150,6 +150,23 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
             raise UserError(f"{rows_path}:{i}: not a row label wrote (damaged)",
                             hint=f"remove {rows_path.parent} to label the round again")
         rows.append(r)
+    return rows
+
+
+def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[float, float],
+                greedy_path: Optional[Path] = None) -> tuple[Path, dict]:
+    """The round's training rows (uniform prompts dropped unless kept) and their class weights: balanced
+    (lambda_D n_D = lambda_U n_U, the larger 1) times the recipe's lambda_D, lambda_U. The greedy decodes
+    (``greedy_path``) join the samples with ids of their own (``<prompt>:greedy``): a row's id seeds its
+    masks, and the greedy decode of a prompt is not its sample 0."""
+    from dllm_align.core.io import atomic_write_json, atomic_write_text
+
+    rows = _read_rows(rows_path)
+    greedy_rows = []
+    if greedy_path is not None:
+        for r in _read_rows(greedy_path):
+            greedy_rows.append({**r, "id": f"{r['prompt_id']}:greedy"})
+    rows = rows + greedy_rows
     by_prompt: dict[str, list[bool]] = {}
     for r in rows:
         by_prompt.setdefault(r["prompt_id"], []).append(r["label"])
@@ -167,8 +184,9 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
     weights = {"lambda_desirable": lam_d, "lambda_undesirable": lam_u, "balance_desirable": bal_d, "balance_undesirable": bal_u,
                "recipe_lambda_desirable": lambdas[0], "recipe_lambda_undesirable": lambdas[1]}
     atomic_write_json(out / "weights.json", weights)
+    greedy = None if greedy_path is None else sum(r["label"] for r in greedy_rows) / max(1, len(greedy_rows))
     return train_path, {"kept_rows": len(kept), "desirable": n_d, "undesirable": n_u, **weights,
-                        "mixed_prompts": len(mixed), "prompts": len(by_prompt)}
+                        "mixed_prompts": len(mixed), "prompts": len(by_prompt), "greedy_desirable_share": greedy}
 
 
 def _share_ci(rows: list[dict]) -> dict:
@@ -218,7 +236,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer", heldout: Optional[str] = None,
                heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
-               allow_changes=()) -> list[dict]:
+               greedy: bool = True, allow_changes=()) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
     from dllm_align.online.label import check_rule, check_temperature, from_rank0, read_prompts
 
@@ -267,7 +285,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         return _run_rounds(recipe, out, rank=rank, world=world, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts,
                            reference=reference, keep_uniform=keep_uniform, temperature=temperature,
                            answer_column=answer_column, heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n,
-                           keep=keep, allow_changes=allow_changes)
+                           keep=keep, greedy=greedy, allow_changes=allow_changes)
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
@@ -276,7 +294,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
 def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: str, n: int, limit: Optional[int],
                 prompts: Optional[str], reference: str, keep_uniform: bool, temperature: Optional[float],
                 answer_column: str, heldout: Optional[str], heldout_limit: Optional[int], heldout_n: int, keep: str,
-                allow_changes) -> list[dict]:
+                greedy: bool, allow_changes) -> list[dict]:
     from dllm_align.core.io import atomic_write_json
     from dllm_align.online.label import ROWS, SUMMARY, label, prompt_fingerprint
     from dllm_align.workflows import pipeline
@@ -295,7 +313,7 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         "heldout_source": str(heldout or recipe.data.test) if (heldout or recipe.data.test) else None,
         "heldout_fingerprint": (prompt_fingerprint(str(heldout), None, heldout_limit) if heldout else
                                 prompt_fingerprint(str(recipe.data.test), "test", heldout_limit) if recipe.data.test else None),
-        "heldout_n": heldout_n,
+        "heldout_n": heldout_n, "greedy": greedy,
         "seeds": {"generate": recipe.generate.seed, "reference": recipe.reference.seed, "data": recipe.data.seed,
                   "train": recipe.train.seed},
         "train": recipe.train.model_dump(mode="json"), "generate": recipe.generate.model_dump(mode="json"),
@@ -322,12 +340,22 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         else:
             summary = label(rec, rd, rule=rule, n=n, prompts=prompts, model=policy, limit=limit, temperature=temperature,
                             answer_column=answer_column, round_=r)
+        greedy_rows = None
+        if greedy:
+            # the recipe's own decoding (as generate, the demo's judging and the held-out greedy share decode),
+            # which sampling in fast mode at temperature 1 never shows the loop
+            gd = rd / "greedy"
+            if not _agreed((gd / SUMMARY).exists(), world):
+                label(rec, gd, rule=rule, n=1, prompts=prompts, model=policy, limit=limit, temperature=0.0,
+                      answer_column=answer_column, round_=r, fast=False)
+            greedy_rows = gd / ROWS
         if world > 1:
             from dllm_align.online.label import from_rank0
 
-            train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd, lambdas) if main else None)
+            train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
+                                            if main else None)
         else:
-            train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd, lambdas)
+            train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
         if lambdas != (1.0, 1.0):
             console.info(f"online: round {r}: class weights lambda_D {counts['lambda_desirable']:g}, lambda_U "
                          f"{counts['lambda_undesirable']:g} (balanced {counts['balance_desirable']:g} / "
@@ -437,10 +465,11 @@ def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
 
 
 def markdown_table(table: list[dict]) -> str:
-    """The per-round table: the round's samples and weights, then the held-out shares of the model it trained."""
-    head = ("| round | samples | desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U | reward D | reward U "
-            "| not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
-    lines = [head, "|" + "---|" * 12]
+    """The per-round table: the round's samples (and greedy decodes, when labelled) and weights, then the held-out
+    shares of the model it trained."""
+    head = ("| round | samples | desirable % | greedy desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U "
+            "| reward D | reward U | not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
+    lines = [head, "|" + "---|" * 13]
 
     def f(v):
         return "-" if v is None else f"{v:+.3f}"
@@ -454,7 +483,10 @@ def markdown_table(table: list[dict]) -> str:
         return ", ".join(f"{k} {v}" for k, v in reasons.items()) or "-"
 
     for t in table:
-        lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {t['prompts_all_desirable']} | "
+        g = t.get("greedy_desirable_share")
+        gs = "-" if g is None else f"{100 * g:.1f}"
+        lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {gs} | "
+                     f"{t['prompts_all_desirable']} | "
                      f"{t['prompts_all_undesirable']} | {t['lambda_desirable']:.2f} | {t['lambda_undesirable']:.2f} | "
                      f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} | {why(t)} | {h(t, 'greedy')} | {h(t, 'sampled')} |")
     return "\n".join(lines)
