@@ -26,6 +26,7 @@ over the clean context and a bidirectional decoder over a canvas, loaded into tr
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -294,8 +295,9 @@ def write_generation_config(folder: Path, config, tokenizer, source: Optional[Pa
                                                                                 EntropyBoundSamplerConfig)
 
     gen = None if source is None else Path(source) / "generation_config.json"
-    cfg = (DiffusionGemmaGenerationConfig.from_pretrained(str(gen.parent)) if gen is not None and gen.is_file()
-           else DiffusionGemmaGenerationConfig())
+    # The file is data: read as JSON here, so nothing in the source folder is a loading hook.
+    cfg = (DiffusionGemmaGenerationConfig.from_dict(json.loads(gen.read_text(encoding="utf-8")))
+           if gen is not None and gen.is_file() else DiffusionGemmaGenerationConfig())
     pub = PUBLISHED_GENERATION
     # the published stop ids in the published order: <eos> 1, <turn|> 106, <|tool_response> 50
     stops = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in (EOS, TURN_CLOSE, TOOL_RESPONSE))
