@@ -17,11 +17,29 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# `python -m MODULE ARGS...` that writes the process's own peak resident memory (kB) to a file as it exits.
+# Not getrusage: a child's ru_maxrss starts from its parent's resident size when it was spawned (Linux records the
+# replaced memory map's peak at exec), so a child of a large process (the suite, run.py after the other benchmarks)
+# would report the parent's size. VmHWM belongs to the child's own memory map.
+PEAK_WRAPPER = """
+import atexit, resource, runpy, sys
+path = sys.argv.pop(1)
+def peak():
+    try:
+        kb = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open(path, "w") as f:
+        f.write(str(kb))
+atexit.register(peak)
+module = sys.argv.pop(1)
+sys.argv[0] = module
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
 SETTINGS = {
     "full": [],
     "quick": ["--set", "train.max_steps=4", "--set", "train.save_every=4", "--set", "generate.limit=24"],
@@ -37,25 +55,16 @@ def run(device: str = "cpu", size: str = "full") -> dict:
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="dllm-align-bench-demo-") as tmp:
         out = Path(tmp) / "demo"
-        err_path = Path(tmp) / "stderr.txt"
+        err_path, peak_path = Path(tmp) / "stderr.txt", Path(tmp) / "peak_kb"
         t = time.perf_counter()
         with open(err_path, "w") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "dllm_align", "demo", "-o", str(out), *SETTINGS[size]],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-            # The peak of this child alone: RUSAGE_CHILDREN would be the largest of every child this process
-            # has waited for, the other benchmarks' included when run.py runs them all.
-            timer = threading.Timer(3 * 3600, proc.kill)
-            timer.start()
-            try:
-                _, status, usage = os.wait4(proc.pid, 0)
-            finally:
-                timer.cancel()
-            proc.returncode = os.waitstatus_to_exitcode(status)
+            proc = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, str(peak_path), "dllm_align", "demo", "-o", str(out),
+                                   *SETTINGS[size]], env=env, stdout=subprocess.DEVNULL, stderr=err, timeout=3 * 3600)
         seconds = time.perf_counter() - t
         if proc.returncode != 0:
             raise RuntimeError(f"dllm-align demo exited {proc.returncode}: {err_path.read_text().strip().splitlines()[-1:]}")
         results = json.loads((out / "results.json").read_text())
-    peak_mb = usage.ru_maxrss / 1024  # kB on Linux
+        peak_mb = int(peak_path.read_text()) / 1024
     return {
         "demo_seconds": round(seconds, 1),
         "demo_figures": {"seconds": round(seconds, 1), "peak_memory_mb": round(peak_mb), "awr": results["awr"],
