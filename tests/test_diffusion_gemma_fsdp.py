@@ -1,7 +1,8 @@
 """FSDP2 on DiffusionGemma, 2 gloo processes: each tied encoder/decoder layer pair one ``fully_shard`` unit.
 
 Built from the shipped FSDP2 config with activation checkpointing off (refused for the family), as tests/test_invariants_distributed.py
-builds its launches: the step-0 margins are exactly 0 (policy == reference), and two clipped steps end with the
+builds its launches: the step-0 margins are exactly 0 (policy == reference; on CPU bf16 autocast too, as for the
+other families), and two clipped steps end with the
 one-process weights and losses.
 """
 
@@ -36,8 +37,9 @@ def launched(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gemma-fsdp")
     spec = {"out": str(root / "out"), "data": str(write_pairs(root / "pairs.jsonl", n=8)), "clip": CLIP,
-            "caches": {"no": str(root / "unused-cache")}}
-    spec["margins"] = [["fsdp2-noac", "no", "online", lora, *GEMMA[:2]] for lora in (False, True)]
+            "caches": {mp: str(root / f"unused-cache-{mp}") for mp in ("no", "bf16")}}
+    spec["margins"] = [["fsdp2-noac", mp, "online", lora, *GEMMA[:2]] for mp in ("no", "bf16") for lora in (False, True)]
+    spec["margins"] += [["ddp", "bf16", "online", True, *GEMMA[:2]]]  # the tied head's reference copy (no FSDP)
     spec["train"] = [["fsdp2-noac", False, str(root / "train-fsdp2"), "no", *GEMMA, "train.max_steps=2"],
                      ["fsdp2-noac", False, str(root / "train-fsdp2-gc"), "no", *GEMMA, "train.max_steps=2",
                       "model.gradient_checkpointing=true"]]
@@ -63,9 +65,11 @@ def launched(tmp_path_factory):
 
 def test_step0_margins_are_zero_under_fsdp2(launched):
     res = launched["results"]["margins"]
-    assert len(res) == 2  # without and with LoRA
+    assert len(res) == 5  # fp32 and bf16 autocast, without and with LoRA; DDP bf16 with LoRA
     for key, r in res.items():
-        assert r["fsdp"] and r["module"] == "FSDPPolicyScorer", key
+        fsdp = key.startswith("fsdp2")
+        assert r["fsdp"] == fsdp and r["module"] == ("FSDPPolicyScorer" if fsdp else "DistributedDataParallel"), key
+        assert r["mixed_precision"] == key.split("/")[1], key
         assert r["rows"] == 8, key
         assert r["max_abs_margin"] == 0.0, key
 
