@@ -52,6 +52,8 @@ def switch_to_fsdp(acc, launch: str, mp: str):
         import yaml
 
         # the shipped config for this FSDP version, translated as `accelerate launch` does
+        # "-noac": the same config with activation checkpointing off
+        launch, no_ac = launch.removesuffix("-noac"), launch.endswith("-noac")
         name = {"fsdp1": "fsdp1_8gpu.yaml", "fsdp2": "fsdp_8gpu.yaml"}[launch]
         raw = yaml.safe_load((REPO / "recipes" / "accelerate" / name).read_text())["fsdp_config"]
         version = int(raw["fsdp_version"])
@@ -65,6 +67,8 @@ def switch_to_fsdp(acc, launch: str, mp: str):
         kw["auto_wrap_policy"] = str(kw["auto_wrap_policy"]).lower()
         kw.update(fsdp_version=version, transformer_cls_names_to_wrap=[raw["fsdp_transformer_layer_cls_to_wrap"]])
         kw["cpu_offload"] = bool(raw.get("fsdp_offload_params", False))
+        if no_ac:
+            kw["activation_checkpointing"] = False
         if version == 1:
             kw["sync_module_states"] = False  # True needs a GPU to initialise on; every rank loads the same weights
         plugin = FullyShardedDataParallelPlugin(**kw)
@@ -264,7 +268,9 @@ def main() -> None:
         mp = more[0] if more else "no"
         acc = make_accelerator(launch, mp)
         rec = recipe(spec, mp, "cached", lora, run_dir, "train.max_steps=3", f"train.max_grad_norm={spec['clip']}", *more[1:])
-        res = train(rec, examples=exs, accelerator=acc)
+        family = BUILTIN_SPECS.get(rec.model.name_or_path, BUILTIN_SPECS["builtin:tiny"]).family
+        res = train(rec, examples=exs if family in ("llada", "llada2") else
+                    load_training_examples(rec, build_tiny_tokenizer(family), quiet=True), accelerator=acc)
         key = f"{launch}/lora={lora}" + (f"/{mp}/{more[1].split('=')[1]}" if len(more) > 1 else "")
         results["train"][key] = {"dir": run_dir, "metrics": res.last_metrics}
         acc.free_memory()

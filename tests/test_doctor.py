@@ -499,7 +499,8 @@ def test_lora_parameter_count_matches_peft_on_the_shrunk_llada2(tmp_path):
 def test_doctor_on_the_published_diffusiongemma_26b_a4b_with_lora_on_8_h100(tmp_path):
     """The published DiffusionGemma config (the fixture) with LoRA on 8 x H100 under DDP: every expert counted
     (within 0.5% of the 25,250,986,752 text parameters transformers builds from it), the uniform-noise logits a
-    line of their own, and a verdict; an FSDP launch is refused by name (tied encoder/decoder layers)."""
+    line of their own, and a verdict; FSDP1 and FSDP's activation checkpointing are refused by name, FSDP2 without
+    it gets an estimate (each tied encoder/decoder layer pair one unit)."""
     import shutil
 
     folder = tmp_path / "dg26"
@@ -520,14 +521,31 @@ def test_doctor_on_the_published_diffusiongemma_26b_a4b_with_lora_on_8_h100(tmp_
     assert lines["uniform-noise logits, fp32, twice (K x canvas x vocab x canvases)"] == 2 * 4 * K * C * V * 4
     assert lines["uniform-noise bound, float64 working set of one chunk"] == (1 << 24) * 28
     assert K * C * V * 4 == 2_147_483_648
+    res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp1_8gpu.yaml"), *sets])
+    assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP1 is not available for diffusion_gemma: encoder layer i"), res.output
     res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
-    assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma: encoder layer i"), res.output
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "Error: fsdp_activation_checkpointing is not available for diffusion_gemma: a decoder layer's forward"), res.output
+    res = runner.invoke(app, ["doctor", "kto_mix_14k", "--config", str(_fsdp2_without_checkpointing(tmp_path)), *sets])
+    assert res.exit_code in (0, 1), res.output
+    fsdp = json.loads(res.stdout)["memory"]
+    assert fsdp["launch"]["type"] == "FSDP" and fsdp["launch"]["processes"] == 8
+    assert fsdp["verdict"] in ("fits", "does not fit") and fsdp["model"]["params"] == mem["model"]["params"]
+
+
+def _fsdp2_without_checkpointing(tmp_path):
+    """The shipped FSDP2 config with activation checkpointing off (DiffusionGemma refuses it)."""
+    text = (REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml").read_text()
+    assert "fsdp_activation_checkpointing: true" in text and "fsdp_version: 2" in text
+    path = tmp_path / "fsdp2_noac.yaml"
+    path.write_text(text.replace("fsdp_activation_checkpointing: true", "fsdp_activation_checkpointing: false"))
+    return path
 
 
 def test_the_diffusiongemma_recipe_validates_and_doctor_gives_a_verdict_offline(tmp_path):
     """diffusiongemma_kto_mix_14k as shipped: the paper's KTO settings, every departure a commented recipe choice,
     LoRA on attention, the published sampler; `doctor` on it (the published config.json, nothing downloaded) gives
-    a verdict under DDP on 8 x 80 GB, and an FSDP launch is refused by name."""
+    a verdict under DDP on 8 x 80 GB and under FSDP2 (activation checkpointing off) on 8 x 80 GB."""
     import shutil
 
     from dllm_align.config.recipe import load_recipe
@@ -550,8 +568,10 @@ def test_the_diffusiongemma_recipe_validates_and_doctor_gives_a_verdict_offline(
     assert res.exit_code == 0, res.output
     mem = json.loads(res.stdout)["memory"]
     assert mem["verdict"] == "fits" and mem["launch"]["processes"] == 8 and mem["estimate"]["trainable"] < 1e8
-    res = runner.invoke(app, ["doctor", str(path), "--config", str(REPO / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), *sets])
-    assert res.exit_code == 2 and res.stderr.startswith("Error: FSDP is not available for diffusion_gemma"), res.output
+    res = runner.invoke(app, ["doctor", str(path), "--config", str(_fsdp2_without_checkpointing(tmp_path)), *sets])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["verdict"] == "fits" and mem["launch"]["type"] == "FSDP" and mem["launch"]["processes"] == 8
 
 
 @pytest.mark.parametrize("ckpt", [True, False])

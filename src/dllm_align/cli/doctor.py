@@ -60,7 +60,7 @@ def doctor(
 
     r = resolve_padding(load_recipe(recipe, set_, output_dir))
     launch = read_launch(config)
-    check_fsdp(r, launch.fsdp)
+    check_fsdp(r, launch.fsdp, launch.fsdp_version, launch.activation_checkpointing)
     shape = model_shape(r)
     report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape),
               "traffic": traffic(shape, r, launch)}

@@ -146,10 +146,15 @@ def keep_fp32_buffers(model: torch.nn.Module) -> int:
 
 def prepare_reference(model: torch.nn.Module, precision: Precision) -> None:
     """Store each Linear and each mixture-of-experts weight block in the autocast dtype (bit-identical
-    to the policy's per-call cast, half the memory)."""
+    to the policy's per-call cast, half the memory). A Linear whose weight an embedding shares (a head tied
+    to the input embeddings, as DiffusionGemma's) keeps it: autocast does not cast an embedding lookup, so
+    casting the shared weight would round the policy's fp32 embeddings on the reference side only."""
     if precision.autocast is None or precision.autocast == precision.weights:
         return
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and id(mod.weight) in embedded:
+            continue
         if isinstance(mod, torch.nn.Linear) or _is_experts(mod):
             mod.to(precision.autocast)
 

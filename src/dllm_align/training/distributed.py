@@ -45,6 +45,12 @@ def is_fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
+def fsdp_launch_of(accelerator) -> tuple[int, bool]:
+    """The FSDP version an FSDP launch asks for (1 where it says none) and whether it checkpoints activations."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1) or 1), bool(getattr(plugin, "activation_checkpointing", False))
+
+
 def fsdp_wrap_family_layer(plugin, model) -> None:
     """Make FSDP wrap the model family's decoder layer.
 

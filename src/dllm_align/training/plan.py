@@ -18,7 +18,7 @@ from dllm_align.data.imbalance import read_weights_file
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
 from dllm_align.objective.elbo import DrawConfig
-from dllm_align.training.distributed import is_fsdp
+from dllm_align.training.distributed import fsdp_launch_of, is_fsdp
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def make_plan(recipe, accelerator) -> TrainPlan:
     """The plan of ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train first)."""
     t = recipe.train
     check_trainable_on(recipe, accelerator.device)
-    check_fsdp(recipe, is_fsdp(accelerator))
+    check_fsdp(recipe, is_fsdp(accelerator), *fsdp_launch_of(accelerator))
     world = accelerator.num_processes
     ld, lu = class_weights(recipe)
     # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
@@ -93,8 +93,9 @@ def resolve_padding(recipe, quiet: bool = False):
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"padding": "none"})})
 
 
-def check_fsdp(recipe, fsdp: bool) -> None:
-    """Refuse, before anything loads, an FSDP launch for a family whose model FSDP cannot shard (its reason)."""
+def check_fsdp(recipe, fsdp: bool, version: int = 1, checkpointing: bool = False) -> None:
+    """Refuse, before anything loads, an FSDP launch (``version`` 1 or 2, with activation ``checkpointing`` or
+    not) for a family whose model that FSDP cannot shard or checkpoint (its reason)."""
     if not fsdp:
         return
     from dllm_align.models.load import family_of_source
@@ -103,6 +104,15 @@ def check_fsdp(recipe, fsdp: bool) -> None:
     if fam is not None and fam.fsdp_refusal:
         raise UserError(f"FSDP is not available for {fam.name}: {fam.fsdp_refusal}",
                         hint="launch with DDP (accelerate's MULTI_GPU) and LoRA, or on one device")
+    if fam is not None and version != 2 and fam.fsdp1_refusal:
+        raise UserError(f"FSDP1 is not available for {fam.name}: {fam.fsdp1_refusal}",
+                        hint="set fsdp_version: 2 in the accelerate config's fsdp_config")
+    if fam is not None and checkpointing and fam.fsdp_checkpointing_refusal:
+        raise UserError(f"fsdp_activation_checkpointing is not available for {fam.name}: {fam.fsdp_checkpointing_refusal}",
+                        hint="set fsdp_activation_checkpointing: false in the accelerate config's fsdp_config")
+    if fam is not None and fam.fsdp_units is not None and recipe.train.fsdp_gather == "bf16_layers":
+        raise UserError(f"train.fsdp_gather bf16_layers is not available for {fam.name}: its FSDP2 units are groups "
+                        "of tied layers, gathered in fp32", hint="use train.fsdp_gather: fp32")
 
 
 def check_trainable_on(recipe, device) -> None:

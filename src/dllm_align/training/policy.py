@@ -147,7 +147,11 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
         plugin = accelerator.state.fsdp_plugin
         plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
         fsdp_wrap_family_layer(plugin, mp.model)
-        if t.fsdp_gather == "bf16_layers":
+        from dllm_align.models.families import family_of
+
+        if family_of(mp.model).fsdp_units is not None:
+            tied_units(mp.model, plugin, accelerator)
+        elif t.fsdp_gather == "bf16_layers":
             bf16_layer_units(mp.model, plugin, plan, accelerator)
     elif t.fsdp_gather != "fp32" and plan.main:
         info("train: train.fsdp_gather applies to FSDP2 launches only; ignored here")
@@ -167,6 +171,28 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
     return Trainable(module, view, optimizer, [p for p in module.parameters() if p.requires_grad])
 
 
+def _fsdp2_mesh(accelerator):
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None:
+        mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+    return mesh
+
+
+def tied_units(model: torch.nn.Module, plugin, accelerator) -> None:
+    """Shard the family's groups of tied layers (``Family.fsdp_units``), each group one FSDP2 unit, before
+    accelerate shards the rest; accelerate then finds the grouped layers by their FSDP class names (and skips
+    them, already sharded) for its wrap policy and its activation checkpointing."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dllm_align.models.families import family_of
+
+    groups = family_of(model).fsdp_units(model)
+    for group in groups:
+        fully_shard(group, mesh=_fsdp2_mesh(accelerator), mp_policy=plugin.mixed_precision_policy,
+                    reshard_after_forward=plugin.reshard_after_forward)
+    plugin.transformer_cls_names_to_wrap = sorted({type(m).__name__ for g in groups for m in g})
+
+
 def bf16_layer_units(model: torch.nn.Module, plugin, plan: TrainPlan, accelerator) -> None:
     """``train.fsdp_gather: bf16_layers`` (FSDP2 + bf16 autocast): decoder layers gathered in bf16."""
     if getattr(plugin, "fsdp_version", 1) != 2:
@@ -174,9 +200,7 @@ def bf16_layer_units(model: torch.nn.Module, plugin, plan: TrainPlan, accelerato
     if plan.precision.autocast != torch.bfloat16:
         raise UserError("train.fsdp_gather bf16_layers needs train.mixed_precision bf16 (it gathers what autocast "
                         "would cast to bf16)", hint="set train.mixed_precision: bf16, or train.fsdp_gather: fp32")
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    if mesh is not None:
-        mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+    mesh = _fsdp2_mesh(accelerator)
     cls = Family.decoder_layer_class(model)
     fsdp2_bf16_layer_units(model, cls, reshard_after_forward=plugin.reshard_after_forward, mesh=mesh)
     # fully_shard renames a unit's class FSDP<name>: accelerate finds the layers by that name (and

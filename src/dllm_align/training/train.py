@@ -53,7 +53,7 @@ from dllm_align.training.checkpoint import (
     save_checkpoint,
     state_dict_of,
 )
-from dllm_align.training.distributed import is_fsdp, make_accelerator
+from dllm_align.training.distributed import fsdp_launch_of, is_fsdp, make_accelerator
 from dllm_align.training.loop import Run, load_data
 from dllm_align.training.monitor import MarginWatch, TrainResult, _fault, _flat, status_line
 from dllm_align.training.plan import TrainPlan, check_fsdp, make_plan, resolve_padding
@@ -78,7 +78,7 @@ def train(
     """
     acc = accelerator or make_accelerator(recipe)
     recipe = resolve_padding(recipe, quiet=not acc.is_main_process)  # refused before the run folder is touched
-    check_fsdp(recipe, is_fsdp(acc))
+    check_fsdp(recipe, is_fsdp(acc), *fsdp_launch_of(acc))
     out = Path(recipe.output_dir)
     created = not out.exists()
     cached = recipe.reference.mode == "cached" and objective_for(recipe.train).needs_reference

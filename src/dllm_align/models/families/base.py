@@ -99,6 +99,15 @@ class Family:
     export_extras: Optional[Callable[[Path, Any, Any, Optional[Path]], None]] = None
     # Why FSDP cannot shard this family's model (said by name when a launch asks for it); None: it can.
     fsdp_refusal: Optional[str] = None
+    # Why FSDP1 (one module per unit) cannot, where FSDP2 can; None: both can.
+    fsdp1_refusal: Optional[str] = None
+    # FSDP2's units where one module per unit would put a parameter in two units: (model) -> groups of modules,
+    # each group one ``fully_shard`` unit (DiffusionGemma: encoder layer i with decoder layer i, which share every
+    # weight); None: each decoder layer its own unit (the layer class, as accelerate wraps it).
+    fsdp_units: Optional[Callable[[Any], list]] = None
+    # Why FSDP's activation checkpointing (``fsdp_activation_checkpointing``) would give wrong gradients here;
+    # None: it gives the same ones.
+    fsdp_checkpointing_refusal: Optional[str] = None
     # Export in the published layout (``dllm_align.models.export``), the inverse of the native loading: the trained
     # model's config.json dict -> the published config's fields (None: the native names are the published ones),
     # and its state dict -> the published weight names (None: the same names).

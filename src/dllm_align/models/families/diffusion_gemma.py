@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from dllm_align.core.errors import UserError
+from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.models.families.base import Family, build_seeded, byte_level_tokenizer
 
 # The first release that ships the classes (``DiffusionGemmaForBlockDiffusion``).
@@ -279,6 +279,23 @@ def share_adapters(model) -> int:
     return shared
 
 
+# --------------------------------------------------------------------------- FSDP2 units
+def fsdp_units(model) -> list[list[torch.nn.Module]]:
+    """Encoder layer i with decoder layer i, one FSDP2 group each: the two share every weight, so one unit
+    must hold both (a parameter in two units is refused by FSDP2, and would be gathered twice)."""
+    mods = dict(model.named_modules())
+    pairs = []
+    for name, mod in mods.items():
+        if name.endswith(".decoder.layers") and isinstance(mod, torch.nn.ModuleList):
+            twins = mods.get(name[: -len(".decoder.layers")] + ".encoder.language_model.layers")
+            if twins is None or len(twins) != len(mod):
+                raise RunFailure(f"FSDP2: {name} has no encoder twin of {len(mod)} layers to shard it with")
+            pairs = [[twins[i], mod[i]] for i in range(len(mod))]
+    if not pairs:
+        raise RunFailure("FSDP2: no DiffusionGemma decoder layers found to shard")
+    return pairs
+
+
 def tied_copy(key: str) -> bool:
     """An encoder text weight: the decoder's, tied (``_tied_weights_keys``); the published checkpoint holds only
     the decoder's, plus each encoder layer's own ``layer_scalar`` buffer."""
@@ -339,6 +356,10 @@ DIFFUSION_GEMMA = Family(
     after_lora=share_adapters,
     export_skips=tied_copy,
     export_extras=write_generation_config,
-    fsdp_refusal=("encoder layer i and decoder layer i share every weight but are separate modules, so wrapping "
-                  "the layer class as FSDP units would shard one parameter in two units; no paired wrap is built yet"),
+    fsdp1_refusal=("encoder layer i and decoder layer i share every weight but are separate modules, and FSDP1 "
+                   "wraps one module per unit, so one parameter would be sharded in two units; use FSDP2 "
+                   "(fsdp_version: 2), which shards each pair as one unit"),
+    fsdp_units=fsdp_units,
+    fsdp_checkpointing_refusal=("a decoder layer's forward appends its canvas keys and values to the context's "
+                                "cache, so the backward's recompute attends to them twice (shapes that do not match)"),
 )
