@@ -146,6 +146,47 @@ def test_fp32_cache_refused_for_bf16_run_by_field(toy, fresh_accelerate):
     assert fp32["reference_dtype"] == bf16["reference_dtype"] == "float32"
 
 
+def test_autocast_cache_from_before_the_tied_head_rule_refused_by_field(toy, fresh_accelerate, monkeypatch):
+    """A bf16-autocast reference keeps a head tied to the embeddings in full precision; a cache made before that
+    rule (made here by precomputing with the field left out of the fingerprint, as the code before it did) is
+    refused by that field under autocast, and still accepted without autocast, where nothing changed."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from dllm_align.core.errors import UserError
+    from dllm_align.data.examples import make_collate
+    from dllm_align.models.load import build_tiny_tokenizer
+    from dllm_align.training import distributed
+    from dllm_align.training import reference as ref
+    from dllm_align.training.distributed import make_accelerator
+    from dllm_align.training.train import setup_run
+
+    real = ref.fingerprint
+
+    def before_the_rule(*a, **kw):
+        fp = real(*a, **kw)
+        fp.fields.pop("tied_head", None)
+        return fp
+
+    for mp in ("bf16", "no"):
+        exs = cache_for(toy, mp)
+        assert (toy["root"] / f"cache-{mp}" / "manifest.json").exists()
+        manifest = json.loads((toy["root"] / f"cache-{mp}" / "manifest.json").read_text())
+        assert manifest["fingerprint"].get("tied_head") == ("float32" if mp == "bf16" else None)
+        rec = recipe(toy, mp, f"reference.cache={toy['root'] / ('old-cache-' + mp)}")
+        with monkeypatch.context() as m:
+            m.setattr(ref, "fingerprint", before_the_rule)
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            ref.precompute(rec, exs, make_collate(rec, build_tiny_tokenizer()), distributed.make_accelerator(rec), None)
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+        if mp == "bf16":
+            with pytest.raises(UserError, match="'tied_head'.*precompute-ref"):
+                setup_run(rec, make_accelerator(rec), None, exs)
+        else:
+            setup_run(rec, make_accelerator(rec), None, exs)
+
+
 @pytest.mark.parametrize("other, mp", [("flex_attention", "no"), ("flash_attention_2", "bf16")])
 def test_cache_made_with_one_attention_backend_refused_by_another_by_field(toy, fresh_accelerate, other, mp):
     """The attention kernel is part of the cached function: an sdpa cache does not serve a flex or flash run."""

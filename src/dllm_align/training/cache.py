@@ -56,6 +56,8 @@ SHARD_FMT = "shard-{:05d}.safetensors"
 # the defaults (a cache that lacks one was made with its default).
 UNIFORM_FIELDS_DEFAULTS = {"time_power": 2, "parameterization": "denoiser", "self_conditioning": "none", "surrogate": "elbo"}
 UNIFORM_FIELDS = tuple(UNIFORM_FIELDS_DEFAULTS)
+# Fields present only where they apply; a cache that lacks one was made where it did not (or before it existed).
+OPTIONAL_FIELDS = (*UNIFORM_FIELDS, "tied_head")
 STRICT_FIELDS = (
     "format_version",
     "reference_weights",
@@ -180,7 +182,7 @@ class Fingerprint:
     weight_files: list  # per-file digests, kept so later checks need not reread the weights
 
     def strict(self) -> dict:
-        return {k: self.fields[k] for k in STRICT_FIELDS} | {k: self.fields[k] for k in UNIFORM_FIELDS if k in self.fields}
+        return {k: self.fields[k] for k in STRICT_FIELDS} | {k: self.fields[k] for k in OPTIONAL_FIELDS if k in self.fields}
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.strict(), sort_keys=True).encode("utf-8")).hexdigest()
@@ -262,6 +264,12 @@ def fingerprint(
         "dataset": dataset_digest(examples),
         "n_examples": len(examples),
     }
+    # Under autocast the reference's Linears are stored in the compute dtype, except a head tied to the input
+    # embeddings, kept in the weights' dtype (models.precision.prepare_reference). Caches made before that rule
+    # rounded such a head, and with it the embeddings: they lack the field and are refused under autocast. Without
+    # autocast nothing changed, the field is left out, and the caches made before still match.
+    if prec.autocast is not None and prec.autocast != prec.weights:
+        fields["tied_head"] = prec.weights_label
     # The uniform-noise likelihood's choices change its values; recorded when they differ from the defaults,
     # so that the caches of the other likelihoods (which ignore them) keep their fingerprints.
     for key, default in UNIFORM_FIELDS_DEFAULTS.items():
@@ -291,6 +299,8 @@ _FIELD_HINTS = {
     "mask_token_id": "model.mask_token_id",
     "format_version": "the cache format (made by another dllm-align version)",
     "attn_implementation": "model.attn_implementation",
+    "tied_head": "a cache made before a bf16 reference kept a head tied to the embeddings in full precision "
+                 "(recompute it with precompute-ref)",
 }
 
 
@@ -301,7 +311,7 @@ def _short(v) -> str:
 
 def compare(cached: dict, wanted: dict, where: Path) -> None:
     """Raise UserError naming the first fingerprint field that differs."""
-    for k in STRICT_FIELDS + UNIFORM_FIELDS:
+    for k in STRICT_FIELDS + OPTIONAL_FIELDS:
         if cached.get(k) != wanted.get(k):
             raise UserError(
                 f"reference cache {where} does not match this run: field '{k}' is {_short(cached.get(k))} "

@@ -43,6 +43,7 @@ from dllm_align.training.cache import (
     FORMAT_VERSION,
     MANIFEST,
     SHARD_FMT,
+    OPTIONAL_FIELDS,
     STRICT_FIELDS,
     ReferenceCache,
     ShardError,
@@ -341,7 +342,8 @@ def precompute(
 
         if old is not None and not overwrite:
             was = old["fingerprint"]
-            _refuse_other_settings(out, [(k, was.get(k), fp.fields[k]) for k in (*STRICT_FIELDS, "dataset") if was.get(k) != fp.fields[k]])
+            _refuse_other_settings(out, [(k, was.get(k), fp.fields.get(k)) for k in (*STRICT_FIELDS, *OPTIONAL_FIELDS, "dataset")
+                                         if was.get(k) != fp.fields.get(k)])
 
         todo, reused = [], 0
         for s in range(n_shards):  # every process checks every shard, so all refuse together
