@@ -167,6 +167,9 @@ def main() -> None:
     s.add_argument("--resamples", type=int, default=400)
     s.add_argument("--only", action="append", metavar="SCENARIO", help="only this scenario (repeatable; its name as the table prints it)")
     args = ap.parse_args()
+    unknown = [x for x in (getattr(args, "only", None) or []) if x not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {', '.join(map(repr, unknown))}; choose from {'; '.join(SCENARIOS)}")
     alpacaeval(args) if args.what == "alpacaeval" else simulate(args)
 
 
