@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from dllm_align.cli.app import app
 
 from fixtures.sort_toy import write_pairs
+from fixtures.runs import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -78,10 +79,6 @@ def _final_params(folder: Path) -> dict:
     return {k: v.detach() for k, v in load_model(str(folder)).model.state_dict().items()}
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_precompute_then_train_writes_a_loadable_model(toy):
     from transformers import AutoModelForCausalLM
 
@@ -99,7 +96,7 @@ def test_precompute_then_train_writes_a_loadable_model(toy):
     final = _final_params(out / "final")
     assert final["lm_head.weight"].shape == model.state_dict()["lm_head.weight"].shape
     assert not torch.equal(final["lm_head.weight"], model.state_dict()["lm_head.weight"])
-    rows = _metrics(out)
+    rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for key in ("loss", "baseline", "saturation", "lr", "grad_norm", "tokens_per_s", "examples_per_s"):
         assert all(r[key] is not None for r in rows), key
@@ -153,7 +150,7 @@ def test_two_processes_equal_one_process_with_batch_two(toy, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 process(es) x 1 micro-batch(es) x 1" in p.stderr
     assert p.stdout.strip() == str(two / "final")  # printed once, by the main process
-    m1, m2 = _metrics(one), _metrics(two)
+    m1, m2 = read_metrics(one), read_metrics(two)
     assert len(m1) == len(m2) == 3
     for x, y in zip(m1, m2):
         # ELBO sums are O(100) in fp32: rows padded in a batch vs alone differ by ~1e-5
@@ -186,7 +183,7 @@ def test_kl_baseline_two_processes_of_one_row_equal_one_process_of_two(toy, tmp_
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 process(es) x 1 micro-batch(es) x 1" in p.stderr
-    m1, m2 = _metrics(one), _metrics(two)
+    m1, m2 = read_metrics(one), read_metrics(two)
     assert len(m1) == len(m2) == 3 and m1[0]["baseline"] == 0.0
     assert any(x["baseline"] > 0 for x in m1[1:]), "z0 never left its clamp: the comparison would be vacuous"
     for x, y in zip(m1, m2):
@@ -249,7 +246,7 @@ def test_bf16_autocast_step(toy, tmp_path, precision):
     res = runner.invoke(app, ["train", str(toy["recipe"]), "-o", str(tmp_path), "--set", "train.max_steps=2", *sets])
     assert res.exit_code == 0, res.output
     assert "mixed precision bf16" in res.stderr
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in _metrics(tmp_path))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(tmp_path))
 
 
 def test_trackers_are_used_when_installed_else_named(toy, tmp_path):

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures.runs import read_metrics, reset_accelerate
 import torch
 
 from dllm_align.core.errors import UserError
@@ -264,17 +265,6 @@ def _cli_recipe(root: Path, model: str, name: str, **train) -> Path:
     return path
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.mark.parametrize("objective", ["elbo_kto", "sft", "vrpo"])
 def test_cli_shrunk_published_config_precompute_train_generate(shrunk_folder, tmp_path, fresh_accelerate, objective):
     """The shrunk published config from the CLI: precompute-ref, two training steps (ELBO-KTO: the first with
@@ -292,10 +282,10 @@ def test_cli_shrunk_published_config_precompute_train_generate(shrunk_folder, tm
         assert res.exit_code == 0, res.output
         # the recipe left data.padding at its default: the family's likelihood does not pack, the plan says so
         assert "data.padding: none (diffusion_gemma's uniform likelihood does not pack" in res.stderr
-        _reset_accelerate()
+        reset_accelerate()
     res = runner.invoke(app, ["train", str(rec), "-o", str(run)])
     assert res.exit_code == 0, res.output
-    rows = _metrics(run)
+    rows = read_metrics(run)
     assert len(rows) == 2 and all(r["loss"] == r["loss"] for r in rows)
     if objective == "elbo_kto":
         assert rows[0]["reward_desirable"] == 0.0 and rows[0]["reward_undesirable"] == 0.0 and rows[0]["baseline"] == 0.0

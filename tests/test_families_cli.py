@@ -17,6 +17,7 @@ from dllm_align.models.load import build_tiny_tokenizer
 from fixtures.family_checkpoints import (dream_config, dream_state, llada2_config, llada2_state, lladamoe_config,
                                         lladamoe_state, sdar_config, sdar_state, write_checkpoint)
 from fixtures.sort_toy import write_pairs
+from fixtures.runs import read_metrics, reset_accelerate
 
 runner = CliRunner()
 
@@ -50,17 +51,6 @@ def _recipe(root: Path, model: str, name: str, block: int = 6, **train) -> Path:
     return path
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("family", ["llada", "dream", "llada_moe", "sdar", "llada2"])
 def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fresh_accelerate):
@@ -70,10 +60,10 @@ def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fre
     mp = ["--set", f"train.mixed_precision={precision}"]
     res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run), *mp])
     assert res.exit_code == 0, res.output
-    _reset_accelerate()  # a new process in real use
+    reset_accelerate()  # a new process in real use
     res = runner.invoke(app, ["train", str(rec), "-o", str(run), *mp])
     assert res.exit_code == 0, res.output
-    (row,) = _metrics(run)
+    (row,) = read_metrics(run)
     # before the first update the policy is the reference: every margin is exactly zero
     assert row["reward_desirable"] == 0.0 and row["reward_undesirable"] == 0.0 and row["baseline"] == 0.0
     assert row["loss"] == pytest.approx(0.5 * (1.0 + 1.0) / 2)  # lambda (1 - sigmoid(0)) averaged
@@ -117,7 +107,7 @@ def test_other_objectives_and_lora(models, family, objective, extra, fresh_accel
         assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["train", str(rec), "-o", str(run)])
     assert res.exit_code == 0, res.output
-    (row,) = _metrics(run)
+    (row,) = read_metrics(run)
     assert row["loss"] == row["loss"]  # finite, not NaN
 
 

@@ -32,18 +32,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures.runs import reset_accelerate
 from fixtures.sort_toy import write_pairs
 
 HERE = Path(__file__).resolve().parent
 LAUNCHES = ("ddp", "fsdp1", "fsdp2")
 CLIP = 0.05  # below every step's gradient norm here (~0.2-0.25): clipping is active
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -100,19 +94,19 @@ def launched(tmp_path_factory, shared_data):
 
     # one process: the same global batch (2 micro-batches of 2)
     single = {}
-    _reset_accelerate()
+    reset_accelerate()
     torch.manual_seed(0)
     rec = d.recipe(spec, "no", "online", False, str(root / "train-single-llada2"), "train.max_steps=3",
                    f"train.max_grad_norm={CLIP}", "model.name_or_path=builtin:tiny-llada2")
     train(rec, examples=exs)
     single["llada2"] = rec.output_dir
     for lora in (False, True):
-        _reset_accelerate()
+        reset_accelerate()
         torch.manual_seed(0)
         rec = d.recipe(spec, "no", "cached", lora, str(root / f"train-single-{lora}"), "train.max_steps=3", f"train.max_grad_norm={CLIP}")
         train(rec, examples=exs)
         single[lora] = rec.output_dir
-    _reset_accelerate()
+    reset_accelerate()
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
