@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -251,7 +252,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     while samples are drawn and labelled."""
     import torch
 
-    from dllm_align.core.io import DirLock, check_not_input
+    from dllm_align.core.io import check_not_input
     from dllm_align.generate.backend import backend_factory, make_generator
     from dllm_align.generate.settings import encode_prompt, row_seed
 
@@ -294,20 +295,11 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     # change is not asked the very same random questions again.
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
     made = rank == 0 and not out.exists()
-    # Rank 0 alone takes the lock (and alone writes); when several processes sample, whether it got the lock
-    # is said to every rank, so that no rank samples while rank 0 has stopped.
-    lock = DirLock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)") if rank == 0 else None
     try:
-        if world > 1:
-            from_rank0(lambda: _enter(lock))
-        elif lock is not None:
-            lock.__enter__()
-        try:
+        with rank0_lock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
+                        rank, world):
             return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
                                  record, rank, world)
-        finally:
-            if lock is not None:
-                lock.__exit__(None, None, None)
     except BaseException:
         # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
         # is kept: the rerun reuses it).
@@ -316,8 +308,27 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         raise
 
 
-def _enter(lock) -> None:
-    lock.__enter__()
+@contextmanager
+def rank0_lock(folder: Path, message: str, rank: int, world: int):
+    """``folder``'s :class:`~dllm_align.core.io.DirLock` (``message`` when another command holds it), taken by rank 0
+    alone, which alone writes; when several processes run, whether it got the lock is said to every rank (a
+    refusal is raised on every rank), so that no rank goes on while rank 0 has stopped."""
+    from dllm_align.core.io import DirLock
+
+    lock = DirLock(folder, message) if rank == 0 else None
+
+    def take() -> None:  # returns nothing: the result is broadcast, and the lock stays on rank 0
+        lock.__enter__()
+
+    if world > 1:
+        from_rank0(take)
+    elif lock is not None:
+        take()
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,

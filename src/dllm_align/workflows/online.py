@@ -265,8 +265,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
     if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
         raise UserError(f"{source}: no prompts")
-    from dllm_align.core.io import DirLock
-    from dllm_align.online.label import _enter
+    from dllm_align.online.label import rank0_lock
 
     rank, world = _process_group()
     if world > 1:
@@ -275,20 +274,11 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
 
         check_shared_folder(out, "online run folder")
     # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
-    # Rank 0 alone takes it; whether it got it is said to every rank, so that none goes on without it.
-    lock = DirLock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)") if rank == 0 else None
-    try:
-        if world > 1:
-            from_rank0(lambda: _enter(lock))
-        elif lock is not None:
-            lock.__enter__()
+    with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world):
         return _run_rounds(recipe, out, rank=rank, world=world, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts,
                            reference=reference, keep_uniform=keep_uniform, temperature=temperature,
                            answer_column=answer_column, heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n,
                            keep=keep, greedy=greedy, allow_changes=allow_changes)
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
 
 
 def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: str, n: int, limit: Optional[int],
