@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from dllm_align.config.schema import LoraSection, TrainSection
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
+from dllm_align.models.families import family_of
 from dllm_align.models.families.base import Family
 from dllm_align.models.load import check_max_length, load_from_section
 from dllm_align.models.precision import fsdp2_bf16_layer_units, fsdp_mixed_precision
@@ -95,8 +96,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, resume_from: Optional[
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise UserError("train.lora.enabled needs the peft package", hint="pip install 'dllm-align[lora]'") from None
-    from dllm_align.models.families import family_of
-
     family = family_of(model)
     targets = list(lora.target_modules)
     if family.lora_modules is not None:  # tied stacks (DiffusionGemma): the family names the modules to adapt
@@ -147,8 +146,6 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
         plugin = accelerator.state.fsdp_plugin
         plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
         fsdp_wrap_family_layer(plugin, mp.model)
-        from dllm_align.models.families import family_of
-
         if family_of(mp.model).fsdp_units is not None:
             tied_units(mp.model, plugin, accelerator)
         elif t.fsdp_gather == "bf16_layers":
@@ -184,11 +181,9 @@ def tied_units(model: torch.nn.Module, plugin, accelerator) -> None:
     them, already sharded) for its wrap policy and its activation checkpointing."""
     from torch.distributed.fsdp import fully_shard
 
-    from dllm_align.models.families import family_of
-
-    groups = family_of(model).fsdp_units(model)
+    groups, mesh = family_of(model).fsdp_units(model), _fsdp2_mesh(accelerator)
     for group in groups:
-        fully_shard(group, mesh=_fsdp2_mesh(accelerator), mp_policy=plugin.mixed_precision_policy,
+        fully_shard(group, mesh=mesh, mp_policy=plugin.mixed_precision_policy,
                     reshard_after_forward=plugin.reshard_after_forward)
     plugin.transformer_cls_names_to_wrap = sorted({type(m).__name__ for g in groups for m in g})
 
