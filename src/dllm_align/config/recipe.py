@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dllm_align.core.errors import UserError
-from dllm_align.config.schema import Recipe
+from dllm_align.config.schema import KeyedError, Recipe
 from dllm_align.core.io import atomic_write_text, note_input
 from dllm_align.core.runfolder import recipe_record
 
@@ -109,6 +109,15 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
+        keyed = (e.get("ctx") or {}).get("error")
+        if isinstance(keyed, KeyedError):
+            # a section's check about one key below it (a component's setting, a key it ignores): name that key
+            loc = loc + tuple(keyed.key.split("."))
+            e = {**e, "loc": loc, "msg": keyed.message}
+            if keyed.message.startswith("unknown key"):
+                dotted = ".".join(str(x) for x in loc)
+                lines.append(f"{_blame(dotted, source, given or {})}: {keyed.message.replace('unknown key', f'unknown key {dotted!r}', 1)}")
+                continue
         dotted = ".".join(str(x) for x in loc) or "(top level)"
         where = _blame(dotted, source, given or {})
         if e["type"] == "extra_forbidden":

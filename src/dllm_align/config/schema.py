@@ -9,13 +9,13 @@ cross-section rules read every section; split, the format would be spread over s
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
-
+from dllm_align.config import components as registry
 
 
 class Section(BaseModel):
@@ -23,8 +23,84 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+class KeyedError(ValueError):
+    """A problem with one key below the section that raises it (``key`` relative to the section, dotted): the
+    recipe's error lines name ``<section>.<key>`` (``config.recipe.format_errors``)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+class ComposedSection(Section):
+    """A section that holds the own settings of the components whose kind lives in it (``train.<objective>``,
+    ``generate.<backend>``, ...; ``dllm_align.config.components``). A key that is neither a field nor a
+    registered component of the section is refused as an unknown key; a component's settings are validated by
+    its own model; the selected component's ignored keys must keep their defaults."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
+    SECTION: ClassVar[str] = ""
+
+    @model_validator(mode="after")
+    def _components(self):
+        extra = self.__pydantic_extra__ or {}
+        by_name = {c.name: c for c in registry.section_components(self.SECTION)}
+        for key in list(extra):
+            comp = by_name.get(key)
+            if comp is None:
+                known = list(type(self).model_fields) + list(by_name)
+                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+                raise KeyedError(str(key), "unknown key" + (f" (did you mean '{self.SECTION}.{close[0]}'?)" if close else ""))
+            value = extra[key]
+            if isinstance(value, BaseModel):
+                value = value.model_dump()
+            try:
+                extra[key] = comp.settings.model_validate({} if value is None else value)
+            except ValidationError as e:
+                err = e.errors()[0]
+                sub = ".".join(str(x) for x in err["loc"])
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                if err["type"] == "extra_forbidden":
+                    msg = "unknown key"
+                raise KeyedError(f"{key}.{sub}" if sub else str(key), msg) from None
+        for kind in registry.KINDS.values():
+            if kind.section != self.SECTION or kind.selector is None:
+                continue
+            name = getattr(self, kind.selector)
+            comp = registry.find(kind.name, name) if isinstance(name, str) else None
+            if comp is not None:
+                problems = ignored_problems(self, comp)
+                if problems:
+                    raise KeyedError(problems[0][0], problems[0][1])
+        return self
+
+    def own_settings(self, name: str) -> BaseModel:
+        """The settings of component ``name`` of this section (its defaults when the recipe sets none)."""
+        extra = self.__pydantic_extra__ or {}
+        if name in extra:
+            return extra[name]
+        for comp in registry.section_components(self.SECTION):
+            if comp.name == name:
+                return comp.settings()
+        raise KeyError(f"{self.SECTION}.{name}: no component of this section is named {name!r}")
+
+
+def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tuple[str, str]]:
+    """(key, message) for each key of ``section`` that ``comp`` ignores but the recipe set away from its default."""
+    out = []
+    for key in comp.ignores:
+        field = type(section).model_fields[key]
+        default = field.get_default(call_default_factory=True)
+        if getattr(section, key) != default:
+            out.append((key, f"not a setting of the {comp.kind} {comp.name!r} (it has no use for it; "
+                             f"leave it at {default!r})"))
+    return out
+
+
 # --------------------------------------------------------------------------- model
-class ModelSection(Section):
+class ModelSection(ComposedSection):
+    SECTION: ClassVar[str] = "model"
     name_or_path: str = Field(
         "builtin:tiny",
         description="Hub id, local folder, or 'builtin:tiny' (the built-in tiny model, no network needed).",
@@ -107,7 +183,8 @@ class DataSection(Section):
 
 
 # --------------------------------------------------------------------------- reference
-class ReferenceSection(Section):
+class ReferenceSection(ComposedSection):
+    SECTION: ClassVar[str] = "reference"
     mode: Literal["cached", "online"] = Field(
         "cached", description="'cached': read precomputed reference ELBOs; 'online': keep the reference model resident."
     )
@@ -157,7 +234,8 @@ class LoraSection(Section):
     )
 
 
-class TrainSection(Section):
+class TrainSection(ComposedSection):
+    SECTION: ClassVar[str] = "train"
     objective: str = Field(
         "elbo_kto",
         description="The training objective by its registered name: elbo_kto (the paper), sft (masked-diffusion SFT), "
@@ -242,12 +320,14 @@ FAST_CACHE = "dual"
 FAST_THRESHOLD = 0.9
 
 
-class GenerateSection(Section):
+class GenerateSection(ComposedSection):
     """Decoding: the backend, the rule (LLaDA's block sampler, Dream's, block diffusion's) and its settings; read by
     `generate`, `label` / `online` and `evaluate`'s generation tasks (modules in dllm_align.generate).
 
     The samplers read these settings themselves (``dllm_align.generate.settings.SamplerSettings`` derives from this
     class), so every check of a setting is here."""
+
+    SECTION: ClassVar[str] = "generate"
 
     backend: str = Field(
         "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
@@ -537,8 +617,10 @@ def verifier_problem(spec) -> Optional[str]:
     return f"unknown verifier {spec!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; known: " + ", ".join(VERIFIERS)
 
 
-class OnlineSection(Section):
+class OnlineSection(ComposedSection):
     """Online ELBO-KTO (``dllm-align online``; ``demo`` runs it when a recipe has this section)."""
+
+    SECTION: ClassVar[str] = "online"
 
     rounds: int = Field(2, ge=1, le=100, description="Rounds of label -> reference -> ELBO-KTO.")
     rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN, judge:MODEL or module:function.")
@@ -620,4 +702,5 @@ class Recipe(Section):
         return self.train.n_mc or self.reference.n_mc
 
 
-
+for _section in (ModelSection, ReferenceSection, TrainSection, GenerateSection, OnlineSection):
+    registry.note_section_fields(_section.SECTION, _section.model_fields)
