@@ -51,9 +51,14 @@ import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, Callable, Mapping, Optional, Sequence
+import urllib.request
 from urllib.parse import urlsplit
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
+
+# lazy imports: httpx2, openai: absent on Python 3.10 (pyproject installs them from 3.11), where everything but an
+# API judge works and `judge` with a model says what to install
 
 # A judge's reply is a few kB; a batch output file can be hundreds of MB.
 MAX_RESPONSE_BYTES = 8 << 20
@@ -429,7 +434,6 @@ class ChatClient:
         self._lock = threading.Lock()
         proxy = None
         if env_proxy:  # only when asked: the proxy the environment names for this scheme, unless NO_PROXY covers the host
-            import urllib.request
 
             if not urllib.request.proxy_bypass(parts.hostname):
                 proxy = urllib.request.getproxies().get(parts.scheme)
@@ -606,7 +610,6 @@ class ChatClient:
             if (asked, answered) in self.stats.other_models:
                 return
             self.stats.other_models.add((asked, answered))
-        from dllm_align.core.console import warn
 
         warn(self.scrub(f"asked {self.base_url} for model {asked!r}, but it answered as {answered!r}: "
                         "the verdicts are that model's (check the server's model routing)"))

@@ -37,7 +37,10 @@ scrubbed from every message and stored reply; it is never written under DIR.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import importlib
+import inspect
 import json
 import re
 import threading
@@ -46,8 +49,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from dllm_align.config.schema import JudgeSection
+from dllm_align.core.console import info, progress, progress_enabled, warn
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's judging API)
+from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
+from dllm_align.core.usercode import load_function
+from dllm_align.judge import stats
+from dllm_align.judge.anchors import difficulty_from, length_anchors
+from dllm_align.judge.batch import BatchRunner, pending_batches
+from dllm_align.judge.cache import CacheWriter, Task, add_usage, judgement_key, load_cache
+# The transport, the cache, the batch flow and the report live in their own modules; the names the library's
+# judging API had here stay importable from here (hence the noqa F401).
+from dllm_align.judge.client import (  # noqa: F401
+    Cancelled,
+    ChatClient,
+    FatalApiError,
+    JudgementFailed,
+    Reply,
+    Scrubber,
+    ServerAskedToWait,
+    read_api_key,
+    run_pool,
+)
+from dllm_align.judge.inputs import (  # noqa: F401
     DEFAULT_TEMPLATE,
     ORDERS,
     PLACEHOLDERS,
@@ -61,6 +85,15 @@ from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's
     prompt_text,
     read_generations,
     render,
+)
+from dllm_align.judge.report import (  # noqa: F401
+    length_report,
+    print_table,
+    results_markdown,
+    summarize_outcomes,
+    table_rows,
+    usage_lines,
+    usage_report,
 )
 
 # =========================================================================== rule judges
@@ -122,8 +155,6 @@ def rule_names() -> list[str]:
 
 
 def _load_rule_modules() -> None:
-    import importlib
-
     for name, (mod, fn) in _BUILTIN_RULES.items():
         if name not in _RULES:
             register_rule(name, getattr(importlib.import_module(mod), fn))
@@ -133,8 +164,6 @@ def user_function(spec: str, label: str) -> tuple[Callable, str]:
     """The function ``package.module:function`` names, announced on stderr: the one place dllm-align runs code
     that a flag or a recipe names (rule judges here, verifiers in :mod:`dllm_align.online.verifiers`); what is
     contained of it (printing, exiting, hanging) is :mod:`dllm_align.core.usercode`."""
-    from dllm_align.core.usercode import load_function
-
     return load_function(spec, label)
 
 
@@ -143,7 +172,6 @@ def get_rule(name: str) -> RuleFn:
     ``package.module:function`` naming a pairwise function ``(prompt, answer_a, answer_b) -> "A"|"B"|"C"``."""
     if ":" in name:
         f, attr = user_function(name, f"rule:{name}")
-        import inspect
 
         try:  # a judging rule takes (prompt, answer_a, answer_b); anything else is refused before it runs
             inspect.signature(f).bind("", "", "")
@@ -158,8 +186,6 @@ def get_rule(name: str) -> RuleFn:
     if name not in _RULES:
         _load_rule_modules()
     if name not in _RULES:
-        import difflib
-
         close = difflib.get_close_matches(name, list(_RULES), n=1)
         raise UserError(
             f"unknown rule judge 'rule:{name}'",
@@ -188,26 +214,10 @@ def _exact_match(prompt: str, answer: str, reference: Optional[str]) -> float:
 
 
 # =========================================================================== the run
-# The transport, the cache, the batch flow and the report live in their own
-# modules; these names stay importable from here for users of the library.
-from dllm_align.judge.cache import Task, judgement_key, load_cache  # noqa: E402
-from dllm_align.judge.client import (  # noqa: E402
-    Cancelled,
-    ChatClient,
-    FatalApiError,
-    JudgementFailed,
-    Reply,
-    Scrubber,
-    ServerAskedToWait,
-    _retry_after,
-    read_api_key,
-)
-from dllm_align.judge.report import print_table, results_markdown, summarize_outcomes, table_rows  # noqa: E402
-
 __all__ = [
     "ChatClient", "Scrubber", "Task", "judge_files", "judge_pairs", "judgement_key", "load_cache", "parse_verdict",
     "print_table", "read_api_key", "register_rule", "register_scorer", "results_markdown", "summarize_outcomes",
-    "table_rows", "Reply", "Cancelled", "FatalApiError", "JudgementFailed", "_retry_after",
+    "table_rows", "Reply", "Cancelled", "FatalApiError", "JudgementFailed",
 ]
 
 
@@ -224,8 +234,6 @@ class JudgeRunResult:
 
 
 def _settings_dict(settings) -> dict:
-    from dllm_align.config.schema import JudgeSection
-
     if isinstance(settings, JudgeSection):
         return settings.model_dump()
     return JudgeSection.model_validate(dict(settings)).model_dump()
@@ -266,12 +274,6 @@ def judge_pairs(
     Returns the results; ``failed`` > 0 means some judgements are missing (their
     prompts are excluded for that judge, see the module docstring).
     """
-    from dllm_align.judge import stats
-    from dllm_align.core.console import info
-    from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
-    from dllm_align.judge.cache import CacheWriter
-    from dllm_align.judge.report import length_report, usage_lines, usage_report
-
     s = _settings_dict(settings)
     judges: list[str] = list(s["judges"])
     if not 1 <= len(judges) <= 2:
@@ -286,8 +288,6 @@ def judge_pairs(
                         hint="name one with --anchors-model MODEL (judge.length_anchors_model)")
     difficulty = None
     if s["difficulty_from"]:
-        from dllm_align.judge.anchors import difficulty_from
-
         difficulty = difficulty_from(s["difficulty_from"], pairs, judges)
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -386,8 +386,6 @@ def judge_pairs(
         results: dict[str, Any] = {"n": len(pairs), "a": labels[0], "b": labels[1]}
         anchors = None
         if s["length_anchors"]:
-            from dllm_align.judge.anchors import length_anchors
-
             anchors = length_anchors(pairs, out, s, environ, judges, judge_pairs=judge_pairs, params=params, answer_length=answer_length)
         results.update(summarize_outcomes(per_judge, lengths=(len_a, len_b), bootstrap=s["bootstrap"], seed=s["seed"],
                                           anchors=anchors, difficulty=difficulty))
@@ -438,10 +436,6 @@ def _obtain(tasks: dict[str, Task], client: ChatClient, s: dict, params: dict, o
     """Get the judgements of ``tasks`` live or through the Batch API (failed batch
     requests are retried live, or in new batches with ``batch_failed: batch``).
     Returns a fatal error if one stopped the run."""
-    from dllm_align.core.console import info
-
-    from dllm_align.judge.batch import BatchRunner, pending_batches
-
     if not s["batch"]:
         busy = {name: n for name, keys in pending_batches(out).items() if (n := len(set(keys) & set(tasks)))}
         if busy:  # asking live would send requests a batch on the server is answering
@@ -483,10 +477,6 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
               already: int) -> Optional[FatalApiError]:
     """Run the API judgements on a bounded pool of daemon threads; the main thread
     appends each finished one to the cache, so lines never interleave."""
-    from dllm_align.core.console import info, progress, progress_enabled, warn
-    from dllm_align.judge.cache import add_usage
-    from dllm_align.judge.client import run_pool
-
     max_parse = s["max_parse_retries"]
 
     def work(t: Task) -> tuple[str, Reply, int, dict]:
