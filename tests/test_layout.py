@@ -274,11 +274,7 @@ def _library() -> dict[str, Path]:
 UNJUSTIFIED_LEFT: dict[str, int] = {
     "config.recipe": 1,
     "config.schema": 3,
-    "core.console": 6,
-    "core.errors": 2,
-    "core.io": 2,
     "core.runfolder": 11,
-    "core.usercode": 3,
     "data.convert": 2,
     "data.examples": 8,
     "data.public": 3,
@@ -303,9 +299,7 @@ UNJUSTIFIED_LEFT: dict[str, int] = {
     "models.predictor": 1,
     "objective.block": 1,
     "objective.uniform": 1,
-    "online.absolute": 9,
     "online.label": 44,
-    "online.math_answer": 5,
     "online.verifiers": 10,
     "training.checkpoint": 11,
     "training.distributed": 1,
@@ -316,9 +310,7 @@ UNJUSTIFIED_LEFT: dict[str, int] = {
     "training.traffic": 2,
     "training.train": 2,
     "workflows.ablate": 10,
-    "workflows.demo": 15,
     "workflows.online": 34,
-    "workflows.pipeline": 10,
 }
 PRIVATE_LEFT: dict[str, int] = {
     "data.imbalance": 1,
@@ -337,7 +329,6 @@ REIMPORTS_LEFT: dict[str, int] = {
     "models.families.base": 1,
     "models.load": 2,
     "training.plan": 1,
-    "workflows.demo": 2,
 }
 
 

@@ -15,8 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Optional
+
+from dllm_align.core.io import JsonlAppender, recover_jsonl
+from dllm_align.judge.batch import BatchRunner
+from dllm_align.judge.cache import CacheWriter, Task
+from dllm_align.judge.client import ChatClient, read_api_key
+from dllm_align.judge.run import request_params
 
 TEMPLATE = (
     "You are judging one answer to a user's request. Decide whether the answer is good: correct, helpful "
@@ -43,10 +50,6 @@ class AbsoluteJudge:
     """A verifier ``(prompt, completion, row) -> True | False | None`` (None: unjudgeable)."""
 
     def __init__(self, model: str, section, out_dir: Path):
-        from dllm_align.core.io import recover_jsonl
-        from dllm_align.judge.client import ChatClient, read_api_key
-        from dllm_align.judge.run import request_params
-
         s = section.model_dump()
         key = read_api_key(s["api_key_env"])
         self.client = ChatClient(s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"],
@@ -65,8 +68,6 @@ class AbsoluteJudge:
         return hashlib.sha256(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
     def __call__(self, prompt: str, completion: str, row: dict) -> Optional[bool]:
-        from dllm_align.core.io import JsonlAppender
-
         key = self._key(prompt, completion)
         if key in self.cache:
             return self.cache[key]["verdict"] == "YES"
@@ -91,11 +92,6 @@ class AbsoluteJudge:
         """The verdicts of ``(prompt, completion)`` pairs, the uncached ones asked through the Batch API (as
         ``judge --batch``: resumable at every stage from ``DIR/batch_state.json``). What a batch left without
         a verdict is then asked live, with the re-ask for the verdict alone."""
-        import threading
-
-        from dllm_align.judge.batch import BatchRunner
-        from dllm_align.judge.cache import CacheWriter, Task
-
         tasks: dict[str, Task] = {}
         for prompt, completion in pairs:
             key = self._key(prompt, completion)
