@@ -275,11 +275,6 @@ UNJUSTIFIED_LEFT: dict[str, int] = {
     "config.recipe": 1,
     "config.schema": 3,
     "core.runfolder": 11,
-    "data.convert": 2,
-    "data.examples": 8,
-    "data.public": 3,
-    "data.read": 3,
-    "data.stats": 5,
     "generate.block": 1,
     "generate.gemma": 3,
     "generate.in_process": 1,
@@ -313,11 +308,6 @@ UNJUSTIFIED_LEFT: dict[str, int] = {
     "workflows.online": 34,
 }
 PRIVATE_LEFT: dict[str, int] = {
-    "data.imbalance": 1,
-    "data.layouts": 5,
-    "data.load": 16,
-    "data.read": 3,
-    "online.label": 2,
     "training.checkpoint": 1,
     "training.loop": 1,
     "training.reference": 3,
