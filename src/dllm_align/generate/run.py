@@ -52,7 +52,7 @@ def run_generate(
     from dllm_align.data.load import load_prompts
     from dllm_align.core.errors import UserError
     from dllm_align.generate.backend import backend_factory, make_generator
-    from dllm_align.generate.settings import SamplerSettings
+    from dllm_align.generate.settings import SamplerSettings, model_fingerprint
     from dllm_align.core.io import FileLock, check_not_input
     from dllm_align.models.load import pick_dtype
 
@@ -100,7 +100,7 @@ def run_generate(
         check_not_input(p)  # the prompts (or the recipe) are never overwritten, --overwrite or not
     settings_record = {
         "model": rec.model.name_or_path,
-        "model_checksums": _model_digest(rec.model.name_or_path),
+        "model_checksums": model_fingerprint(rec.model.name_or_path),
         "revision": rec.model.revision,
         "tokenizer": rec.model.tokenizer,
         "dtype": str(pick_dtype(rec.model.dtype, dev)).removeprefix("torch."),
@@ -137,18 +137,6 @@ def run_generate(
     finally:
         if lock is not None:
             lock.release()
-
-
-def _model_digest(name: str) -> Optional[str]:
-    """The sha256 of a model folder's checksums.json (what dllm-align writes into checkpoints and
-    final/), so a retrained model behind the same path is told apart; None elsewhere."""
-    import hashlib
-
-    p = Path(name) / "checksums.json"
-    try:
-        return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-    except OSError:
-        return None
 
 
 def _generate_into(rec, out, sidecar, rows, source, settings, settings_record, dev, rank, world, barrier, part_files,
