@@ -331,8 +331,16 @@ class GenerateSection(ComposedSection):
 
     backend: str = Field(
         "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
-        "other names are generation backends registered in dllm_align.generate.backend."
+        "other names are generation backends declared as components (dllm_align.generate.backend)."
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        # by name, from the declarations alone: nothing is imported to check it
+        if registry.find("backend", v) is None:
+            raise ValueError(registry.unknown_message("backend", v, key="generate.backend").partition(": ")[2])
+        return v
     sampler: Literal["auto", "llada", "dream", "block", "diffusion_gemma"] = Field(
         "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, Dream's diffusion_generate, "
         "block diffusion's (SDAR: block by block with a KV cache), or DiffusionGemma's own generate (its published "
