@@ -298,3 +298,57 @@ def test_contributing_steps_for_a_backend_work(tmp_path, monkeypatch):
         components.unregister("backend", "upper_plugin")
         sys.modules.pop("my_backend_plugin", None)
         components._loaded.discard("my_backend_plugin")
+
+
+# The sidecar the in-process backend wrote for `generate demo --limit 2` before backends declared what they
+# use (and the rows it wrote): a folder made then resumes, since the in-process record is unchanged.
+OLD_SIDECAR = {
+    "model": "builtin:toy-sort-base", "model_checksums": None, "revision": None, "tokenizer": None, "dtype": "float32",
+    "prompts": "builtin:toy-sort", "split": "test", "max_prompt_length": None,
+    "sampler": {"sampler": "auto", "gen_length": 8, "block_length": 8, "steps": 8, "remasking": "low_confidence",
+                "temperature": 0.0, "cfg": 0.0, "seed": 0, "cache": "none", "threshold": None, "alg": "origin",
+                "alg_temp": 0.0, "top_p": None, "top_k": None, "eps": 0.001},
+    "backend": "in_process",
+}
+OLD_ROWS = [("sort-test-00000", "sort: 29141", "94221"), ("sort-test-00001", "sort: 77763", "36777")]
+
+
+def test_a_folder_generated_before_backends_declared_their_use_resumes(tmp_path):
+    rows = [{"id": i, "prompt": [{"role": "user", "content": p}], "completion": c, "finish_reason": "stop",
+             "num_tokens": 5, "settings": OLD_SIDECAR} for i, p, c in OLD_ROWS]
+    (tmp_path / "gen.test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "gen.test.settings.json").write_text(json.dumps(OLD_SIDECAR, indent=2))
+    r = runner.invoke(app, ["generate", "demo", "-o", str(tmp_path), "--limit", "3"])
+    assert r.exit_code == 0, r.output
+    assert "2 already in" in r.stderr
+    got = [json.loads(x) for x in (tmp_path / "gen.test.jsonl").read_text().splitlines()]
+    assert [g["completion"] for g in got[:2]] == ["94221", "36777"] and len(got) == 3
+    assert json.loads((tmp_path / "gen.test.settings.json").read_text()) == OLD_SIDECAR  # recorded as before
+    # a value that differs is still refused, by name
+    r = runner.invoke(app, ["generate", "demo", "-o", str(tmp_path), "--limit", "3", "--set", "generate.seed=1"])
+    assert r.exit_code == 2 and "sampler.seed" in r.stderr
+
+
+class Partial:
+    tokenizer = None
+    max_positions = None
+
+    def generate(self, *a, **k):
+        raise AssertionError("never reached")
+
+
+def make_partial(generate, settings, **kw):
+    return Partial()
+
+
+def test_a_backend_whose_generator_lacks_a_method_is_refused_by_name(tmp_path):
+    components.register(Component(kind="backend", name="toy_partial", target=f"{__name__}:make_partial",
+                                  traits={"serves": "load"}))
+    try:
+        r = runner.invoke(app, ["generate", "demo", "-o", str(tmp_path / "run"), "--limit", "2",
+                                "--set", "generate.backend=toy_partial"])
+    finally:
+        components.unregister("backend", "toy_partial")
+    assert r.exit_code == 2
+    assert "generate.backend: the backend 'toy_partial'" in r.stderr and "settings_for, serving" in r.stderr
+    assert not (tmp_path / "run").exists()

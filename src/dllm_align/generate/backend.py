@@ -75,6 +75,8 @@ class Generator(Protocol):
         ...
 
 
+GENERATOR_METHODS = ("tokenizer", "max_positions", "settings_for", "serving", "generate")
+
 # A backend's factory: (generate section, the backend's own settings, *, model, device, name_or_path,
 # predictor) -> Generator. ``model``: the recipe's model section (None where the caller names only
 # ``name_or_path``); ``name_or_path``: the checkpoint to serve instead of the model section's; ``predictor``: a
@@ -158,6 +160,10 @@ def make_generator(generate, model=None, *, device=None, name_or_path: Optional[
     comp = backend_component(generate.backend)
     own: BaseModel = generate.own_settings(comp.name)
     gen = comp.load()(generate, own, model=model, device=device, name_or_path=name_or_path, predictor=predictor)
+    missing = [m for m in GENERATOR_METHODS if not hasattr(type(gen), m) and not hasattr(gen, m)]
+    if missing:
+        raise UserError(f"{KEY}: the backend {comp.name!r} ({comp.target}) made a generator without "
+                        f"{', '.join(missing)}", hint="a backend's generator has the methods of generate.backend.Generator")
     gen.settings_for(SamplerSettings.from_section(generate))
     return gen
 
