@@ -165,6 +165,14 @@ def test_online_refuses_a_backend_that_serves_a_fixed_model(tmp_path, toys):
     assert not (tmp_path / "run").exists() and not MADE
 
 
+def test_the_online_demo_refuses_a_backend_that_serves_a_fixed_model(tmp_path, toys):
+    r = runner.invoke(app, ["demo", "--recipe", "demo_online", "-o", str(tmp_path / "run"),
+                            "--set", "generate.backend=toy_fixed"])
+    assert r.exit_code == 2, r.output
+    assert "generate.backend: the backend 'toy_fixed' serves one model and cannot change it" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_backend_traits_say_how_a_model_reaches_it(toys):
     assert backend.serves("in_process") == "load" and backend.loads_here("in_process")
     assert backend.serves("toy_fixed") == "fixed" and not backend.loads_here("toy_echo")
