@@ -313,7 +313,7 @@ def merge_results(per_task: dict[str, dict], plans: Sequence[TaskPlan], name_or_
         merged["config"]["model_args"] = {"pretrained": name_or_path}
     merged["dllm_align"] = {
         "model": name_or_path,
-        "tasks": {p.key: p.describe() | {"sampler": p.sampler.to_dict()} for p in plans},
+        "tasks": {p.key: p.describe() | {"sampler": recorded_settings(p.sampler)} for p in plans},
         "scores": {p.key: headline(merged, p) for p in plans if p.key in per_task},
     }
     return merged

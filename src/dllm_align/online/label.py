@@ -472,8 +472,8 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
         "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
-        "served": served,
     }
+    summary["served"] = served  # the model the backend says it served (None where it cannot tell)
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_json(summary_path, summary)
     return summary
