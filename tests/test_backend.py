@@ -15,7 +15,7 @@ from dllm_align.cli.app import app
 from dllm_align.config import components
 from dllm_align.config.components import Component, ComponentSettings
 from dllm_align.core.errors import UserError
-from dllm_align.generate import backend
+from dllm_align.generate import backend, in_process
 from dllm_align.generate.settings import Completion, SamplerSettings, encode_prompt
 
 runner = CliRunner()
@@ -82,13 +82,11 @@ FIXED = Component(kind="backend", name="toy_fixed", target=f"{__name__}:make_ech
 
 @pytest.fixture
 def toys(monkeypatch):
-    from dllm_align.models import load
-
     def no_model(*a, **k):
         raise AssertionError("the in-process model was loaded")
 
-    monkeypatch.setattr(load, "load_from_section", no_model)
-    monkeypatch.setattr(load, "load_model", no_model)
+    # the in-process backend's own binding (imported at this module's top, so no other module keeps the patch)
+    monkeypatch.setattr(in_process, "load_from_section", no_model)
     MADE.clear()
     for c in (ECHO, FIXED):
         components.register(c)
@@ -287,12 +285,10 @@ def test_contributing_steps_for_a_backend_work(tmp_path, monkeypatch):
     # (class, factory, declaration), selected by generate.backend, its setting under generate.<name>.<key>
     import sys
 
-    from dllm_align.models import load
-
     (tmp_path / "my_backend_plugin.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(components.PLUGINS_ENV, "my_backend_plugin")
-    monkeypatch.setattr(load, "load_from_section", lambda *a, **k: pytest.fail("the in-process model was loaded"))
+    monkeypatch.setattr(in_process, "load_from_section", lambda *a, **k: pytest.fail("the in-process model was loaded"))
     try:
         out = tmp_path / "out"
         r = runner.invoke(app, ["generate", "demo", "-o", str(out), "--limit", "2", "--set", "generate.backend=upper_plugin",

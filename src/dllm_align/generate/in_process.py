@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from dllm_align.generate.sampler import generate
-from dllm_align.models.load import load_from_section
 from dllm_align.generate.rules import settings_for
+from dllm_align.generate.sampler import generate
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, model_fingerprint
+from dllm_align.models.load import load_from_section
 
 
 class InProcessGenerator:
