@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.core.errors import UserError
+
 TEMPLATE = (
     "You are judging one answer to a user's request. Decide whether the answer is good: correct, helpful "
     "and responsive to the request. Explain briefly, then end with your verdict on its own line: [[YES]] if "
@@ -115,3 +117,16 @@ class AbsoluteJudge:
             self._appender.close()
             self._appender = None
         self.client.close()
+
+
+def check_judge(rule: str, section) -> None:
+    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
+    from dllm_align.judge.client import check_base_url, read_api_key
+
+    if not rule[len("judge:"):].strip():
+        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
+    key = read_api_key(section.api_key_env)
+    try:
+        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
+    except UserError as e:  # the client names its own flag; label reads the recipe's key
+        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None

@@ -197,21 +197,9 @@ def check_temperature(temperature: Optional[float], n: int) -> None:
                         "to contrast", hint="sample at a temperature above 0 (1.0 by default), or --n 1")
 
 
-def check_judge(rule: str, section) -> None:
-    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
-    from dllm_align.judge.client import check_base_url, read_api_key
-
-    if not rule[len("judge:"):].strip():
-        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
-    key = read_api_key(section.api_key_env)
-    try:
-        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
-    except UserError as e:  # the client names its own flag; label reads the recipe's key
-        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
-
-
 def check_rule(rule: str, answer_column: str, recipe):
     """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
+    from dllm_align.online.absolute import check_judge
     from dllm_align.online.verifiers import Rule, check_spec, get_rule
 
     check_spec(rule, f"--rule {rule}")
