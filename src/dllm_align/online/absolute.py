@@ -1,4 +1,5 @@
-"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``): is this answer good, yes or no?
+"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``, the component ``judge``:
+:func:`judge_rule`): is this answer good, yes or no?
 
 The request goes through the judge's own client (:class:`dllm_align.judge.client.ChatClient`: only the
 recipe's ``judge.base_url`` is contacted, the key comes from ``judge.api_key_env`` and never reaches a
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from dllm_align.core.errors import UserError
+from dllm_align.online.verifiers import Rule
 
 TEMPLATE = (
     "You are judging one answer to a user's request. Decide whether the answer is good: correct, helpful "
@@ -130,3 +132,12 @@ def check_judge(rule: str, section) -> None:
         check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
     except UserError as e:  # the client names its own flag; label reads the recipe's key
         raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
+
+
+def judge_rule(sel):
+    """The verifier ``judge:MODEL`` (``sel``: an ``online.verifiers.Selection``): the recipe's judge section
+    checked now (key and URL), the judge itself made once the run folder is taken (its verdicts are cached
+    there), on the rank that labels."""
+    section = sel.recipe.judge
+    check_judge(sel.spec, section)
+    return Rule(sel.spec, lambda p, c, r: True, bind=lambda out: AbsoluteJudge(sel.argument, section, out))
