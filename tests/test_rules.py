@@ -165,6 +165,13 @@ def test_a_rule_without_blocks_gets_no_block_check():
         with pytest.raises(ValidationError, match="gen_length: 30 is not a multiple of block_length"):
             GenerateSection(sampler=rule, gen_length=30, block_length=8)
     assert components.get("rule", "dream").check is None
+    # evaluate's tasks decode with the same rule: a task's own lengths are checked by it alone
+    from dllm_align.config.schema import Recipe
+
+    tasks = {"tasks": {"gsm8k": {"gen_length": 10, "block_length": 4}}}
+    Recipe(generate={"sampler": "dream"}, evaluate=tasks)
+    with pytest.raises(ValidationError, match="evaluate.tasks.gsm8k: gen_length: 10 is not a multiple of block_length"):
+        Recipe(generate={"sampler": "llada"}, evaluate=tasks)
 
 
 def test_cache_dual_with_the_dream_rule_is_refused_by_name():

@@ -692,7 +692,11 @@ class Recipe(Section):
             g = t.gen_length or self.generate.gen_length
             b = t.block_length or self.generate.block_length
             s = t.steps or self.generate.steps
-            if g % b:
+            if self.generate.sampler != "auto":
+                # a named rule checks the task's decoding as its own (a rule without blocks has no block check)
+                task = self.generate.model_copy(update={"gen_length": g, "block_length": b, "steps": s})
+                problems += [f"evaluate.tasks.{key}: {k}: {m}" for k, m in rule_problems(task, self.generate.sampler)[:1]]
+            elif g % b:
                 problems.append(f"evaluate.tasks.{key}: gen_length ({g}) must be a multiple of block_length ({b})")
             elif s % (g // b):
                 problems.append(f"evaluate.tasks.{key}: steps ({s}) must be a multiple of the number of blocks ({g // b})")
