@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.config.schema import JudgeSection
 from dllm_align.core.errors import UserError
 from dllm_align.online.verifiers import Rule
 
@@ -138,6 +139,6 @@ def judge_rule(sel):
     """The verifier ``judge:MODEL`` (``sel``: an ``online.verifiers.Selection``): the recipe's judge section
     checked now (key and URL), the judge itself made once the run folder is taken (its verdicts are cached
     there), on the rank that labels."""
-    section = sel.recipe.judge
+    section = sel.recipe.judge if sel.recipe is not None else JudgeSection()
     check_judge(sel.spec, section)
     return Rule(sel.spec, lambda p, c, r: True, bind=lambda out: AbsoluteJudge(sel.argument, section, out))

@@ -38,6 +38,8 @@ from pydantic import BaseModel
 from dllm_align.config.schema import split_verifier, verifier_problem
 from dllm_align.core.errors import DllmAlignError, UserError
 from dllm_align.core.usercode import call, load_function
+from dllm_align.data.toy import desirable, digits_of, undesirable
+from dllm_align.online.math_answer import REASONS, judge, reference_answer
 
 Verifier = Callable[[str, str, dict], bool]
 
@@ -66,8 +68,6 @@ class Rule:
 
 
 def _sort(prompt: str, completion: str, row: dict) -> bool:
-    from dllm_align.data.toy import desirable, digits_of
-
     return completion.strip() == desirable(digits_of(prompt))
 
 
@@ -77,8 +77,6 @@ SORT_REASONS = ("correct", "descending", "unsorted", "malformed")
 def _sort_why(prompt: str, completion: str, row: dict) -> str:
     """``correct``; ``descending`` (the reverse sort); ``unsorted`` (the prompt's digits in another order);
     ``malformed`` (not the prompt's digits: missing, extra or other characters)."""
-    from dllm_align.data.toy import desirable, digits_of, undesirable
-
     digits, got = digits_of(prompt), completion.strip()
     if got == desirable(digits):
         return "correct"
@@ -88,8 +86,6 @@ def _sort_why(prompt: str, completion: str, row: dict) -> str:
 
 
 def _math(column: str) -> tuple[Verifier, Callable[[str, str, dict], str]]:
-    from dllm_align.online.math_answer import judge
-
     def check(prompt: str, completion: str, row: dict) -> bool:
         return judge(completion, str(row[column])).desirable
 
@@ -104,8 +100,6 @@ def _math_row(column: str) -> Callable[[dict], Optional[str]]:
         v = row.get(column)
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not str(v).strip():
             return f"{column} is {json.dumps(v)[:40]}: math_answer needs a reference answer (text or a number)"
-        from dllm_align.online.math_answer import reference_answer
-
         want, text = reference_answer(str(v))
         if want is None and not text:
             return f"{column} {str(v)[:40]!r} holds no final answer for math_answer to compare against"
@@ -132,8 +126,6 @@ def sort_rule(sel: Selection) -> Rule:
 
 
 def math_answer_rule(sel: Selection) -> Rule:
-    from dllm_align.online.math_answer import REASONS
-
     check, why = _math(sel.answer_column)
     return Rule("math_answer", check, (sel.answer_column,), why, _math_row(sel.answer_column), REASONS)
 
