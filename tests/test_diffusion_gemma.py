@@ -432,7 +432,7 @@ def test_generate_runs_transformers_own_sampler_with_per_row_seeds(tiny):
         torch.manual_seed(11)
         seq = tiny.model.generate(torch.tensor([prompts[0]]), generation_config=gc).sequences
     assert seq[0, len(prompts[0]):len(prompts[0]) + 16].tolist() == a[0].raw
-    with pytest.raises(Exception, match="not settings of DiffusionGemma's published sampler"):
+    with pytest.raises(Exception, match="cache: not a setting of the rule 'diffusion_gemma'"):
         SamplerSettings(gen_length=16, block_length=16, steps=8, sampler="diffusion_gemma", cache="prefix")
 
 
