@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -196,12 +197,36 @@ def load(kind: str, name: str, *, key: Optional[str] = None) -> Any:
     return get(kind, name, key=key).load()
 
 
+class Loaded(Mapping):
+    """The implementations of every declared component of one kind, by name, in declaration order: a live,
+    read-only view (a component registered later appears; each loads on first access), for the lookups that
+    walk every component of a kind (which family claims a config.json)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __getitem__(self, name: str) -> Any:
+        comp = find(self.kind, name) if isinstance(name, str) else None
+        if comp is None:
+            raise KeyError(name)
+        return comp.load()
+
+    def __iter__(self):
+        return iter(components(self.kind))
+
+    def __len__(self) -> int:
+        return len(components(self.kind))
+
+    def __repr__(self) -> str:
+        return f"Loaded({self.kind!r}: {', '.join(components(self.kind))})"
+
+
 def section_components(section: str) -> list[Component]:
     """Every component whose settings live in ``section`` (for the schema's validation of ``<section>.<name>``)."""
     _load_catalogs()
     return [c for kind, table in _REGISTRY.items() if KINDS[kind].section == section for c in table.values()]
 
 
-__all__ = ["BUILTIN_CATALOGS", "Component", "ComponentSettings", "KINDS", "Kind", "NoSettings", "PLUGINS_ENV",
+__all__ = ["BUILTIN_CATALOGS", "Component", "ComponentSettings", "KINDS", "Kind", "Loaded", "NoSettings", "PLUGINS_ENV",
            "components", "find", "get", "load", "names", "note_section_fields", "register", "section_components",
            "unknown_message", "unregister"]

@@ -86,6 +86,15 @@ class ComposedSection(Section):
         raise KeyError(f"{self.SECTION}.{name}: no component of this section is named {name!r}")
 
 
+def component_problems(recipe: "Recipe", comp: "registry.Component") -> list[str]:
+    """One line per problem of ``recipe`` for component ``comp``: the keys of its section it ignores but the
+    recipe set, and its own checks. For the components no recipe key selects (a family, a likelihood: the
+    checkpoint decides), which the sections cannot check when the recipe is read; the run asks once it knows."""
+    section = getattr(recipe, registry.KINDS[comp.kind].section)
+    lines = [f"{registry.KINDS[comp.kind].section}.{key}: {msg}" for key, msg in ignored_problems(section, comp)]
+    return lines + (list(comp.check(recipe)) if comp.check is not None else [])
+
+
 def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tuple[str, str]]:
     """(key, message) for each key of ``section`` that ``comp`` ignores but the recipe set away from its default."""
     out = []
@@ -238,9 +247,9 @@ class TrainSection(ComposedSection):
     SECTION: ClassVar[str] = "train"
     objective: str = Field(
         "elbo_kto",
-        description="The training objective by its registered name: elbo_kto (the paper), sft (masked-diffusion SFT), "
-        "vrpo (LLaDA 1.5's paired objective). The names are checked against the objective registry when a command "
-        "first asks for the objective (dllm_align.objective.base.register_objective adds one).",
+        description="The training objective by its declared name: elbo_kto (the paper), sft (masked-diffusion SFT), "
+        "vrpo (LLaDA 1.5's paired objective); dllm_align.objective.components declares them, a plugin module more "
+        "(docs: CONTRIBUTING.md, Adding a component).",
     )
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
     baseline: Literal["global_mean", "none", "kl"] = Field(
@@ -305,6 +314,14 @@ class TrainSection(ComposedSection):
     log_every: int = Field(1, ge=1)
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     lora: LoraSection = Field(default_factory=LoraSection)
+
+    @field_validator("objective")
+    @classmethod
+    def _declared_objective(cls, v: str) -> str:
+        # checked against the declarations only (no objective is imported, so `recipes check` stays torch-free)
+        if registry.find("objective", v) is None:
+            raise ValueError(registry.unknown_message("objective", v).split(": ", 1)[1])
+        return v
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -677,8 +694,14 @@ class Recipe(Section):
                 f"train.n_mc ({self.train.n_mc}) must equal reference.n_mc ({self.reference.n_mc}) when reference.stratified "
                 "is on: a prefix of stratified draws covers only the low strata"
             )
-        if self.train.objective == "vrpo" and self.data.format == "unpaired":
-            problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        for kind in registry.KINDS.values():
+            # the selected components' checks against the rest of the recipe (their ignored keys: their section's)
+            section = getattr(self, kind.section)
+            if kind.selector is None or section is None:
+                continue
+            comp = registry.find(kind.name, getattr(section, kind.selector))
+            if comp is not None and comp.check is not None:
+                problems.extend(comp.check(self))
         if ((self.model.attn_implementation or "").startswith("flash") and self.train.mixed_precision == "no"
                 and self.model.dtype not in ("bfloat16", "float16")):
             # flash-attn kernels take only bf16 / fp16 inputs: an fp32 forward stops inside the kernel on CUDA

@@ -2,6 +2,37 @@
 
 Torch-free: only declarations (names, settings, ignored keys, checks, targets); the implementations load when
 a command first uses them.
+
+Likelihoods (the noise processes and their ELBOs; a model's family names its likelihood) and objectives
+(``train.objective``). An objective's ``ignores`` lists the shared ``train`` keys that have no effect on it, so
+that setting one away from its default is refused by name instead of silently doing nothing.
 """
 
 from __future__ import annotations
+
+from dllm_align.config.components import Component, register
+
+
+def _needs_pairs(recipe) -> list[str]:
+    # a pairwise objective's units are (chosen, rejected) pairs: unpaired rows can make none
+    if recipe.data.format == "unpaired":
+        return [f"train.objective {recipe.train.objective!r} needs paired data, but data.format is 'unpaired'"]
+    return []
+
+
+# --------------------------------------------------------------------------- likelihoods
+register(Component("likelihood", "masked", "dllm_align.objective.masked:MASKED",
+                   summary="whole-sequence absorbing-mask diffusion (LLaDA, Dream)"))
+register(Component("likelihood", "block", "dllm_align.objective.block:BLOCK",
+                   summary="block diffusion over the family's blocks (SDAR, LLaDA2.x)"))
+register(Component("likelihood", "uniform", "dllm_align.objective.uniform:UNIFORM",
+                   summary="uniform-noise diffusion over canvases (DiffusionGemma)"))
+
+# --------------------------------------------------------------------------- objectives
+register(Component("objective", "elbo_kto", "dllm_align.objective.elbo_kto:ElboKto",
+                   ignores=("sft_rows",), summary="ELBO-KTO (the paper): unpaired rows against a reference point"))
+register(Component("objective", "sft", "dllm_align.objective.sft:Sft",
+                   ignores=("beta", "baseline"), summary="masked-diffusion SFT: the negative ELBO per token"))
+register(Component("objective", "vrpo", "dllm_align.objective.vrpo:Vrpo",
+                   ignores=("baseline", "sft_rows"), check=_needs_pairs,
+                   summary="VRPO (LLaDA 1.5): DPO over ELBOs of (chosen, rejected) pairs"))

@@ -12,24 +12,23 @@ config and a mask token behaves like.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
+from dllm_align.config import components as registry
 from dllm_align.core.errors import UserError
 from dllm_align.models.families.base import Family
-from dllm_align.models.families.block import LLADA2, LLADA21, SDAR
-from dllm_align.models.families.diffusion_gemma import DIFFUSION_GEMMA
-from dllm_align.models.families.dream import DREAM
 from dllm_align.models.families.llada import LLADA
-from dllm_align.models.families.llada_moe import LLADA_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, LLADA_MOE, SDAR, LLADA2, LLADA21, DIFFUSION_GEMMA)}
+# The declared families (``dllm_align.models.components``, plugins), each record loaded on first use.
+FAMILIES: Mapping[str, Family] = registry.Loaded("family")
 # Older folders written by dllm-align name the built-in models' family "tiny": LLaDA's manners.
 _ALIASES = {"tiny": "llada"}
 
 
 def get_family(name: str) -> Family:
     name = _ALIASES.get(name, name)
-    if name not in FAMILIES:
+    if registry.find("family", name) is None:
         raise UserError(f"unknown model family '{name}'", hint=f"known: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
