@@ -18,6 +18,9 @@ Where declarations live:
 - a user's in a module named in the environment variable ``DLLM_ALIGN_PLUGINS`` (comma-separated importable
   module names), imported on the first lookup like the built-in catalogs.
 
+A built-in component may keep settings that recipes already write flat (``traits={"flat": True}``: the uniform
+likelihood's ``reference.time_power``): the schema then makes them fields of the section (:func:`flat_fields`).
+
 ``register`` refuses a name its section already uses (a field or another component), so a component's settings
 key never shadows a recipe key.
 """
@@ -197,6 +200,25 @@ def load(kind: str, name: str, *, key: Optional[str] = None) -> Any:
     return get(kind, name, key=key).load()
 
 
+def flat_fields(section: str, catalog: str) -> dict[str, tuple]:
+    """The settings of the built-in components of ``section`` declared ``traits={"flat": True}``, as pydantic
+    field definitions for the section itself: settings that keep the flat spelling recipes already use
+    (``reference.time_power``, the uniform likelihood's) instead of ``<section>.<name>.<key>``. Built-in
+    catalogs only, and only ``catalog`` (the one declaring them) is imported: the schema reads this when it is
+    imported, before any plugin may be, and another catalog may import the schema."""
+    if catalog not in BUILTIN_CATALOGS:
+        raise ValueError(f"{catalog!r} is not a built-in catalog")
+    if catalog not in _loaded:
+        _loaded.add(catalog)
+        importlib.import_module(catalog)
+    out: dict[str, tuple] = {}
+    for kind, table in _REGISTRY.items():
+        for comp in table.values():
+            if KINDS[kind].section == section and comp.traits.get("flat"):
+                out.update({k: (f.annotation, f) for k, f in comp.settings.model_fields.items()})
+    return out
+
+
 class Loaded(Mapping):
     """The implementations of every declared component of one kind, by name, in declaration order: a live,
     read-only view (a component registered later appears; each loads on first access), for the lookups that
@@ -228,5 +250,5 @@ def section_components(section: str) -> list[Component]:
 
 
 __all__ = ["BUILTIN_CATALOGS", "Component", "ComponentSettings", "KINDS", "Kind", "Loaded", "NoSettings", "PLUGINS_ENV",
-           "components", "find", "get", "load", "names", "note_section_fields", "register", "section_components",
+           "components", "find", "flat_fields", "get", "load", "names", "note_section_fields", "register", "section_components",
            "unknown_message", "unregister"]

@@ -13,7 +13,7 @@ import difflib
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from dllm_align.config import components as registry
 
@@ -48,6 +48,9 @@ class ComposedSection(Section):
         by_name = {c.name: c for c in registry.section_components(self.SECTION)}
         for key in list(extra):
             comp = by_name.get(key)
+            if comp is not None and comp.traits.get("flat"):
+                keys = ", ".join(f"{self.SECTION}.{k}" for k in comp.settings.model_fields)
+                raise KeyedError(str(key), f"the settings of the {comp.kind} {comp.name!r} are written without its name: {keys}")
             if comp is None:
                 known = list(type(self).model_fields) + list(by_name)
                 close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
@@ -81,6 +84,8 @@ class ComposedSection(Section):
         if name in extra:
             return extra[name]
         for comp in registry.section_components(self.SECTION):
+            if comp.name == name and comp.traits.get("flat"):
+                return comp.settings.model_validate({k: getattr(self, k) for k in comp.settings.model_fields})
             if comp.name == name:
                 return comp.settings()
         raise KeyError(f"{self.SECTION}.{name}: no component of this section is named {name!r}")
@@ -192,7 +197,7 @@ class DataSection(Section):
 
 
 # --------------------------------------------------------------------------- reference
-class ReferenceSection(ComposedSection):
+class _ReferenceDraws(ComposedSection):
     SECTION: ClassVar[str] = "reference"
     mode: Literal["cached", "online"] = Field(
         "cached", description="'cached': read precomputed reference ELBOs; 'online': keep the reference model resident."
@@ -203,17 +208,15 @@ class ReferenceSection(ComposedSection):
     seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
     estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
     stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
-    time_power: int = Field(2, ge=1, le=8, description="Uniform-noise likelihood (DiffusionGemma): t = u**time_power per canvas, "
-                            "weighted by dt/du (1: t uniform, whose estimator has infinite variance).")
-    parameterization: Literal["denoiser", "loo"] = Field(
-        "denoiser", description="Uniform noise: the softmax enters the bound as it is ('denoiser') or converted to the "
-        "leave-one-out posterior ('loo', finite only for a network that is a denoiser).")
-    self_conditioning: Literal["none", "detached"] = Field(
-        "none", description="Uniform noise: 'none' (zero self-conditioning signal, one pass) or 'detached' (a no-grad "
-        "first pass's logits condition the scored pass).")
-    surrogate: Literal["elbo", "flat_ce"] = Field(
-        "elbo", description="Uniform noise: 'elbo' (the continuous-time bound) or 'flat_ce' (the published SFT loss: "
-        "unweighted cross-entropy over the noisy canvas; a surrogate, not a bound).")
+
+
+# The uniform-noise likelihood's settings keep their flat spellings (reference.time_power, ...): fields of this
+# section made from the likelihood's own settings model, where they are described once.
+_ReferenceFlat = create_model("_ReferenceFlat", __base__=_ReferenceDraws, __module__=__name__,
+                              **registry.flat_fields("reference", "dllm_align.objective.components"))
+
+
+class ReferenceSection(_ReferenceFlat):
     batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
     draws_per_forward: Optional[int] = Field(
         None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."

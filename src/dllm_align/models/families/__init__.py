@@ -18,10 +18,11 @@ from typing import Any, Optional
 from dllm_align.config import components as registry
 from dllm_align.core.errors import UserError
 from dllm_align.models.families.base import Family
-from dllm_align.models.families.llada import LLADA
 
 # The declared families (``dllm_align.models.components``, plugins), each record loaded on first use.
 FAMILIES: Mapping[str, Family] = registry.Loaded("family")
+# The manners of a checkpoint no family claims.
+DEFAULT_FAMILY = "llada"
 # Older folders written by dllm-align name the built-in models' family "tiny": LLaDA's manners.
 _ALIASES = {"tiny": "llada"}
 
@@ -91,7 +92,7 @@ def family_for_config(cfg: dict | Any) -> Family:
     name: Optional[str] = d.get("dllm_align_family")
     if name:
         return get_family(name)
-    return detect_family(d) or LLADA
+    return detect_family(d) or FAMILIES[DEFAULT_FAMILY]
 
 
 def family_of(model) -> Family:
