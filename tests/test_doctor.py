@@ -692,11 +692,17 @@ def test_estimate_matches_the_measured_peak_of_a_lora_run_with_an_online_referen
     CPU, measured the way CUDA's max_memory_allocated counts: within 0.85-1.15x. The 8B LoRA shape measured
     55.92 GB on an H100 where the steps' lines alone said 46.4 GB (0.83x): the fp32 reference while loading."""
     from dllm_align.config.recipe import load_recipe
-    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
+    import dataclasses
+
+    from dllm_align.config import components as registry
     from dllm_align.training import doctor as d
     from dllm_align.training.memory import RESERVE, Launch, estimate, model_shape
 
-    monkeypatch.setitem(BUILTIN_SPECS, "builtin:doctor-peak", TinySpec(max_position_embeddings=512, **spec))
+    # a built-in model of LLaDA's of this shape, for this test only (a family's declaration names its models)
+    llada = registry.get("family", "llada")
+    shapes = {**llada.traits["builtin_models"], "builtin:doctor-peak": dict(max_position_embeddings=512, **spec)}
+    monkeypatch.setitem(registry._REGISTRY["family"], "llada",
+                        dataclasses.replace(llada, traits={**llada.traits, "builtin_models": shapes}))
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": [{"role": "user", "content": "p" * (length // 3)}],
                                         "completion": [{"role": "assistant", "content": "c" * length}], "label": i % 2 == 0})

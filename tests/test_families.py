@@ -375,7 +375,8 @@ def _toy_family():
 
     from dllm_align.models.families.llada import LLADA
 
-    return dataclasses.replace(LLADA, name="toy", model_types=(), architectures=(), signature=(), build_tiny=_build_toy)
+    return dataclasses.replace(LLADA, name="toy", model_types=(), architectures=(), signature=(), build_tiny=_build_toy,
+                               published=None)
 
 
 TOY = _toy_family()

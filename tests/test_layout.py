@@ -204,8 +204,7 @@ def test_only_objective_and_config_compare_on_a_likelihood_name():
 
 def test_only_the_families_compare_on_a_family_name():
     bad = [f"{mod}:{line}" for mod, path in _modules().items() if not mod.startswith("models.families")
-           for line in family_name_comparisons(path.read_text())
-           if mod != "dllm_align.training.memory"]  # not yet moved: its shape reader's model types (qk norm, gemma)
+           for line in family_name_comparisons(path.read_text())]
     assert not bad, "a comparison on a family's name outside models/families/ (ask the Family):\n" + "\n".join(bad)
 
 
