@@ -158,3 +158,21 @@ def test_a_new_likelihood_is_one_class_and_one_declaration(all_masked, tmp_path)
     # the memory model asks the same component: one row of T tokens per unit, not K
     est = estimate(model_shape(rec), rec, Launch(), autocast=False)
     assert est.tokens == rec.train.batch_size * T
+
+
+def test_a_uniform_noise_setting_on_a_masked_model_is_refused_by_name(tmp_path):
+    """The uniform likelihood's settings are its own: on a masked-diffusion model (no recipe key selects the
+    likelihood; the checkpoint's family does) they are refused once the family is known, before anything runs."""
+    res = runner.invoke(app, ["precompute-ref", "demo", "--set", "reference.surrogate=flat_ce", "-o", str(tmp_path / "r")])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        "Error: reference.surrogate: not a setting of the likelihood 'masked' (it has no use for it; leave it at "
+        "'elbo') (llada models use the masked likelihood)"]
+    assert not (tmp_path / "r").exists()
+    from dllm_align.config.recipe import load_recipe
+
+    gemma = load_recipe("demo", ["model.name_or_path=builtin:tiny-diffusiongemma", "reference.surrogate=flat_ce"])
+    assert gemma.reference.own_settings("uniform").surrogate == "flat_ce"  # its own likelihood's: accepted
+    with pytest.raises(UserError, match=r"reference.uniform: the settings of the likelihood 'uniform' are written "
+                                        r"without its name: reference.time_power"):
+        load_recipe("demo", ["reference.uniform.time_power=3"])

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -95,6 +95,16 @@ class _BuiltinSpecs(Mapping):
 
 # Random-init models built from code (no files), deterministic by spec.
 BUILTIN_SPECS: Mapping[str, TinySpec] = _BuiltinSpecs()
+
+
+def add_builtin_model(name: str, spec: TinySpec) -> None:
+    """Make ``name`` a built-in model of ``spec.family`` for this process (the GPU checks' published-size bodies):
+    the family's declaration is registered again with the model in its ``builtin_models``."""
+    comp = registry.get("family", spec.family)
+    shape = {k: v for k, v in asdict(spec).items() if k != "family"}
+    models = {**(comp.traits["builtin_models"] if "builtin_models" in comp.traits else {}), name: shape}
+    registry.unregister("family", comp.name)
+    registry.register(replace(comp, traits={**comp.traits, "builtin_models": models}))
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
