@@ -323,7 +323,7 @@ class TrainSection(ComposedSection):
     def _declared_objective(cls, v: str) -> str:
         # checked against the declarations only (no objective is imported, so `recipes check` stays torch-free)
         if registry.find("objective", v) is None:
-            raise ValueError(registry.unknown_message("objective", v).split(": ", 1)[1])
+            raise ValueError(registry.unknown_message("objective", v).removeprefix("train.objective: "))
         return v
 
     @field_validator("mixed_precision", mode="before")

@@ -1,10 +1,10 @@
 """The objective as a component: what the training loop, the reference precompute, the memory model and
-``doctor`` ask of an objective, and the registry that finds one by its ``train.objective`` name.
+``doctor`` ask of an objective, and the lookup that finds one by its ``train.objective`` name.
 
 An objective is one module: a subclass of :class:`Objective`, declared by one ``Component("objective", ...)``
 line (the built-in ones in ``objective/components.py``), which also holds its own settings (``train.<name>``,
-read as :attr:`Objective.settings`), the ``train`` keys it ignores and its checks against the recipe. It says what a training unit is (one row, or a
-(chosen, rejected) pair) and how units are made from the tokenised examples,
+read as :attr:`Objective.settings`), the ``train`` keys it ignores and its checks against the recipe. It says
+what a training unit is (one row, or a (chosen, rejected) pair) and how units are made from the tokenised examples,
 whether it needs reference ELBOs and for which rows, how a step's reference
 point is set, the loss of a micro-batch from the policy's and the reference's
 ELBOs, which of its loss metrics add up over micro-batches and processes, how

@@ -2,9 +2,10 @@
 command calls (:func:`elbo_draws`, :func:`elbo`).
 
 A model's family names its likelihood (``Family.likelihood``); :data:`LIKELIHOODS` maps that name (declared in
-``objective/components.py``) to the component (``objective.likelihood``) that draws the noise and computes the per-draw terms: ``"masked"``,
-whole-sequence absorbing-mask diffusion (``objective.masked``), ``"block"``, block diffusion
-(``objective.block``), and ``"uniform"``, uniform-noise block diffusion (``objective.uniform``: DiffusionGemma). A new noise process is one module and one declaration.
+``objective/components.py``) to the component (``objective.likelihood``) that draws the noise and computes the
+per-draw terms: ``"masked"``, whole-sequence absorbing-mask diffusion (``objective.masked``), ``"block"``, block
+diffusion (``objective.block``), and ``"uniform"``, uniform-noise block diffusion (``objective.uniform``:
+DiffusionGemma). A new noise process is one module and one declaration.
 
 The draws are pure functions of (seed, example id, draw index, L) (``objective.draws``), so policy and
 reference share them (common random numbers: the VRPO variance reduction the paper relies on); the names

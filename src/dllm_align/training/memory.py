@@ -296,7 +296,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
 
 def _tied_text_stack_shape(cfg: dict, source: str, likelihood: str) -> ModelShape:
     """A text stack nested under ``text_config`` (``Family.tied_text_stack``), encoder and decoder one set of tied
-    weights, counted once; DiffusionGemma's is Gemma 4 MoE layers, each with a dense gated MLP (``intermediate_size``, run by every token: counted as a shared expert)
+    weights, counted once; DiffusionGemma's is Gemma 4 MoE layers, each with a dense gated MLP
+    (``intermediate_size``, run by every token: counted as a shared expert)
     beside ``num_experts`` experts of ``moe_intermediate_size`` (``top_k_experts`` active). Attention is sized
     as the sliding layers (``head_dim``, ``num_key_value_heads``; five layers in six); the vision tower is not
     counted (loaded frozen, never run)."""

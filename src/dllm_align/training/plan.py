@@ -82,9 +82,9 @@ def refuse_component_problems(recipe, fam) -> None:
 
 def resolve_padding(recipe, quiet: bool = False):
     """The recipe with ``data.padding`` as the model's likelihood allows, decided from its config.json before
-    anything loads or is written (settings the family or its likelihood ignores refused first): a likelihood that does not pack (DiffusionGemma's uniform noise) turns the
-    default ``packed`` into ``none`` with one info line; a ``packed`` the recipe sets on purpose is refused by
-    name. Other recipes come back unchanged."""
+    anything loads or is written (settings the family or its likelihood ignores refused first): a likelihood that
+    does not pack (DiffusionGemma's uniform noise) turns the default ``packed`` into ``none`` with one info line;
+    a ``packed`` the recipe sets on purpose is refused by name. Other recipes come back unchanged."""
     from dllm_align.models.load import family_of_source
     from dllm_align.objective.elbo import get_likelihood
 
