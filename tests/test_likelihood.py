@@ -90,12 +90,10 @@ def all_masked():
     lik = registry.register(registry.Component("likelihood", "all_masked", f"{__name__}:ALL_MASKED",
                                                settings=AllMaskedSettings))
     llada = registry.get("family", "llada")
-    registry.unregister("family", "llada")
-    registry.register(dataclasses.replace(llada, target=f"{__name__}:TOY_LLADA"))
+    registry.redeclare(dataclasses.replace(llada, target=f"{__name__}:TOY_LLADA"))
     ALL_MASKED.calls = 0
     yield ALL_MASKED
-    registry.unregister("family", "llada")
-    registry.register(llada)
+    registry.redeclare(llada)
     registry.unregister("likelihood", lik.name)
 
 

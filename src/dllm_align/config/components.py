@@ -157,6 +157,16 @@ def register(component: Component) -> Component:
     return component
 
 
+def redeclare(component: Component) -> Component:
+    """Put ``component`` in place of the declaration of its kind and name (in the same place of the listing order,
+    which lookups that walk a kind follow): a process's extra facts about a built-in one (a larger built-in model)."""
+    _load_catalogs()
+    if component.name not in _REGISTRY[component.kind]:
+        raise ValueError(f"no {component.kind} named {component.name!r} is declared to redeclare")
+    _REGISTRY[component.kind][component.name] = component
+    return component
+
+
 def unregister(kind: str, name: str) -> None:
     """Remove a declaration (tests that add a toy component take it away again)."""
     _REGISTRY[kind].pop(name, None)
@@ -250,5 +260,5 @@ def section_components(section: str) -> list[Component]:
 
 
 __all__ = ["BUILTIN_CATALOGS", "Component", "ComponentSettings", "KINDS", "Kind", "Loaded", "NoSettings", "PLUGINS_ENV",
-           "components", "find", "flat_fields", "get", "load", "names", "note_section_fields", "register", "section_components",
+           "components", "find", "flat_fields", "get", "load", "names", "note_section_fields", "redeclare", "register", "section_components",
            "unknown_message", "unregister"]

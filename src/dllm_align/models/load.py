@@ -99,12 +99,11 @@ BUILTIN_SPECS: Mapping[str, TinySpec] = _BuiltinSpecs()
 
 def add_builtin_model(name: str, spec: TinySpec) -> None:
     """Make ``name`` a built-in model of ``spec.family`` for this process (the GPU checks' published-size bodies):
-    the family's declaration is registered again with the model in its ``builtin_models``."""
+    the family's declaration is replaced by one with the model in its ``builtin_models``."""
     comp = registry.get("family", spec.family)
     shape = {k: v for k, v in asdict(spec).items() if k != "family"}
     models = {**(comp.traits["builtin_models"] if "builtin_models" in comp.traits else {}), name: shape}
-    registry.unregister("family", comp.name)
-    registry.register(replace(comp, traits={**comp.traits, "builtin_models": models}))
+    registry.redeclare(replace(comp, traits={**comp.traits, "builtin_models": models}))
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
