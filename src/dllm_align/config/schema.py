@@ -13,7 +13,8 @@ import difflib
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from dllm_align.config import components as registry
 from dllm_align.core.usercode import spec_problem
@@ -49,6 +50,9 @@ class ComposedSection(Section):
         by_name = {c.name: c for c in registry.section_components(self.SECTION)}
         for key in list(extra):
             comp = by_name.get(key)
+            if comp is not None and comp.traits.get("flat"):
+                keys = ", ".join(f"{self.SECTION}.{k}" for k in comp.settings.model_fields)
+                raise KeyedError(str(key), f"the settings of the {comp.kind} {comp.name!r} are written without its name: {keys}")
             if comp is None:
                 known = list(type(self).model_fields) + list(by_name)
                 close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
@@ -82,9 +86,20 @@ class ComposedSection(Section):
         if name in extra:
             return extra[name]
         for comp in registry.section_components(self.SECTION):
+            if comp.name == name and comp.traits.get("flat"):
+                return comp.settings.model_validate({k: getattr(self, k) for k in comp.settings.model_fields})
             if comp.name == name:
                 return comp.settings()
         raise KeyError(f"{self.SECTION}.{name}: no component of this section is named {name!r}")
+
+
+def component_problems(recipe: "Recipe", comp: "registry.Component") -> list[str]:
+    """One line per problem of ``recipe`` for component ``comp``: the keys of its section it ignores but the
+    recipe set, and its own checks. For the components no recipe key selects (a family, a likelihood: the
+    checkpoint decides), which the sections cannot check when the recipe is read; the run asks once it knows."""
+    section = getattr(recipe, registry.KINDS[comp.kind].section)
+    lines = [f"{registry.KINDS[comp.kind].section}.{key}: {msg}" for key, msg in ignored_problems(section, comp)]
+    return lines + (list(comp.check(recipe)) if comp.check is not None else [])
 
 
 def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tuple[str, str]]:
@@ -194,7 +209,7 @@ class DataSection(Section):
 
 
 # --------------------------------------------------------------------------- reference
-class ReferenceSection(ComposedSection):
+class _ReferenceDraws(ComposedSection):
     SECTION: ClassVar[str] = "reference"
     mode: Literal["cached", "online"] = Field(
         "cached", description="'cached': read precomputed reference ELBOs; 'online': keep the reference model resident."
@@ -205,17 +220,15 @@ class ReferenceSection(ComposedSection):
     seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
     estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
     stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
-    time_power: int = Field(2, ge=1, le=8, description="Uniform-noise likelihood (DiffusionGemma): t = u**time_power per canvas, "
-                            "weighted by dt/du (1: t uniform, whose estimator has infinite variance).")
-    parameterization: Literal["denoiser", "loo"] = Field(
-        "denoiser", description="Uniform noise: the softmax enters the bound as it is ('denoiser') or converted to the "
-        "leave-one-out posterior ('loo', finite only for a network that is a denoiser).")
-    self_conditioning: Literal["none", "detached"] = Field(
-        "none", description="Uniform noise: 'none' (zero self-conditioning signal, one pass) or 'detached' (a no-grad "
-        "first pass's logits condition the scored pass).")
-    surrogate: Literal["elbo", "flat_ce"] = Field(
-        "elbo", description="Uniform noise: 'elbo' (the continuous-time bound) or 'flat_ce' (the published SFT loss: "
-        "unweighted cross-entropy over the noisy canvas; a surrogate, not a bound).")
+
+
+# The uniform-noise likelihood's settings keep their flat spellings (reference.time_power, ...): fields of this
+# section made from the likelihood's own settings model, where they are described once.
+_ReferenceFlat = create_model("_ReferenceFlat", __base__=_ReferenceDraws, __module__=__name__,
+                              **registry.flat_fields("reference", "dllm_align.objective.components"))
+
+
+class ReferenceSection(_ReferenceFlat):
     batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
     draws_per_forward: Optional[int] = Field(
         None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."
@@ -249,9 +262,9 @@ class TrainSection(ComposedSection):
     SECTION: ClassVar[str] = "train"
     objective: str = Field(
         "elbo_kto",
-        description="The training objective by its registered name: elbo_kto (the paper), sft (masked-diffusion SFT), "
-        "vrpo (LLaDA 1.5's paired objective). The names are checked against the objective registry when a command "
-        "first asks for the objective (dllm_align.objective.base.register_objective adds one).",
+        description="The training objective by its declared name: elbo_kto (the paper), sft (masked-diffusion SFT), "
+        "vrpo (LLaDA 1.5's paired objective); dllm_align.objective.components declares them, a plugin module more "
+        "(docs: CONTRIBUTING.md, Adding a component).",
     )
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
     baseline: Literal["global_mean", "none", "kl"] = Field(
@@ -316,6 +329,14 @@ class TrainSection(ComposedSection):
     log_every: int = Field(1, ge=1)
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     lora: LoraSection = Field(default_factory=LoraSection)
+
+    @field_validator("objective")
+    @classmethod
+    def _declared_objective(cls, v: str) -> str:
+        # checked against the declarations only (no objective is imported, so `recipes check` stays torch-free)
+        if registry.find("objective", v) is None:
+            raise ValueError(registry.unknown_message("objective", v).removeprefix("train.objective: "))
+        return v
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -689,8 +710,14 @@ class Recipe(Section):
                 f"train.n_mc ({self.train.n_mc}) must equal reference.n_mc ({self.reference.n_mc}) when reference.stratified "
                 "is on: a prefix of stratified draws covers only the low strata"
             )
-        if self.train.objective == "vrpo" and self.data.format == "unpaired":
-            problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        for kind in registry.KINDS.values():
+            # the selected components' checks against the rest of the recipe (their ignored keys: their section's)
+            section = getattr(self, kind.section)
+            if kind.selector is None or section is None:
+                continue
+            comp = registry.find(kind.name, getattr(section, kind.selector))
+            if comp is not None and comp.check is not None:
+                problems.extend(comp.check(self))
         if ((self.model.attn_implementation or "").startswith("flash") and self.train.mixed_precision == "no"
                 and self.model.dtype not in ("bfloat16", "float16")):
             # flash-attn kernels take only bf16 / fp16 inputs: an fp32 forward stops inside the kernel on CUDA
