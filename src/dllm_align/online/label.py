@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from dllm_align.core.errors import UserError
+from dllm_align.core.runfolder import from_rank0, rank0_lock
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
@@ -308,29 +308,6 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         raise
 
 
-@contextmanager
-def rank0_lock(folder: Path, message: str, rank: int, world: int):
-    """``folder``'s :class:`~dllm_align.core.io.DirLock` (``message`` when another command holds it), taken by rank 0
-    alone, which alone writes; when several processes run, whether it got the lock is said to every rank (a
-    refusal is raised on every rank), so that no rank goes on while rank 0 has stopped."""
-    from dllm_align.core.io import DirLock
-
-    lock = DirLock(folder, message) if rank == 0 else None
-
-    def take() -> None:  # returns nothing: the result is broadcast, and the lock stays on rank 0
-        lock.__enter__()
-
-    if world > 1:
-        from_rank0(take)
-    elif lock is not None:
-        take()
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
-
-
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
                   rank: int, world: int) -> dict:
     """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
@@ -391,31 +368,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
     for i, c in got:
         comps[i] = c
     return comps
-
-
-def from_rank0(fn):
-    """``fn()`` run on rank 0 (the other ranks pass a function returning None), its result given to every
-    rank, or its error raised on every rank: no rank waits for a rank 0 that has stopped."""
-    import torch.distributed as dist
-
-    from dllm_align.core.errors import DllmAlignError, RunFailure
-
-    box: list = [None]
-    err = None
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except DllmAlignError as e:
-            box, err = [("error", e.exit_code, e.message, e.hint)], e
-        except Exception as e:  # noqa: BLE001 - said to the other ranks, then raised here as it is
-            box, err = [("error", 1, f"rank 0 stopped: {type(e).__name__}: {e}", None)], e
-    dist.broadcast_object_list(box, src=0)
-    if err is not None:
-        raise err
-    if box[0][0] == "error":
-        _, code, message, hint = box[0]
-        raise (UserError if code == 2 else RunFailure)(message, hint=hint)
-    return box[0][1]
 
 
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,

@@ -41,6 +41,7 @@ from typing import Optional
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
+from dllm_align.core.runfolder import from_rank0, rank0_lock
 
 RECORD = "online.json"
 ROUNDS = "rounds.json"
@@ -238,7 +239,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
                greedy: bool = True, allow_changes=()) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
-    from dllm_align.online.label import check_rule, check_temperature, from_rank0, read_prompts
+    from dllm_align.online.label import check_rule, check_temperature, read_prompts
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
@@ -265,8 +266,6 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
     if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
         raise UserError(f"{source}: no prompts")
-    from dllm_align.online.label import rank0_lock
-
     rank, world = _process_group()
     if world > 1:
         # rank 0 writes the run's records and labelled rows, every rank reads them back
@@ -340,7 +339,6 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
                       answer_column=answer_column, round_=r, fast=False)
             greedy_rows = gd / ROWS
         if world > 1:
-            from dllm_align.online.label import from_rank0
 
             train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
                                             if main else None)
