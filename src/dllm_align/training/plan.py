@@ -111,7 +111,8 @@ def resolve_recipe(recipe, *, fsdp: bool = False, fsdp_version: int = 1, checkpo
     own checks against the recipe, ``data.padding`` as the likelihood allows (:func:`resolve_padding`) and the
     FSDP launch the family allows (:func:`check_fsdp`). Used by ``train``, ``precompute-ref`` and ``doctor``."""
     source = model_source(recipe.model.name_or_path, recipe.model.revision)
-    check_components(recipe, source)
+    if source.family is not None:
+        refuse_component_problems(recipe, source.family)
     recipe = resolve_padding(recipe, source, quiet=quiet)
     check_fsdp(recipe, source.family, fsdp, fsdp_version, checkpointing)
     return recipe, source
@@ -121,18 +122,15 @@ def likelihood_of(source: ModelSource) -> Optional[Likelihood]:
     return get_likelihood(source.family.likelihood) if source.family is not None else None
 
 
-def check_components(recipe, source: ModelSource) -> None:
-    """The checks the model's family and its likelihood declare against the recipe (``config.components``: a
-    family is chosen by the checkpoint's config.json, so the recipe's validation cannot run them; they run here,
-    once the config is read). A family or likelihood declared without checks passes."""
-    fam = source.family
-    if fam is None:
-        return
+def refuse_component_problems(recipe, fam: Family) -> None:
+    """Refuse what the model's family or its likelihood declares against the recipe (``config.components``): no
+    recipe key selects them (the checkpoint's config.json does), so the recipe is checked against them here, once
+    the family is known. A family or likelihood declared without checks (or not declared) passes."""
     for kind, name in (("family", fam.name), ("likelihood", fam.likelihood)):
         comp = components.find(kind, name)
         problems = comp.check(recipe) if comp is not None and comp.check is not None else []
         if problems:
-            raise UserError("; ".join(problems), hint=f"the {kind} {name!r} of {recipe.model.name_or_path} refuses it")
+            raise UserError(f"{problems[0]} ({fam.name} models use the {fam.likelihood} likelihood)")
 
 
 def resolve_padding(recipe, source: ModelSource, quiet: bool = False):

@@ -318,8 +318,9 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
     if not main:
         return
     with disk_errors(final, "write the final model"):
-        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True, source=_source_folder(run),
-               code=_published_code(run))
+        source = _source_folder(run)
+        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True, source=source,
+               code=_published_code(run), source_config=run.plan.source.config if source is not None else None)
     # the remote-code files final/ carries (none: its config.json names no auto_map; docs/serving.md)
     summary = {**summary, "remote_code": sorted(p.name for p in tmp.glob("*.py"))}
     atomic_write_json(tmp / "training_summary.json", summary)
