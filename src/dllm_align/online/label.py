@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from dllm_align.core.errors import UserError
-from dllm_align.core.runfolder import from_rank0, rank0_lock
+from dllm_align.core.runfolder import from_rank0, run_folder
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
@@ -294,18 +294,12 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     # Round 0 keeps the seeds of `label` itself; later rounds draw new ones, so that a policy that did not
     # change is not asked the very same random questions again.
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
-    made = rank == 0 and not out.exists()
-    try:
-        with rank0_lock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
-                        rank, world):
-            return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
-                                 record, rank, world)
-    except BaseException:
-        # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
-        # is kept: the rerun reuses it).
-        if made and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        raise
+    # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache is kept:
+    # the rerun reuses it).
+    with run_folder(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
+                    rank=rank, world=world):
+        return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
+                             record, rank, world)
 
 
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
