@@ -42,8 +42,8 @@ from dllm_align.training.plan import resolve_recipe
 from dllm_align.training.cache import (
     FORMAT_VERSION,
     MANIFEST,
-    Fingerprint,
     SHARD_FMT,
+    Fingerprint,
     OPTIONAL_FIELDS,
     STRICT_FIELDS,
     ReferenceCache,
@@ -293,7 +293,7 @@ class ShardLayout:
     digests: list[str]  # each row's token digest
     groups: list[list[int]]  # the micro-batches, as positions in ``examples``
     bounds: list[tuple[int, int]]  # shard s holds rows [lo, hi)
-    fingerprint: "Fingerprint"
+    fingerprint: Fingerprint
     digest: str  # the fingerprint's
     draws: DrawConfig
     shard_size: int
