@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from dllm_align.config import components
-from dllm_align.config.schema import TrainSection
+from dllm_align.config import components as registry
+from dllm_align.config.schema import TrainSection, component_problems
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
@@ -123,12 +123,11 @@ def likelihood_of(source: ModelSource) -> Optional[Likelihood]:
 
 
 def refuse_component_problems(recipe, fam: Family) -> None:
-    """Refuse what the model's family or its likelihood declares against the recipe (``config.components``): no
-    recipe key selects them (the checkpoint's config.json does), so the recipe is checked against them here, once
-    the family is known. A family or likelihood declared without checks (or not declared) passes."""
+    """Refuse the recipe's settings that the model's family or its likelihood has no use for (the uniform-noise
+    settings on a masked-diffusion model), and their checks' problems: no recipe key selects them (the checkpoint's
+    config.json does), so the recipe is checked against them here, once the family is known."""
     for kind, name in (("family", fam.name), ("likelihood", fam.likelihood)):
-        comp = components.find(kind, name)
-        problems = comp.check(recipe) if comp is not None and comp.check is not None else []
+        problems = component_problems(recipe, registry.get(kind, name))
         if problems:
             raise UserError(f"{problems[0]} ({fam.name} models use the {fam.likelihood} likelihood)")
 
