@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,8 +36,6 @@ from dllm_align.core.runfolder import recipe_record
 def bundled_dir() -> Path:
     """Folder of the recipes shipped with the package (falls back to the source tree)."""
     try:
-        from importlib.resources import files
-
         p = Path(str(files("dllm_align.recipes")))
         if p.is_dir() and any(p.glob("*.yaml")):
             return p
