@@ -36,9 +36,9 @@ from dllm_align.core.errors import UserError
 from dllm_align.core.io import _fsync_dir, disk_errors, fsync_tree, verify_checksums, write_checksums
 from dllm_align.training.monitor import MarginWatch
 
-# Imported where used: peft (an optional extra: only LoRA runs save adapters), torch.distributed.tensor
-# (public from torch 2.5, pyproject allows 2.4; only FSDP2 states hold DTensors) and the FSDP1 names of
-# torch.distributed.fsdp (only an FSDP1 run needs them).
+# lazy imports: peft: an optional extra; only LoRA runs save adapters
+# lazy imports: torch.distributed.tensor: public from torch 2.5 (pyproject allows 2.4); only FSDP2 states hold DTensors
+# lazy imports: torch.distributed.fsdp: the FSDP1 names, which only an FSDP1 run needs
 
 CHECKPOINTS = "checkpoints"
 FINAL = "final"

@@ -16,8 +16,8 @@ from dllm_align.core.console import warn
 from dllm_align.models.families.base import Family
 from dllm_align.models.precision import accelerator_kwargs, resolve_mixed_precision
 
-# checkpoint_wrapper is imported where FSDP activation checkpointing is set up: its path is private
-# (torch.distributed.algorithms._checkpoint) and only an FSDP run with gradient checkpointing needs it.
+# lazy imports: torch.distributed.algorithms: checkpoint_wrapper's path is private (torch.distributed.algorithms._checkpoint)
+# and only an FSDP run with gradient checkpointing needs it
 
 
 

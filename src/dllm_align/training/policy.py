@@ -23,7 +23,7 @@ from dllm_align.training.distributed import fsdp_wrap_family_layer, preserve_che
 from dllm_align.training.optim import build_optimizer
 from dllm_align.training.plan import TrainPlan
 
-# peft is imported where LoRA is applied: it is an optional extra (`pip install 'dllm-align[lora]'`).
+# lazy imports: peft: an optional extra (`pip install 'dllm-align[lora]'`), imported where LoRA is applied
 
 
 class PolicyScorer(torch.nn.Module):

@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 from dllm_align.core.errors import UserError
 
-# tokenizers and transformers are imported inside the builders: the family records are read (which family
-# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+# lazy imports: tokenizers, transformers: imported inside the builders: the family records are read (which family
+# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
