@@ -21,6 +21,9 @@ from dllm_align.config.schema import FAST_CACHE, rule_problems
 from dllm_align.core.errors import UserError
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
+# lazy imports: dllm_align.models: it loads torch, and the rules are declared and checked by `recipes check`, which stays
+# torch-free; only fast_cache reads a model's family
+
 # (mp, prompts, settings, seeds, stats, t0, stop_early) -> one Completion per prompt, in order
 DecodeBatch = Callable[
     [object, Sequence[Sequence[int]], SamplerSettings, Sequence[int], Optional[SamplerStats], float, bool], list[Completion]

@@ -157,8 +157,6 @@ class Family:
             return None
         problem = self.block_size_problem(config)
         if problem:
-            from dllm_align.core.errors import UserError
-
             raise UserError(f"the model's config: {problem}")
         value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
         return int(value or self.block_size)
