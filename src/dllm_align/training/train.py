@@ -28,10 +28,10 @@ from dllm_align.core.console import info, progress, progress_enabled, warn
 from dllm_align.core.io import (
     DirLock,
     JsonlAppender,
-    _fsync_dir,
     atomic_write_json,
     atomic_write_text,
     disk_errors,
+    fsync_dir,
     fsync_tree,
     recover_jsonl,
     write_checksums,
@@ -330,7 +330,7 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(out)
+    fsync_dir(out)
 
 
 def _source_folder(run: Run) -> Optional[Path]:
