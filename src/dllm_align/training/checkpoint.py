@@ -477,7 +477,9 @@ def _finish_interrupted_export(out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _clear_previous(out: Path) -> None:
+def clear_previous(out: Path) -> None:
+    """Remove what an earlier run left in ``out`` that a fresh run makes again: its checkpoints (partial ones
+    too), its final export (finished or not) and its metrics."""
     _remove_partial_checkpoints(out)
     if (out / TMP_FINAL).exists():
         shutil.rmtree(out / TMP_FINAL)

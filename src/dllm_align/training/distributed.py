@@ -89,7 +89,8 @@ def preserve_checkpoint_rng(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def _seeded_rng(key: tuple, device):
+def seeded_rng(key: tuple, device):
+    """The torch random state seeded from ``key`` (a hash of it) for the block, the caller's own state restored after."""
     seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
     devices = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
