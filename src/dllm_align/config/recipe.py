@@ -97,14 +97,15 @@ def _short(label: str, limit: int = 80) -> str:
     return label if len(label) <= limit else label[: limit - 3] + "..."
 
 
-def _blame(dotted: str, source: str, given: dict[str, str]) -> str:
+def _blame(dotted: str, source: str, given: dict[str, str], section: Optional[str] = None) -> str:
     """Who set the value an error is about: a flag or ``--set`` (``given``: dotted key ->
-    how the user gave it) rather than the recipe file, which may not even hold that key."""
+    how the user gave it) rather than the recipe file, which may not even hold that key. ``section``: the
+    section whose check found the problem, when it names one key (``dotted``) but looked at others too."""
     given = {key: _short(label) for key, label in given.items()}
     for key, label in given.items():
         if dotted == key or dotted.startswith(key + "."):
             return label
-    near = [label for key, label in given.items() if key.startswith(dotted + ".")]
+    near = [label for key, label in given.items() if key.startswith((section or dotted) + ".")]
     if near:  # a check across a section's fields, one of which came from the command line
         return f"{source} with {', '.join(near)}"
     return source
@@ -114,9 +115,12 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
+        section = None
         keyed = (e.get("ctx") or {}).get("error")
         if isinstance(keyed, KeyedError):
-            # a section's check about one key below it (a component's setting, a key it ignores): name that key
+            # a section's check about one key below it (a component's setting, a key it ignores): name that key,
+            # and blame whoever set a key of the section (the check may have read several, as a cross-key one does)
+            section = ".".join(str(x) for x in loc)
             loc = loc + tuple(keyed.key.split("."))
             e = {**e, "loc": loc, "msg": keyed.message}
             if keyed.message.startswith("unknown key"):
@@ -124,7 +128,7 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
                 lines.append(f"{_blame(dotted, source, given or {})}: {keyed.message.replace('unknown key', f'unknown key {dotted!r}', 1)}")
                 continue
         dotted = ".".join(str(x) for x in loc) or "(top level)"
-        where = _blame(dotted, source, given or {})
+        where = _blame(dotted, source, given or {}, section)
         if e["type"] == "extra_forbidden":
             known = _fields_at(Recipe, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
