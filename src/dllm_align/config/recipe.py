@@ -21,13 +21,13 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from dllm_align.core.errors import UserError
-from dllm_align.config.schema import KeyedError, Recipe
+from dllm_align.config.schema import KeyedError, Recipe, rule_problems
 from dllm_align.core.io import atomic_write_text, note_input
 from dllm_align.core.runfolder import recipe_record
 
@@ -398,6 +398,7 @@ def load_recipe(
     overrides: list[str] | None = None,
     output_dir: str | None = None,
     flags: Optional[dict[str, tuple[str, Any]]] = None,
+    auto_rule: Optional[Callable[[Recipe], Optional[str]]] = None,
 ) -> Recipe:
     """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
 
@@ -405,6 +406,8 @@ def load_recipe(
     ``{"generate.gen_length": ("--gen-length", 64)}``. Each value is set as it is (0, False, "" and None
     included: pass only the flags given), after the ``--set`` overrides, and validated with the recipe;
     its errors name the flag. Errors in ``--set`` overrides are named as ``--set key=value``.
+    ``auto_rule``: the decoding rule a recipe's ``sampler: auto`` stands for (None when none applies or the model
+    cannot be read, as ``generate.rules.auto_rule``): its checks run here too, so that their errors name the flags.
     """
     if name_or_path is None:
         raw, source = {}, "(defaults)"
@@ -427,10 +430,16 @@ def load_recipe(
     except ValidationError as e:
         problems += format_errors(e, source, given)
         recipe = None
+    hint = None
+    if recipe is not None and auto_rule is not None:
+        rule = auto_rule(recipe)
+        found = rule_problems(recipe.generate, rule) if rule is not None else []
+        problems += [f"{_blame(f'generate.{key}', source, given, 'generate')}: generate.{key}: {msg}" for key, msg in found[:1]]
+        hint = f"generate.sampler is auto: the model decodes with the {rule} rule" if found else None
     if problems:
         n = len(problems)
         head = f"{n} problem{'s' if n > 1 else ''} in recipe {source}:\n  " if n > 1 else ""
-        raise UserError(head + "\n  ".join(problems) if n > 1 else problems[0])
+        raise UserError(head + "\n  ".join(problems) if n > 1 else problems[0], hint=hint)
     return recipe
 
 
