@@ -144,6 +144,11 @@ def table(rows: list[dict], res: dict, title: str, per_class: bool) -> str:
     for c in classes:
         cells = [f"{res[n][c]['right']} / {res[n][c]['fp']} / {res[n][c]['fn']} / {res[n][c]['unsure']}" for n in names]
         lines.append(f"| {'**all**' if c == 'all' else c} | {res[names[0]][c]['n']} | " + " | ".join(cells) + " |")
+    hand = [r for r in rows if r["source"] == "hand"]
+    if hand:  # the rows written one by one, apart from the generated ones
+        h = measure(hand)
+        lines += ["", f"written by hand ({len(hand)} of the {len(rows)}): " + "; ".join(
+            f"{n} {h[n]['all']['right']} / {h[n]['all']['fp']} / {h[n]['all']['fn']} / {h[n]['all']['unsure']}" for n in names)]
     t = targets(res)
     a = res["math_answer"]["all"]
     lines += ["", f"math_answer: false positives {a['fp']} of {a['not_desirable']} rows not desirable "
