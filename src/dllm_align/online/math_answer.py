@@ -79,6 +79,22 @@ class Verdict:
         return self.verdict == "desirable"
 
 
+# How a prompt asks for each format: appended to the question, so that the format read is the one asked for.
+INSTRUCTIONS = {
+    "hashes": "Solve the problem step by step. Then give the final answer as a number on its own last line, "
+              "written as #### followed by the number.",
+    "boxed": "Solve the problem step by step. Then give the final answer in \\boxed{}.",
+    "json": "Solve the problem step by step. Then end with a JSON object that holds the final answer as a number: "
+            '{{"{field}": <number>}}.',
+    "answer_tag": "Solve the problem step by step. Then give the final answer between <answer> and </answer>.",
+}
+
+
+def instruction(fmt: str, field: str = "answer") -> str:
+    """The sentence a prompt gets so that its answer comes in format ``fmt``."""
+    return INSTRUCTIONS[fmt].format(field=field) if fmt == "json" else INSTRUCTIONS[fmt]
+
+
 # ------------------------------------------------------------------ markers of each format, one pass each
 # A repetition loop can mark thousands of answers: only the distinct ones (up to this many) and the last are
 # kept, so the work and the memory stay linear and flat (more distinct answers than this are two answers anyway).
