@@ -62,6 +62,74 @@ def test_a_rule_that_raises_on_one_row_names_it_and_writes_nothing(tmp_path, mon
     assert not (tmp_path / "lab" / "labelled.jsonl").exists()
 
 
+def test_unsure_rows_are_counted_kept_apart_and_never_trained_on(tmp_path, monkeypatch):
+    """A verifier's None and ("unsure", reason) leave the row out of labelled.jsonl (what train reads), in
+    unsure.jsonl with its reason, counted in the summary and said on stderr; a row past the time bound is
+    unsure too (reason timeout) instead of stopping the run."""
+    (tmp_path / "shy_rules.py").write_text(
+        "import time\n"
+        "def shy(prompt, completion, row):\n"
+        "    k = int(row['id'].rsplit('-', 1)[1])\n"
+        "    if k == 1:\n"
+        "        return None\n"
+        "    if k == 2:\n"
+        "        return ('unsure', 'two answers')\n"
+        "    if k == 3:\n"
+        "        time.sleep(30)\n"
+        "    return ('desirable', 'fine') if k % 2 else False\n"
+        "def wrong(prompt, completion, row):\n"
+        "    return ('maybe', 'no such verdict')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--n", "2", "--limit", "6", *FAST, "--rule", "shy_rules:shy"],
+                env={"DLLM_ALIGN_RULE_TIMEOUT": "0.5"})
+    assert r.code == 0, r.err
+    lab = tmp_path / "lab"
+    rows = [json.loads(x) for x in (lab / "labelled.jsonl").read_text().splitlines()]
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    summary = json.loads((lab / "label_summary.json").read_text())
+    assert len(rows) == 6 and len(unsure) == 6 and all(isinstance(x["label"], bool) for x in rows)
+    assert {x["prompt_id"] for x in unsure} == {"sort-train-00001", "sort-train-00002", "sort-train-00003"}
+    assert all(x["verdict"] == "unsure" and x["label"] is None for x in unsure)
+    assert sorted(x.get("reason") for x in unsure if x.get("reason")) == ["timeout", "timeout", "two answers", "two answers"]
+    assert summary["unsure"] == 6 and summary["unsure_share"] == 0.5 and summary["rows"] == 6
+    assert "6 of 12 samples unsure (50.0%)" in r.err
+    bad = run_cli(["label", "demo", "-o", tmp_path / "bad", "--n", "1", "--limit", "2", *FAST, "--rule", "shy_rules:wrong"],
+                  env={"DLLM_ALIGN_RULE_TIMEOUT": "0.5"})
+    assert bad.code == 2 and "a verifier returns True, False, None (unsure) or (verdict, reason)" in bad.err
+
+
+def test_label_on_a_thousand_samples_with_a_megabyte_loop_finishes_with_that_row_unsure(tmp_path, monkeypatch):
+    """math_answer on 1,000 samples, one of them 1 MB of a model revising its answer over and over: the run
+    finishes in the time bound, that row unsure (the rule is linear in the completion)."""
+    from dllm_align.generate.settings import Completion
+    from dllm_align.online import label as label_mod
+
+    loop = "#### 12\nOn second thought, it is 13.\n"
+    big = loop * (1_000_000 // len(loop))
+    texts = {0: big}
+
+    def fake_sample(gen, prompts, settings, seeds, batch_size, rank, world):
+        out = []
+        for k in range(len(prompts)):
+            t = texts.get(k, f"Adding up gives {k % 7}.\n#### {k % 7}" if k % 3 else "I am not sure.")
+            out.append(Completion(ids=[], text=t, raw=[], stopped=True, forwards=0))
+        return out
+
+    monkeypatch.setattr(label_mod, "_sample", fake_sample)
+    src = tmp_path / "q.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} mod 7?", "answer": f"#### {i % 7}"}) + "\n"
+                           for i in range(250)))
+    r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--rule", "math_answer", "--prompts", src, "--n", "4", *FAST],
+                env={"DLLM_ALIGN_RULE_TIMEOUT": "5"})
+    assert r.code == 0, r.err
+    lab = tmp_path / "lab"
+    summary = json.loads((lab / "label_summary.json").read_text())
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    assert summary["rows"] + summary["unsure"] == 1000
+    assert [x["id"] for x in unsure] == ["q0:s0"] and unsure[0]["reason"] == "revised" and len(unsure[0]["completion"]) > 999_000
+    assert summary["reasons"]["none"] == sum(1 for k in range(1, 1000) if k % 3 == 0)
+
+
 def test_math_answer_needs_the_reference_column(tmp_path):
     p = tmp_path / "q.jsonl"
     p.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?"}) + "\n")

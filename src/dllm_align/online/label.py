@@ -27,6 +27,7 @@ from dllm_align.core.errors import UserError
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
+UNSURE = "unsure.jsonl"  # the rows the verifier was unsure of: counted, kept for a look, never trained on
 
 
 @dataclass
@@ -111,7 +112,8 @@ def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) 
 
 
 def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
-    """One sample's label: the verifier's True/False; None when an absolute judge could not decide."""
+    """One sample's :class:`~dllm_align.online.verifiers.Outcome` (an absolute judge that could not decide:
+    unsure, reason ``unjudgeable``)."""
     from dllm_align.core.errors import RunFailure
     from dllm_align.judge.client import FatalApiError, JudgementFailed
     from dllm_align.online.verifiers import apply
@@ -120,11 +122,18 @@ def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
     if judge is None:
         return apply(verifier, _prompt_text(p.messages), completion, p.row, where)
     try:
-        return judge(_prompt_text(p.messages), completion, p.row)
+        return _judged(judge(_prompt_text(p.messages), completion, p.row))
     except FatalApiError as e:
         raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
     except JudgementFailed as e:
         raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
+
+
+def _judged(v):
+    """An absolute judge's True / False / None as an outcome."""
+    from dllm_align.online.verifiers import Outcome
+
+    return Outcome("unsure", "unjudgeable") if v is None else Outcome("desirable" if v else "undesirable")
 
 
 def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
@@ -149,7 +158,7 @@ def _labels(verifier, judge, items: list, flat: list, texts: list[str], section)
         from dllm_align.judge.client import FatalApiError, JudgementFailed
 
         try:
-            return judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])
+            return [_judged(v) for v in judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])]
         except FatalApiError as e:
             raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
         except JudgementFailed as e:
@@ -271,7 +280,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the labelled rows")
     rows_path, summary_path = out / ROWS, out / SUMMARY
-    for p in (rows_path, summary_path):
+    for p in (rows_path, summary_path, out / UNSURE):
         check_not_input(p)
     rank, world = _ranks()
     settings, filled = _settings(recipe, temperature, fast)
@@ -430,18 +439,16 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         if judge is not None:
             judge.close()
     reasons: Counter = Counter()
-    for ((i, j), c), ok in zip(zip(flat, comps), labels):
+    unsure = []
+    for ((i, j), c), got in zip(zip(flat, comps), labels):
         p = items[i]
-        if ok is None:  # an absolute judge that gave no verdict even when asked for it alone
-            continue
-        row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
-               "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
-               "verdict": "desirable" if ok else "undesirable"}
-        why = verifier.explain(_prompt_text(p.messages), c.text, p.row) if judge is None else None
-        if why is not None:
-            row["reason"] = why
-            reasons[why] += 1
-        rows.append(row)
+        row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": got.label,
+               "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name, "verdict": got.verdict}
+        if got.reason is not None:
+            row["reason"] = got.reason
+            reasons[got.reason] += 1
+        # an unsure row is kept apart from the training rows, with its reason (an absolute judge's included)
+        (unsure if got.label is None else rows).append(row)
     per_prompt = Counter()
     good = Counter()
     for r in rows:
@@ -452,8 +459,16 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         from dllm_align.core.console import warn
 
         warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
+    if unsure:
+        from dllm_align.core.console import info
+
+        why = Counter(r.get("reason", "no reason given") for r in unsure)
+        info(f"label: {len(unsure)} of {len(flat)} samples unsure ({100 * len(unsure) / len(flat):.1f}%), left out of "
+             f"training and written to {UNSURE}: " + ", ".join(f"{k} {v}" for k, v in why.most_common()))
     if not rows:
-        raise UserError("no sample got a verdict: nothing to write", hint="see the warning above")
+        raise UserError("no sample got a verdict of desirable or undesirable: nothing to write",
+                        hint="see the warning above" if judge is not None and judge.unjudgeable
+                        else "see the unsure samples counted above")
     summary = {
         "rows": len(rows), "prompts": len(items), "samples_per_prompt": n, "desirable": n_good,
         "undesirable": len(rows) - n_good, "desirable_share": n_good / len(rows),
@@ -461,8 +476,10 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
+        "unsure": len(unsure), "unsure_share": len(unsure) / len(flat), "unsure_file": UNSURE,
         "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
     }
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(rows_path.parent / UNSURE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in unsure))
     atomic_write_json(summary_path, summary)
     return summary

@@ -191,18 +191,21 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
 
 def _share_ci(rows: list[dict]) -> dict:
     """The desirable share of labelled rows with a 90% interval over prompts (the samples of one prompt are
-    not independent: the standard error is that of the per-prompt means)."""
+    not independent: the standard error is that of the per-prompt means). An unsure row (label None) counts
+    as not desirable, so that a model cannot raise its share by answering so that the verifier abstains;
+    ``unsure`` says how many there were."""
     import math
 
     per: dict[str, list[bool]] = {}
     for r in rows:
-        per.setdefault(r["prompt_id"], []).append(bool(r["label"]))
+        per.setdefault(r["prompt_id"], []).append(r["label"] is True)
     means = [sum(v) / len(v) for v in per.values()]
     p = len(means)
     m = sum(means) / p
     sd = math.sqrt(sum((x - m) ** 2 for x in means) / (p - 1)) if p > 1 else 0.0
     h = 1.6448536269514722 * sd / math.sqrt(p)
-    return {"share": m, "ci90": [max(0.0, m - h), min(1.0, m + h)], "prompts": p, "samples": len(rows)}
+    return {"share": m, "ci90": [max(0.0, m - h), min(1.0, m + h)], "prompts": p, "samples": len(rows),
+            "unsure": sum(r["label"] is None for r in rows)}
 
 
 def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Optional[float], answer_column: str,
@@ -210,7 +213,7 @@ def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Op
     """The verifier's desirable share of ``model`` on the held-out prompts, greedy (one decode per prompt with the
     recipe's decoding, as ``generate``) and sampled (``n`` per prompt at the online temperature, as the labeller), each with its 90% interval; reused when done.
     None when there are no held-out prompts."""
-    from dllm_align.online.label import ROWS, SUMMARY, label
+    from dllm_align.online.label import ROWS, SUMMARY, UNSURE, label
 
     if heldout is None and recipe.data.test is None:
         return None
@@ -227,7 +230,8 @@ def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Op
                 rec.data.train = recipe.data.test
                 label(rec, d, rule=rule, n=k, split="test", model=str(model), limit=limit, temperature=t,
                       answer_column=answer_column, round_=0, fast=fast)
-        rows = [json.loads(x) for x in (d / ROWS).read_text(encoding="utf-8").splitlines() if x.strip()]
+        rows = [json.loads(x) for name in (ROWS, UNSURE) if (d / name).exists()
+                for x in (d / name).read_text(encoding="utf-8").splitlines() if x.strip()]
         res[kind] = _share_ci(rows)
     return res
 
@@ -366,6 +370,8 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         held = heldout_eval(recipe, final, rd / "heldout", rule=rule, n=heldout_n, temperature=temperature,
                             answer_column=answer_column, heldout=heldout, limit=heldout_limit)
         table.append({"round": r, "policy": str(policy), "rows": summary["rows"], "desirable_share": summary["desirable_share"],
+                      # a folder labelled before verdicts could be unsure has none
+                      "unsure": summary.get("unsure", 0), "unsure_share": summary.get("unsure_share", 0.0),
                       "prompts_all_desirable": summary["prompts_all_desirable"],
                       "prompts_all_undesirable": summary["prompts_all_undesirable"], **counts,
                       "reasons": summary.get("reasons"), "heldout": held,
@@ -457,9 +463,9 @@ def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
 def markdown_table(table: list[dict]) -> str:
     """The per-round table: the round's samples (and greedy decodes, when labelled) and weights, then the held-out
     shares of the model it trained."""
-    head = ("| round | samples | desirable % | greedy desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U "
-            "| reward D | reward U | not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| round | samples | desirable % | unsure % | greedy desirable % | all-good prompts | all-bad prompts | lambda_D "
+            "| lambda_U | reward D | reward U | not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
+    lines = [head, "|" + "---|" * 14]
 
     def f(v):
         return "-" if v is None else f"{v:+.3f}"
@@ -475,7 +481,7 @@ def markdown_table(table: list[dict]) -> str:
     for t in table:
         g = t.get("greedy_desirable_share")
         gs = "-" if g is None else f"{100 * g:.1f}"
-        lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {gs} | "
+        lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {100 * t.get('unsure_share', 0.0):.1f} | {gs} | "
                      f"{t['prompts_all_desirable']} | "
                      f"{t['prompts_all_undesirable']} | {t['lambda_desirable']:.2f} | {t['lambda_undesirable']:.2f} | "
                      f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} | {why(t)} | {h(t, 'greedy')} | {h(t, 'sampled')} |")
