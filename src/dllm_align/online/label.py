@@ -103,6 +103,18 @@ def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifi
     return out
 
 
+def with_instruction(p: Prompt, instruction: str) -> Prompt:
+    """``p`` with ``instruction`` appended to its last user message (its id and source row unchanged): how a
+    verifier's answer format is stated in the prompt."""
+    msgs = [dict(m) for m in p.messages]
+    users = [i for i, m in enumerate(msgs) if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    if not users:
+        return p
+    last = msgs[users[-1]]
+    last["content"] = f"{last['content'].rstrip()}\n\n{instruction}"
+    return Prompt(p.id, msgs, p.row, p.where)
+
+
 def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) -> str:
     """A hash of the prompts' content (ids, messages and source rows), whatever file or built-in holds them:
     what a resumed online run must still be labelling."""
@@ -276,6 +288,8 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     items = read_prompts(str(source), None if prompts else split, limit, verifier)
     if not items:
         raise UserError(f"{source}: no prompts")
+    if verifier.instruction:
+        items = [with_instruction(p, verifier.instruction) for p in items]
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the labelled rows")
@@ -287,6 +301,8 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     name = recipe.model.name_or_path if model is None else model
     record = {"--rule": rule, "--n": n, "--model": str(name), "--prompts": str(source), "--limit": limit,
               "--answer-column": answer_column, "generate": settings.to_dict()}
+    if verifier.instruction:  # recorded only where there is one: folders labelled without one keep their record
+        record["instruction"] = verifier.instruction
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)

@@ -63,6 +63,9 @@ class Rule:
     why: Optional[Callable[[str, str, dict], str]] = None
     # What is wrong with a source row for this rule (None: nothing), checked before anything is sampled.
     check_row: Optional[Callable[[dict], Optional[str]]] = None
+    # What every prompt is told so that its answer comes in the form the verifier reads (math_answer's answer
+    # format), appended to the last user message; None: the prompts are sampled as they are.
+    instruction: Optional[str] = None
 
     def explain(self, prompt: str, completion: str, row: dict) -> Optional[str]:
         """The reason behind the verdict, or None for a rule that gives none."""
