@@ -51,7 +51,7 @@ def test_fsdp_8gpu_estimate_for_llada_8b(llada_dir, tmp_path):
     assert lines["activations (checkpointed layer inputs)"] == 32 * 8 * 4096 * 4096 * 4  # fp32 residual per layer
     # An independent estimate for this setting is ~43-47 GB; ours adds fp32 gathering of the root
     # unit and two layers (~5.5 GiB; bf16 gathering would be half) and a 2 GiB runtime reserve,
-    # and (issue 22, defect 6) the root unit's and one layer's unsharded fp32 gradients before their
+    # and the root unit's and one layer's unsharded fp32 gradients before their
     # reduce-scatter, the head's bf16 copy and one layer's bf16 weight copies: ~54.8 GiB in all.
     V, d = 126_464, 4096
     assert lines["output head bf16 copy"] == V * d * 2

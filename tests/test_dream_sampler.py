@@ -1,7 +1,7 @@
 """Dream's decoding rule reproduces the published ``diffusion_generate`` token for token (fp32).
 
 ``published_rule`` below is an independent transcription of the published algorithm
-(SPEC.md section 11): one canvas, ``timesteps = linspace(1, eps, steps + 1)``, the
+(docs/design.md#the-dream-rule): one canvas, ``timesteps = linspace(1, eps, steps + 1)``, the
 shifted logits of the raw model, ``sample_tokens`` with temperature / top-p / top-k,
 the four ``alg`` rules and ``alg_temp``, one global random stream seeded with
 ``torch.manual_seed``. The library draws from a per-prompt generator seeded the same

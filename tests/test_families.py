@@ -49,7 +49,7 @@ def _shift(raw):
 # --------------------------------------------------------------------------- registry
 def test_every_family_declares_what_the_code_asks():
     for fam in FAMILIES.values():
-        if fam.refuse_reason:  # recognised only to be refused with the reason (block diffusion, issue 24)
+        if fam.refuse_reason:  # recognised only to be refused with the reason (LLaDA2.1's token editing)
             assert fam.model_types and fam.block_size
             continue
         assert fam.model_types and fam.stop_tokens and fam.sampler in ("llada", "dream", "block", "diffusion_gemma")

@@ -1,4 +1,5 @@
-"""The LLaDA sampler (SPEC.md §7): exact mode against a plain implementation, batching, seeding, fast mode."""
+"""The LLaDA sampler (docs/design.md#the-llada-rule): exact mode against a plain implementation, batching, seeding,
+fast mode."""
 
 from __future__ import annotations
 

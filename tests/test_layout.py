@@ -175,3 +175,42 @@ def test_the_guards_catch_what_they_are_for():
     assert block_size_branches("n = likelihood.count(block_size=8)\n") == []
     assert ISSUE_OR_SPEC.search("see SPEC.md section 5") and ISSUE_OR_SPEC.search("(issue 13, defect 8)")
     assert not ISSUE_OR_SPEC.search("BUILTIN_SPECS and SPECIAL_TOKENS")
+
+
+# --------------------------------------------------------------------------- no issue numbers outside src/ either
+# The src/ pattern plus "SPEC 4" / "SPEC §7": a section number of a spec a clone does not have.
+NARRATION = re.compile(ISSUE_OR_SPEC.pattern + r"|\bSPEC ?§? ?[0-9]+")
+NARRATION_FOLDERS = ("recipes", "benchmarks", "docs", "tests")
+TEXT_SUFFIXES = (".py", ".yaml", ".yml", ".md", ".txt", ".json", ".toml", ".sh", ".cfg", ".ini")
+
+
+def narrations(root: Path) -> list[str]:
+    """Lines under ``root``'s recipes/, benchmarks/, docs/ and tests/ that name an issue, a defect or a SPEC section.
+    This file is left out: it holds the pattern and the planted examples that prove it works."""
+    out = []
+    for folder in NARRATION_FOLDERS:
+        for p in sorted((root / folder).rglob("*")):
+            if not p.is_file() or p.suffix not in TEXT_SUFFIXES or p.resolve() == Path(__file__).resolve():
+                continue
+            for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if NARRATION.search(line):
+                    out.append(f"{p.relative_to(root)}:{i}: {line.strip()[:160]}")
+    return out
+
+
+def test_recipes_benchmarks_docs_and_tests_say_why_not_which_issue():
+    """As in src/: a comment says why, a doc says what; an issue number means nothing to a reader of a clone.
+    CHANGELOG.md (the repository's root, a history) is not under these folders."""
+    bad = narrations(PKG.parents[1])
+    assert not bad, "an issue, defect or SPEC section named:\n" + "\n".join(bad)
+
+
+def test_the_narration_guard_catches_what_it_is_for(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "r.yaml").write_text("beta: 0.1  # see SPEC " + "4\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "p.md").write_text("fine\n(SPEC §" + "7)\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('"""Issue ' + '22, item 8"""\n# tests/dist.py SPEC.json\n')
+    assert [b.split(":")[0:2] for b in narrations(tmp_path)] == [
+        ["recipes/r.yaml", "1"], ["docs/p.md", "2"], ["tests/test_x.py", "1"]]

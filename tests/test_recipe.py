@@ -165,7 +165,7 @@ PAPER_RECIPES = ["kto_mix_14k", "ultrafeedback_binary", "table1_kto_mix_14k", "t
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)
 def test_paper_recipes_sample_uniformly_and_score_like_the_paper_code(name):
-    """The paper samples S uniformly (section 3.2) and its code scores no end-of-turn token (SPEC.md section 2)."""
+    """The paper samples S uniformly (section 3.2) and its code scores no end-of-turn token (docs/design.md#tokens-padding-and-packing)."""
     r = load_recipe(name)
     assert r.data.group_by_length is False
     assert r.data.end_of_turn == "none"
