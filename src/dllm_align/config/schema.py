@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dllm_align.config import components as registry
 
@@ -96,6 +96,16 @@ def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tup
             out.append((key, f"not a setting of the {comp.kind} {comp.name!r} (it has no use for it; "
                              f"leave it at {default!r})"))
     return out
+
+
+def _known_backend(name: str) -> str:
+    """``generate.backend`` by name, from the declarations alone (nothing is imported to check it)."""
+    if registry.find("backend", name) is None:
+        raise ValueError(registry.unknown_message("backend", name, key="generate.backend").partition(": ")[2])
+    return name
+
+
+BackendName = Annotated[str, AfterValidator(_known_backend)]
 
 
 # --------------------------------------------------------------------------- model
@@ -329,7 +339,7 @@ class GenerateSection(ComposedSection):
 
     SECTION: ClassVar[str] = "generate"
 
-    backend: str = Field(
+    backend: BackendName = Field(
         "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
         "other names are generation backends registered in dllm_align.generate.backend."
     )

@@ -5,7 +5,7 @@ from the recipe's model (or ``--model``) with the recipe's sampler, in fast mode
 temperature that gives different samples (1.0 unless ``generate.temperature`` is set above 0); each
 completion is labelled by a verifier (:mod:`dllm_align.online.verifiers`). The output is unpaired rows,
 ``prompt``, ``completion``, ``label``, plus their provenance (``round``, ``model``, ``sampler``,
-``labeller``, ``verdict``, ``prompt_id``), which ``precompute-ref`` and ``train`` read as they are; and a
+``labeller``, ``verdict``, ``prompt_id``; the fast mode's cache and threshold only in the summary), which ``precompute-ref`` and ``train`` read as they are; and a
 summary (rows, desirable share, prompts whose samples are all good or all bad).
 
 Everything is checked before the first sample (the rule, and the columns it needs in the prompts file);
@@ -23,11 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
+from dllm_align.online.verifiers import Outcome
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
 UNSURE = "unsure.jsonl"  # the rows the verifier was unsure of: counted, kept for a look, never trained on
+# Decoding keys that are the same for every sample of a run (the fast mode's): recorded once, in the summary.
+PER_RUN_KEYS = frozenset({"cache", "threshold"})
 
 
 @dataclass
@@ -143,8 +147,6 @@ def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
 
 def _judged(v):
     """An absolute judge's True / False / None as an outcome."""
-    from dllm_align.online.verifiers import Outcome
-
     return Outcome("unsure", "unjudgeable") if v is None else Outcome("desirable" if v else "undesirable")
 
 
@@ -184,7 +186,7 @@ def _prompt_text(messages: list) -> str:
     return users[-1] if users else (messages[-1].get("content", "") if messages else "")
 
 
-def _settings(recipe, temperature: Optional[float], fast: bool = True):
+def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
     then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
     decoding as it is."""
@@ -274,13 +276,13 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     import torch
 
     from dllm_align.core.io import check_not_input
-    from dllm_align.generate.backend import backend_factory, make_generator
+    from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
     from dllm_align.generate.settings import encode_prompt, row_seed
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
     check_temperature(temperature, n)
-    backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
+    backend_component(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
     verifier = check_rule(rule, answer_column, recipe)
     source = prompts or recipe.data.train
     if source is None:
@@ -297,15 +299,15 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     for p in (rows_path, summary_path, out / UNSURE):
         check_not_input(p)
     rank, world = _ranks()
-    settings, filled = _settings(recipe, temperature, fast)
+    settings, filled = label_settings(recipe, temperature, fast)
     name = recipe.model.name_or_path if model is None else model
     record = {"--rule": rule, "--n": n, "--model": str(name), "--prompts": str(source), "--limit": limit,
-              "--answer-column": answer_column, "generate": settings.to_dict()}
+              "--answer-column": answer_column, "generate": recorded_settings(settings)}
     if verifier.instruction:  # recorded only where there is one: folders labelled without one keep their record
         record["instruction"] = verifier.instruction
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
+    gen = make_generator(recipe.generate, recipe.model, device=dev, name_or_path=name)
     settings = _for_model(gen, settings, filled)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     max_pos = gen.max_positions
@@ -359,7 +361,7 @@ def rank0_lock(folder: Path, message: str, rank: int, world: int):
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
                   rank: int, world: int) -> dict:
     """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
-    from dllm_align.core.console import info
+    from dllm_align.generate.backend import recorded_settings
 
     rows_path, summary_path = out / ROWS, out / SUMMARY
     judge = None
@@ -370,16 +372,19 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
         judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
         verifier = Rule(rule, judge)
     if rank == 0:
-        info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
-             f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}"
+        fast = (f", cache {settings.cache}, threshold {settings.threshold}"
+                if PER_RUN_KEYS <= set(recorded_settings(settings)) else "")  # said only where the backend uses them
+        info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}"
+             f"{fast}), rule {verifier.name}"
              + (f"; sampling dealt across {world} processes" if world > 1 else ""))
     comps = _sample(gen, [ids[i] for i, _ in flat], settings, seeds, recipe.generate.batch_size, rank, world)
     if world > 1:
         # rank 0 labels and writes; the others take its outcome (the same error on every rank)
         return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
-                                                    rows_path, summary_path, recipe.judge, record) if rank == 0 else None)
+                                                    rows_path, summary_path, recipe.judge, record, gen.serving())
+                                 if rank == 0 else None)
     return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                            recipe.judge, record)
+                            recipe.judge, record, gen.serving())
 
 
 def _ranks() -> tuple[int, int]:
@@ -444,10 +449,14 @@ def from_rank0(fn):
 
 
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                     judge_section, record: dict) -> dict:
+                     judge_section, record: dict, served: Optional[dict]) -> dict:
     from dllm_align.core.io import atomic_write_json, atomic_write_text
+    from dllm_align.generate.backend import recorded_settings
 
-    sampler = {k: v for k, v in settings.to_dict().items()}
+    # The run's decoding is recorded once, in the summary; each row keeps what tells its samples apart from
+    # another run's, without the fast mode's cache and threshold (the same for every row of the run).
+    sampler = recorded_settings(settings)
+    row_sampler = {k: v for k, v in sampler.items() if k not in PER_RUN_KEYS}
     rows = []
     try:
         labels = _labels(verifier, judge, items, flat, [c.text for c in comps], judge_section)
@@ -459,7 +468,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
     for ((i, j), c), got in zip(zip(flat, comps), labels):
         p = items[i]
         row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": got.label,
-               "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name, "verdict": got.verdict}
+               "round": round_, "model": name, "sampler": row_sampler, "labeller": verifier.name, "verdict": got.verdict}
         if got.reason is not None:
             row["reason"] = got.reason
             reasons[got.reason] += 1
@@ -476,8 +485,6 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
 
         warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     if unsure:
-        from dllm_align.core.console import info
-
         why = Counter(r.get("reason", "no reason given") for r in unsure)
         info(f"label: {len(unsure)} of {len(flat)} samples unsure ({100 * len(unsure) / len(flat):.1f}%), left out of "
              f"training and written to {UNSURE}: " + ", ".join(f"{k} {v}" for k, v in why.most_common()))
@@ -495,6 +502,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "unsure": len(unsure), "unsure_share": len(unsure) / len(flat), "unsure_file": UNSURE,
         "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
     }
+    summary["served"] = served  # the model the backend says it served (None where it cannot tell)
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_text(rows_path.parent / UNSURE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in unsure))
     atomic_write_json(summary_path, summary)
