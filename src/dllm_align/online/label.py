@@ -150,17 +150,11 @@ def _judged(v):
     return Outcome("unsure", "unjudgeable") if v is None else Outcome("desirable" if v else "undesirable")
 
 
-def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
-    """The verdicts per reason; for math_answer every reason is listed, zeros included, so that the summaries
-    of different rounds have the same keys."""
-    if rule == "math_answer":
-        from dllm_align.online.math_answer import reason_counts
-
-        return reason_counts(reasons.elements())
-    if rule == "sort":
-        from dllm_align.online.verifiers import SORT_REASONS
-
-        return {k: reasons.get(k, 0) for k in SORT_REASONS}
+def _reason_counts(verifier, reasons: Counter) -> dict[str, int]:
+    """The verdicts per reason; a verifier that lists its reasons (``Rule.reasons``) gets every one, zeros
+    included, so that the summaries of different rounds have the same keys."""
+    if verifier.reasons:
+        return {k: reasons[k] for k in verifier.reasons}
     return dict(sorted(reasons.items()))
 
 
@@ -208,8 +202,10 @@ def label_settings(recipe, temperature: Optional[float], fast: bool = True):
 def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
-    if fast and gen.settings_for(settings.replace(cache="none", threshold=None)).sampler == "block":
-        settings = settings.replace(cache="prefix")
+    if fast:
+        from dllm_align.generate.rules import rule_fast_cache
+
+        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
     return gen.settings_for(settings)
 
 
@@ -220,28 +216,11 @@ def check_temperature(temperature: Optional[float], n: int) -> None:
                         "to contrast", hint="sample at a temperature above 0 (1.0 by default), or --n 1")
 
 
-def check_judge(rule: str, section) -> None:
-    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
-    from dllm_align.judge.client import check_base_url, read_api_key
-
-    if not rule[len("judge:"):].strip():
-        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
-    key = read_api_key(section.api_key_env)
-    try:
-        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
-    except UserError as e:  # the client names its own flag; label reads the recipe's key
-        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
-
-
 def check_rule(rule: str, answer_column: str, recipe):
     """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
-    from dllm_align.online.verifiers import Rule, check_spec, get_rule
+    from dllm_align.online.verifiers import get_rule
 
-    check_spec(rule, f"--rule {rule}")
-    if rule.startswith("judge:"):
-        check_judge(rule, recipe.judge)
-        return Rule(rule, lambda p, c, r: True)  # replaced by the judge once the folder is taken
-    return get_rule(rule, answer_column=answer_column)
+    return get_rule(rule, answer_column=answer_column, recipe=recipe)
 
 
 def _refuse_relabel(summary_path: Path, settings: dict) -> None:
@@ -365,11 +344,10 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
 
     rows_path, summary_path = out / ROWS, out / SUMMARY
     judge = None
-    if rule.startswith("judge:") and rank == 0:  # the judge (and its cache in the run folder) lives on rank 0
-        from dllm_align.online.absolute import AbsoluteJudge
+    if verifier.bind is not None and rank == 0:  # a verifier bound to the run folder (a judge's cache) lives on rank 0
         from dllm_align.online.verifiers import Rule
 
-        judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
+        judge = verifier.bind(out)
         verifier = Rule(rule, judge)
     if rank == 0:
         fast = (f", cache {settings.cache}, threshold {settings.threshold}"
@@ -500,7 +478,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
         "unsure": len(unsure), "unsure_share": len(unsure) / len(flat), "unsure_file": UNSURE,
-        "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
+        "reasons": _reason_counts(verifier, reasons) if reasons else None, "settings": record,
     }
     summary["served"] = served  # the model the backend says it served (None where it cannot tell)
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -54,7 +54,7 @@ from typing import Optional
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-FORMATS = ("hashes", "boxed", "json", "answer_tag")
+from dllm_align.online.components import ANSWER_FORMATS as FORMATS
 VERDICTS = ("desirable", "undesirable", "unsure")
 NO_ANSWER = ("none", "truncated")
 ABSTAIN = ("two_answers", "revised", "expression", "ambiguous", "unreadable")

@@ -7,6 +7,11 @@ verdict with its reason (an object with ``verdict`` and ``reason``, or a pair ``
 ``timeout``), so one pathological completion never stops a labelling run. ``label`` and ``online`` leave the
 unsure rows out of training and count them.
 
+A verifier is a component of kind ``verifier`` (``dllm_align.config.components``): declared torch-free with
+its name, the argument it takes after ':' and its own settings (``online.<name>``), the built-in ones in
+:mod:`dllm_align.online.components`; its target is a factory ``(Selection) -> Rule``. A spec ``name:ARGUMENT``
+selects ``name`` with that argument; a spec no component takes is a user's ``package.module:function``.
+
 Built in:
 
 * ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order
@@ -18,6 +23,8 @@ Built in:
   The full rule is in :mod:`dllm_align.online.math_answer`.
 * ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``; an empty pattern is
   refused, and each search is bounded in time like a user's function, so catastrophic backtracking stops).
+* ``judge:MODEL``: an LLM judge in absolute mode (:mod:`dllm_align.online.absolute`), bound to the run
+  folder once it is taken (its verdict cache lives there).
 * ``package.module:function``: your function ``(prompt, completion, row)`` returning a verdict as above
   (``prompt`` is the last
   user message's text, ``row`` the prompt's source row as a dict); like the judge's rule judges, running
@@ -30,9 +37,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
+from pydantic import BaseModel
+
+from dllm_align.config.schema import split_verifier, verifier_problem
 from dllm_align.core.errors import DllmAlignError, UserError
+from dllm_align.core.usercode import OverTime, call, load_function
+from dllm_align.data.toy import desirable, digits_of, undesirable
+from dllm_align.online.math_answer import REASONS, instruction, judge, reference_answer
 
 Verifier = Callable[[str, str, dict], Any]
 VERDICTS = ("desirable", "undesirable", "unsure")
@@ -63,6 +77,11 @@ class Rule:
     why: Optional[Callable[[str, str, dict], str]] = None
     # What is wrong with a source row for this rule (None: nothing), checked before anything is sampled.
     check_row: Optional[Callable[[dict], Optional[str]]] = None
+    # Every reason ``why`` can give, so that summaries of different rounds have the same keys (zeros included).
+    reasons: tuple[str, ...] = ()
+    # A verifier that works in the run folder (the absolute judge caches its verdicts there): called with the
+    # folder once it is taken, it returns what labels instead of ``fn`` (with ``batch`` when it can ask in bulk).
+    bind: Optional[Callable[[Path], Any]] = None
     # What every prompt is told so that its answer comes in the form the verifier reads (math_answer's answer
     # format), appended to the last user message; None: the prompts are sampled as they are.
     instruction: Optional[str] = None
@@ -73,8 +92,6 @@ class Rule:
 
 
 def _sort(prompt: str, completion: str, row: dict) -> bool:
-    from dllm_align.data.toy import desirable, digits_of
-
     return completion.strip() == desirable(digits_of(prompt))
 
 
@@ -84,8 +101,6 @@ SORT_REASONS = ("correct", "descending", "unsorted", "malformed")
 def _sort_why(prompt: str, completion: str, row: dict) -> str:
     """``correct``; ``descending`` (the reverse sort); ``unsorted`` (the prompt's digits in another order);
     ``malformed`` (not the prompt's digits: missing, extra or other characters)."""
-    from dllm_align.data.toy import desirable, digits_of, undesirable
-
     digits, got = digits_of(prompt), completion.strip()
     if got == desirable(digits):
         return "correct"
@@ -96,7 +111,6 @@ def _sort_why(prompt: str, completion: str, row: dict) -> str:
 
 def _math(column: str, fmt: str = "hashes", field: str = "answer", no_answer: str = "undesirable") -> Verifier:
     """math_answer's verdict, with its reason, in one reading (:func:`dllm_align.online.math_answer.judge`)."""
-    from dllm_align.online.math_answer import judge
 
     def check(prompt: str, completion: str, row: dict):
         return judge(completion, str(row[column]), fmt=fmt, field=field, prompt=prompt, no_answer=no_answer)
@@ -109,8 +123,6 @@ def _math_row(column: str) -> Callable[[dict], Optional[str]]:
         v = row.get(column)
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not str(v).strip():
             return f"{column} is {json.dumps(v)[:40]}: math_answer needs a reference answer (text or a number)"
-        from dllm_align.online.math_answer import reference_answer
-
         want, text = reference_answer(str(v))
         if want is None and not text:
             return f"{column} {str(v)[:40]!r} holds no final answer for math_answer to compare against"
@@ -119,45 +131,68 @@ def _math_row(column: str) -> Callable[[dict], Optional[str]]:
     return problem
 
 
-BUILTIN = ("sort", "math_answer", "regex:PATTERN", "package.module:function")
+@dataclass(frozen=True)
+class Selection:
+    """A verifier as a spec selects it: the spec as written, the text after ':' (None: none), the verifier's own
+    settings (``online.<name>``, its defaults when the recipe has none), the reference-answer column
+    (``--answer-column``) and the recipe (None when there is none)."""
+
+    spec: str
+    argument: Optional[str]
+    settings: BaseModel
+    answer_column: str = "answer"
+    recipe: Any = None
+
+
+def sort_rule(sel: Selection) -> Rule:
+    return Rule("sort", _sort, why=_sort_why, reasons=SORT_REASONS)
+
+
+def math_answer_rule(sel: Selection) -> Rule:
+    """math_answer with its own settings (``online.math_answer``: the answer format, its JSON field, what no
+    answer is, the sentence that asks for the format)."""
+    own = sel.settings
+    check = _math(sel.answer_column, own.format, own.field, own.no_answer)
+    said = instruction(own.format, own.field) if own.instruction is None else own.instruction
+    return Rule("math_answer", check, (sel.answer_column,), None, _math_row(sel.answer_column), REASONS,
+                instruction=said or None)
+
+
+def regex_rule(sel: Selection) -> Rule:
+    rx = re.compile(sel.argument or "")  # checked with the spec (verifier_problem)
+    return Rule(sel.spec, lambda p, c, r: rx.search(c) is not None)
 
 
 def check_spec(spec: Any, label: str) -> None:
-    """Refuse a rule spec that cannot name a verifier, without importing anything (the recipe schema checks
-    ``online.rule`` with the same words); :func:`get_rule` then imports a user's module."""
-    from dllm_align.config.schema import verifier_problem
-
+    """Refuse a rule spec that cannot name a verifier, without importing it (the recipe schema checks
+    ``online.rule`` with the same words); :func:`get_rule` then loads it."""
     problem = verifier_problem(spec)
     if problem:
         raise UserError(f"{label}: {problem}")
 
 
-def get_rule(spec: str, *, answer_column: str = "answer") -> Rule:
-    """The verifier a ``--rule`` names (module docstring); one error naming it when it is unknown, and a user's
-    function that cannot take (prompt, completion, row) refused before anything is sampled."""
+def get_rule(spec: str, *, answer_column: str = "answer", recipe=None) -> Rule:
+    """The verifier a ``--rule`` names (module docstring), every check that needs no model done; one error naming
+    it when it is unknown, and a user's function that cannot take (prompt, completion, row) refused before
+    anything is sampled. Its own settings are the recipe's ``online.<name>`` (defaults without an online section)."""
     label = f"--rule {spec}"
     check_spec(spec, label)
-    if spec == "sort":
-        return Rule("sort", _sort, why=_sort_why)
-    if spec == "math_answer":
-        return Rule("math_answer", _math(answer_column), (answer_column,), None, _math_row(answer_column))
-    if spec.startswith("regex:"):
-        rx = re.compile(spec[len("regex:"):])  # checked by check_spec
-        return Rule(spec, lambda p, c, r: rx.search(c) is not None)
-    if spec.startswith("judge:"):
-        raise UserError(f"{label}: the judge labels through dllm_align.online.absolute, not as a function")
-    from dllm_align.core.usercode import load_function
-
-    fn, _ = load_function(spec, label, args=("", "", {}), what="(prompt, completion, row) and return True or False")
-    return Rule(spec, fn)
+    comp, argument = split_verifier(spec)
+    if comp is None:
+        fn, _ = load_function(spec, label, args=("", "", {}), what="(prompt, completion, row) and return True or False")
+        return Rule(spec, fn)
+    online = getattr(recipe, "online", None)
+    own = online.own_settings(comp.name) if online is not None else comp.settings()
+    rule = comp.load()(Selection(spec, argument, own, answer_column, recipe))
+    if not isinstance(rule, Rule):
+        raise UserError(f"{label}: the verifier {comp.name!r} ({comp.target}) returned {type(rule).__name__}, not a Rule")
+    return rule
 
 
 def apply(rule: Rule, prompt: str, completion: str, row: dict, where: str) -> Outcome:
     """Run a verifier on one completion (printing, exiting and hanging contained: :mod:`dllm_align.core.usercode`)
     and read its verdict (module docstring); a call past its bound is unsure (reason ``timeout``). An exception
     or an answer that is no verdict is one error naming the rule and the row."""
-    from dllm_align.core.usercode import OverTime, call
-
     try:
         v: Any = call(rule.fn, (prompt, completion, row), f"--rule {rule.name}", where)
     except OverTime:

@@ -271,7 +271,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     source = prompts or recipe.data.train
     if source is None:
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
-    if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
+    if not read_prompts(str(source), None if prompts else "train", limit, verifier):
         raise UserError(f"{source}: no prompts")
     from dllm_align.online.label import rank0_lock
 
