@@ -16,7 +16,6 @@ import pytest
 
 from dllm_align.config import components as registry
 from dllm_align.generate import sampler  # noqa: F401  (registers the decoding rules, whose names AMBIGUOUS reads)
-from dllm_align.generate.rules import RULES
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "dllm_align"
 STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "workflows")
@@ -126,7 +125,7 @@ LIKELIHOOD_NAMES = set(registry.names("likelihood"))
 FAMILY_NAMES = set(registry.names("family"))
 # Decoding rules share some of these names ("llada", "dream", "block"): a bare comparison with one of those is
 # flagged only where it speaks of the family or likelihood itself (``fam.name == "dream"``).
-AMBIGUOUS = set(registry.names("rule")) | set(RULES)
+AMBIGUOUS = set(registry.names("rule"))
 ISSUE_OR_SPEC = re.compile(r"SPEC\.md|\b[Ii]ssue #?[0-9]+|\b[Dd]efect #?[0-9]+")
 
 

@@ -60,6 +60,10 @@ class Kind:
     section: str
     selector: Optional[str]
     doc: str
+    # what a component's ``check`` receives: the whole recipe ("recipe", returning problem lines) or only its
+    # section ("section", returning (key, message) pairs: a decoding rule, whose settings reach the samplers
+    # without the recipe)
+    check_on: str = "recipe"
 
 
 KINDS: dict[str, Kind] = {
@@ -69,7 +73,8 @@ KINDS: dict[str, Kind] = {
         Kind("likelihood", "reference", None, "noise processes and their ELBOs (chosen by the model family)"),
         Kind("objective", "train", "objective", "training objectives (train.objective)"),
         Kind("backend", "generate", "backend", "generation backends (generate.backend)"),
-        Kind("rule", "generate", "sampler", "decoding rules of the in-process generator (generate.sampler)"),
+        Kind("rule", "generate", "sampler", "decoding rules of the in-process generator (generate.sampler)",
+             check_on="section"),
         Kind("verifier", "online", "rule", "verifiers of label / online (online.rule, --rule)"),
     )
 }

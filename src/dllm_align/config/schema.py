@@ -713,8 +713,8 @@ class Recipe(Section):
         for kind in registry.KINDS.values():
             # the selected components' checks against the rest of the recipe (their ignored keys: their section's)
             section = getattr(self, kind.section)
-            if kind.selector is None or section is None:
-                continue
+            if kind.selector is None or section is None or kind.check_on != "recipe":
+                continue  # a section-checked kind (a decoding rule) ran its check in its section's validator
             comp = registry.find(kind.name, getattr(section, kind.selector))
             if comp is not None and comp.check is not None:
                 problems.extend(comp.check(self))
