@@ -130,6 +130,45 @@ def test_label_on_a_thousand_samples_with_a_megabyte_loop_finishes_with_that_row
     assert summary["reasons"]["none"] == sum(1 for k in range(1, 1000) if k % 3 == 0)
 
 
+def test_math_answer_reads_the_recipes_format_and_states_it_in_the_prompt(tmp_path, monkeypatch):
+    """online.math_answer.format picks where the answer is read and the sentence every prompt gets (recorded with
+    the run); no_answer: unsure keeps an output without the format out of training; instruction '' adds none."""
+    from dllm_align.generate.settings import Completion
+    from dllm_align.online import label as label_mod
+    from dllm_align.online.math_answer import instruction
+
+    outs = ["So the total is \\boxed{4}.", "#### 4", "It is 4.", "\\boxed{4} or \\boxed{5}"]
+    seen = []
+
+    def fake_sample(gen, prompts, settings, seeds, batch_size, rank, world):
+        seen.extend(gen.tokenizer.decode(p) for p in prompts)
+        return [Completion(ids=[], text=outs[k % 4], raw=[], stopped=True, forwards=0) for k in range(len(prompts))]
+
+    monkeypatch.setattr(label_mod, "_sample", fake_sample)
+    src = tmp_path / "q.jsonl"
+    src.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    args = ["label", "demo", "--rule", "math_answer", "--prompts", src, "--n", "4", *FAST]
+    r = run_cli([*args, "-o", tmp_path / "boxed", "--set", "online.math_answer.format=boxed",
+                 "--set", "online.math_answer.no_answer=unsure"])
+    assert r.code == 0, r.err
+    lab = tmp_path / "boxed"
+    rows = [json.loads(x) for x in (lab / "labelled.jsonl").read_text().splitlines()]
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    said = instruction("boxed")
+    assert rows[0]["prompt"][-1]["content"] == "What is 2 + 2?\n\n" + said and said in seen[0]
+    assert [(x["completion"], x["verdict"]) for x in rows] == [(outs[0], "desirable")]
+    assert sorted((x["completion"], x["reason"]) for x in unsure) == sorted(
+        [(outs[1], "none"), (outs[2], "none"), (outs[3], "two_answers")])
+    summary = json.loads((lab / "label_summary.json").read_text())
+    assert summary["settings"]["instruction"] == said and summary["unsure"] == 3
+    r = run_cli([*args, "-o", tmp_path / "plain", "--set", "online.math_answer.instruction=''"])
+    assert r.code == 0, r.err
+    rows = [json.loads(x) for x in (tmp_path / "plain" / "labelled.jsonl").read_text().splitlines()]
+    assert rows[0]["prompt"][-1]["content"] == "What is 2 + 2?" and "instruction" not in json.loads(
+        (tmp_path / "plain" / "label_summary.json").read_text())["settings"]
+    assert [x["verdict"] for x in rows] == ["undesirable", "desirable", "undesirable", "undesirable"]  # hashes read only
+
+
 def test_math_answer_needs_the_reference_column(tmp_path):
     p = tmp_path / "q.jsonl"
     p.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?"}) + "\n")
