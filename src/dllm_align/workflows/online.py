@@ -21,9 +21,12 @@ Round r (folder ``DIR/round-<r>``):
 
 Sampling seeds (:func:`dllm_align.online.label.label`'s ``round_``), mask seeds and the batch order
 are drawn afresh each round (round 0 keeps the recipe's, so round 0 is what ``label`` + ``train`` give); the held-out samples use the same seeds every
-round, so that rounds differ only by their model. ``--keep best`` makes the round with the highest
-held-out greedy share (then sampled share, then the earlier round) the run's final model; ``last`` (the
-default) the last round's.
+round, so that rounds differ only by their model. ``--keep guard`` (the default) never ends worse than it
+began without saying so: a round whose held-out greedy share falls below the 90% interval of the model it
+started from is rolled back (that model stays the final one), the loop stops there, says so, and the table
+and ``rounds.json`` (``rolled_back_round``) show it; without held-out prompts it cannot check and warns.
+``--keep last`` keeps the last round's model whatever it scored; ``--keep best`` makes the round with the
+highest held-out greedy share (then sampled share, then the earlier round) the final model.
 
 Every stage is the resumable library call the other commands use: a killed run continues at the
 stage it reached (finished labels, caches and models are reused). ``DIR/online.json`` records what
@@ -239,7 +242,7 @@ def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Op
 def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, limit: Optional[int] = None,
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer", heldout: Optional[str] = None,
-               heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
+               heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "guard",
                greedy: bool = True, allow_changes=()) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
     from dllm_align.generate.backend import check_serves_each_round
@@ -249,8 +252,8 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         raise UserError(f"--rounds {rounds}: at least one round")
     if reference not in ("initial", "previous"):
         raise UserError(f"--reference {reference}: initial or previous")
-    if keep not in ("last", "best"):
-        raise UserError(f"--keep {keep}: last or best")
+    if keep not in ("guard", "last", "best"):
+        raise UserError(f"--keep {keep}: guard, last or best")
     check_temperature(temperature, n)
     # each round samples the policy the round before trained: a backend that cannot be handed that folder
     # would sample another model (and the held-out share would measure it), so it is refused before round 0
@@ -312,7 +315,10 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
     held_args = dict(rule=rule, n=heldout_n, temperature=temperature, answer_column=answer_column, heldout=heldout,
                      limit=heldout_limit)
     initial = heldout_eval(recipe, base, out / "heldout-initial", **held_args)
-    policy, table = base, []
+    if keep == "guard" and initial is None and main:
+        console.warn("online: --keep guard has no held-out prompts to check the rounds by: every round is kept "
+                     "(set data.test, or --heldout FILE)")
+    policy, table, rolled_back = base, [], None
     for r in range(rounds):
         rd = out / f"round-{r}"
         rec = recipe.model_copy(deep=True)
@@ -325,6 +331,14 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         final = pipeline.trained_model(rec, allow_changes=allow_round)
         held = heldout_eval(recipe, final, rd / "heldout", **held_args)
         table.append(_round_row(r, policy, summary, counts, held, final))
+        fell = _fell(table[-2]["heldout"] if r else initial, held)
+        if keep == "guard" and fell:
+            table[-1]["rolled_back"] = True
+            rolled_back = r
+            if main:
+                console.warn(f"online: round {r}: held-out greedy share {fell}: rolled back to {policy}, which stays "
+                             "the final model, and the loop stops here (--keep last keeps every round)")
+            break
         policy = str(final)
     best = None
     if keep == "best":
@@ -335,10 +349,22 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
                      f"{100 * table[best]['heldout']['greedy']['share']:.1f}%) is the final model")
     if main:
         atomic_write_json(out / ROUNDS, {"rounds": table, "initial_heldout": initial, "keep": keep, "best_round": best,
-                                         "final_model": policy})
+                                         "rolled_back_round": rolled_back, "final_model": policy})
         _plot(out, table, initial)
     _barrier(world)
     return table
+
+
+def _fell(before: Optional[dict], after: Optional[dict]) -> Optional[str]:
+    """How the held-out greedy share fell below the 90% interval of the model before (a sentence), or None when it
+    did not (or there is nothing to compare)."""
+    if not before or not after:
+        return None
+    b, a = before["greedy"], after["greedy"]
+    if a["share"] >= b["ci90"][0]:
+        return None
+    return (f"{100 * a['share']:.1f}% fell below the previous model's {100 * b['share']:.1f}% "
+            f"[{100 * b['ci90'][0]:.1f}, {100 * b['ci90'][1]:.1f}]")
 
 
 def _run_settings(recipe, *, rule, n, limit, prompts, source, reference, keep_uniform, answer_column, temperature,
@@ -502,7 +528,8 @@ def markdown_table(table: list[dict]) -> str:
 
     def h(t, kind):
         x = (t.get("heldout") or {}).get(kind)
-        return "-" if not x else f"{100 * x['share']:.1f} [{100 * x['ci90'][0]:.1f}, {100 * x['ci90'][1]:.1f}]"
+        back = " **rolled back**" if kind == "greedy" and t.get("rolled_back") else ""
+        return "-" if not x else f"{100 * x['share']:.1f} [{100 * x['ci90'][0]:.1f}, {100 * x['ci90'][1]:.1f}]{back}"
 
     def why(t):
         reasons = {k: v for k, v in (t.get("reasons") or {}).items() if k != "correct" and v}
