@@ -215,3 +215,19 @@ def test_a_round_that_falls_below_the_previous_interval_is_rolled_back_by_defaul
     assert last.code == 0, last.err
     rec = json.loads((tmp_path / "last" / "rounds.json").read_text())
     assert len(rec["rounds"]) == 3 and rec["rolled_back_round"] is None and rec["final_model"] == rec["rounds"][2]["model"]
+
+
+def test_a_change_let_through_once_is_remembered_per_round(tmp_path):
+    """online.json's history: after --allow-change train.lr continued the run with another lr, a rerun with that
+    same lr continues (the finished rounds reused) without the flag; another lr is refused again."""
+    out = tmp_path / "run"
+    assert _online(out, "--no-greedy", rounds=1).code == 0
+    changed = _online(out, "--no-greedy", "--set", "train.lr=5e-5", "--allow-change", "train.lr", rounds=2)
+    assert changed.code == 0, changed.err
+    rec = json.loads((out / "online.json").read_text())
+    assert rec["history"]["0"] == {"train.lr": 5e-5} and rec["train"]["lr"] == 5e-5
+    again = _online(out, "--no-greedy", "--set", "train.lr=5e-5", rounds=2)
+    assert again.code == 0, again.err
+    assert "round 0: reusing" in again.err and "reusing" in again.err.split("round 1")[-1]
+    other = _online(out, "--no-greedy", "--set", "train.lr=3e-5", rounds=2)
+    assert other.code == 2 and "train.lr" in other.err

@@ -33,7 +33,9 @@ stage it reached (finished labels, caches and models are reused). ``DIR/online.j
 defines a round (model, the prompts' content fingerprint whatever their source, rule, n, temperature,
 reference, seeds, train and generate settings); a rerun that differs is refused by name unless let
 through with ``--allow-change KEY``, and so is asking for fewer rounds than the folder finished.
-Recipe keys that online sets itself for each round are refused when given (:data:`SET_BY_ONLINE`).
+A change let through is remembered per round (``online.json``'s ``history``): a rerun with the same settings
+continues without repeating the flag. Recipe keys that online sets itself for each round are refused when given
+(:data:`SET_BY_ONLINE`).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
         if any(out.glob(f"*/{SUMMARY}")):
             # a run recorded before rounds labelled their greedy decodes trained on its samples alone
             old.setdefault("greedy", False)
-            diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source"))
+            diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source", "history"))
             allowed = refuse_changes(f"cannot continue the online run in {out}", diffs, allow=allow)
             for k, a, b in allowed:
                 console.warn(f"online: {k} differs from the recorded run ({a!r} -> {b!r}): let through by --allow-change")
@@ -307,6 +309,7 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
     recipe_keys = recipe.model_dump(mode="json")
     _check_allow(allow_changes, settings, recipe_keys)
     main = rank == 0
+    history = settings["history"] = _history(out)
     _check_settings(out, settings, allow_changes, main)
     _barrier(world)
     lambdas = (recipe.train.lambda_desirable, recipe.train.lambda_undesirable)
@@ -328,7 +331,15 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         train_rows, counts = _train_rows(rd, r, keep_uniform, lambdas, greedy_rows, world, main)
         _round_recipe(rec, recipe, rd, r, policy, base, reference, train_rows)
         pipeline.reference(rec)
-        final = pipeline.trained_model(rec, allow_changes=allow_round)
+        let_through = _let_through(rd, rec, history.get(str(r), {}))
+        final = pipeline.trained_model(rec, allow_changes=allow_round + tuple(let_through))
+        changed = _changed(rd, rec)
+        if changed:
+            # what this round's training was continued (or reused) under, so that a rerun with the same settings
+            # continues without repeating --allow-change
+            history[str(r)] = changed
+            if main:
+                atomic_write_json(out / RECORD, settings)
         held = heldout_eval(recipe, final, rd / "heldout", **held_args)
         table.append(_round_row(r, policy, summary, counts, held, final))
         fell = _fell(table[-2]["heldout"] if r else initial, held)
@@ -353,6 +364,35 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         _plot(out, table, initial)
     _barrier(world)
     return table
+
+
+def _history(out: Path) -> dict:
+    """online.json's ``history``: per round, the recipe keys (with their values) in which the settings it was last
+    continued or reused with differ from its training record, each let through once by --allow-change."""
+    path = out / RECORD
+    try:
+        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}  # _check_settings refuses the damaged record by name
+    got = old.get("history") if isinstance(old, dict) else None
+    return got if isinstance(got, dict) else {}
+
+
+def _changed(rd: Path, rec) -> dict:
+    """The keys (and the values asked for now) in which ``rec`` differs from the training record of round folder
+    ``rd``, apart from the round's own paths (online sets those); empty without a record."""
+    from dllm_align.core.runfolder import TRAIN_NEUTRAL, differing, recorded_recipe
+
+    old = recorded_recipe(rd, "train")
+    if old is None:
+        return {}
+    return {k: b for k, _, b in differing(old, rec.model_dump(mode="json"), TRAIN_NEUTRAL) if k not in ROUND_PATHS}
+
+
+def _let_through(rd: Path, rec, earlier: dict) -> list[str]:
+    """The keys a rerun need not let through again for round folder ``rd``: those whose value now is the one an
+    earlier --allow-change let through for this round (``earlier``, from online.json's history)."""
+    return [k for k, v in _changed(rd, rec).items() if k in earlier and earlier[k] == v]
 
 
 def _fell(before: Optional[dict], after: Optional[dict]) -> Optional[str]:
