@@ -52,9 +52,10 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Optional
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
 from dllm_align.online.components import ANSWER_FORMATS as FORMATS
+
+# lazy imports: math_verify: it loads sympy (about a second), which only the comparison of an answer read needs,
+# not the commands that import the verifiers without labelling
 VERDICTS = ("desirable", "undesirable", "unsure")
 NO_ANSWER = ("none", "truncated")
 ABSTAIN = ("two_answers", "revised", "expression", "ambiguous", "unreadable")
@@ -436,31 +437,29 @@ def reference_answer(reference: str) -> tuple[Optional[Fraction], str]:
     return None, tail.strip()
 
 
-_CFG = [LatexExtractionConfig(), ExprExtractionConfig()]
-
-
 def _latex(v: Fraction) -> str:
     return str(v.numerator) if v.denominator == 1 else f"\\frac{{{v.numerator}}}{{{v.denominator}}}"
 
 
-def _verify(gold_text: str, pred_text: str) -> bool:
+def _verify(gold_text: str, pred_text: str) -> Optional[bool]:
+    """math-verify's equivalence of two LaTeX texts; None when it cannot read one of them."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    cfg = [LatexExtractionConfig(), ExprExtractionConfig()]
     # parsing_timeout/timeout_seconds use SIGALRM, which works only in the main thread; the texts are short
     # (MAX_ANSWER_CHARS) and the whole call is bounded by the verifier's time limit
-    gold = parse(f"${gold_text}$", _CFG, parsing_timeout=None)
-    pred = parse(f"${pred_text}$", _CFG, parsing_timeout=None)
+    gold = parse(f"${gold_text}$", cfg, parsing_timeout=None)
+    pred = parse(f"${pred_text}$", cfg, parsing_timeout=None)
     if not gold or not pred:
-        return False
+        return None
     return bool(verify(gold, pred, timeout_seconds=None))
 
 
 def _equal(got: Fraction, want: Fraction) -> bool:
     """math-verify's equivalence of two exact numbers (its rounding to 6 places included); the exact values
     when it cannot read one of them."""
-    gold = parse(f"${_latex(want)}$", _CFG, parsing_timeout=None)
-    pred = parse(f"${_latex(got)}$", _CFG, parsing_timeout=None)
-    if not gold or not pred:
-        return got == want
-    return bool(verify(gold, pred, timeout_seconds=None))
+    same = _verify(_latex(want), _latex(got))
+    return got == want if same is None else same
 
 
 # ------------------------------------------------------------------ after the answer
@@ -515,7 +514,7 @@ def judge(completion: str, reference: str, *, fmt: str = "hashes", field: str = 
     readings = {text: read_number(text) for _, _, text in found.spans}
     last = readings[found.last[2]]
     if len(found.spans) == 1 and last.kind == "latex":
-        ok = _verify(_latex(want), last.text)
+        ok = bool(_verify(_latex(want), last.text))
         return Verdict("desirable" if ok else "undesirable", "correct" if ok else "wrong", last.text)
     numbers = [r for r in readings.values() if r.kind == "number"]
     other = [r for r in readings.values() if r.kind not in ("number", "none")]
@@ -545,7 +544,7 @@ def _judge_text(found: Marked, want_text: str) -> Verdict:
         return Verdict("unsure", "two_answers", got[:40])
     if len(got) > MAX_ANSWER_CHARS:
         return Verdict("unsure", "unreadable", got[:40])
-    ok = got.casefold() == want_text.casefold() or _verify(want_text, got)
+    ok = got.casefold() == want_text.casefold() or bool(_verify(want_text, got))
     return Verdict("desirable" if ok else "undesirable", "correct" if ok else "wrong", got)
 
 
