@@ -299,6 +299,41 @@ def test_the_judge_labeller_uses_the_batch_api_when_asked(tmp_path, monkeypatch)
     assert key not in "".join(p.read_text() for p in (tmp_path / "lab").rglob("*") if p.is_file())
 
 
+def test_unsure_samples_go_to_a_judge_when_the_recipe_names_one(tmp_path, monkeypatch):
+    """online.unsure_judge: the verifier's unsure samples are asked of that judge (the verifier's reason kept, the
+    row marked judged_by); the judge's own no-verdict stays unsure; decided samples are never asked."""
+    from judge_server import JudgeServer
+
+    from dllm_align.generate.settings import Completion
+    from dllm_align.online import label as label_mod
+
+    outs = ["#### 4", "#### 4 or 5", "#### 4\nOn second thought, it is 7.", "#### 9"]
+
+    def fake_sample(gen, prompts, settings, seeds, batch_size, rank, world):
+        return [Completion(ids=[], text=outs[k % 4], raw=[], stopped=True, forwards=0) for k in range(len(prompts))]
+
+    monkeypatch.setattr(label_mod, "_sample", fake_sample)
+    key = _judge_env(monkeypatch)
+    src = tmp_path / "q.jsonl"
+    src.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    with JudgeServer(key) as srv:
+        srv.absolute = lambda first, n: "[[YES]]" if "4 or 5" in first else "I cannot tell."
+        r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--rule", "math_answer", "--prompts", src, "--n", "4", *FAST,
+                     "--set", f"judge.base_url={srv.url}", "--set", "online.unsure_judge=m"])
+        asked = [b for b in srv.bodies]
+    assert r.code == 0, r.err
+    lab = tmp_path / "lab"
+    rows = {x["completion"]: x for x in map(json.loads, (lab / "labelled.jsonl").read_text().splitlines())}
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    assert rows[outs[1]]["verdict"] == "desirable" and rows[outs[1]]["judged_by"] == "judge:m"
+    assert rows[outs[1]]["reason"] == "two_answers" and "judged_by" not in rows[outs[0]] and rows[outs[3]]["label"] is False
+    assert [x["completion"] for x in unsure] == [outs[2]] and unsure[0]["reason"] == "revised"
+    summary = json.loads((lab / "label_summary.json").read_text())
+    assert summary["unsure_judged"] == 1 and summary["unsure"] == 1 and summary["settings"]["unsure_judge"] == "judge:m"
+    assert not any("#### 9" in json.dumps(b) for b in asked)  # a decided sample is not asked
+    assert "2 unsure sample(s) sent to the judge m: 1 decided" in r.err
+
+
 def test_the_unjudgeable_warning_comes_before_the_error_that_refers_to_it(tmp_path, monkeypatch):
     from judge_server import JudgeServer
 

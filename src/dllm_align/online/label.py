@@ -284,6 +284,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
               "--answer-column": answer_column, "generate": recorded_settings(settings)}
     if verifier.instruction:  # recorded only where there is one: folders labelled without one keep their record
         record["instruction"] = verifier.instruction
+    second = _unsure_judge(recipe, rule)
+    if second is not None:
+        record["unsure_judge"] = second.name
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     gen = make_generator(recipe.generate, recipe.model, device=dev, name_or_path=name)
@@ -305,7 +308,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
         with rank0_lock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
                         rank, world):
             return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
-                                 record, rank, world)
+                                 record, rank, world, second)
     except BaseException:
         # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
         # is kept: the rerun reuses it).
@@ -337,9 +340,22 @@ def rank0_lock(folder: Path, message: str, rank: int, world: int):
             lock.__exit__(None, None, None)
 
 
+def _unsure_judge(recipe, rule: str):
+    """The judge verifier ``online.unsure_judge`` names (its key and URL checked now), or None: unset, or the rule is
+    itself a judge."""
+    from dllm_align.online.verifiers import get_rule
+
+    online = getattr(recipe, "online", None)
+    model = online.unsure_judge if online is not None else None
+    if model is None or rule.startswith("judge:"):
+        return None
+    return get_rule(f"judge:{model}", recipe=recipe)
+
+
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
-                  rank: int, world: int) -> dict:
-    """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
+                  rank: int, world: int, second=None) -> dict:
+    """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed. ``second``: the
+    judge verifier the unsure samples go to (None: none)."""
     from dllm_align.generate.backend import recorded_settings
 
     rows_path, summary_path = out / ROWS, out / SUMMARY
@@ -349,6 +365,7 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
 
         judge = verifier.bind(out)
         verifier = Rule(rule, judge)
+    second = second.bind(out) if second is not None and rank == 0 else None
     if rank == 0:
         fast = (f", cache {settings.cache}, threshold {settings.threshold}"
                 if PER_RUN_KEYS <= set(recorded_settings(settings)) else "")  # said only where the backend uses them
@@ -359,10 +376,10 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
     if world > 1:
         # rank 0 labels and writes; the others take its outcome (the same error on every rank)
         return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
-                                                    rows_path, summary_path, recipe.judge, record, gen.serving())
+                                                    rows_path, summary_path, recipe.judge, record, gen.serving(), second)
                                  if rank == 0 else None)
     return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                            recipe.judge, record, gen.serving())
+                            recipe.judge, record, gen.serving(), second)
 
 
 def _ranks() -> tuple[int, int]:
@@ -426,8 +443,23 @@ def from_rank0(fn):
     return box[0][1]
 
 
+def _second_opinions(second, items, flat, comps, labels: list) -> set:
+    """The unsure samples' verdicts asked of the judge ``second`` (in place; its own no-verdict stays unsure, the
+    verifier's reason is kept); returns the indices it decided."""
+    decided = set()
+    for k, got in enumerate(labels):
+        if got.verdict != "unsure":
+            continue
+        i, j = flat[k]
+        again = _verdict(None, second, items[i], comps[k].text, j)
+        if again.verdict != "unsure":
+            labels[k] = Outcome(again.verdict, got.reason)
+            decided.add(k)
+    return decided
+
+
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                     judge_section, record: dict, served: Optional[dict]) -> dict:
+                     judge_section, record: dict, served: Optional[dict], second=None) -> dict:
     from dllm_align.core.io import atomic_write_json, atomic_write_text
     from dllm_align.generate.backend import recorded_settings
 
@@ -436,17 +468,25 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
     sampler = recorded_settings(settings)
     row_sampler = {k: v for k, v in sampler.items() if k not in PER_RUN_KEYS}
     rows = []
+    judged: set = set()
     try:
         labels = _labels(verifier, judge, items, flat, [c.text for c in comps], judge_section)
+        if second is not None:
+            sent = sum(o.verdict == "unsure" for o in labels)
+            judged = _second_opinions(second, items, flat, comps, labels)
+            info(f"label: {sent} unsure sample(s) sent to the judge {second.model}: {len(judged)} decided")
     finally:
-        if judge is not None:
-            judge.close()
+        for j in (judge, second):
+            if j is not None:
+                j.close()
     reasons: Counter = Counter()
     unsure = []
-    for ((i, j), c), got in zip(zip(flat, comps), labels):
+    for k, (((i, j), c), got) in enumerate(zip(zip(flat, comps), labels)):
         p = items[i]
         row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": got.label,
                "round": round_, "model": name, "sampler": row_sampler, "labeller": verifier.name, "verdict": got.verdict}
+        if k in judged:  # the verifier was unsure: the verdict is the judge's
+            row["judged_by"] = f"judge:{second.model}"
         if got.reason is not None:
             row["reason"] = got.reason
             reasons[got.reason] += 1
@@ -478,6 +518,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
         "unsure": len(unsure), "unsure_share": len(unsure) / len(flat), "unsure_file": UNSURE,
+        "unsure_judged": len(judged),
         "reasons": _reason_counts(verifier, reasons) if reasons else None, "settings": record,
     }
     summary["served"] = served  # the model the backend says it served (None where it cannot tell)
