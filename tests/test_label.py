@@ -161,6 +161,10 @@ def test_math_answer_reads_the_recipes_format_and_states_it_in_the_prompt(tmp_pa
         [(outs[1], "none"), (outs[2], "none"), (outs[3], "two_answers")])
     summary = json.loads((lab / "label_summary.json").read_text())
     assert summary["settings"]["instruction"] == said and summary["unsure"] == 3
+    assert summary["settings"]["verifier_settings"]["format"] == "boxed"
+    other = run_cli([*args, "-o", lab, "--set", "online.math_answer.format=answer_tag",
+                     "--set", "online.math_answer.no_answer=unsure", "--set", f"online.math_answer.instruction={said}"])
+    assert other.code == 2 and "verifier_settings.format" in other.err  # the same sentence, another format: refused
     r = run_cli([*args, "-o", tmp_path / "plain", "--set", "online.math_answer.instruction=''"])
     assert r.code == 0, r.err
     rows = [json.loads(x) for x in (tmp_path / "plain" / "labelled.jsonl").read_text().splitlines()]

@@ -26,6 +26,7 @@ from typing import Optional
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.online.verifiers import Outcome
+from dllm_align.online.verifiers import recorded_settings as recorded_settings_of
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
@@ -284,6 +285,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
               "--answer-column": answer_column, "generate": recorded_settings(settings)}
     if verifier.instruction:  # recorded only where there is one: folders labelled without one keep their record
         record["instruction"] = verifier.instruction
+    own = recorded_settings_of(rule, recipe)
+    if own is not None:  # how the verifier reads (math_answer's format): relabelling with another is refused
+        record["verifier_settings"] = own
     second = _unsure_judge(recipe, rule)
     if second is not None:
         record["unsure_judge"] = second.name

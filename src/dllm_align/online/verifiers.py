@@ -163,6 +163,17 @@ def regex_rule(sel: Selection) -> Rule:
     return Rule(sel.spec, lambda p, c, r: rx.search(c) is not None)
 
 
+def recorded_settings(spec: str, recipe) -> Optional[dict]:
+    """The own settings (``online.<name>``) of the registered verifier ``spec`` selects, as a run records them;
+    None for a verifier without settings (or a user's function)."""
+    comp, _ = split_verifier(spec) if isinstance(spec, str) else (None, None)
+    if comp is None or not comp.has_settings():
+        return None
+    online = getattr(recipe, "online", None)
+    own = online.own_settings(comp.name) if online is not None else comp.settings()
+    return own.model_dump(mode="json")
+
+
 def check_spec(spec: Any, label: str) -> None:
     """Refuse a rule spec that cannot name a verifier, without importing it (the recipe schema checks
     ``online.rule`` with the same words); :func:`get_rule` then loads it."""

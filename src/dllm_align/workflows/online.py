@@ -49,6 +49,7 @@ from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_write_json
 from dllm_align.generate.backend import run_record
 from dllm_align.online.label import ROWS, SUMMARY, UNSURE, from_rank0, label, label_settings, prompt_fingerprint
+from dllm_align.online.verifiers import recorded_settings as verifier_settings
 from dllm_align.workflows import pipeline
 
 RECORD = "online.json"
@@ -423,6 +424,8 @@ def _run_settings(recipe, *, rule, n, limit, prompts, source, reference, keep_un
                   "train": recipe.train.seed},
         "train": recipe.train.model_dump(mode="json"), "generate": run_record(recipe.generate),
         "rounds": rounds, "keep": keep,
+        # how the verifier reads and where its unsure samples go (a record without them is not compared on them)
+        "verifier_settings": verifier_settings(rule, recipe), "unsure_judge": recipe.online.unsure_judge,
     }
 
 
