@@ -56,13 +56,14 @@ def fast_cache(model, sampler: str) -> str:
     name = sampler
     if name == "auto":
         try:
-            from dllm_align.models.families import family_for_config, get_family
+            from dllm_align.models.families import family_for_config, get_family, with_folder_evidence
             from dllm_align.models.load import BUILTIN_SPECS, resolve_config_file
 
             if model.name_or_path in BUILTIN_SPECS:
                 name = get_family(BUILTIN_SPECS[model.name_or_path].family).sampler
             else:
-                cfg = json.loads(Path(resolve_config_file(model.name_or_path, model.revision)).read_text(encoding="utf-8"))
+                path = Path(resolve_config_file(model.name_or_path, model.revision))
+                cfg = with_folder_evidence(json.loads(path.read_text(encoding="utf-8")), path.parent)
                 name = family_for_config(cfg).sampler
         except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
             return FAST_CACHE

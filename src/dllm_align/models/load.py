@@ -48,6 +48,7 @@ from dllm_align.models.families import (
     family_of,
     get_family,
     native_family,
+    with_folder_evidence,
 )
 from dllm_align.models.precision import keep_fp32_buffers
 
@@ -349,6 +350,7 @@ def load_model(
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
 
+        cfg = with_folder_evidence(cfg, path)  # the hub's LLaDA2.1 says llada2_moe: its shipped code tells it apart
         family = family_for_config(cfg)
         if family.refuse_reason:
             raise UserError(f"{path}: {family.name} checkpoint: {family.refuse_reason}")
@@ -458,8 +460,9 @@ def family_of_source(name_or_path: str, revision: Optional[str] = None):
     if name_or_path in BUILTIN_SPECS:
         return get_family(BUILTIN_SPECS[name_or_path].family)
     try:
-        cfg = json.loads(resolve_config_file(name_or_path, revision).read_text(encoding="utf-8"))
-        return family_for_config(cfg)
+        path = resolve_config_file(name_or_path, revision)
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        return family_for_config(with_folder_evidence(cfg, path.parent))
     except (UserError, OSError, ValueError):
         return None
 

@@ -321,6 +321,7 @@ def _tied_text_stack_shape(cfg: dict, source: str, likelihood: str) -> ModelShap
 def model_shape(recipe) -> ModelShape:
     """The recipe model's shape from its config.json only (built-in models: from their spec)."""
     from dllm_align.core.errors import UserError
+    from dllm_align.models.families import with_folder_evidence
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_config_file
 
     name = recipe.model.name_or_path
@@ -330,7 +331,7 @@ def model_shape(recipe) -> ModelShape:
         return shape_from_config(build_tiny_model(spec=BUILTIN_SPECS[name]).config.to_dict(), name)
     path = resolve_config_file(name, recipe.model.revision)
     try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+        cfg = with_folder_evidence(json.loads(Path(path).read_text(encoding="utf-8")), Path(path).parent)
         return shape_from_config(cfg, str(path))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path}: cannot read the model shape ({type(e).__name__}: {e})") from None
