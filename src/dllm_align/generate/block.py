@@ -254,6 +254,10 @@ def check_block_model(mp, settings: SamplerSettings) -> None:
     b = mp.block_size
     if b is None:
         raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
+    if mp.family.sampler != "block":  # a block family with a rule of its own (LLaDA2.1's token editing)
+        raise UserError(f"generate.sampler: block: {mp.family.name} models decode with their own rule, "
+                        f"{mp.family.sampler}; the block rule would decode them without it",
+                        hint="set generate.sampler: auto (the family's own rule)")
     if settings.block_length != b:
         raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
                         hint=f"set generate.block_length: {b} (the blocks it was trained with)")

@@ -53,6 +53,19 @@ def fast_cache(model, sampler: str) -> str:
     of the positions after the block), else ``dual`` (the LLaDA sampler's). Read from the model's config.json
     alone, before any weights load; a model that cannot be read gets ``dual`` here and its own error when it
     loads."""
+    return rule_fast_cache(resolved_rule(model, sampler))
+
+
+def rule_reads(name: str, key: str) -> bool:
+    """Whether decoding rule ``name`` reads the shared ``generate`` key ``key`` (it is not among its ``ignores``):
+    fast mode fills in ``threshold`` only for a rule that reads it (LLaDA2.1's has thresholds of its own)."""
+    comp = components.find("rule", name)
+    return comp is None or key not in comp.ignores
+
+
+def resolved_rule(model, sampler: str) -> str:
+    """``generate.sampler`` with ``auto`` resolved to the family's rule from the model's config.json alone (no
+    weights load); ``auto`` itself when the config cannot be read here (loading the model then says why)."""
     name = sampler
     if name == "auto":
         try:
@@ -66,8 +79,8 @@ def fast_cache(model, sampler: str) -> str:
                 cfg = with_folder_evidence(json.loads(path.read_text(encoding="utf-8")), path.parent)
                 name = family_for_config(cfg).sampler
         except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
-            return FAST_CACHE
-    return rule_fast_cache(name)
+            return "auto"
+    return name
 
 
 def rule_fast_cache(name: str) -> str:

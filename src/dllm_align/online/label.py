@@ -182,9 +182,11 @@ def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
     if fast:
-        from dllm_align.generate.rules import rule_fast_cache
+        from dllm_align.generate.rules import rule_fast_cache, rule_reads
 
-        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
+        rule = gen.settings_for(settings.replace(cache="none", threshold=None)).sampler
+        settings = settings.replace(cache=rule_fast_cache(rule),
+                                    threshold=settings.threshold if rule_reads(rule, "threshold") else None)
     return gen.settings_for(settings)
 
 
