@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -326,3 +327,41 @@ def test_doctor_sizes_mini_and_flash():
     assert mini.likelihood == flash.likelihood == "block" and mini.block_size == flash.block_size == 32
     assert mini.qk_norm and (mini.experts, mini.active_experts, mini.moe_layers) == (256, 8, 19)
 
+
+
+# --------------------------------------------------------------------------- the export, through the published code
+def test_an_export_reloads_through_the_published_code_to_the_trained_logits(tmp_path):
+    """A hub-layout LLaDA2.1 folder (LLaDA2.0's config.json identity; the published 2.1 modeling files under the hub's
+    names ``modeling_llada2_moe.py`` / ``configuration_llada2_moe.py``, dllm's copies with the one import renamed) is
+    told to be LLaDA2.1 by its code, loaded, exported as training exports (``final/``), and loaded back by the published
+    code (``AutoModelForCausalLM``, ``trust_remote_code``) in its own interpreter: the same logits."""
+    from test_export_roundtrip import _export, published_logits
+
+    from dllm_align.models.load import build_tiny_tokenizer, load_model
+
+    code = require(PUBLISHED_REPO, PUBLISHED_FILE)
+    python = require_python(PUBLISHED_REPO)
+    tok = build_tiny_tokenizer("llada2")
+    cfg = shrunk(vocab_size=len(tok), pad_token_id=tok.pad_token_id, mask_token_id=tok.mask_token_id)
+    source = tmp_path / "source"
+    checkpoint(source, cfg)
+    tok.save_pretrained(source)
+    modeling = code.read_text().replace("from .configuration_llada21_moe import", "from .configuration_llada2_moe import")
+    (source / "modeling_llada2_moe.py").write_text(modeling)
+    shutil.copyfile(code.parent / "configuration_llada21_moe.py", source / "configuration_llada2_moe.py")
+    mp = load_model(str(source))
+    assert mp.family is LLADA21
+    out = tmp_path / "final"
+    written = _export(mp, out, source)
+    assert (written["model_type"], written["architectures"]) == ("llada2_moe", ["LLaDA2MoeModelLM"])
+    assert (out / "modeling_llada2_moe.py").read_text() == modeling
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    allowed = block_causal(12, 4).expand(2, 1, -1, -1).contiguous()
+    pos = torch.arange(12).expand_as(ids).contiguous()
+    got, name = published_logits(python, out, {"input_ids": ids, "attention_mask": allowed, "position_ids": pos}, tmp_path)
+    assert name == "LLaDA2MoeModelLM"
+    with torch.no_grad():
+        want = mp.model(input_ids=ids, attention_mask=allowed, position_ids=pos).logits.float()
+    delta = float((got[..., :want.shape[-1]] - want).abs().max())
+    print(f"\nexport round trip: max |published - trained logit| = {delta:.3g}")
+    assert delta <= 1e-6 * float(want.abs().max())
