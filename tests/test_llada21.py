@@ -99,7 +99,7 @@ def test_the_three_kinds_of_evidence_and_a_plain_llada2_config_stays_llada2(tmp_
 
 
 def test_a_hub_folder_loads_as_llada21_by_its_code_and_as_llada2_without_it(tmp_path):
-    from dllm_align.models.load import build_tiny_tokenizer, family_of_source, load_model
+    from dllm_align.models.load import build_tiny_tokenizer, load_model, model_source
 
     cfg = shrunk(mask_token_id=MASK)
     folder = tmp_path / "hub"
@@ -109,7 +109,7 @@ def test_a_hub_folder_loads_as_llada21_by_its_code_and_as_llada2_without_it(tmp_
     (folder / "modeling_llada2_moe.py").write_text("# LLaDA2.1\ndef generate(editing_threshold=0.9, max_post_steps=16): ...\n")
     mp = load_model(str(folder))
     assert mp.family is LLADA21 and mp.model.config.dllm_align_family == "llada21" and mp.block_size == 32
-    assert family_of_source(str(folder)) is LLADA21
+    assert model_source(str(folder)).family is LLADA21
     # what dllm-align saves reads back as LLaDA2.1 with no code beside it
     mp.model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())

@@ -111,7 +111,7 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
     return torch.zeros(1, 1, q, k, dtype=dtype)
 
 
-def _cache_argument(model) -> str:
+def cache_argument(model) -> str:
     """The name the body's forward takes its KV cache under: ``cache`` from transformers 5.2x on (the old
     ``past_key_values`` still works there, with a deprecation warning at every call), else ``past_key_values``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -152,7 +152,7 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
     pos = torch.arange(total, device=dev)[None]
     prefill = (plen // block_length) * block_length
     cache = DynamicCache() if use_cache else None
-    kv = {_cache_argument(model): cache}
+    kv = {cache_argument(model): cache}
 
     def additive(allowed):
         out = torch.zeros(allowed.shape, dtype=dtype, device=dev)

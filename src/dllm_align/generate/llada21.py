@@ -48,12 +48,12 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.core.errors import UserError
-from dllm_align.generate.block import _cache_argument, draw
+from dllm_align.generate.block import cache_argument, draw
 from dllm_align.generate.canvas import completion
 from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
-# transformers (the cache class) is imported where the rule runs: the generator factory imports the rules' modules
+# lazy imports: transformers: the cache class, where the rule runs; the generator factory imports the rules' modules
 # for every backend, and transformers takes longer to import than torch.
 
 # The model card's two modes: (mask-to-token threshold, token-to-token threshold).
@@ -104,7 +104,7 @@ def llada21_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int,
     pos = torch.arange(total, device=dev)[None]
     prefill = (plen // block_length) * block_length
     cache = DynamicCache() if use_cache else None
-    kv = {_cache_argument(model): cache}
+    kv = {cache_argument(model): cache}
     cap = round_cap(block_length, max_post_steps)
     stops = torch.tensor(list(stop_ids or []), dtype=torch.long, device=dev)
 

@@ -32,6 +32,9 @@ import torch
 from dllm_align.models.families.base import Family, load_mapped
 from dllm_align.models.families.block import LLADA2, build_llada2_model, llada2_config
 
+# lazy imports: dllm_align.models.families.llada2_body: it subclasses transformers' classes, and the family records are
+# read (which family claims a config, the memory estimate) without building anything.
+
 # What LLaDA2.1's published modeling file has and LLaDA2.0's has not: the token-to-token threshold of its generate.
 EDITING_MARK = "editing_threshold"
 # The published modeling file's size is ~60 kB; a file far bigger than any modeling file is not read whole.
