@@ -365,3 +365,24 @@ def test_an_export_reloads_through_the_published_code_to_the_trained_logits(tmp_
     delta = float((got[..., :want.shape[-1]] - want).abs().max())
     print(f"\nexport round trip: max |published - trained logit| = {delta:.3g}")
     assert delta <= 1e-6 * float(want.abs().max())
+
+
+def test_the_recipe_fits_8_h100_by_doctor(tmp_path):
+    """llada21_mini_kto_mix_14k on LLaDA2.1-mini's published config.json (the hub's, with the modeling file that
+    names it LLaDA2.1): LoRA adapters only, the bf16 base sharded over 8 GPUs; doctor says it fits an 80 GB H100."""
+    from typer.testing import CliRunner
+
+    from dllm_align.cli.app import app
+
+    folder = tmp_path / "LLaDA2.1-mini"
+    folder.mkdir()
+    (folder / "config.json").write_text(FIXTURE.read_text())
+    (folder / "modeling_llada2_moe.py").write_text("def generate(self, editing_threshold=0.9): ...\n")
+    repo = Path(__file__).resolve().parents[1]
+    res = CliRunner().invoke(app, ["doctor", "llada21_mini_kto_mix_14k", "--config",
+                                   str(repo / "recipes" / "accelerate" / "fsdp_8gpu.yaml"), "--set",
+                                   f"model.name_or_path={folder}", "-o", str(tmp_path / "run"), "--json"])
+    assert res.exit_code == 0, res.output
+    mem = json.loads(res.stdout)["memory"]
+    assert mem["fits"] and 16.2e9 < mem["model"]["params"] < 16.3e9 and 0 < mem["model"]["trainable"] < 1e8
+    print(f"\ndoctor: {mem['estimate']['total_gib']} GiB per GPU")
