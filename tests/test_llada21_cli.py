@@ -122,3 +122,14 @@ def test_settings_llada21_cannot_go_with_are_refused_in_one_line(folders, model,
     lines = [x for x in res.stderr.strip().splitlines() if x.startswith("Error")]
     assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output
     assert list(out.parent.iterdir()) == []
+
+
+def test_label_samples_with_the_editing_rule(folders, tmp_path):
+    """`label` fills in its fast defaults for the model's rule: the cache of finished blocks, no shared threshold
+    (the demo recipe's steps is put back to its default: the rule has no use for it and refuses it set)."""
+    res = runner.invoke(app, ["label", "demo", "-o", str(tmp_path / "lab"), "--n", "2", "--limit", "2",
+                              "--set", f"model.name_or_path={folders['hub']}", "--set", "generate.gen_length=32",
+                              "--set", "generate.block_length=32", "--set", "generate.steps=512"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in next((tmp_path / "lab").glob("*.jsonl")).read_text().splitlines()]
+    assert len(rows) == 4 and all(isinstance(r["label"], bool) for r in rows)
