@@ -386,3 +386,35 @@ def test_the_recipe_fits_8_h100_by_doctor(tmp_path):
     mem = json.loads(res.stdout)["memory"]
     assert mem["fits"] and 16.2e9 < mem["model"]["params"] < 16.3e9 and 0 < mem["model"]["trainable"] < 1e8
     print(f"\ndoctor: {mem['estimate']['total_gib']} GiB per GPU")
+
+
+def test_a_batch_that_reaches_the_round_cap_says_so(capsys):
+    """Through the rule's batch function: the cap is reported on stderr, and the completion holds no mask."""
+    import time
+
+    from dllm_align.generate.llada21 import RULE
+    from dllm_align.generate.settings import SamplerSettings
+
+    class AlwaysMask(torch.nn.Module):
+        def __init__(self, vocab: int, mask: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.vocab, self.mask = vocab, mask
+
+        def forward(self, input_ids, **_):
+            logits = torch.zeros(*input_ids.shape, self.vocab)
+            logits[..., self.mask] = 5.0
+            logits[..., 7] = 1.0
+            return SimpleNamespace(logits=logits)
+
+    from dllm_align.models.load import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer("llada2")
+    mp = SimpleNamespace(model=AlwaysMask(len(tok), tok.mask_token_id), mask_token_id=tok.mask_token_id, block_size=4,
+                         device=torch.device("cpu"), stop_token_ids=[tok.eos_token_id], tokenizer=tok,
+                         family=LLADA21, _autocast=lambda kind: torch.autocast(kind, enabled=False))
+    settings = SamplerSettings(sampler="llada21", gen_length=4, block_length=4, llada21={"max_post_steps": 0})
+    (c,) = RULE.decode_batch(mp, [[1, 2]], settings, [0], None, time.perf_counter(), True)
+    # two blocks (the prompt's tail block and the next), each capped, then filled by one more forward
+    assert c.raw == [7, 7, 7, 7] and c.forwards == 2 * (round_cap(4, 0) + 1)
+    assert "2 block(s) of this batch reached the round cap" in capsys.readouterr().err

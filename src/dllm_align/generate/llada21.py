@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
 from dllm_align.generate.block import cache_argument, draw
 from dllm_align.generate.canvas import completion
@@ -207,8 +208,8 @@ def decode_batch(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float
         local.positions += calls[0] * b
         out.append(completion(mp, gen, stops, calls[0], local))
     if sum(capped):
-        local.notes.append(f"llada21: {sum(capped)} block(s) reached the round cap (the mask token was drawn; "
-                           "docs/llada21.md#the-round-cap)")
+        warn(f"llada21: {sum(capped)} block(s) of this batch reached the round cap: the model drew the mask token, "
+             "where the published loop would not stop (docs/llada21.md#the-round-cap)")
     local.seconds = time.perf_counter() - t0
     if stats is not None:
         stats.add(local)
