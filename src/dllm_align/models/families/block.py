@@ -1,10 +1,10 @@
 """Block-diffusion families: SDAR (JetLM), LLaDA2.0 and LLaDA2.1 (inclusionAI).
 
 SDAR and LLaDA2.0 (and LLaDA2.1, whose record is ``families/llada21.py``) are trained, scored and sampled by
-every command: the block ELBO
-(``dllm_align.objective.block``) runs the K noisy streams and one shared clean stream through the
-streams attention (``dllm_align.models.block_attention``), which every block family is loaded with; the
-sampler is ``dllm_align.generate.block`` with each family's published rule.
+every command: the block ELBO (``dllm_align.objective.block``) runs the K noisy streams and one shared clean
+stream through the streams attention (``dllm_align.models.block_attention``), which every block family is loaded
+with; the sampler is ``dllm_align.generate.block`` with each family's published rule (LLaDA2.1's token editing:
+``dllm_align.generate.llada21``).
 
 * **SDAR** (``architectures: [SDARForCausalLM]``, ``model_type: sdar``; the published config.json of
   SDAR-1.7B-Chat): a Qwen3 body (per-head RMSNorm on queries and keys, GQA, SwiGLU, RMSNorm pre-norm,
