@@ -9,7 +9,7 @@ reductions in an order that does not depend on the other rows of the batch,
 so the cache (made in batches of 16) and the training micro-batches (4) give
 bit-identical values. Any nonzero margin is a defect (issue 13 defect 2 gave
 -0.063 / +0.109 mean margins under bf16). On CUDA, kernels choose reduction
-orders by shape; ``doctor`` then allows ``dllm_align.models.precision.invariant_tolerance``.
+orders by shape; ``doctor`` then allows ``dllm_align.training.doctor.row_tolerance``.
 
 The multi-process launches (DDP, FSDP1, FSDP2 on gloo) are in
 ``test_invariants_distributed.py``.
@@ -545,9 +545,10 @@ def _plant(defect: str, monkeypatch):
         monkeypatch.setattr(reference, "prepare_reference", {"rotary": rotary_in_bf16, "tied": tied_head_rounded}[defect])
 
 
-def _long_rows(path: Path, n: int, prompt: int, completion: int) -> Path:
+def _long_rows(path: Path, n: int, prompt: int, completion: int, vary: int = 0) -> Path:
+    """``n`` unpaired rows, row i's completion ``completion + vary * i`` tokens (the byte-level tokenizer)."""
     path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": [{"role": "user", "content": "p" * prompt + str(i)}],
-                                        "completion": [{"role": "assistant", "content": "c" * completion}],
+                                        "completion": [{"role": "assistant", "content": "c" * (completion + vary * i)}],
                                         "label": i % 2 == 0}) + "\n" for i in range(n)), encoding="utf-8")
     return path
 
@@ -611,3 +612,31 @@ def _values(run):
     from dllm_align.training.loop import invariant_values
 
     return list(invariant_values(run, 2).values())
+
+
+def test_step0_check_on_a_cache_from_other_micro_batches_allows_the_measured_rounding(llada_rotary, fresh_accelerate,
+                                                                                       tmp_path):
+    """A cache computed in packed micro-batches of 2 read by a run in micro-batches of 4: rows met other row-mates,
+    so bf16 kernels rounded them differently (nonzero margins on the correct code). The check measures that spread on
+    this backend (each row scored alone) and passes the correct cache. Measured: max |margin| 0.013 nats, spread 0.033,
+    so 0.13 nats allowed: more than the planted rotary defect adds on this random body (0.034), which is why the exact
+    check needs a cache made in the run's micro-batches (docs/benchmarks.md#the-step-0-check)."""
+    from dllm_align.data.examples import load_training_examples, make_collate
+    from dllm_align.training import reference as ref
+    from dllm_align.training.distributed import make_accelerator
+    from dllm_align.training.doctor import step0_check
+    from dllm_align.training.train import setup_run
+
+    case = dict(llada_rotary, root=tmp_path, data=_long_rows(tmp_path / "rows.jsonl", 16, 40, 40, vary=12))
+    sets = [f"model.name_or_path={case['model']}", f"data.train={case['data']}", "data.format=unpaired",
+            f"data.max_length={case['max_length']}", "data.padding=packed", "train.mixed_precision=bf16", "reference.n_mc=2",
+            "train.n_mc=2", "train.global_batch_size=8", f"reference.cache={tmp_path / 'cache'}"]
+    made = load_recipe(None, sets + ["train.batch_size=2"], output_dir=str(tmp_path / "made"))
+    ref_mp = ref.load_reference(made, "cpu")
+    exs = load_training_examples(made, ref_mp.tokenizer, quiet=True)
+    ref.precompute(made, exs, make_collate(made, ref_mp.tokenizer), None, ref_mp)
+    rec = load_recipe(None, sets + ["train.batch_size=4", "reference.mode=cached"], output_dir=str(tmp_path / "run"))
+    run = setup_run(rec, make_accelerator(rec), None, exs)
+    check = step0_check(run, 2, same_shapes=False)
+    assert not check["exact"] and check["composition_spread"] > 0
+    assert check["max_abs_margin"] > 0 and check["worst_excess"] <= 1, check["worst"]
