@@ -262,3 +262,28 @@ def test_the_demo_part_runs_the_quick_start_command(bench_path, monkeypatch, tmp
     seen["fail"] = True
     with pytest.raises(RuntimeError, match="exited 2.*Error: boom"):
         bench_demo.run(size="smoke")
+
+
+def test_paired_spread_and_a_target_judged_on_the_median(bench_path, monkeypatch, capsys):
+    """A speed ratio is the median of its repeats; a spread reaching both sides of the target says straddles (and
+    counts as missed only when the median misses), a spread wholly on one side says yes or NO."""
+    import paired
+    import run
+
+    sp = paired.spread([1.2, 3.5, 2.0, 4.0, 2.5])
+    assert sp["median"] == 2.5 and (sp["min"], sp["max"]) == (1.2, 4.0) and sp["repeats"] == 5 and sp["q1"] == 2.0
+    at_least_3 = lambda v, r: v >= 3.0  # noqa: E731
+    assert paired.verdict(at_least_3, 2.5, sp, {}) == "straddles (median misses)"
+    assert paired.verdict(at_least_3, 3.2, {**sp, "min": 2.9}, {}) == "yes, spread straddles"
+    assert paired.verdict(at_least_3, 3.2, {**sp, "min": 3.1}, {}) == "yes"
+    assert paired.verdict(at_least_3, 2.5, {**sp, "max": 2.9}, {}) == "NO"
+    assert paired.verdict(at_least_3, 3.2, {**sp, "min": 2.0, "repeats": 1}, {}) == "yes"
+
+    fake = types.ModuleType("generation")
+    fake.run = lambda device, size: {"generate_fast_speedup": 2.5, "generate_fast_speedup_spread": sp,
+                                     "generation_figures": {"fast": {"tokens_per_s": 25.0}, "exact": {"tokens_per_s": 10.0}},
+                                     "generate_exact_speedup": 1.1, "generate_exact_identical": True}
+    monkeypatch.setitem(sys.modules, "generation", fake)
+    assert run.main(["--only", "generation"]) == 1  # judged on the median: missed
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| generate_fast_speedup |"))
+    assert "| 2.500 (1.20-4.00, 5 repeats) |" in row and row.rstrip().endswith("| straddles (median misses) |")
