@@ -590,19 +590,22 @@ def _step0(case, *sets):
 @pytest.mark.parametrize("defect", ["none", "rotary", "tied"])
 def test_step0_check_fails_on_each_planted_defect_and_passes_on_the_correct_reference(
         defect, llada_rotary, gemma_rows, fresh_accelerate, monkeypatch):
-    """CPU, bf16 autocast, online reference (the policy's own micro-batches): the correct reference gives margins of
-    exactly 0; each planted defect fails the check, under the CPU's exact rule and under the rule CUDA applies
-    (each row's fp32 summation bound, docs/benchmarks.md#the-step-0-check) alike."""
+    """bf16 autocast, online reference (the policy's own micro-batches): on the CPU the correct reference gives
+    margins of exactly 0, and each planted defect fails the check under the CPU's exact rule and under the rule CUDA
+    applies (each row's fp32 summation bound, docs/benchmarks.md#the-step-0-check) alike. On a CUDA device (gpu_check's
+    pytest part selects it by name) the same test checks that rule there."""
     from dllm_align.training.doctor import summation_tolerance
 
     _plant(defect, monkeypatch)
     cases = {"none": [llada_rotary, gemma_rows], "rotary": [llada_rotary], "tied": [gemma_rows]}[defect]
     for case in cases:
         run, check = _step0(case)
-        assert len(check["margins"]) == 16 and check["exact"]
+        cpu = run.plan.device.type == "cpu"  # on CUDA (the device run) the summation bound is the rule itself
+        assert len(check["margins"]) == 16 and check["exact"] == cpu
         over = [abs(p - r) / summation_tolerance(r, n) for p, r, n in _values(run)]
         if defect == "none":
-            assert check["max_abs_margin"] == 0.0 and check["worst_excess"] == 0.0, case["model"]
+            assert check["worst_excess"] <= 1 and max(over) <= 1, (case["model"], check["worst"], check["nondeterministic_ops"])
+            assert check["max_abs_margin"] == 0.0 or not cpu, case["model"]
         else:
             print(f"{defect}: max |margin| {check['max_abs_margin']:.4g} nats, up to {max(over):.1f}x its row's CUDA bound")
             assert check["worst_excess"] > 1 and max(over) > 2, (defect, check["max_abs_margin"], max(over))
@@ -632,7 +635,7 @@ def test_step0_check_on_a_cache_from_other_micro_batches_allows_the_measured_rou
             f"data.max_length={case['max_length']}", "data.padding=packed", "train.mixed_precision=bf16", "reference.n_mc=2",
             "train.n_mc=2", "train.global_batch_size=8", f"reference.cache={tmp_path / 'cache'}"]
     made = load_recipe(None, sets + ["train.batch_size=2"], output_dir=str(tmp_path / "made"))
-    ref_mp = ref.load_reference(made, "cpu")
+    ref_mp = ref.load_reference(made, make_accelerator(made).device)  # the device the run checks on
     exs = load_training_examples(made, ref_mp.tokenizer, quiet=True)
     ref.precompute(made, exs, make_collate(made, ref_mp.tokenizer), None, ref_mp)
     rec = load_recipe(None, sets + ["train.batch_size=4", "reference.mode=cached"], output_dir=str(tmp_path / "run"))
