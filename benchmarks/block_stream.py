@@ -1,4 +1,4 @@
-"""Block diffusion: the shared clean stream against the published 2L-per-draw training forward (issue 24).
+"""Block diffusion: the shared clean stream against the published 2L-per-draw training forward.
 
 Both sides compute the block-ELBO terms of K noisy draws of each example (one t per draw, completion
 tokens masked at rate t, 1/t weights) and back-propagate their sum: the straightforward form feeds K rows

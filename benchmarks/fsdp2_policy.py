@@ -1,4 +1,4 @@
-"""Issue 22, item 8: is a cheaper FSDP2 precision policy faithful? (measurement, 2 gloo processes on the CPU)
+"""Is a cheaper FSDP2 precision policy faithful? (measurement, 2 gloo processes on the CPU)
 
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2_policy.py [--model builtin:small] [--json OUT]
 

@@ -1,4 +1,4 @@
-"""A straightforward, independent implementation of SPEC.md section 7 for the tests.
+"""A straightforward, independent implementation of the LLaDA rule (docs/design.md#the-llada-rule) for the tests.
 
 One prompt at a time, no padding, one full forward per step (two with CFG),
 logits over the whole sequence, candidates scored and ranked with plain Python.

@@ -101,7 +101,7 @@ def recipe(spec, mp, mode, lora, out, *more):
 
 
 def real_recipe(spec, mp, mode, out):
-    """16 real kto-mix rows of 150-520 tokens on builtin:small, 4 rows per process per step (issue 22)."""
+    """16 real kto-mix rows of 150-520 tokens on builtin:small, 4 rows per process per step."""
     from dllm_align.config.recipe import load_recipe
 
     return load_recipe(None, [

@@ -1,4 +1,4 @@
-"""Block-diffusion families (issue 24): SDAR loads natively and matches an independent forward under the
+"""Block-diffusion families: SDAR loads natively and matches an independent forward under the
 block-diffusion mask, and loads through the commands with the streams attention; LLaDA2.1 checkpoints are
 recognised and refused by the commands with the reason (LLaDA2.0's body: tests/test_llada2_body.py).
 

@@ -1,4 +1,4 @@
-"""The SDAR block sampler (issue 24): the KV-cached decode is token-identical to recomputing the prefix at every
+"""The SDAR block sampler: the KV-cached decode is token-identical to recomputing the prefix at every
 step, and the published rules hold (the threshold rule, the even schedule, stop ids, prompt tokens untouched)."""
 
 import pytest

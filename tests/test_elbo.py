@@ -1,4 +1,4 @@
-"""The Monte Carlo ELBO (SPEC.md section 3) against exact enumeration and hand-derived facts."""
+"""The Monte Carlo ELBO (docs/design.md#the-masked-diffusion-elbo) against exact enumeration and hand-derived facts."""
 
 from __future__ import annotations
 

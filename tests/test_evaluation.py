@@ -384,7 +384,7 @@ def test_table4_recipe_has_the_papers_settings():
 
     plans = {p.key: p for p in R.plan_tasks(load_recipe("table4_downstream"))}
     got = {k: (p.sampler.gen_length, p.sampler.block_length, p.sampler.steps, p.num_fewshot) for k, p in plans.items()}
-    assert got == {  # SPEC.md §9 / the paper's eval-config table
+    assert got == {  # the paper's eval-config table (docs/design.md#evaluation)
         "gsm8k": (256, 8, 256, 5),
         "mmlu": (3, 3, 3, 5),
         "hellaswag": (3, 3, 3, 0),

@@ -1,4 +1,4 @@
-"""Same numbers on every launch (issue 13): the step-0 invariant and the precision policy, on CPU.
+"""Same numbers on every launch: the step-0 invariant and the precision policy, on CPU.
 
 Before the first update the policy's weights equal the reference's, so every
 row's margin B_policy - B_ref is zero. Tolerance: on the CPU it is exactly 0,
@@ -7,7 +7,7 @@ forward (``MaskPredictor.target_logprobs``) under the same
 :class:`dllm_align.models.precision.Precision`; the CPU kernels compute each row's
 reductions in an order that does not depend on the other rows of the batch,
 so the cache (made in batches of 16) and the training micro-batches (4) give
-bit-identical values. Any nonzero margin is a defect (issue 13 defect 2 gave
+bit-identical values. Any nonzero margin is a defect (a head that escaped autocast gave
 -0.063 / +0.109 mean margins under bf16). On CUDA, kernels choose reduction
 orders by shape; ``doctor`` then allows ``dllm_align.training.doctor.row_tolerance``.
 
@@ -229,7 +229,7 @@ def test_mixed_precision_no_is_accepted_from_set_and_yaml(tmp_path):
 
 # --------------------------------------------------------------------------- the pieces
 def test_chunked_head_honours_autocast():
-    """Defect 2: the chunked head's out= matmul escaped autocast (fp32 head vs the reference's bf16 head)."""
+    """A past failure: the chunked head's out= matmul escaped autocast (fp32 head vs the reference's bf16 head)."""
     from dllm_align.models.predictor import chunked_target_logprobs
 
     g = torch.Generator().manual_seed(0)
@@ -260,7 +260,7 @@ def test_chunked_head_gradient_matches_autograd_under_bf16():
 
 
 def test_rotary_frequencies_stay_fp32_after_a_bf16_load():
-    """Defect 1's root: a cast to bf16 rounds inv_freq; the loader rebuilds it in fp32 (exactly)."""
+    """A past failure's root: a cast to bf16 rounds inv_freq; the loader rebuilds it in fp32 (exactly)."""
     from dllm_align.models.load import load_model
 
     fp32 = load_model("builtin:tiny").model.model.rotary_emb.inv_freq
@@ -272,7 +272,7 @@ def test_rotary_frequencies_stay_fp32_after_a_bf16_load():
 
 
 def test_bf16_rotary_phase_error_at_llada_scale():
-    """The figure behind defect 1: theta 5e5, head dim 128, position 4,095: bf16 inv_freq is off by radians."""
+    """Why inv_freq must stay fp32: theta 5e5, head dim 128, position 4,095: bf16 inv_freq is off by radians."""
     inv = 1.0 / (5e5 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     err = (4095 * (inv - inv.float().bfloat16().double())).abs()
     assert 7.0 < float(err.max()) < 7.5  # radians, unwrapped
@@ -317,7 +317,7 @@ def test_reference_keeps_a_head_tied_to_the_embeddings_in_fp32():
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, fresh_accelerate, dropout):
-    """Defect 8: the no-grad baseline pass and the gradient pass must draw the same LoRA dropout masks.
+    """The no-grad baseline pass and the gradient pass must draw the same LoRA dropout masks.
 
     The step's no-grad pass (for the baseline) and its gradient pass run a micro-batch under
     the same seed: the margins are identical; an unseeded pass draws other masks.
@@ -350,7 +350,7 @@ def test_lora_dropout_with_accumulation_baseline_is_the_gradient_pass_mean(toy, 
 
 
 def test_process_group_timeout_reaches_accelerate():
-    """Defect 4: torch's 10-minute NCCL default applied; every launch now passes the recipe's timeout (default 60)."""
+    """torch's 10-minute NCCL default once applied; every launch now passes the recipe's timeout (default 60)."""
     from datetime import timedelta
 
     from accelerate.utils import AutocastKwargs, InitProcessGroupKwargs
@@ -365,7 +365,8 @@ def test_process_group_timeout_reaches_accelerate():
 
 
 def test_mixed_precisions_would_break_the_invariant(toy):
-    """The invariant tests have teeth: an fp32 reference against a bf16-autocast policy (defect 2) is far from 0."""
+    """The invariant tests have teeth: an fp32 reference against a bf16-autocast policy (what a head that escapes
+    autocast does) is far from 0."""
     from dllm_align.objective.elbo import DrawConfig, elbo_draws
     from dllm_align.data.examples import make_collate
     from dllm_align.models.load import load_model
@@ -439,7 +440,7 @@ def _tiny_moe():
 def test_moe_experts_compute_in_bf16_under_autocast_for_policy_and_reference(monkeypatch):
     """transformers' grouped-matmul experts bypass autocast: with fp32 master weights they ran in fp32.
     Routed through dllm-align's experts function they multiply in bf16, and a reference whose expert
-    blocks are stored in bf16 computes bit-identically (issue 22, defect 5)."""
+    blocks are stored in bf16 computes bit-identically."""
     import copy
 
     from transformers.integrations import moe

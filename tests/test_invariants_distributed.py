@@ -1,4 +1,4 @@
-"""Same numbers on every launch, multi-process (issue 13): DDP, FSDP1 and FSDP2 on 2 gloo processes.
+"""Same numbers on every launch, multi-process: DDP, FSDP1 and FSDP2 on 2 gloo processes.
 
 One ``torchrun`` launch (tests/dist_invariants.py) checks every configuration,
 so the suite pays for one process start-up:
@@ -77,7 +77,8 @@ def launched(tmp_path_factory, shared_data):
     spec["train"] += [["fsdp2", False, str(root / f"train-fsdp2-bf16-{g}"), "bf16", f"train.fsdp_gather={g}"]
                       for g in ("fp32", "bf16_layers")]
     spec["grad_storage"] = ["fsdp1", "fsdp2"]
-    # realistic lengths (issue 22, defect 4): real kto-mix rows on builtin:small, caches made by one process
+    # realistic lengths (where a reference scored in another call layout shows): real kto-mix rows on builtin:small,
+    # caches made by one process
     from fixtures.real_rows import write_real_rows
 
     spec["real"] = {"data": str(write_real_rows(shared_data, root / "real.jsonl")), "caches": {}}
@@ -206,7 +207,7 @@ def test_fsdp_resume_continues_exactly(launched, launch):
 def test_fsdp_gradient_accumulation_keeps_only_the_shard(launched, launch):
     """FSDP with 2 micro-batches per step: after the first micro-batch's backward each rank holds
     gradient elements equal to its parameter shard (reduce-scattered every micro-batch), not the
-    whole unsharded gradient that ``no_sync`` keeps (issue 22, defect 2: 2x here, ~30 GiB for 8B)."""
+    whole unsharded gradient that ``no_sync`` keeps (2x here, ~30 GiB for 8B)."""
     per_rank = launched["results"]["grad_storage"][launch]
     assert len(per_rank) == 2
     for r in per_rank:
@@ -220,7 +221,7 @@ def test_fsdp_gradient_accumulation_keeps_only_the_shard(launched, launch):
 @pytest.mark.parametrize("lora", [False, True])
 def test_fsdp2_bf16_layer_gathering_keeps_step0_margins_exact(launched, lora):
     """``train.fsdp_gather: bf16_layers``: every decoder layer is a bf16-gathered unit (its norms fp32 units),
-    and the step-0 margins against the cache stay exactly 0 (issue 22, item 8)."""
+    and the step-0 margins against the cache stay exactly 0."""
     r = launched["results"]["margins"][f"fsdp2/bf16/cached/lora={lora}/train.fsdp_gather=bf16_layers"]
     assert r["fsdp"] and r["rows"] == 8
     assert r["bf16_units"] == 2  # builtin:tiny's two decoder layers

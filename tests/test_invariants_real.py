@@ -1,5 +1,5 @@
-"""The step-0 invariant on realistic lengths (issue 22, defect 4): real kto-mix rows of a few hundred
-tokens on the ``builtin:small`` body, through precompute -> cache -> training and the online reference.
+"""The step-0 invariant on realistic lengths, where a reference scored in another call layout shows: real kto-mix
+rows of a few hundred tokens on the ``builtin:small`` body, through precompute -> cache -> training and the online reference.
 
 Kernels block their reductions by shape, so one row scored among other rows (another batch width,
 other packed row-mates, another chunking) can differ in the last bits: under bf16 autocast up to

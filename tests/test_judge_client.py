@@ -1,6 +1,6 @@
 """judge_client.py: the openai SDK over the guarded httpx2 transport.
 
-Transport faults (issue 15, class 3) as a class: every response has a total
+Transport faults as a class: every response has a total
 deadline and a size cap, Ctrl-C always stops, errors name the URL actually
 requested, a failed first request leaves no cache file. And the SDK's
 ambient settings (OPENAI_CUSTOM_HEADERS, OPENAI_ORG_ID, OPENAI_API_KEY for a

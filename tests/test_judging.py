@@ -1,5 +1,5 @@
 """judging.py and `dllm-align judge`: exact numbers against a scripted HTTP judge,
-faults, resuming after a dead server, secrets, inputs (SPEC.md section 8).
+faults, resuming after a dead server, secrets, inputs (docs/design.md#judging).
 
 Kill and resume at chosen points: tests/test_reliability_kill.py; the key in every
 file and output of failing and killed runs: tests/test_reliability_security.py.

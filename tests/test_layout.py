@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dllm_align.config import components as registry
+from dllm_align.generate import sampler  # noqa: F401  (registers the decoding rules, whose names AMBIGUOUS reads)
+
 PKG = Path(__file__).resolve().parents[1] / "src" / "dllm_align"
 STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "workflows")
 MAX_LINES = 600
@@ -115,7 +118,14 @@ def test_no_module_past_600_lines_without_a_reason(path):
 
 
 # --------------------------------------------------------------------------- seams and comments
-OBJECTIVE_NAMES = {"elbo_kto", "sft", "vrpo"}
+# The declared names (the registry, not a copy): a comparison with one is a choice only the component's own
+# package (and config/, which declares the recipe keys) may make.
+OBJECTIVE_NAMES = set(registry.names("objective"))
+LIKELIHOOD_NAMES = set(registry.names("likelihood"))
+FAMILY_NAMES = set(registry.names("family"))
+# Decoding rules share some of these names ("llada", "dream", "block"): a bare comparison with one of those is
+# flagged only where it speaks of the family or likelihood itself (``fam.name == "dream"``).
+AMBIGUOUS = set(registry.names("rule"))
 ISSUE_OR_SPEC = re.compile(r"SPEC\.md|\b[Ii]ssue #?[0-9]+|\b[Dd]efect #?[0-9]+")
 
 
@@ -124,8 +134,8 @@ def _named(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
 
 
-def objective_name_comparisons(source: str) -> list[int]:
-    """Lines that compare something called ``objective`` or an objective's name: a choice only objective/ may make."""
+def name_comparisons(source: str, subject: str, declared: set[str]) -> list[int]:
+    """Lines that compare something called ``subject`` or one of the ``declared`` names."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Compare):
@@ -133,7 +143,34 @@ def objective_name_comparisons(source: str) -> list[int]:
         sides = [node.left, *node.comparators]
         names = set().union(*(_named(s) for s in sides))
         consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
-        if "objective" in names or consts & OBJECTIVE_NAMES:
+        about = any(subject[:3] in n.lower() for n in names)
+        if subject in names or consts & (declared - AMBIGUOUS) or (about and consts & declared):
+            out.append(node.lineno)
+    return out
+
+
+def objective_name_comparisons(source: str) -> list[int]:
+    """Lines that compare something called ``objective`` or an objective's name: a choice only objective/ may make."""
+    return name_comparisons(source, "objective", OBJECTIVE_NAMES)
+
+
+def likelihood_name_comparisons(source: str) -> list[int]:
+    """Lines that compare something called ``likelihood`` or a likelihood's name (ask the Likelihood instead)."""
+    return name_comparisons(source, "likelihood", LIKELIHOOD_NAMES)
+
+
+def family_name_comparisons(source: str) -> list[int]:
+    """Lines that compare a family's name with a family, a name or a model type (ask the Family record instead);
+    the decoding rules' names that are also families' ("sdar", "llada2") are compared as rules freely."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = {n.lower() for n in set().union(*(_named(s) for s in sides))}
+        consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        about = any("fam" in n for n in names) or names & {"name", "model_type", "get"}
+        if consts & FAMILY_NAMES and about and not names & {"rule", "sampler", "block_rule"}:
             out.append(node.lineno)
     return out
 
@@ -158,6 +195,18 @@ def test_only_objective_and_config_compare_on_the_objective_name():
     assert not bad, "a comparison on the objective's name outside objective/ and config/ (ask the Objective):\n" + "\n".join(bad)
 
 
+def test_only_objective_and_config_compare_on_a_likelihood_name():
+    bad = [f"{mod}:{line}" for mod, path in _modules().items() if _package(mod) not in ("objective", "config")
+           for line in likelihood_name_comparisons(path.read_text())]
+    assert not bad, "a comparison on a likelihood's name outside objective/ and config/ (ask the Likelihood):\n" + "\n".join(bad)
+
+
+def test_only_the_families_compare_on_a_family_name():
+    bad = [f"{mod}:{line}" for mod, path in _modules().items() if not mod.startswith("models.families")
+           for line in family_name_comparisons(path.read_text())]
+    assert not bad, "a comparison on a family's name outside models/families/ (ask the Family):\n" + "\n".join(bad)
+
+
 def test_elbo_and_the_memory_model_do_not_branch_on_block_size():
     bad = [f"{rel}:{line}" for rel in ("objective/elbo.py", "training/memory.py")
            for line in block_size_branches((PKG / rel).read_text())]
@@ -170,8 +219,53 @@ def test_the_guards_catch_what_they_are_for():
     assert objective_name_comparisons('x = 1 if name != "vrpo" else 2\n') == [1]
     assert objective_name_comparisons('ok = "elbo_kto" in names\n') == [1]
     assert objective_name_comparisons('if objective.needs_reference:\n    pass\n') == []
+    assert likelihood_name_comparisons('if fam.likelihood == "uniform":\n    pass\n') == [1]
+    assert likelihood_name_comparisons('ok = name in ("masked", "block")\n') == [1]
+    assert family_name_comparisons('if family_of(model).name == "dream":\n    pass\n') == [1]
+    assert family_name_comparisons('x = 1 if fam is not None and fam.name != "sdar" else 2\n') == [1]
+    assert family_name_comparisons('if fam.logit_shift:\n    pass\n') == []
+    assert family_name_comparisons('if rule == "sdar":\n    pass\n') == []
     assert block_size_branches("if cfg.block_size:\n    pass\n") == [1]
     assert block_size_branches("n = a if block_size else b\n") == [1]
     assert block_size_branches("n = likelihood.count(block_size=8)\n") == []
     assert ISSUE_OR_SPEC.search("see SPEC.md section 5") and ISSUE_OR_SPEC.search("(issue 13, defect 8)")
     assert not ISSUE_OR_SPEC.search("BUILTIN_SPECS and SPECIAL_TOKENS")
+
+
+# --------------------------------------------------------------------------- no issue numbers outside src/ either
+# The src/ pattern plus "SPEC 4" / "SPEC §7": a section number of a spec a clone does not have.
+NARRATION = re.compile(ISSUE_OR_SPEC.pattern + r"|\bSPEC ?§? ?[0-9]+")
+NARRATION_FOLDERS = ("recipes", "benchmarks", "docs", "tests")
+TEXT_SUFFIXES = (".py", ".yaml", ".yml", ".md", ".txt", ".json", ".toml", ".sh", ".cfg", ".ini")
+
+
+def narrations(root: Path) -> list[str]:
+    """Lines under ``root``'s recipes/, benchmarks/, docs/ and tests/ that name an issue, a defect or a SPEC section.
+    This file is left out: it holds the pattern and the planted examples that prove it works."""
+    out = []
+    for folder in NARRATION_FOLDERS:
+        for p in sorted((root / folder).rglob("*")):
+            if not p.is_file() or p.suffix not in TEXT_SUFFIXES or p.resolve() == Path(__file__).resolve():
+                continue
+            for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if NARRATION.search(line):
+                    out.append(f"{p.relative_to(root)}:{i}: {line.strip()[:160]}")
+    return out
+
+
+def test_recipes_benchmarks_docs_and_tests_say_why_not_which_issue():
+    """As in src/: a comment says why, a doc says what; an issue number means nothing to a reader of a clone.
+    CHANGELOG.md (the repository's root, a history) is not under these folders."""
+    bad = narrations(PKG.parents[1])
+    assert not bad, "an issue, defect or SPEC section named:\n" + "\n".join(bad)
+
+
+def test_the_narration_guard_catches_what_it_is_for(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "r.yaml").write_text("beta: 0.1  # see SPEC " + "4\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "p.md").write_text("fine\n(SPEC §" + "7)\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('"""Issue ' + '22, item 8"""\n# tests/dist.py SPEC.json\n')
+    assert [b.split(":")[0:2] for b in narrations(tmp_path)] == [
+        ["recipes/r.yaml", "1"], ["docs/p.md", "2"], ["tests/test_x.py", "1"]]

@@ -1,4 +1,4 @@
-"""ELBO-KTO, VRPO and SFT losses against hand-derived numbers (SPEC.md sections 4 and 6)."""
+"""ELBO-KTO, VRPO and SFT losses against hand-derived numbers (docs/design.md#the-elbo-kto-loss, #vrpo, #sft)."""
 
 from __future__ import annotations
 

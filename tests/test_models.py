@@ -321,7 +321,7 @@ def test_chunked_head_fp32_gradients_close_to_float64():
     assert float((gw.double() - rw).norm() / rw.norm()) < 1.5e-7
 
 
-# --------------------------------------------------------------------------- issue 13: attention kernel, qkv biases
+# --------------------------------------------------------------------------- attention kernel, qkv biases
 def test_llada_attn_implementation_is_honoured_or_refused_by_name(tmp_path):
     import importlib.util
 
@@ -339,7 +339,7 @@ def test_llada_attn_implementation_is_honoured_or_refused_by_name(tmp_path):
 
 
 def test_llada_include_qkv_bias_loads_with_biases_on_q_k_v_only(tmp_path):
-    """Defect 8: include_qkv_bias was refused with a misleading 'missing o_proj.bias'."""
+    """A past failure: include_qkv_bias was refused with a misleading 'missing o_proj.bias'."""
     tok = build_tiny_tokenizer()
     cfg = _llada_config(len(tok))
     sd = _llada_state(cfg)

@@ -137,13 +137,22 @@ def test_each_round_labels_and_trains_on_its_greedy_decodes_unless_told_not_to(t
     out = tmp_path / "run"
     r = _online(out)
     assert r.code == 0, r.err
+    demo_model = json.loads((out / "online.json").read_text())["model"]
     rd = out / "round-0"
     greedy = [json.loads(x) for x in (rd / "greedy" / "labelled.jsonl").read_text().splitlines()]
     assert len(greedy) == 12 and {g["prompt_id"] for g in greedy} == {
         json.loads(x)["prompt_id"] for x in (rd / "labelled.jsonl").read_text().splitlines()}
-    # the recipe's decoding, greedy: no fast-mode cache or threshold, temperature 0 (as the held-out greedy share)
-    assert all(g["sampler"]["temperature"] == 0 and g["sampler"]["cache"] == "none" and g["sampler"]["threshold"] is None
+    # the recipe's decoding, greedy: no fast-mode cache or threshold, temperature 0 (as the held-out greedy share);
+    # the run's cache and threshold are recorded once, in its summary, not in every row
+    assert all(g["sampler"]["temperature"] == 0 and "cache" not in g["sampler"] and "threshold" not in g["sampler"]
                for g in greedy)
+    run_sampler = json.loads((rd / "greedy" / "label_summary.json").read_text())["sampler"]
+    assert run_sampler["cache"] == "none" and run_sampler["threshold"] is None
+    samples = json.loads((rd / "label_summary.json").read_text())
+    # round 0 samples the recipe's model, and its record names what the backend served
+    assert samples["sampler"]["cache"] != "none" and samples["served"]["folder"] == demo_model
+    round1 = json.loads((out / "rounds.json").read_text())["rounds"][0]
+    assert round1["served"] == samples["served"] and round1["policy"] == demo_model
     held = json.loads((out / "heldout-initial" / "greedy" / "labelled.jsonl").read_text().splitlines()[0])["sampler"]
     assert greedy[0]["sampler"] == held
     trained = [json.loads(x) for x in (rd / "train_rows.jsonl").read_text().splitlines()]

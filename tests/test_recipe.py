@@ -25,6 +25,7 @@ train:
 reference:
   n_mc: 8
 generate:
+  sampler: llada
   gen_length: 100
   block_length: 32
 bogus_section: {}
@@ -40,7 +41,7 @@ def test_all_problems_reported_at_once(tmp_path):
     assert "unknown key 'model.name_or_pth' (did you mean 'model.name_or_path'?)" in msg
     assert "train.beta: Input should be a valid number" in msg
     assert "train.lr: Input should be greater than 0" in msg
-    assert "generate: gen_length (100) must be a multiple of block_length (32)" in msg
+    assert "generate.gen_length: 100 is not a multiple of block_length (32)" in msg
     assert "unknown key 'bogus_section'" in msg
     assert msg.startswith("5 problems in recipe")
 
@@ -165,7 +166,7 @@ PAPER_RECIPES = ["kto_mix_14k", "ultrafeedback_binary", "table1_kto_mix_14k", "t
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)
 def test_paper_recipes_sample_uniformly_and_score_like_the_paper_code(name):
-    """The paper samples S uniformly (section 3.2) and its code scores no end-of-turn token (SPEC.md section 2)."""
+    """The paper samples S uniformly (section 3.2) and its code scores no end-of-turn token (docs/design.md#tokens-padding-and-packing)."""
     r = load_recipe(name)
     assert r.data.group_by_length is False
     assert r.data.end_of_turn == "none"

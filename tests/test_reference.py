@@ -1,4 +1,4 @@
-"""The reference cache (SPEC.md section 5): values, fingerprints, resumable shards, tamper detection."""
+"""The reference cache (docs/design.md#the-reference-cache): values, fingerprints, resumable shards, tamper detection."""
 
 from __future__ import annotations
 

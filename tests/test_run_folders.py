@@ -1,4 +1,4 @@
-"""Run folders and hostile inputs, class by class (issue 15).
+"""Run folders and hostile inputs, class by class.
 
 1. No command writes over one of its own inputs (one guard in io, used by every writer).
 2. A resumed or reused folder refuses every setting that changes the results, naming

@@ -1,4 +1,4 @@
-"""stats.py: the judging protocol's numbers, checked by hand (SPEC.md section 8, paper Appendix C)."""
+"""stats.py: the judging protocol's numbers, checked by hand (docs/design.md#judging, paper Appendix C)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training loop (SPEC.md sections 4 and 6) on the built-in tiny model, in process, on CPU."""
+"""The training loop (docs/design.md#the-step-batch, #the-elbo-kto-loss) on the built-in tiny model, in process, on CPU."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def _margin_gap(final_dir: Path, examples, seed: int = 123) -> float:
 
 @pytest.mark.parametrize("objective", ["elbo_kto", "vrpo"])
 def test_training_opens_a_gap_between_the_classes(toy, objective):
-    # elbo_kto: one batch of all 32 rows. With uniform batches of 8 (the default since issue 14) a
+    # elbo_kto: one batch of all 32 rows. With uniform batches of 8 (the default, as the paper draws them) a
     # batch rarely holds both rows of a prompt, and 24 steps at lr 3e-3 open the training gap but
     # not the fresh-mask one (measured -0.13; length-grouped batches of 8, which pair the equally
     # long chosen and rejected rows, gave 1.55).

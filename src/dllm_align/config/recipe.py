@@ -93,9 +93,15 @@ def _fields_at(model_cls: type[BaseModel], path: tuple) -> list[str]:
     return list(getattr(cls, "model_fields", {}).keys())
 
 
+def _short(label: str, limit: int = 80) -> str:
+    """A flag as given, cut to ``limit`` characters (an error line names a value, it does not repeat a long one)."""
+    return label if len(label) <= limit else label[: limit - 3] + "..."
+
+
 def _blame(dotted: str, source: str, given: dict[str, str]) -> str:
     """Who set the value an error is about: a flag or ``--set`` (``given``: dotted key ->
     how the user gave it) rather than the recipe file, which may not even hold that key."""
+    given = {key: _short(label) for key, label in given.items()}
     for key, label in given.items():
         if dotted == key or dotted.startswith(key + "."):
             return label

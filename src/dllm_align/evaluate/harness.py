@@ -58,7 +58,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from dllm_align.config.recipe import bundled_dir
 from dllm_align.core.console import progress, warn
 from dllm_align.core.errors import UserError
-from dllm_align.generate.backend import backend_factory, make_generator
+from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
 from dllm_align.generate.settings import SamplerSettings, row_seed
 from dllm_align.models.load import load_model
 from dllm_align.objective.elbo import DrawConfig, elbo_draws
@@ -170,6 +170,8 @@ class DiffusionLM(LM):
         seed: Optional[int] = None,
         backend: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # passed by the harness; batches here are fixed-size
+        generate=None,  # the recipe's generate section, whose backend settings (generate.<backend>) travel along
+        model_section=None,  # the recipe's model section, handed to the backend with ``pretrained``
         **unknown,
     ) -> None:
         super().__init__()
@@ -186,8 +188,9 @@ class DiffusionLM(LM):
 
         given = dict(gen_length=gen_length, block_length=block_length, steps=steps, remasking=remasking, temperature=temperature,
                      cfg=cfg, cache=cache, threshold=threshold, seed=seed, backend=backend)
-        sampler = SamplerSettings(**{k: v for k, v in given.items() if v is not None})
-        backend_factory(sampler.backend)  # refused before the model is loaded
+        own = {k: v.model_dump() for k, v in (generate.__pydantic_extra__ or {}).items()} if generate is not None else {}
+        sampler = SamplerSettings(**{k: v for k, v in given.items() if v is not None}, **own)
+        backend_component(sampler.backend)  # refused before the model is loaded
         if predictor is None:
             dev = torch.device(device) if device and self._state is None else eval_device()
             predictor = load_model(
@@ -195,7 +198,8 @@ class DiffusionLM(LM):
                 mask_token_id=mask_token_id, tokenizer=tokenizer,
             )
         self.mp = predictor  # scores loglikelihoods; sampling goes through the generator
-        self.generator = make_generator(sampler.backend, name_or_path=str(pretrained), predictor=predictor)
+        # the backend's own refusal of these settings for this model comes here, before any task runs
+        self.generator = make_generator(sampler, model_section, name_or_path=str(pretrained), predictor=predictor)
         self.tokenizer = predictor.tokenizer
         self.pretrained = str(pretrained)
         self._device = predictor.device
@@ -286,7 +290,7 @@ class DiffusionLM(LM):
             "dtype": str(next(self.mp.model.parameters()).dtype),
             "num_parameters": int(n),
             "mask_token_id": self.mp.mask_token_id,
-            "sampler": self.sampler.to_dict(),
+            "sampler": recorded_settings(self.sampler),
             "mc_num": self.mc_num,
             "mc_seed": self.mc_seed,
             "stratified": self.stratified,

@@ -24,6 +24,7 @@ from dllm_align.core.console import info as _info
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_write_json, atomic_write_text
 from dllm_align.evaluate.harness import DiffusionLM, HARNESS_NAME, bundled_task_dir, eval_device
+from dllm_align.generate.backend import recorded_settings
 from dllm_align.generate.settings import SamplerSettings
 from dllm_align.models.load import load_from_section
 
@@ -156,7 +157,7 @@ def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section) -> dict:
         "model": model_fp,
         "tokenizer": model_section.tokenizer,
         "dtype": model_section.dtype,
-        "task": plan.describe() | {"sampler": plan.sampler.to_dict()},
+        "task": plan.describe() | {"sampler": recorded_settings(plan.sampler)},
         "mc_num": ev.mc_num,
         "mc_seed": ev.mc_seed,
         "stratified": ev.stratified,
@@ -288,6 +289,7 @@ def make_lm(recipe, name_or_path: str) -> DiffusionLM:
         stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length, packing=ev.packing,
         gen_length=g.gen_length, block_length=g.block_length, steps=g.steps, remasking=g.remasking,
         temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed, backend=g.backend,
+        generate=g, model_section=recipe.model,
     )
 
 
@@ -311,7 +313,7 @@ def merge_results(per_task: dict[str, dict], plans: Sequence[TaskPlan], name_or_
         merged["config"]["model_args"] = {"pretrained": name_or_path}
     merged["dllm_align"] = {
         "model": name_or_path,
-        "tasks": {p.key: p.describe() | {"sampler": p.sampler.to_dict()} for p in plans},
+        "tasks": {p.key: p.describe() | {"sampler": recorded_settings(p.sampler)} for p in plans},
         "scores": {p.key: headline(merged, p) for p in plans if p.key in per_task},
     }
     return merged

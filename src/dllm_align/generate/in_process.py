@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-from dllm_align.generate.sampler import generate
 from dllm_align.generate.rules import settings_for
-from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
+from dllm_align.generate.sampler import generate
+from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, model_fingerprint
+from dllm_align.models.load import load_from_section
 
 
 class InProcessGenerator:
@@ -15,19 +16,21 @@ class InProcessGenerator:
 
     name = "in_process"
 
-    def __init__(self, mp) -> None:
+    def __init__(self, mp, folder: Optional[str] = None) -> None:
         self.mp = mp
+        self.folder = folder
 
     @classmethod
-    def load(cls, model, *, device=None, name_or_path: Optional[str] = None, predictor=None) -> "InProcessGenerator":
+    def load(cls, generate=None, settings=None, *, model=None, device=None, name_or_path: Optional[str] = None,
+             predictor=None) -> "InProcessGenerator":
         """The recipe's model (``model``: its ``model`` section; ``name_or_path`` another checkpoint) loaded on
-        ``device``, or ``predictor`` when the caller holds the model already (it is not loaded twice)."""
+        ``device``, or ``predictor`` when the caller holds the model already (it is not loaded twice). It reads
+        the ``generate`` section per call (``generate``) and has no settings of its own."""
         if predictor is None:
-            from dllm_align.models.load import load_from_section
-
             predictor = load_from_section(model, device=device or "cpu", name_or_path=name_or_path)
             predictor.model.eval()
-        return cls(predictor)
+        folder = name_or_path if name_or_path is not None else (model.name_or_path if model is not None else None)
+        return cls(predictor, folder)
 
     @property
     def tokenizer(self) -> Any:
@@ -39,6 +42,12 @@ class InProcessGenerator:
 
     def settings_for(self, settings: SamplerSettings) -> SamplerSettings:
         return settings_for(self.mp, settings)
+
+    def serving(self) -> Optional[dict]:
+        """The folder it loaded and the sha256 of that folder's checksums.json (None where it has none)."""
+        if self.folder is None:
+            return None
+        return {"folder": str(self.folder), "fingerprint": model_fingerprint(str(self.folder))}
 
     def generate(
         self,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 from pydantic import ConfigDict, ValidationError
 
@@ -85,6 +86,17 @@ def row_seed(seed: int, key: str | int) -> int:
     """A prompt's own seed: a hash of the run seed and the prompt id (63 bits)."""
     digest = hashlib.sha256(f"dllm-align/generate/{seed}/{key}".encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+# --------------------------------------------------------------------------- models
+def model_fingerprint(name: str) -> Optional[str]:
+    """The sha256 of a model folder's checksums.json (what dllm-align writes into checkpoints and
+    final/), so a retrained model behind the same path is told apart; None elsewhere."""
+    p = Path(name) / "checksums.json"
+    try:
+        return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------- results

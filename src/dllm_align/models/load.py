@@ -27,13 +27,15 @@ import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from packaging.version import Version
 
+from dllm_align.config import components as registry
 from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import fsync_tree, verify_checksums
@@ -72,24 +74,36 @@ class TinySpec:
     family: str = "llada"  # the family that builds it (its Family's tiny_tokenizer and build_tiny)
 
 
+class _BuiltinSpecs(Mapping):
+    """The built-in tiny models by ``builtin:`` name: each declared family's ``builtin_models`` trait
+    (``dllm_align.models.components``), read live so that a family declared later brings its own."""
+
+    def _table(self) -> dict[str, TinySpec]:
+        return {name: TinySpec(**shape, family=comp.name)
+                for comp in registry.components("family").values() if "builtin_models" in comp.traits
+                for name, shape in comp.traits["builtin_models"].items()}
+
+    def __getitem__(self, name: str) -> TinySpec:
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 # Random-init models built from code (no files), deterministic by spec.
-BUILTIN_SPECS: dict[str, TinySpec] = {
-    "builtin:tiny": TinySpec(),  # 2 x 64: tests; a training step takes milliseconds
-    "builtin:small": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256),  # the toy demo's base
-    "builtin:tiny-dream": TinySpec(family="dream"),  # Dream's layout and manners at the tiny size
-    "builtin:small-dream": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="dream"),
-    "builtin:tiny-sdar": TinySpec(family="sdar"),  # block diffusion (SDAR's Qwen3 layout, block 4) at the tiny size
-    "builtin:small-sdar": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="sdar"),
-    # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
-    # size, with blocks of 8 (families/block.py's build_tiny_llada2)
-    "builtin:tiny-llada2": TinySpec(family="llada2"),
-    # DiffusionGemma's published config shrunk (6 layers in its 5:1 sliding/full pattern, 4 experts top-2, canvas 8;
-    # families/diffusion_gemma.py's tiny_config)
-    "builtin:tiny-diffusiongemma": TinySpec(layers=6, intermediate_size=96, family="diffusion_gemma"),
-    # the same layout a little wider: the DiffusionGemma demo's base (recipe toy_sort_base_gemma)
-    "builtin:small-diffusiongemma": TinySpec(hidden_size=96, layers=6, heads=4, intermediate_size=96,
-                                             family="diffusion_gemma"),
-}
+BUILTIN_SPECS: Mapping[str, TinySpec] = _BuiltinSpecs()
+
+
+def add_builtin_model(name: str, spec: TinySpec) -> None:
+    """Make ``name`` a built-in model of ``spec.family`` for this process (the GPU checks' published-size bodies):
+    the family's declaration is replaced by one with the model in its ``builtin_models``."""
+    comp = registry.get("family", spec.family)
+    shape = {k: v for k, v in asdict(spec).items() if k != "family"}
+    models = {**(comp.traits["builtin_models"] if "builtin_models" in comp.traits else {}), name: shape}
+    registry.redeclare(replace(comp, traits={**comp.traits, "builtin_models": models}))
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.

@@ -1,4 +1,5 @@
-"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``): is this answer good, yes or no?
+"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``, the component ``judge``:
+:func:`judge_rule`): is this answer good, yes or no?
 
 The request goes through the judge's own client (:class:`dllm_align.judge.client.ChatClient`: only the
 recipe's ``judge.base_url`` is contacted, the key comes from ``judge.api_key_env`` and never reaches a
@@ -17,6 +18,10 @@ import json
 import re
 from pathlib import Path
 from typing import Optional
+
+from dllm_align.config.schema import JudgeSection
+from dllm_align.core.errors import UserError
+from dllm_align.online.verifiers import Rule
 
 TEMPLATE = (
     "You are judging one answer to a user's request. Decide whether the answer is good: correct, helpful "
@@ -115,3 +120,25 @@ class AbsoluteJudge:
             self._appender.close()
             self._appender = None
         self.client.close()
+
+
+def check_judge(rule: str, section) -> None:
+    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
+    from dllm_align.judge.client import check_base_url, read_api_key
+
+    if not rule[len("judge:"):].strip():
+        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
+    key = read_api_key(section.api_key_env)
+    try:
+        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
+    except UserError as e:  # the client names its own flag; label reads the recipe's key
+        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
+
+
+def judge_rule(sel):
+    """The verifier ``judge:MODEL`` (``sel``: an ``online.verifiers.Selection``): the recipe's judge section
+    checked now (key and URL), the judge itself made once the run folder is taken (its verdicts are cached
+    there), on the rank that labels."""
+    section = sel.recipe.judge if sel.recipe is not None else JudgeSection()
+    check_judge(sel.spec, section)
+    return Rule(sel.spec, lambda p, c, r: True, bind=lambda out: AbsoluteJudge(sel.argument, section, out))

@@ -5,7 +5,7 @@ from the recipe's model (or ``--model``) with the recipe's sampler, in fast mode
 temperature that gives different samples (1.0 unless ``generate.temperature`` is set above 0); each
 completion is labelled by a verifier (:mod:`dllm_align.online.verifiers`). The output is unpaired rows,
 ``prompt``, ``completion``, ``label``, plus their provenance (``round``, ``model``, ``sampler``,
-``labeller``, ``verdict``, ``prompt_id``), which ``precompute-ref`` and ``train`` read as they are; and a
+``labeller``, ``verdict``, ``prompt_id``; the fast mode's cache and threshold only in the summary), which ``precompute-ref`` and ``train`` read as they are; and a
 summary (rows, desirable share, prompts whose samples are all good or all bad).
 
 Everything is checked before the first sample (the rule, and the columns it needs in the prompts file);
@@ -27,6 +27,8 @@ from dllm_align.core.errors import UserError
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
+# Decoding keys that are the same for every sample of a run (the fast mode's): recorded once, in the summary.
+PER_RUN_KEYS = frozenset({"cache", "threshold"})
 
 
 @dataclass
@@ -127,17 +129,11 @@ def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
         raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
 
 
-def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
-    """The verdicts per reason; for math_answer every reason is listed, zeros included, so that the summaries
-    of different rounds have the same keys."""
-    if rule == "math_answer":
-        from dllm_align.online.math_answer import reason_counts
-
-        return reason_counts(reasons.elements())
-    if rule == "sort":
-        from dllm_align.online.verifiers import SORT_REASONS
-
-        return {k: reasons.get(k, 0) for k in SORT_REASONS}
+def _reason_counts(verifier, reasons: Counter) -> dict[str, int]:
+    """The verdicts per reason; a verifier that lists its reasons (``Rule.reasons``) gets every one, zeros
+    included, so that the summaries of different rounds have the same keys."""
+    if verifier.reasons:
+        return {k: reasons[k] for k in verifier.reasons}
     return dict(sorted(reasons.items()))
 
 
@@ -163,7 +159,7 @@ def _prompt_text(messages: list) -> str:
     return users[-1] if users else (messages[-1].get("content", "") if messages else "")
 
 
-def _settings(recipe, temperature: Optional[float], fast: bool = True):
+def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
     then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
     decoding as it is."""
@@ -185,8 +181,10 @@ def _settings(recipe, temperature: Optional[float], fast: bool = True):
 def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
-    if fast and gen.settings_for(settings.replace(cache="none", threshold=None)).sampler == "block":
-        settings = settings.replace(cache="prefix")
+    if fast:
+        from dllm_align.generate.rules import rule_fast_cache
+
+        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
     return gen.settings_for(settings)
 
 
@@ -197,28 +195,11 @@ def check_temperature(temperature: Optional[float], n: int) -> None:
                         "to contrast", hint="sample at a temperature above 0 (1.0 by default), or --n 1")
 
 
-def check_judge(rule: str, section) -> None:
-    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
-    from dllm_align.judge.client import check_base_url, read_api_key
-
-    if not rule[len("judge:"):].strip():
-        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
-    key = read_api_key(section.api_key_env)
-    try:
-        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
-    except UserError as e:  # the client names its own flag; label reads the recipe's key
-        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
-
-
 def check_rule(rule: str, answer_column: str, recipe):
     """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
-    from dllm_align.online.verifiers import Rule, check_spec, get_rule
+    from dllm_align.online.verifiers import get_rule
 
-    check_spec(rule, f"--rule {rule}")
-    if rule.startswith("judge:"):
-        check_judge(rule, recipe.judge)
-        return Rule(rule, lambda p, c, r: True)  # replaced by the judge once the folder is taken
-    return get_rule(rule, answer_column=answer_column)
+    return get_rule(rule, answer_column=answer_column, recipe=recipe)
 
 
 def _refuse_relabel(summary_path: Path, settings: dict) -> None:
@@ -253,13 +234,13 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     import torch
 
     from dllm_align.core.io import check_not_input
-    from dllm_align.generate.backend import backend_factory, make_generator
+    from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
     from dllm_align.generate.settings import encode_prompt, row_seed
 
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
     check_temperature(temperature, n)
-    backend_factory(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
+    backend_component(recipe.generate.backend)  # an unknown backend is refused before anything is read or written
     verifier = check_rule(rule, answer_column, recipe)
     source = prompts or recipe.data.train
     if source is None:
@@ -274,13 +255,13 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     for p in (rows_path, summary_path):
         check_not_input(p)
     rank, world = _ranks()
-    settings, filled = _settings(recipe, temperature, fast)
+    settings, filled = label_settings(recipe, temperature, fast)
     name = recipe.model.name_or_path if model is None else model
     record = {"--rule": rule, "--n": n, "--model": str(name), "--prompts": str(source), "--limit": limit,
-              "--answer-column": answer_column, "generate": settings.to_dict()}
+              "--answer-column": answer_column, "generate": recorded_settings(settings)}
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    gen = make_generator(recipe.generate.backend, recipe.model, device=dev, name_or_path=name)
+    gen = make_generator(recipe.generate, recipe.model, device=dev, name_or_path=name)
     settings = _for_model(gen, settings, filled)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     max_pos = gen.max_positions
@@ -335,26 +316,29 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
                   rank: int, world: int) -> dict:
     """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
     from dllm_align.core.console import info
+    from dllm_align.generate.backend import recorded_settings
 
     rows_path, summary_path = out / ROWS, out / SUMMARY
     judge = None
-    if rule.startswith("judge:") and rank == 0:  # the judge (and its cache in the run folder) lives on rank 0
-        from dllm_align.online.absolute import AbsoluteJudge
+    if verifier.bind is not None and rank == 0:  # a verifier bound to the run folder (a judge's cache) lives on rank 0
         from dllm_align.online.verifiers import Rule
 
-        judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
+        judge = verifier.bind(out)
         verifier = Rule(rule, judge)
     if rank == 0:
-        info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}, "
-             f"cache {settings.cache}, threshold {settings.threshold}), rule {verifier.name}"
+        fast = (f", cache {settings.cache}, threshold {settings.threshold}"
+                if PER_RUN_KEYS <= set(recorded_settings(settings)) else "")  # said only where the backend uses them
+        info(f"label: {len(items)} prompts x {n} samples from {name} (temperature {settings.temperature}"
+             f"{fast}), rule {verifier.name}"
              + (f"; sampling dealt across {world} processes" if world > 1 else ""))
     comps = _sample(gen, [ids[i] for i, _ in flat], settings, seeds, recipe.generate.batch_size, rank, world)
     if world > 1:
         # rank 0 labels and writes; the others take its outcome (the same error on every rank)
         return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
-                                                    rows_path, summary_path, recipe.judge, record) if rank == 0 else None)
+                                                    rows_path, summary_path, recipe.judge, record, gen.serving())
+                                 if rank == 0 else None)
     return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                            recipe.judge, record)
+                            recipe.judge, record, gen.serving())
 
 
 def _ranks() -> tuple[int, int]:
@@ -419,10 +403,14 @@ def from_rank0(fn):
 
 
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                     judge_section, record: dict) -> dict:
+                     judge_section, record: dict, served: Optional[dict]) -> dict:
     from dllm_align.core.io import atomic_write_json, atomic_write_text
+    from dllm_align.generate.backend import recorded_settings
 
-    sampler = {k: v for k, v in settings.to_dict().items()}
+    # The run's decoding is recorded once, in the summary; each row keeps what tells its samples apart from
+    # another run's, without the fast mode's cache and threshold (the same for every row of the run).
+    sampler = recorded_settings(settings)
+    row_sampler = {k: v for k, v in sampler.items() if k not in PER_RUN_KEYS}
     rows = []
     try:
         labels = _labels(verifier, judge, items, flat, [c.text for c in comps], judge_section)
@@ -435,7 +423,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         if ok is None:  # an absolute judge that gave no verdict even when asked for it alone
             continue
         row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
-               "round": round_, "model": name, "sampler": sampler, "labeller": verifier.name,
+               "round": round_, "model": name, "sampler": row_sampler, "labeller": verifier.name,
                "verdict": "desirable" if ok else "undesirable"}
         why = verifier.explain(_prompt_text(p.messages), c.text, p.row) if judge is None else None
         if why is not None:
@@ -461,8 +449,9 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
-        "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
+        "reasons": _reason_counts(verifier, reasons) if reasons else None, "settings": record,
     }
+    summary["served"] = served  # the model the backend says it served (None where it cannot tell)
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_json(summary_path, summary)
     return summary

@@ -239,12 +239,12 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
         return adapter
-    from dllm_align.models.export import LAYOUTS, published_state, write_published_layout
+    from dllm_align.models.export import published_state, write_published_layout
     from dllm_align.models.families import family_for_config
 
     fam = family_for_config(config)
     family = fam.name
-    if family not in LAYOUTS:  # no published layout to write
+    if fam.published is None:  # no published layout to write
         save_model_folder(folder, weights, config, saver.tokenizer)
         if fam.export_extras is not None:
             fam.export_extras(folder, config, saver.tokenizer, source)

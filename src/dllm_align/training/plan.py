@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from dllm_align.config.schema import TrainSection
+from dllm_align.config import components as registry
+from dllm_align.config.schema import TrainSection, component_problems
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
@@ -69,17 +70,29 @@ def make_plan(recipe, accelerator) -> TrainPlan:
     )
 
 
+def refuse_component_problems(recipe, fam) -> None:
+    """Refuse the recipe's settings that the model's family or its likelihood has no use for (the uniform-noise
+    settings on a masked-diffusion model), and their checks' problems: no recipe key selects them, so the recipe
+    is checked against them once the family is known."""
+    for kind, name in (("family", fam.name), ("likelihood", fam.likelihood)):
+        problems = component_problems(recipe, registry.get(kind, name))
+        if problems:
+            raise UserError(f"{problems[0]} ({fam.name} models use the {fam.likelihood} likelihood)")
+
+
 def resolve_padding(recipe, quiet: bool = False):
     """The recipe with ``data.padding`` as the model's likelihood allows, decided from its config.json before
-    anything loads or is written: a likelihood that does not pack (DiffusionGemma's uniform noise) turns the
-    default ``packed`` into ``none`` with one info line; a ``packed`` the recipe sets on purpose is refused by
-    name. Other recipes come back unchanged."""
+    anything loads or is written (settings the family or its likelihood ignores refused first): a likelihood that
+    does not pack (DiffusionGemma's uniform noise) turns the default ``packed`` into ``none`` with one info line;
+    a ``packed`` the recipe sets on purpose is refused by name. Other recipes come back unchanged."""
     from dllm_align.models.load import family_of_source
     from dllm_align.objective.elbo import get_likelihood
 
+    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
+    if fam is not None:
+        refuse_component_problems(recipe, fam)
     if recipe.data.padding != "packed":
         return recipe
-    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
     lik = get_likelihood(fam.likelihood) if fam is not None else None
     if lik is None or lik.packs:
         return recipe

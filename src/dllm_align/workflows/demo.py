@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from dllm_align.core import console
-
+from dllm_align.generate.backend import check_serves_each_round
 from dllm_align.workflows import pipeline
 
 ROWS = (("aligned", "ELBO-KTO (aligned)"), ("chosen", "chosen target"), ("rejected", "rejected target"))
@@ -49,6 +49,8 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     from dllm_align.config.recipe import load_recipe
 
     rec = load_recipe(recipe_name, overrides, output_dir)
+    if rec.online is not None:
+        check_serves_each_round(rec.generate.backend, "the online demo")  # before its folder is made
     out = Path(rec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base_model = rec.model.name_or_path

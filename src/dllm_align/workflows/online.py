@@ -41,6 +41,10 @@ from typing import Optional
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import atomic_write_json
+from dllm_align.generate.backend import run_record
+from dllm_align.online.label import ROWS, SUMMARY, from_rank0, label, label_settings, prompt_fingerprint
+from dllm_align.workflows import pipeline
 
 RECORD = "online.json"
 ROUNDS = "rounds.json"
@@ -75,9 +79,7 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
     ``--allow-change`` are warned about). A record with no finished stage behind it (no labelled samples yet,
     of a round or a held-out evaluation) binds nothing: a first run refused or stopped before it labelled
     anything leaves nothing that blocks the corrected rerun. Rank 0 alone writes (``main``)."""
-    from dllm_align.core.io import atomic_write_json
     from dllm_align.core.runfolder import differing, refuse_changes
-    from dllm_align.online.label import SUMMARY
 
     path = out / RECORD
     if path.exists():
@@ -210,8 +212,6 @@ def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Op
     """The verifier's desirable share of ``model`` on the held-out prompts, greedy (one decode per prompt with the
     recipe's decoding, as ``generate``) and sampled (``n`` per prompt at the online temperature, as the labeller), each with its 90% interval; reused when done.
     None when there are no held-out prompts."""
-    from dllm_align.online.label import ROWS, SUMMARY, label
-
     if heldout is None and recipe.data.test is None:
         return None
     res = {}
@@ -238,7 +238,8 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
                greedy: bool = True, allow_changes=()) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
-    from dllm_align.online.label import check_rule, check_temperature, from_rank0, read_prompts
+    from dllm_align.generate.backend import check_serves_each_round
+    from dllm_align.online.label import check_rule, check_temperature, read_prompts
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
@@ -247,6 +248,9 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     if keep not in ("last", "best"):
         raise UserError(f"--keep {keep}: last or best")
     check_temperature(temperature, n)
+    # each round samples the policy the round before trained: a backend that cannot be handed that folder
+    # would sample another model (and the held-out share would measure it), so it is refused before round 0
+    check_serves_each_round(recipe.generate.backend)
     if keep == "best" and heldout is None and recipe.data.test is None:
         raise UserError("--keep best: no held-out prompts to rank the rounds by",
                         hint="set data.test in the recipe, or online.heldout (--heldout FILE)")
@@ -263,7 +267,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     source = prompts or recipe.data.train
     if source is None:
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
-    if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
+    if not read_prompts(str(source), None if prompts else "train", limit, verifier):
         raise UserError(f"{source}: no prompts")
     from dllm_align.online.label import rank0_lock
 
@@ -285,30 +289,14 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
                 prompts: Optional[str], reference: str, keep_uniform: bool, temperature: Optional[float],
                 answer_column: str, heldout: Optional[str], heldout_limit: Optional[int], heldout_n: int, keep: str,
                 greedy: bool, allow_changes) -> list[dict]:
-    from dllm_align.core.io import atomic_write_json
-    from dllm_align.online.label import ROWS, SUMMARY, label, prompt_fingerprint
-    from dllm_align.workflows import pipeline
-
     base = recipe.model.name_or_path
     source = prompts or recipe.data.train
     if source is None:
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
-    from dllm_align.online.label import _settings as sampler_settings
-
-    settings = {
-        "model": base, "rule": rule, "n": n, "limit": limit, "prompts_source": str(source),
-        "prompts_fingerprint": prompt_fingerprint(str(source), None if prompts else "train", limit),
-        "reference": reference, "keep_uniform": keep_uniform, "answer_column": answer_column,
-        "temperature": sampler_settings(recipe, temperature)[0].temperature,
-        "heldout_source": str(heldout or recipe.data.test) if (heldout or recipe.data.test) else None,
-        "heldout_fingerprint": (prompt_fingerprint(str(heldout), None, heldout_limit) if heldout else
-                                prompt_fingerprint(str(recipe.data.test), "test", heldout_limit) if recipe.data.test else None),
-        "heldout_n": heldout_n, "greedy": greedy,
-        "seeds": {"generate": recipe.generate.seed, "reference": recipe.reference.seed, "data": recipe.data.seed,
-                  "train": recipe.train.seed},
-        "train": recipe.train.model_dump(mode="json"), "generate": recipe.generate.model_dump(mode="json"),
-        "rounds": rounds, "keep": keep,
-    }
+    settings = _run_settings(recipe, rule=rule, n=n, limit=limit, prompts=prompts, source=source, reference=reference,
+                             keep_uniform=keep_uniform, answer_column=answer_column, temperature=temperature,
+                             heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n, greedy=greedy,
+                             rounds=rounds, keep=keep)
     recipe_keys = recipe.model_dump(mode="json")
     _check_allow(allow_changes, settings, recipe_keys)
     main = rank == 0
@@ -317,60 +305,22 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
     lambdas = (recipe.train.lambda_desirable, recipe.train.lambda_undesirable)
     # a round's training continues through the keys let through that are recipe keys (online.json's own are checked above)
     allow_round = tuple(ROUND_PATHS) + tuple(a for a in allow_changes if a == "all" or _is_key(a, recipe_keys))
-    initial = heldout_eval(recipe, base, out / "heldout-initial", rule=rule, n=heldout_n, temperature=temperature,
-                           answer_column=answer_column, heldout=heldout, limit=heldout_limit)
+    held_args = dict(rule=rule, n=heldout_n, temperature=temperature, answer_column=answer_column, heldout=heldout,
+                     limit=heldout_limit)
+    initial = heldout_eval(recipe, base, out / "heldout-initial", **held_args)
     policy, table = base, []
     for r in range(rounds):
         rd = out / f"round-{r}"
         rec = recipe.model_copy(deep=True)
-        if _agreed((rd / SUMMARY).exists(), world):  # rank 0's view: every rank takes the same path
-            if main:
-                console.info(f"online: round {r}: reusing its labelled samples")
-            summary = json.loads((rd / SUMMARY).read_text(encoding="utf-8"))
-        else:
-            summary = label(rec, rd, rule=rule, n=n, prompts=prompts, model=policy, limit=limit, temperature=temperature,
-                            answer_column=answer_column, round_=r)
-        greedy_rows = None
-        if greedy:
-            # the recipe's own decoding (as generate, the demo's judging and the held-out greedy share decode),
-            # which sampling in fast mode at temperature 1 never shows the loop
-            gd = rd / "greedy"
-            if not _agreed((gd / SUMMARY).exists(), world):
-                label(rec, gd, rule=rule, n=1, prompts=prompts, model=policy, limit=limit, temperature=0.0,
-                      answer_column=answer_column, round_=r, fast=False)
-            greedy_rows = gd / ROWS
-        if world > 1:
-            from dllm_align.online.label import from_rank0
-
-            train_rows, counts = from_rank0(lambda rd=rd: _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
-                                            if main else None)
-        else:
-            train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
-        if lambdas != (1.0, 1.0):
-            console.info(f"online: round {r}: class weights lambda_D {counts['lambda_desirable']:g}, lambda_U "
-                         f"{counts['lambda_undesirable']:g} (balanced {counts['balance_desirable']:g} / "
-                         f"{counts['balance_undesirable']:g} times the recipe's {lambdas[0]:g} / {lambdas[1]:g})")
-        rec.output_dir = str(rd)
-        rec.model.name_or_path = policy
-        rec.reference.model = base if (reference == "initial" or r == 0) else policy
-        rec.reference.cache = None
-        rec.reference.seed = round_seed(recipe.reference.seed, r)
-        rec.data.seed = round_seed(recipe.data.seed, r)
-        rec.train.seed = round_seed(recipe.train.seed, r)
-        rec.data.train, rec.data.format, rec.data.label = str(train_rows), "unpaired", None
-        rec.data.weights_file = str(rd / "weights.json")
-        rec.data.limit = None
+        summary, greedy_rows = _label_round(rec, rd, r, policy, world, main, rule=rule, n=n, prompts=prompts,
+                                            limit=limit, temperature=temperature, answer_column=answer_column,
+                                            greedy=greedy)
+        train_rows, counts = _train_rows(rd, r, keep_uniform, lambdas, greedy_rows, world, main)
+        _round_recipe(rec, recipe, rd, r, policy, base, reference, train_rows)
         pipeline.reference(rec)
         final = pipeline.trained_model(rec, allow_changes=allow_round)
-        metrics = json.loads((final / "training_summary.json").read_text(encoding="utf-8")).get("last_metrics") or {}
-        held = heldout_eval(recipe, final, rd / "heldout", rule=rule, n=heldout_n, temperature=temperature,
-                            answer_column=answer_column, heldout=heldout, limit=heldout_limit)
-        table.append({"round": r, "policy": str(policy), "rows": summary["rows"], "desirable_share": summary["desirable_share"],
-                      "prompts_all_desirable": summary["prompts_all_desirable"],
-                      "prompts_all_undesirable": summary["prompts_all_undesirable"], **counts,
-                      "reasons": summary.get("reasons"), "heldout": held,
-                      "reward_desirable": metrics.get("reward_desirable"), "reward_undesirable": metrics.get("reward_undesirable"),
-                      "model": str(final)})
+        held = heldout_eval(recipe, final, rd / "heldout", **held_args)
+        table.append(_round_row(r, policy, summary, counts, held, final))
         policy = str(final)
     best = None
     if keep == "best":
@@ -385,6 +335,86 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         _plot(out, table, initial)
     _barrier(world)
     return table
+
+
+def _run_settings(recipe, *, rule, n, limit, prompts, source, reference, keep_uniform, answer_column, temperature,
+                  heldout, heldout_limit, heldout_n, greedy, rounds, keep) -> dict:
+    """What defines the run (``online.json``): the generate section as far as the backend uses it."""
+    return {
+        "model": recipe.model.name_or_path, "rule": rule, "n": n, "limit": limit, "prompts_source": str(source),
+        "prompts_fingerprint": prompt_fingerprint(str(source), None if prompts else "train", limit),
+        "reference": reference, "keep_uniform": keep_uniform, "answer_column": answer_column,
+        "temperature": label_settings(recipe, temperature)[0].temperature,
+        "heldout_source": str(heldout or recipe.data.test) if (heldout or recipe.data.test) else None,
+        "heldout_fingerprint": (prompt_fingerprint(str(heldout), None, heldout_limit) if heldout else
+                                prompt_fingerprint(str(recipe.data.test), "test", heldout_limit) if recipe.data.test else None),
+        "heldout_n": heldout_n, "greedy": greedy,
+        "seeds": {"generate": recipe.generate.seed, "reference": recipe.reference.seed, "data": recipe.data.seed,
+                  "train": recipe.train.seed},
+        "train": recipe.train.model_dump(mode="json"), "generate": run_record(recipe.generate),
+        "rounds": rounds, "keep": keep,
+    }
+
+
+def _label_round(rec, rd: Path, r: int, policy, world: int, main: bool, *, rule, n, prompts, limit, temperature,
+                 answer_column, greedy: bool) -> tuple[dict, Optional[Path]]:
+    """The round's labelled samples of ``policy`` (reused when done) and, with ``greedy``, its labelled greedy
+    decodes' rows file."""
+    if _agreed((rd / SUMMARY).exists(), world):  # rank 0's view: every rank takes the same path
+        if main:
+            console.info(f"online: round {r}: reusing its labelled samples")
+        summary = json.loads((rd / SUMMARY).read_text(encoding="utf-8"))
+    else:
+        summary = label(rec, rd, rule=rule, n=n, prompts=prompts, model=policy, limit=limit, temperature=temperature,
+                        answer_column=answer_column, round_=r)
+    if not greedy:
+        return summary, None
+    # the recipe's own decoding (as generate, the demo's judging and the held-out greedy share decode),
+    # which sampling in fast mode at temperature 1 never shows the loop
+    gd = rd / "greedy"
+    if not _agreed((gd / SUMMARY).exists(), world):
+        label(rec, gd, rule=rule, n=1, prompts=prompts, model=policy, limit=limit, temperature=0.0,
+              answer_column=answer_column, round_=r, fast=False)
+    return summary, gd / ROWS
+
+
+def _train_rows(rd: Path, r: int, keep_uniform: bool, lambdas, greedy_rows, world: int, main: bool):
+    """The round's training rows and class weights (written by rank 0, read by every rank)."""
+    if world > 1:
+        train_rows, counts = from_rank0(lambda: _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
+                                        if main else None)
+    else:
+        train_rows, counts = _round_rows(rd / ROWS, keep_uniform, rd, lambdas, greedy_rows)
+    if lambdas != (1.0, 1.0):
+        console.info(f"online: round {r}: class weights lambda_D {counts['lambda_desirable']:g}, lambda_U "
+                     f"{counts['lambda_undesirable']:g} (balanced {counts['balance_desirable']:g} / "
+                     f"{counts['balance_undesirable']:g} times the recipe's {lambdas[0]:g} / {lambdas[1]:g})")
+    return train_rows, counts
+
+
+def _round_recipe(rec, recipe, rd: Path, r: int, policy, base, reference: str, train_rows: Path) -> None:
+    """``rec`` made the round's recipe: its folder, policy, reference, seeds and rows (:data:`SET_BY_ONLINE`)."""
+    rec.output_dir = str(rd)
+    rec.model.name_or_path = policy
+    rec.reference.model = base if (reference == "initial" or r == 0) else policy
+    rec.reference.cache = None
+    rec.reference.seed = round_seed(recipe.reference.seed, r)
+    rec.data.seed = round_seed(recipe.data.seed, r)
+    rec.train.seed = round_seed(recipe.train.seed, r)
+    rec.data.train, rec.data.format, rec.data.label = str(train_rows), "unpaired", None
+    rec.data.weights_file = str(rd / "weights.json")
+    rec.data.limit = None
+
+
+def _round_row(r: int, policy, summary: dict, counts: dict, held, final: Path) -> dict:
+    """The round's line of the table (rounds.json), with the model the backend served for its samples."""
+    metrics = json.loads((final / "training_summary.json").read_text(encoding="utf-8")).get("last_metrics") or {}
+    return {"round": r, "policy": str(policy), "rows": summary["rows"], "desirable_share": summary["desirable_share"],
+            "prompts_all_desirable": summary["prompts_all_desirable"],
+            "prompts_all_undesirable": summary["prompts_all_undesirable"], **counts,
+            "reasons": summary.get("reasons"), "heldout": held,
+            "reward_desirable": metrics.get("reward_desirable"), "reward_undesirable": metrics.get("reward_undesirable"),
+            "model": str(final), "served": summary.get("served")}
 
 
 def _process_group() -> tuple[int, int]:
