@@ -124,11 +124,11 @@ def _models_on(device: str, vocab: int) -> None:
 
 
 def _register(part: str, dry: bool) -> str:
-    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
+    from dllm_align.models.load import TinySpec, add_builtin_model
 
     dims = DRY[part] if dry else SHAPES[part][0]
     name = f"builtin:bench-{part}"
-    BUILTIN_SPECS[name] = TinySpec(max_position_embeddings=8192, **dims)
+    add_builtin_model(name, TinySpec(max_position_embeddings=8192, **dims))
     return name
 
 

@@ -129,8 +129,10 @@ class Check:
                 log.write(f"\n===== {name} (limit {limit:.0f} s) =====\n")
                 log.flush()
                 # a new session: on timeout the part and everything it started go, by its process group id
-                p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                if name in ("pytest", "invariants"):  # cuBLAS's deterministic workspace for the step-0 checks
+                    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+                p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, start_new_session=True, env=env)
                 try:
                     code = p.wait(timeout=limit)
                     why = None
@@ -391,7 +393,9 @@ def invariants(part: Part, tiny: bool, device: str) -> dict:
         row = {"model": model, "training": training, "padding": padding, "attention": attn}
         try:
             inv = _smoke(rec, 1)["invariant"]
-            row.update(max_abs_margin=inv["max_abs_margin"], tolerance=inv["tolerance"], rows=inv["rows"], ok=inv["ok"])
+            row.update(max_abs_margin=inv["max_abs_margin"], tolerance=inv["tolerance"], rows=inv["rows"], ok=inv["ok"],
+                       worst_row=inv["worst_row"], worst_excess=inv["worst_excess"], exact=inv["exact"],
+                       nondeterministic_ops=inv["nondeterministic_ops"])
         except Exception as e:  # noqa: BLE001 - one combination failing is a row, not the end
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
         rows.append(row)
