@@ -200,6 +200,7 @@ def _train(part: str, device: str, dry: bool, root: Path) -> dict:
         _sync(device)
         ours_s.append(time.perf_counter() - t0)
     del run
+    acc.free_memory()  # accelerate holds the prepared policy: an 8B fp32 copy must go before the plain one loads
     _free(device)
     # the straightforward method on the same rows, the same number of steps
     plain = load_model(model, dtype="float32", device=device).model
