@@ -16,11 +16,17 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Optional
 
 from dllm_align.config.schema import JudgeSection
 from dllm_align.core.errors import UserError
+from dllm_align.core.io import JsonlAppender, recover_jsonl
+from dllm_align.judge.batch import BatchRunner
+from dllm_align.judge.cache import CacheWriter, Task
+from dllm_align.judge.client import ChatClient, check_base_url, read_api_key
+from dllm_align.judge.run import request_params
 from dllm_align.online.verifiers import Rule
 
 TEMPLATE = (
@@ -48,10 +54,6 @@ class AbsoluteJudge:
     """A verifier ``(prompt, completion, row) -> True | False | None`` (None: unjudgeable)."""
 
     def __init__(self, model: str, section, out_dir: Path):
-        from dllm_align.core.io import recover_jsonl
-        from dllm_align.judge.client import ChatClient, read_api_key
-        from dllm_align.judge.run import request_params
-
         s = section.model_dump()
         key = read_api_key(s["api_key_env"])
         self.client = ChatClient(s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"],
@@ -70,8 +72,6 @@ class AbsoluteJudge:
         return hashlib.sha256(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
     def __call__(self, prompt: str, completion: str, row: dict) -> Optional[bool]:
-        from dllm_align.core.io import JsonlAppender
-
         key = self._key(prompt, completion)
         if key in self.cache:
             return self.cache[key]["verdict"] == "YES"
@@ -96,11 +96,6 @@ class AbsoluteJudge:
         """The verdicts of ``(prompt, completion)`` pairs, the uncached ones asked through the Batch API (as
         ``judge --batch``: resumable at every stage from ``DIR/batch_state.json``). What a batch left without
         a verdict is then asked live, with the re-ask for the verdict alone."""
-        import threading
-
-        from dllm_align.judge.batch import BatchRunner
-        from dllm_align.judge.cache import CacheWriter, Task
-
         tasks: dict[str, Task] = {}
         for prompt, completion in pairs:
             key = self._key(prompt, completion)
@@ -124,8 +119,6 @@ class AbsoluteJudge:
 
 def check_judge(rule: str, section) -> None:
     """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
-    from dllm_align.judge.client import check_base_url, read_api_key
-
     if not rule[len("judge:"):].strip():
         raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
     key = read_api_key(section.api_key_env)

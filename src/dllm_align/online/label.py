@@ -60,9 +60,9 @@ def _prompt_id(d: dict, msgs: list, where: str) -> str:
 def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifier=None) -> list[Prompt]:
     """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``; each
     prompt, its id and the columns the verifier reads checked here, naming the file and line."""
-    from dllm_align.data.layouts import _messages
+    from dllm_align.data.layouts import as_messages
     from dllm_align.data.read import read_tables
-    from dllm_align.data.rows import _Bad
+    from dllm_align.data.rows import BadValue
 
     out: list[Prompt] = []
     seen: dict[str, str] = {}
@@ -79,8 +79,8 @@ def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifi
                 raise UserError(f"{rec.where}: the {col} has {len(raw):,} characters; at most {MAX_PROMPT_CHARS:,} are read",
                                 hint="shorten it: no model of these families has room for it")
             try:
-                msgs, _ = _messages(raw, col, t.textual)
-            except _Bad as e:
+                msgs, _ = as_messages(raw, col, t.textual)
+            except BadValue as e:
                 raise UserError(f"{rec.where}: {e}") from None
             if sum(len(str(m.get("content", ""))) for m in msgs) > MAX_PROMPT_CHARS:
                 raise UserError(f"{rec.where}: the {col} is longer than {MAX_PROMPT_CHARS:,} characters")
