@@ -24,10 +24,11 @@ forward shapes, measured where it did not.
   ``torch.use_deterministic_algorithms`` (warnings only: an op without a deterministic kernel is recorded, not
   refused; cuBLAS is recorded too unless ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` was set before the process's
   first matmul, as gpu_check.py sets it), and what may still differ is the order in which a row's fp32
-  log-probabilities are summed (``index_add``'s atomics): a row allows :func:`summation_tolerance`, ``8 u sqrt(n) |B_ref|`` with u = 2^-24,
-  n its completion tokens: every term is a log-probability times a positive weight, so ``sum |terms| =
-  |B|``, and two orders of an n-term fp32 sum differ by at most ``2 lambda sqrt(n) u sum |terms|`` with
-  probability ``1 - 4 exp(-lambda^2 / 2)`` (lambda = 4). That is 2.5e-5 |B| at 1,000 tokens: a precision
+  log-probabilities are summed (``index_add``'s atomics): a row allows :func:`summation_tolerance`,
+  ``8 u sqrt(n) |B_ref|`` with u = 2^-24 and n its completion tokens: every term is a log-probability times a
+  positive weight, so ``sum |terms| = |B|``, and two orders of an n-term fp32 sum differ by at most
+  ``2 lambda sqrt(n) u sum |terms|`` with probability ``1 - 4 exp(-lambda^2 / 2)`` (lambda = 4, Higham and
+  Mary's probabilistic bound). That is 2.5e-5 |B| at 1,000 tokens: a precision
   defect (bf16 rotary frequencies, a tied head rounded in the reference only) moves every token's
   log-probability by bf16-sized amounts and fails it.
 * A cache computed in other micro-batches (``train.batch_size``, ``train.rows_per_forward``, the draws or the
