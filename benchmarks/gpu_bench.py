@@ -25,7 +25,8 @@ Parts (docs/benchmarks.md#full-size-gpu-benchmarks says what each measures and w
 Each part runs in its own process under a hard limit (``LIMITS``, seconds; a part past it is killed and
 recorded as ``timeout``). Results: ``--out FILE`` when given; else on CUDA the ``bench`` entry of
 ``benchmarks/gpu-latest.json`` (the rest of that file kept), with the device, torch version and command;
-on the CPU (the dry run) JSON on stdout and nothing written into the repository.
+on the CPU (the dry run) JSON on stdout and nothing written into the repository. ``--profile`` runs each part
+under torch.profiler and keeps its top operators (for a part whose fast path loses on the device).
 """
 
 from __future__ import annotations
@@ -330,12 +331,15 @@ PARTS = {"train-1b": lambda d, dry: train_part("train-1b", d, dry),
 
 
 # --------------------------------------------------------------------------- the parent: parts under hard limits
-def run_part(name: str, device: str, dry: bool, result: Path) -> int:
+def run_part(name: str, device: str, dry: bool, result: Path, profile: bool = False) -> int:
     import traceback
 
     os.environ.update(DLLM_ALIGN_NO_PROGRESS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     try:
-        data = {"status": "ok", **PARTS[name](device, dry)}
+        if profile:
+            data = {"status": "ok", **_profiled(PARTS[name], device, dry)}
+        else:
+            data = {"status": "ok", **PARTS[name](device, dry)}
         code = 0
     except Exception as e:  # noqa: BLE001 - a part's failure is its result
         traceback.print_exc()
@@ -344,7 +348,24 @@ def run_part(name: str, device: str, dry: bool, result: Path) -> int:
     return code
 
 
-def run_parts(names: list[str], device: str, dry: bool) -> dict:
+def _profiled(fn, device: str, dry: bool) -> dict:
+    """The part under torch.profiler: its result with the operators that took the most time (device time on
+    CUDA), the first thing to read where a fast path loses (launch overhead, a copy, a kernel a shape falls off)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        out = fn(device, dry)
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    out["profile"] = {"sorted_by": key, "top": table.splitlines()}
+    if device == "cuda":
+        out["profile"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def run_parts(names: list[str], device: str, dry: bool, profile: bool = False) -> dict:
     out = {}
     for name in names:
         limit = LIMITS[name]
@@ -352,6 +373,7 @@ def run_parts(names: list[str], device: str, dry: bool) -> dict:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-part-") as tmp:
             res = Path(tmp) / "result.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--result", str(res), "--device", device]
+            cmd += ["--profile"] if profile else []
             t = time.monotonic()
             p = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=sys.stderr,
                                  env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
@@ -390,12 +412,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, metavar="FILE",
                     help="write the JSON here (default: on CUDA the 'bench' entry of benchmarks/gpu-latest.json; "
                          "on the CPU stdout only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run each part under torch.profiler and keep its top operators in the JSON (slower: for a "
+                         "part whose fast path loses)")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     dry = a.device == "cpu"
     if a.part:
-        return run_part(a.part, a.device, dry, a.result)
+        return run_part(a.part, a.device, dry, a.result, a.profile)
     try:
         if a.device == "cuda":
             import torch
@@ -410,7 +435,7 @@ def main(argv=None) -> int:
     names = [n for n in PARTS if not a.only or n in a.only]
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t = time.monotonic()
-    parts = run_parts(names, a.device, dry)
+    parts = run_parts(names, a.device, dry, a.profile)
     record = {"what": "benchmarks/gpu_bench.py" + (" (dry run: small shapes on the CPU)" if dry else ""),
               "command": "python benchmarks/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "started": started, "seconds": round(time.monotonic() - t, 1), "environment": environment(a.device),

@@ -337,11 +337,12 @@ def test_gpu_bench_on_the_cpu_writes_nothing_into_the_repository(tmp_path):
     """The dry run prints its JSON; only --out (or a CUDA run) writes a file; --device cuda without CUDA is one error."""
     latest = (BENCH / "gpu-latest.json").read_bytes()
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py"), "--device", "cpu", "--only", "stream"],
+    p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py"), "--device", "cpu", "--only", "stream", "--profile"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     rec = json.loads(p.stdout)
     assert rec["parts"]["stream"]["status"] == "ok" and rec["environment"]["device"] == "cpu"
+    assert any("aten::" in line for line in rec["parts"]["stream"]["profile"]["top"])  # the operators that took the time
     assert (BENCH / "gpu-latest.json").read_bytes() == latest and list(tmp_path.iterdir()) == []
     if not torch.cuda.is_available():
         p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py")], capture_output=True, text=True, timeout=120, env=env)
