@@ -404,10 +404,10 @@ def test_cli_packed_padding_refused_by_name_before_anything_is_written(tmp_path)
         assert not run.exists()
     # another family keeps the packed default
     from dllm_align.config.recipe import load_recipe
-    from dllm_align.training.plan import resolve_padding
+    from dllm_align.training.plan import resolve_recipe
 
     r = load_recipe(str(rec), ["model.name_or_path=builtin:tiny"])
-    assert resolve_padding(r) is r and r.data.padding == "packed"
+    assert resolve_recipe(r)[0] is r and r.data.padding == "packed"
 
 
 # --------------------------------------------------------------------------- generation: the published sampler

@@ -131,7 +131,8 @@ def missing_remote_code(folder: Path, cfg: dict) -> list[str]:
     return sorted(m for m in mods if not (Path(folder) / f"{m}.py").is_file())
 
 
-def write_published_layout(folder: Path, family: str, source: Optional[Path], code: Optional[Path] = None) -> dict:
+def write_published_layout(folder: Path, family: str, source: Optional[Path], code: Optional[Path] = None,
+                           source_config: Optional[dict] = None) -> dict:
     """Turn a model folder saved with the trained (native) config into the family's published layout, in place:
     ``config.json`` from :func:`published_config`, and from the ``source`` checkpoint folder (None: a model with no
     published source) its remote-code files and ``generation_config.json``. ``code``: a folder holding the family's
@@ -140,13 +141,14 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
     A folder whose ``auto_map`` names modules it does not carry cannot be loaded through it (transformers looks
     for the files beside config.json), so when neither ``source`` nor ``code`` supplies them, ``auto_map`` is left
     out: ``model_type`` and ``architectures`` (what the serving engines key on) stay, and the code can be added later
-    together with the ``auto_map`` of the family's ``published`` layout. Returns the written config."""
+    together with the ``auto_map`` of the family's ``published`` layout. ``source_config``: the source's config.json
+    as the caller read it already (a training run reads it once). Returns the written config."""
     import json
 
     folder = Path(folder)
     trained = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    src_cfg = None
-    if source is not None and (Path(source) / "config.json").is_file():
+    src_cfg = source_config
+    if src_cfg is None and source is not None and (Path(source) / "config.json").is_file():
         src_cfg = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
     cfg = published_config(family, trained, src_cfg)
     if source is not None and Path(source).is_dir():

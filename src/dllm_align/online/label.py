@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from dllm_align.core.errors import UserError
+from dllm_align.core.runfolder import from_rank0, run_folder
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
@@ -275,41 +275,12 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     # Round 0 keeps the seeds of `label` itself; later rounds draw new ones, so that a policy that did not
     # change is not asked the very same random questions again.
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
-    made = rank == 0 and not out.exists()
-    try:
-        with rank0_lock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
-                        rank, world):
-            return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
-                                 record, rank, world)
-    except BaseException:
-        # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
-        # is kept: the rerun reuses it).
-        if made and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        raise
-
-
-@contextmanager
-def rank0_lock(folder: Path, message: str, rank: int, world: int):
-    """``folder``'s :class:`~dllm_align.core.io.DirLock` (``message`` when another command holds it), taken by rank 0
-    alone, which alone writes; when several processes run, whether it got the lock is said to every rank (a
-    refusal is raised on every rank), so that no rank goes on while rank 0 has stopped."""
-    from dllm_align.core.io import DirLock
-
-    lock = DirLock(folder, message) if rank == 0 else None
-
-    def take() -> None:  # returns nothing: the result is broadcast, and the lock stays on rank 0
-        lock.__enter__()
-
-    if world > 1:
-        from_rank0(take)
-    elif lock is not None:
-        take()
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
+    # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache is kept:
+    # the rerun reuses it).
+    with run_folder(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
+                    rank=rank, world=world):
+        return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
+                             record, rank, world)
 
 
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
@@ -375,31 +346,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
     for i, c in got:
         comps[i] = c
     return comps
-
-
-def from_rank0(fn):
-    """``fn()`` run on rank 0 (the other ranks pass a function returning None), its result given to every
-    rank, or its error raised on every rank: no rank waits for a rank 0 that has stopped."""
-    import torch.distributed as dist
-
-    from dllm_align.core.errors import DllmAlignError, RunFailure
-
-    box: list = [None]
-    err = None
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except DllmAlignError as e:
-            box, err = [("error", e.exit_code, e.message, e.hint)], e
-        except Exception as e:  # noqa: BLE001 - said to the other ranks, then raised here as it is
-            box, err = [("error", 1, f"rank 0 stopped: {type(e).__name__}: {e}", None)], e
-    dist.broadcast_object_list(box, src=0)
-    if err is not None:
-        raise err
-    if box[0][0] == "error":
-        _, code, message, hint = box[0]
-        raise (UserError if code == 2 else RunFailure)(message, hint=hint)
-    return box[0][1]
 
 
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
