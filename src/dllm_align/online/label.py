@@ -34,7 +34,7 @@ from dllm_align.data.layouts import as_messages
 from dllm_align.data.read import read_tables
 from dllm_align.data.rows import BadValue, content_hash
 from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
-from dllm_align.generate.rules import rule_fast_cache
+from dllm_align.generate.rules import rule_fast_cache, rule_reads
 from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed
 from dllm_align.judge.client import FatalApiError, JudgementFailed
 from dllm_align.online.verifiers import Outcome, Rule, apply, get_rule
@@ -198,7 +198,9 @@ def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
     if fast:
-        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
+        rule = gen.settings_for(settings.replace(cache="none", threshold=None)).sampler
+        settings = settings.replace(cache=rule_fast_cache(rule),
+                                    threshold=settings.threshold if rule_reads(rule, "threshold") else None)
     return gen.settings_for(settings)
 
 
