@@ -105,7 +105,25 @@ def _read_difficulty(args, data: dict, tune: list[str]) -> tuple[dict, str]:
         fit = [m for m in tune if m in weights and m != BASELINE]
         g = _difficulty_from_weights(data, fit, weights, order)
         source = f"re-estimated from AlpacaEval's published GLM weights and the {len(fit)} tune models' annotations"
-    return {stats.instruction_key(k): float(v) for k, v in zip(order, g)}, source
+    table = {stats.instruction_key(k): float(v) for k, v in zip(order, g)}
+    if args.weights:
+        source += "; " + _fidelity(args, g)
+    return table, source
+
+
+def _fidelity(args, g: np.ndarray) -> str:
+    """How near a difficulty vector comes to the published one: AlpacaEval's LC of every leaderboard model
+    with published weights is mean_i sigmoid(bias + psi g_i); recomputed with ``g`` against the published LC."""
+    with open(args.weights) as f:
+        weights = {r[""]: (float(r[W_BIAS]), float(r[W_DIFF])) for r in csv.DictReader(f)}
+    with open(args.leaderboard) as f:
+        lc = {r[""]: float(r["length_controlled_winrate"]) for r in csv.DictReader(f) if r["length_controlled_winrate"]}
+    out = []
+    for part in ("tune", "held-out"):
+        err = np.abs([100 * np.mean(1 / (1 + np.exp(-(b + psi * g)))) - lc[m] for m, (b, psi) in weights.items()
+                      if m in lc and m != BASELINE and split_of(m) == part])
+        out.append(f"{part}: {err.size} leaderboard models, mean |error| {err.mean():.2f}, worst {err.max():.2f}")
+    return "AlpacaEval's own LC recomputed with this difficulty and the published weights: " + "; ".join(out)
 
 
 def _row_estimate(d, y, g, resamples):
@@ -150,7 +168,7 @@ def alpacaeval(args) -> None:
     names = [m for m in sorted(data) if m in published and m != BASELINE]
     tune = [m for m in names if split_of(m) == "tune"]
     table, source = _read_difficulty(args, data, tune)
-    print(f"difficulty: {source}", file=sys.stderr)
+    print(f"difficulty: {source}\n")
     if args.write_table:  # the table `dllm-align judge --difficulty-table` reads (kept outside the repository)
         with open(args.write_table, "w", newline="") as f:
             w = csv.writer(f)
