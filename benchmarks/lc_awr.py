@@ -198,7 +198,7 @@ def alpacaeval(args) -> None:
         return f"{100 * e['lc_awr']:.1f} [{100 * e['ci90'][0]:.1f}, {100 * e['ci90'][1]:.1f}]"
 
     print("| model | split | model longer | AlpacaEval win rate | AlpacaEval LC | ours: win rate | ours: LC, plain [90% CI] "
-          "| ours: LC + published difficulty [90% CI] | VIF |")
+          "| ours: LC + AlpacaEval difficulty, rule [90% CI] | VIF |")
     print("|---|---|---:|---:|---:|---:|---|---|---:|")
     for r in sorted(rows, key=lambda r: (r["split"] != "tune", r["model"])):
         e = r["difficulty"]
