@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "dllm_align"
-STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "workflows")
+STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "serve",
+          "workflows")
 MAX_LINES = 600
 
 
