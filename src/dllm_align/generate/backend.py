@@ -99,9 +99,12 @@ def _trait(comp: registry.Component, key: str) -> Any:
     return comp.traits[key] if key in comp.traits else None
 
 
-def serves(name: str) -> Optional[str]:
-    """How a new model reaches backend ``name`` (a key of :data:`SERVES`; None when it does not say)."""
-    return _trait(backend_component(name), "serves")
+def serves(name: str, own: Optional[BaseModel] = None) -> Optional[str]:
+    """How a new model reaches backend ``name`` (a key of :data:`SERVES`; None when it does not say). A backend
+    whose answer depends on its own settings (a client of several engines) declares a function of them, asked
+    with ``own`` (None when the caller has none: then it does not say)."""
+    how = _trait(backend_component(name), "serves")
+    return how(own) if callable(how) else how
 
 
 def loads_here(name: str) -> bool:
@@ -109,10 +112,10 @@ def loads_here(name: str) -> bool:
     return bool(_trait(backend_component(name), "loads_here"))
 
 
-def check_serves_each_round(name: str, what: str = "online") -> None:
+def check_serves_each_round(name: str, what: str = "online", own: Optional[BaseModel] = None) -> None:
     """Refuse a backend that cannot be handed a freshly trained folder (``online`` samples each round's policy:
-    a backend that keeps serving another model would measure the wrong one)."""
-    how = serves(name)
+    a backend that keeps serving another model would measure the wrong one); ``own``: its settings."""
+    how = serves(name, own)
     if how in ("load", "reload"):
         return
     reason = SERVES[how] if how in SERVES else f"declares no way to serve a new model (traits['serves'] is {how!r})"

@@ -250,7 +250,7 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     check_temperature(temperature, n)
     # each round samples the policy the round before trained: a backend that cannot be handed that folder
     # would sample another model (and the held-out share would measure it), so it is refused before round 0
-    check_serves_each_round(recipe.generate.backend)
+    check_serves_each_round(recipe.generate.backend, own=recipe.generate.own_settings(recipe.generate.backend))
     if keep == "best" and heldout is None and recipe.data.test is None:
         raise UserError("--keep best: no held-out prompts to rank the rounds by",
                         hint="set data.test in the recipe, or online.heldout (--heldout FILE)")
