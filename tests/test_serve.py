@@ -95,7 +95,17 @@ def _prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_through_serve_gives_the_in_process_tokens(family, moe_dir):
-    name, kw, n = FAMILIES[family]
+    _through_serve(family, moe_dir, FAMILIES[family][2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_through_serve_on_50_prompts(family, moe_dir):
+    _through_serve(family, moe_dir, 50)
+
+
+def _through_serve(family, moe_dir, n):
+    name, kw, _ = FAMILIES[family]
     name = moe_dir if name == "moe" else name
     base = GenerateSection(**kw, seed=11)
     with served(name, base) as run:
