@@ -279,12 +279,12 @@ def _build_on(device: str) -> None:
 
 
 def _register_shapes(tiny: bool) -> dict[str, str]:
-    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
+    from dllm_align.models.load import TinySpec, add_builtin_model
 
     if tiny:
         return {"8b": "builtin:tiny", "1b": "builtin:small", "block": "builtin:small-sdar"}
     for name, dims in GPU_SHAPES.items():
-        BUILTIN_SPECS[f"builtin:{name}"] = TinySpec(max_position_embeddings=8192, **dims)
+        add_builtin_model(f"builtin:{name}", TinySpec(max_position_embeddings=8192, **dims))
     return {"8b": "builtin:llada-8b-shape", "1b": "builtin:llada-1b-shape", "block": "builtin:sdar-1b-shape"}
 
 

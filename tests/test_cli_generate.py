@@ -138,8 +138,8 @@ def test_split_train_and_prompts_file(tmp_path):
 @pytest.mark.parametrize(
     "args, msg",
     [
-        (["--gen-length", "30"], "gen_length (30) must be a multiple of block_length (8)"),
-        (["--steps", "3"], "steps (3) must be a multiple of the number of blocks (2)"),
+        (["--sampler", "llada", "--gen-length", "30"], "generate.gen_length: 30 is not a multiple of block_length (8)"),
+        (["--sampler", "llada", "--steps", "3"], "generate.steps: 3 is not a multiple of the number of blocks (2"),
         (["--remasking", "lowest"], "generate.remasking"),
         (["--temperature", "-1"], "generate.temperature"),
         (["--cache", "full"], "generate.cache"),

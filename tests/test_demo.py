@@ -125,7 +125,7 @@ def test_demo_rerun_reuses_every_stage(demo_run, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("the rerun trained again")
 
-    monkeypatch.setattr("dllm_align.training.train.train", no_training)
+    monkeypatch.setattr("dllm_align.workflows.pipeline.train", no_training)
     res = runner.invoke(app, ["demo", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
     assert "train: reusing" in res.stderr

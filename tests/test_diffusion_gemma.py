@@ -14,6 +14,7 @@ import torch
 
 from dllm_align.core.errors import UserError
 from dllm_align.models.families import detect_family, family_for_config
+from dllm_align.objective.components import UniformSettings
 from dllm_align.models.families import diffusion_gemma as dg
 from dllm_align.models.load import load_model
 from dllm_align.objective.elbo import DrawConfig, elbo_draws, get_likelihood
@@ -185,7 +186,8 @@ def test_recipe_choices_change_the_value_and_packing_is_refused(tiny):
         v = elbo_draws(tiny, ids, am, cm, ["a", "b"], base)
         for change in ({"self_conditioning": "detached"}, {"surrogate": "flat_ce"}, {"parameterization": "loo"},
                        {"time_power": 1}):
-            w = elbo_draws(tiny, ids, am, cm, ["a", "b"], DrawConfig(n_mc=2, seed=0, **change))
+            own = (("uniform", UniformSettings(**change)),)  # the uniform likelihood's own settings
+            w = elbo_draws(tiny, ids, am, cm, ["a", "b"], DrawConfig(n_mc=2, seed=0, likelihood_settings=own))
             assert torch.isfinite(w).all() and not torch.allclose(v, w), change
         with pytest.raises(UserError, match="packed"):
             elbo_draws(tiny, ids, am, cm, ["a", "b"], base, pack_length=64)
@@ -402,10 +404,10 @@ def test_cli_packed_padding_refused_by_name_before_anything_is_written(tmp_path)
         assert not run.exists()
     # another family keeps the packed default
     from dllm_align.config.recipe import load_recipe
-    from dllm_align.training.plan import resolve_padding
+    from dllm_align.training.plan import resolve_recipe
 
     r = load_recipe(str(rec), ["model.name_or_path=builtin:tiny"])
-    assert resolve_padding(r) is r and r.data.padding == "packed"
+    assert resolve_recipe(r)[0] is r and r.data.padding == "packed"
 
 
 # --------------------------------------------------------------------------- generation: the published sampler
@@ -432,7 +434,7 @@ def test_generate_runs_transformers_own_sampler_with_per_row_seeds(tiny):
         torch.manual_seed(11)
         seq = tiny.model.generate(torch.tensor([prompts[0]]), generation_config=gc).sequences
     assert seq[0, len(prompts[0]):len(prompts[0]) + 16].tolist() == a[0].raw
-    with pytest.raises(Exception, match="not settings of DiffusionGemma's published sampler"):
+    with pytest.raises(Exception, match="cache: not a setting of the rule 'diffusion_gemma'"):
         SamplerSettings(gen_length=16, block_length=16, steps=8, sampler="diffusion_gemma", cache="prefix")
 
 

@@ -686,17 +686,23 @@ class _LiveBytes:
     (dict(hidden_size=128, layers=8, heads=4, intermediate_size=384), 8, 192, "steps"),
 ])
 def test_estimate_matches_the_measured_peak_of_a_lora_run_with_an_online_reference(tmp_path, monkeypatch, fresh_accelerate,
-                                                                                   spec, draws, length, peak):
+                                                                                   request, spec, draws, length, peak):
     """doctor's estimate (reserve left out) against the peak of live tensor bytes of a real smoke run (model
     loading, two LoRA steps with activation checkpointing, bf16 autocast, the online reference resident) on the
     CPU, measured the way CUDA's max_memory_allocated counts: within 0.85-1.15x. The 8B LoRA shape measured
     55.92 GB on an H100 where the steps' lines alone said 46.4 GB (0.83x): the fp32 reference while loading."""
+    import dataclasses
+
+    from dllm_align.config import components as registry
     from dllm_align.config.recipe import load_recipe
-    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
     from dllm_align.training import doctor as d
     from dllm_align.training.memory import RESERVE, Launch, estimate, model_shape
 
-    monkeypatch.setitem(BUILTIN_SPECS, "builtin:doctor-peak", TinySpec(max_position_embeddings=512, **spec))
+    # a built-in model of LLaDA's of this shape, for this test only (a family's declaration names its models)
+    llada = registry.get("family", "llada")
+    shapes = {**llada.traits["builtin_models"], "builtin:doctor-peak": dict(max_position_embeddings=512, **spec)}
+    registry.redeclare(dataclasses.replace(llada, traits={**llada.traits, "builtin_models": shapes}))
+    request.addfinalizer(lambda: registry.redeclare(llada))
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": [{"role": "user", "content": "p" * (length // 3)}],
                                         "completion": [{"role": "assistant", "content": "c" * length}], "label": i % 2 == 0})

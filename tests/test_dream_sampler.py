@@ -146,12 +146,12 @@ def test_batched_prompts_equal_each_alone(dream, alg, temperature):
 def test_dream_rule_refuses_llada_only_options():
     from dllm_align.core.errors import UserError
 
-    for kw in ({"cache": "dual"}, {"threshold": 0.9}, {"cfg": 1.0}):
-        with pytest.raises(UserError, match="LLaDA sampler"):
+    for key, kw in (("cache", {"cache": "dual"}), ("threshold", {"threshold": 0.9}), ("cfg", {"cfg": 1.0})):
+        with pytest.raises(UserError, match=f"{key}: not a setting of the rule 'dream'"):
             SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="dream", **kw)
-    with pytest.raises(UserError, match="Dream and block rules"):
+    with pytest.raises(UserError, match="top_p: not a setting of the rule 'llada'"):
         SamplerSettings(gen_length=8, block_length=8, steps=8, sampler="llada", top_p=0.9)
-    with pytest.raises(UserError, match="block rule has no guidance"):
+    with pytest.raises(UserError, match="cfg: not a setting of the rule 'block'"):
         SamplerSettings(gen_length=8, block_length=4, steps=8, sampler="block", cfg=1.0)
 
 

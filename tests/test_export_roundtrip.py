@@ -31,11 +31,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_align.models.export import (LAYOUTS, copy_remote_code, missing_remote_code, published_config,
+from dllm_align.models.export import (copy_remote_code, missing_remote_code, published_config,
                                       remote_code_files)
+from dllm_align.models.families import FAMILIES
 from fixtures.family_checkpoints import (dream_config, dream_state, llada2_config, llada2_state, lladamoe_config,
                                          lladamoe_state, sdar_config, sdar_state, write_checkpoint)
 from fixtures.published import require, require_python
+
+# the families with a published layout to export into
+PUBLISHED = sorted(name for name, fam in FAMILIES.items() if fam.published is not None)
 
 PUBLISHED_FIELDS = ("model_type", "architectures", "auto_map")
 
@@ -60,7 +64,7 @@ def source_configs() -> dict:
             "llada_moe": lladamoe_config(tok), "llada": dict(LLADA_SOURCE)}
 
 
-@pytest.mark.parametrize("family", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", PUBLISHED)
 def test_published_config_keeps_the_sources_identity(family):
     source = source_configs()[family]
     trained = {"model_type": "qwen3", "dtype": "bfloat16", "dllm_align_family": family, "hidden_size": 1}
@@ -68,9 +72,9 @@ def test_published_config_keeps_the_sources_identity(family):
     for key in PUBLISHED_FIELDS:
         assert out[key] == source[key], key
     assert out["torch_dtype"] == "bfloat16" and "dllm_align_family" not in out and "dtype" not in out
-    assert out["mask_token_id"] == source.get("mask_token_id", LAYOUTS[family].mask_token_id)
-    if LAYOUTS[family].block_size:
-        assert out["block_size"] == source.get("block_size", LAYOUTS[family].block_size)
+    assert out["mask_token_id"] == source.get("mask_token_id", FAMILIES[family].mask_token_id)
+    if FAMILIES[family].block_size:
+        assert out["block_size"] == source.get("block_size", FAMILIES[family].block_size)
 
 
 def test_published_config_of_a_model_with_no_source_is_the_familys_published_one():
@@ -91,7 +95,7 @@ def test_remote_code_files_follow_auto_map_and_relative_imports(tmp_path):
     (tmp_path / "modeling_sdar.py").write_text("from .configuration_sdar import X\nfrom .fused_ce import Y\n")
     (tmp_path / "fused_ce.py").write_text("Y = 2\n")
     (tmp_path / "unrelated.py").write_text("")
-    cfg = {"auto_map": dict(LAYOUTS["sdar"].auto_map)}
+    cfg = {"auto_map": dict(FAMILIES["sdar"].published.auto_map)}
     assert [p.name for p in remote_code_files(tmp_path, cfg)] == ["configuration_sdar.py", "fused_ce.py",
                                                                   "modeling_sdar.py"]
     dest = tmp_path / "out"
@@ -150,7 +154,7 @@ def test_training_export_is_in_the_published_layout_and_reloads_to_the_same_logi
     mp, folder, source = _trained(family, origin, tmp_path)
     out = tmp_path / "final"
     written = _export(mp, out, folder)
-    layout = LAYOUTS[family]
+    layout = FAMILIES[family].published
     if source is not None:  # the source's own identity and its remote code and generation config
         assert {k: written.get(k) for k in PUBLISHED_FIELDS} == {k: source[k] for k in PUBLISHED_FIELDS}
         for ref in source["auto_map"].values():
@@ -161,7 +165,7 @@ def test_training_export_is_in_the_published_layout_and_reloads_to_the_same_logi
         assert "auto_map" not in written  # no published code to name (test_a_builtin_export_...)
     assert "dllm_align_family" not in written and "is_causal" not in written
     assert written["mask_token_id"] == mp.mask_token_id
-    if layout.block_size:
+    if FAMILIES[family].block_size:
         assert written["block_size"] == mp.block_size
     names = set()
     for f in safetensors_files(out):
@@ -265,7 +269,7 @@ def round_trip(family: str, tmp_path: Path, python: str, code_file: Path) -> flo
     V = min(cfg["vocab_size"], len(mp.tokenizer))
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
     inputs, kw = {"input_ids": ids}, {}
-    if LAYOUTS[family].block_size:  # the block families' published forward under a block-causal mask
+    if FAMILIES[family].block_size:  # the block families' published forward under a block-causal mask
         blk = torch.arange(ids.shape[1]) // mp.block_size
         allowed = (blk[:, None] >= blk[None, :]).expand(ids.shape[0], 1, -1, -1).contiguous()
         inputs |= {"attention_mask": allowed, "position_ids": torch.arange(ids.shape[1]).expand_as(ids).contiguous()}
@@ -308,7 +312,7 @@ def test_a_builtin_export_without_published_code_names_no_auto_map(tmp_path):
     (code / "modeling_sdar.py").write_text("from .configuration_sdar import X\nfrom .fused import Y\n")
     (code / "fused.py").write_text("Y = 2\n")
     with_code = _export(mp, tmp_path / "with_code", None, code)
-    assert with_code["auto_map"] == LAYOUTS["sdar"].auto_map
+    assert with_code["auto_map"] == FAMILIES["sdar"].published.auto_map
     assert sorted(p.name for p in (tmp_path / "with_code").glob("*.py")) == ["configuration_sdar.py", "fused.py",
                                                                              "modeling_sdar.py"]
     (code / "configuration_sdar.py").unlink()  # a folder missing a module auto_map names: no auto_map
@@ -327,7 +331,7 @@ def test_train_ships_the_published_code_named_by_the_recipe_and_refuses_a_missin
 
     code = tmp_path / "code"
     code.mkdir()
-    for ref in LAYOUTS["llada"].auto_map.values():  # stand-ins for LLaDA's published files
+    for ref in FAMILIES["llada"].published.auto_map.values():  # stand-ins for LLaDA's published files
         (code / f"{ref.rsplit('.', 1)[0]}.py").write_text("# published remote code\n")
     recipe = {"name": "code", "model": {"name_or_path": "builtin:tiny", "published_code": str(code)},
               "data": {"train": str(write_pairs(tmp_path / "pairs.jsonl", n=4)), "format": "paired", "max_length": 64},
@@ -338,7 +342,7 @@ def test_train_ships_the_published_code_named_by_the_recipe_and_refuses_a_missin
     res = runner.invoke(app, ["train", str(path), "-o", str(tmp_path / "with")])
     assert res.exit_code == 0, res.output
     final = tmp_path / "with" / "final"
-    assert json.loads((final / "config.json").read_text())["auto_map"] == LAYOUTS["llada"].auto_map
+    assert json.loads((final / "config.json").read_text())["auto_map"] == FAMILIES["llada"].published.auto_map
     assert json.loads((final / "training_summary.json").read_text())["remote_code"] == ["configuration_llada.py",
                                                                                         "modeling_llada.py"]
     res = runner.invoke(app, ["train", str(path), "-o", str(tmp_path / "without"), "--set", "model.published_code=null"])

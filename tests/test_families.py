@@ -362,23 +362,69 @@ def test_a_family_without_a_builtin_model_is_refused_by_name():
     assert "llada, dream" in e.value.hint
 
 
-def test_a_new_family_brings_its_builtin_model_in_its_own_record(monkeypatch):
-    """A family registered with a builder gets a ``builtin:`` model from one table entry, no other edit."""
+def _build_toy(tok, *shape):
+    from dllm_align.models.families.llada import build_llada_model
+
+    model = build_llada_model(tok, *shape)
+    model.config.dllm_align_family = "toy"
+    return model
+
+
+def _toy_family():
     import dataclasses
 
+    from dllm_align.models.families.llada import LLADA
+
+    return dataclasses.replace(LLADA, name="toy", model_types=(), architectures=(), signature=(), build_tiny=_build_toy,
+                               published=None)
+
+
+TOY = _toy_family()
+
+
+@pytest.fixture
+def toy_family():
+    from pydantic import Field
+
+    from dllm_align.config import components as registry
+
+    class ToySettings(registry.ComponentSettings):
+        width_note: int = Field(32, ge=1, description="A setting of the toy family's own.")
+
+    comp = registry.register(registry.Component("family", "toy", f"{__name__}:TOY", settings=ToySettings,
+                                                traits={"builtin_models": {"builtin:tiny-toy": {"hidden_size": 32, "layers": 1}}}))
+    yield comp
+    registry.unregister("family", "toy")  # declared for this test only
+
+
+def test_a_new_family_brings_its_builtin_model_in_its_own_declaration(toy_family, tmp_path):
+    """A family declared with a builder gets a ``builtin:`` model from its declaration, no other edit; its own
+    setting shows in ``recipes show``, a bad value is refused by name, and it trains through ``train``."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from dllm_align.cli.app import app
     from dllm_align.models.families import family_of
-    from dllm_align.models.families.llada import LLADA, build_llada_model
-    from dllm_align.models.load import BUILTIN_SPECS, TinySpec
 
-    def build_toy(tok, *shape):
-        model = build_llada_model(tok, *shape)
-        model.config.dllm_align_family = "toy"
-        return model
+    from fixtures.sort_toy import write_pairs
 
-    toy = dataclasses.replace(LLADA, name="toy", model_types=(), architectures=(), signature=(), build_tiny=build_toy)
-    monkeypatch.setitem(FAMILIES, "toy", toy)
-    monkeypatch.setitem(BUILTIN_SPECS, "builtin:tiny-toy", TinySpec(hidden_size=32, layers=1, family="toy"))
     mp = load_model("builtin:tiny-toy")
-    assert family_of(mp.model) is toy and mp.model.config.hidden_size == 32
+    assert family_of(mp.model) is TOY and mp.model.config.hidden_size == 32
     ids = mp.tokenizer("abc", add_special_tokens=False, return_tensors="pt").input_ids
     assert mp.logits(ids).shape == (1, 3, len(mp.tokenizer))
+
+    runner = CliRunner()
+    recipe = {"model": {"name_or_path": "builtin:tiny-toy", "toy": {"width_note": 7}},
+              "data": {"train": str(write_pairs(tmp_path / "pairs.jsonl", n=2)), "format": "paired", "max_length": 64},
+              "reference": {"n_mc": 2},
+              "train": {"objective": "sft", "batch_size": 4, "max_steps": 1, "warmup_ratio": 0}}
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    shown = runner.invoke(app, ["recipes", "show", str(path)])
+    assert shown.exit_code == 0 and yaml.safe_load(shown.stdout)["model"]["toy"] == {"width_note": 7}
+    bad = runner.invoke(app, ["recipes", "check", str(path), "--set", "model.toy.width_note=0"])
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.output
+    assert "model.toy.width_note" in bad.stderr
+    res = runner.invoke(app, ["train", str(path), "-o", str(tmp_path / "run")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "run" / "final" / "config.json").read_text())["dllm_align_family"] == "toy"

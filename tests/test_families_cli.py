@@ -69,11 +69,11 @@ def test_elbo_kto_step_zero_margins_then_generate(models, family, precision, fre
     assert row["loss"] == pytest.approx(0.5 * (1.0 + 1.0) / 2)  # lambda (1 - sigmoid(0)) averaged
     saved = json.loads((run / "final" / "config.json").read_text())
     # final/ is in the family's published layout (docs/serving.md), recognised from the published fields alone
-    from dllm_align.models.export import LAYOUTS
+    from dllm_align.models.families import get_family
     from dllm_align.models.families import family_for_config
 
     assert "dllm_align_family" not in saved and family_for_config(saved).name == family
-    assert saved["architectures"] == list(LAYOUTS[family].architectures)
+    assert saved["architectures"] == list(get_family(family).published.architectures)
     # generate from the trained folder: the family's own rule by default
     out = root / f"gen-{family}-{precision}.jsonl"
     res = runner.invoke(app, ["generate", str(rec), "-m", str(run / "final"), "--output", str(out), "--device", "cpu"])

@@ -54,8 +54,8 @@ def test_length_batches_group_similar_lengths():
 @pytest.mark.parametrize(
     "kw, msg",
     [
-        (dict(gen_length=30, block_length=8), "gen_length (30) must be a multiple of block_length (8)"),
-        (dict(gen_length=32, block_length=8, steps=6), "steps (6) must be a multiple of the number of blocks (4)"),
+        (dict(sampler="llada", gen_length=30, block_length=8), "gen_length: 30 is not a multiple of block_length (8)"),
+        (dict(sampler="llada", gen_length=32, block_length=8, steps=6), "steps: 6 is not a multiple of the number of blocks (4"),
         (dict(remasking="lowest"), "remasking: Input should be 'low_confidence' or 'random'"),
         (dict(temperature=-1.0), "temperature: Input should be greater than or equal to 0"),
         (dict(cfg=float("nan")), "cfg: Input should be a finite number"),

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from dllm_align.judge import run as judging
 
 from dllm_align.judge import stats
+from dllm_align.judge.client import _retry_after
 from dllm_align.cli.app import app
 from dllm_align.config.schema import JudgeSection
 from judge_server import JudgeServer, answer
@@ -537,11 +538,11 @@ def test_prompt_and_completion_layouts():
 
 
 def test_retry_after_parsing():
-    assert judging._retry_after({"retry-after": "2"}) == 2.0
-    assert judging._retry_after({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
-    assert judging._retry_after({}) is None
+    assert _retry_after({"retry-after": "2"}) == 2.0
+    assert _retry_after({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
+    assert _retry_after({}) is None
     date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
-    assert 25 < judging._retry_after({"retry-after": date}) <= 31
+    assert 25 < _retry_after({"retry-after": date}) <= 31
 
 
 def test_help_has_an_example():
@@ -617,16 +618,14 @@ def test_a_full_disk_never_leaves_results_without_outcomes(tmp_path, files, monk
     disk leaves no results.json pointing at per-prompt outcomes that are not there."""
     import errno
 
-    from dllm_align.core import io as dio
-
-    real = dio.atomic_write_json
+    real = judging.atomic_write_json
 
     def full_disk(path, obj, *a, **k):
         if Path(path).name == "results.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, obj, *a, **k)
 
-    monkeypatch.setattr(dio, "atomic_write_json", full_disk)
+    monkeypatch.setattr(judging, "atomic_write_json", full_disk)
     a, b = files
     with pytest.raises(OSError):
         judging.judge_files(a, b, tmp_path / "out", JudgeSection(judges=["rule:longer"], bootstrap=200))

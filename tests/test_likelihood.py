@@ -1,5 +1,6 @@
-"""Likelihoods as components: the registry, the families' choices, and a toy likelihood, written here alone,
-that runs through `precompute-ref`, `train` and the memory model with one registry entry and one family field."""
+"""Likelihoods as components: the declarations, the families' choices, and a toy likelihood with its own setting,
+written here alone, that runs through `precompute-ref`, `train` and the memory model with one declaration and
+one family field."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from pydantic import Field
+
 from dllm_align.cli.app import app
+from dllm_align.config import components as registry
 from dllm_align.core.errors import UserError
 from dllm_align.models.families import FAMILIES
+from dllm_align.models.families.llada import LLADA
 from dllm_align.objective.elbo import LIKELIHOODS, DrawConfig, draw_masks, get_likelihood
 from dllm_align.objective.likelihood import Footprint, Likelihood
 
@@ -33,7 +38,8 @@ def test_every_family_names_a_registered_likelihood():
 def test_an_unknown_likelihood_is_refused_naming_the_known_ones():
     with pytest.raises(UserError) as e:
         get_likelihood("uniform-noise")
-    assert "unknown likelihood 'uniform-noise'" in e.value.message and "masked" in e.value.hint and "block" in e.value.hint
+    assert e.value.message == ("the model family's likelihood: no likelihood named 'uniform-noise' (did you mean "
+                               "'uniform'?); known: block, masked, uniform")
 
 
 @pytest.mark.parametrize("name", ["masked", "block"])
@@ -44,11 +50,15 @@ def test_the_absorbing_mask_likelihoods_draw_the_shared_masks(name):
     assert np.array_equal(mask, want_mask) and np.array_equal(weight, want_weight)
 
 
+class AllMaskedSettings(registry.ComponentSettings):
+    scale: float = Field(1.0, gt=0, description="Factor on every draw's term.")
+
+
 class AllMasked(Likelihood):
     """A toy noise process: every draw hides the whole completion (weight 1), so every draw's term is
-    sum_i log p(y_i | x, y all masked), whatever the seed. Not a bound; only the interface matters here."""
+    scale * sum_i log p(y_i | x, y all masked), whatever the seed. Not a bound; only the interface matters here."""
 
-    name = "all-masked"
+    name = "all_masked"
 
     def __init__(self):
         self.calls = 0
@@ -64,22 +74,30 @@ class AllMasked(Likelihood):
         rows, cols = cm.nonzero(as_tuple=True)
         lp = mp.target_logprobs(noisy, attention_mask, rows, cols, input_ids[rows, cols])
         total = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=lp.device).index_add(0, rows, lp)
-        return total[:, None].repeat(1, cfg.n_mc if draws is None else len(draws))
+        return cfg.settings_of(self.name).scale * total[:, None].repeat(1, cfg.n_mc if draws is None else len(draws))
 
     def footprint(self, shape, draws, length, compute_bytes, *, attn="sdpa", packed=False):
         return Footprint(rows=1, scored_rows=1)  # one forward row per unit, whatever K
 
 
+ALL_MASKED = AllMasked()
+TOY_LLADA = dataclasses.replace(LLADA, likelihood="all_masked")  # LLaDA with the toy as its likelihood
+
+
 @pytest.fixture
-def all_masked(monkeypatch):
-    """The toy registered, and the built-in tiny model's family (LLaDA's) pointed at it."""
-    lik = AllMasked()
-    monkeypatch.setitem(LIKELIHOODS, lik.name, lik)
-    monkeypatch.setitem(FAMILIES, "llada", dataclasses.replace(FAMILIES["llada"], likelihood=lik.name))
-    return lik
+def all_masked():
+    """The toy declared, and the built-in tiny model's family (LLaDA's) pointed at it, for this test only."""
+    lik = registry.register(registry.Component("likelihood", "all_masked", f"{__name__}:ALL_MASKED",
+                                               settings=AllMaskedSettings))
+    llada = registry.get("family", "llada")
+    registry.redeclare(dataclasses.replace(llada, target=f"{__name__}:TOY_LLADA"))
+    ALL_MASKED.calls = 0
+    yield ALL_MASKED
+    registry.redeclare(llada)
+    registry.unregister("likelihood", lik.name)
 
 
-def test_a_new_likelihood_is_one_class_and_one_registry_entry(all_masked, tmp_path):
+def test_a_new_likelihood_is_one_class_and_one_declaration(all_masked, tmp_path):
     from dllm_align.config.recipe import load_recipe
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.models.load import load_model
@@ -92,18 +110,24 @@ def test_a_new_likelihood_is_one_class_and_one_registry_entry(all_masked, tmp_pa
         "name": "toy-likelihood",
         "model": {"name_or_path": "builtin:tiny"},
         "data": {"train": str(data), "format": "paired", "max_length": T},
-        "reference": {"n_mc": K, "batch_size": 8, "shard_size": 8, "cache": str(tmp_path / "ref_cache")},
+        "reference": {"n_mc": K, "batch_size": 8, "shard_size": 8, "cache": str(tmp_path / "ref_cache"),
+                      "all_masked": {"scale": 2.0}},
         "train": {"lr": 1e-3, "warmup_ratio": 0, "batch_size": 2, "max_steps": 2},
     }
     path = tmp_path / "toy.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    shown = runner.invoke(app, ["recipes", "show", str(path)])
+    assert shown.exit_code == 0 and yaml.safe_load(shown.stdout)["reference"]["all_masked"] == {"scale": 2.0}
+    bad = runner.invoke(app, ["recipes", "check", str(path), "--set", "reference.all_masked.scale=0"])
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.output
+    assert "reference.all_masked.scale" in bad.stderr and "greater than 0" in bad.stderr
 
     # precompute-ref through the toy: every cached draw is the all-masked sum, computed here independently
     res = runner.invoke(app, ["precompute-ref", str(path), "-o", str(tmp_path / "ref")])
     assert res.exit_code == 0, res.output
     assert all_masked.calls > 0
     mp = load_model("builtin:tiny")
-    assert mp.likelihood == "all-masked"
+    assert mp.likelihood == "all_masked"
     rec = load_recipe(str(path), [], output_dir=str(tmp_path / "ref"))
     exs = load_training_examples(rec, mp.tokenizer, quiet=True)
     collate = make_collate(rec, mp.tokenizer)
@@ -114,7 +138,7 @@ def test_a_new_likelihood_is_one_class_and_one_registry_entry(all_masked, tmp_pa
         ids, cm = b["input_ids"], b["completion_mask"].bool()
         with torch.no_grad():
             logp = torch.log_softmax(mp.logits(torch.where(cm, mp.mask_token_id, ids), b["attention_mask"]).float(), -1)
-            want = logp[0].gather(-1, ids[0, :, None])[:, 0][cm[0]].sum()
+            want = 2.0 * logp[0].gather(-1, ids[0, :, None])[:, 0][cm[0]].sum()  # scale 2
             other = stock.draw_terms(mp, ids, b["attention_mask"], cm, b["ids"], DrawConfig(n_mc=K))
         got = cache.lookup([ex.id], K)[0]
         torch.testing.assert_close(got, want.expand(K), atol=2e-5, rtol=1e-5)
@@ -132,3 +156,21 @@ def test_a_new_likelihood_is_one_class_and_one_registry_entry(all_masked, tmp_pa
     # the memory model asks the same component: one row of T tokens per unit, not K
     est = estimate(model_shape(rec), rec, Launch(), autocast=False)
     assert est.tokens == rec.train.batch_size * T
+
+
+def test_a_uniform_noise_setting_on_a_masked_model_is_refused_by_name(tmp_path):
+    """The uniform likelihood's settings are its own: on a masked-diffusion model (no recipe key selects the
+    likelihood; the checkpoint's family does) they are refused once the family is known, before anything runs."""
+    res = runner.invoke(app, ["precompute-ref", "demo", "--set", "reference.surrogate=flat_ce", "-o", str(tmp_path / "r")])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        "Error: reference.surrogate: not a setting of the likelihood 'masked' (it has no use for it; leave it at "
+        "'elbo') (llada models use the masked likelihood)"]
+    assert not (tmp_path / "r").exists()
+    from dllm_align.config.recipe import load_recipe
+
+    gemma = load_recipe("demo", ["model.name_or_path=builtin:tiny-diffusiongemma", "reference.surrogate=flat_ce"])
+    assert gemma.reference.own_settings("uniform").surrogate == "flat_ce"  # its own likelihood's: accepted
+    with pytest.raises(UserError, match=r"reference.uniform: the settings of the likelihood 'uniform' are written "
+                                        r"without its name: reference.time_power"):
+        load_recipe("demo", ["reference.uniform.time_power=3"])

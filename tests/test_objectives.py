@@ -1,7 +1,8 @@
 """Objectives as components: the registry, and a toy objective written here alone that trains through `dllm-align train`.
 
-The toy, "mean-elbo", maximises the policy's ELBO of every row (no reference, no labels): one class and one
-``register_objective`` call, nothing else, is all a new objective needs.
+The toy, "mean_elbo", maximises the policy's ELBO of every row times its own setting ``train.mean_elbo.weight``
+(no reference, no labels): one class and one ``Component`` declaration with its settings model, nothing else, is
+all a new objective needs.
 """
 
 from __future__ import annotations
@@ -15,30 +16,37 @@ from typer.testing import CliRunner
 
 from dllm_align.cli.app import app
 from dllm_align.core.errors import UserError
-from dllm_align.objective import base
-from dllm_align.objective.base import LossTerms, Objective, get_objective, objective_for, register_objective
+from pydantic import Field
+
+from dllm_align.config import components as registry
+from dllm_align.objective.base import LossTerms, Objective, get_objective, objective_for
 
 from fixtures.sort_toy import write_pairs
 
 runner = CliRunner()
 
 
-class MeanElbo(Objective):
-    """Minimise -B_hat_policy(y | x), averaged over the global batch."""
+class MeanElboSettings(registry.ComponentSettings):
+    weight: float = Field(1.0, gt=0, description="Scale of the loss.")
 
-    name = "mean-elbo"
+
+class MeanElbo(Objective):
+    """Minimise -weight * B_hat_policy(y | x), averaged over the global batch."""
+
+    name = "mean_elbo"
     needs_reference = False
 
     def loss(self, policy, reference, batch, step):
-        per = -policy
+        per = -self.settings.weight * policy
         return LossTerms(per.sum() / step.normalizer, {"loss_sum": float(per.detach().sum()), "n": per.numel()})
 
 
 @pytest.fixture
-def mean_elbo(monkeypatch):
-    monkeypatch.setattr(base, "_OBJECTIVES", dict(base._OBJECTIVES))  # registered for this test only
-    register_objective(MeanElbo)
-    return MeanElbo
+def mean_elbo():
+    comp = registry.register(registry.Component("objective", "mean_elbo", f"{__name__}:MeanElbo",
+                                                settings=MeanElboSettings))
+    yield MeanElbo
+    registry.unregister("objective", comp.name)  # declared for this test only
 
 
 def test_the_built_in_objectives_answer_for_themselves():
@@ -48,11 +56,11 @@ def test_the_built_in_objectives_answer_for_themselves():
     assert (kto.rows_per_unit, sft.rows_per_unit, vrpo.rows_per_unit) == (1, 1, 2)
     assert (kto.needs_reference, sft.needs_reference, vrpo.needs_reference) == (True, False, True)
     assert not kto.uses_extra_rows and objective_for(TrainSection(baseline="kl")).uses_extra_rows
-    with pytest.raises(UserError, match=r"train.objective 'ipo' is not a known objective \(known: elbo_kto, sft, vrpo\)"):
+    with pytest.raises(UserError, match=r"train.objective: no objective named 'ipo'; known: elbo_kto, sft, vrpo"):
         get_objective("ipo")
 
 
-def test_a_toy_objective_is_one_class_and_one_registry_line(mean_elbo, tmp_path):
+def test_a_toy_objective_is_one_class_and_one_declaration(mean_elbo, tmp_path):
     from dllm_align.config.recipe import load_recipe
     from dllm_align.data.batching import collate
     from dllm_align.data.examples import load_training_examples
@@ -66,14 +74,20 @@ def test_a_toy_objective_is_one_class_and_one_registry_line(mean_elbo, tmp_path)
         "data": {"train": str(data), "format": "paired", "max_length": 64},
         # no cache exists: an objective without a reference never asks for one
         "reference": {"n_mc": 4, "cache": str(tmp_path / "no-cache")},
-        "train": {"lr": 3e-3, "warmup_ratio": 0, "scheduler": "constant", "batch_size": 8, "max_steps": 3},
+        "train": {"objective": "mean_elbo", "mean_elbo": {"weight": 2.0}, "lr": 3e-3, "warmup_ratio": 0,
+                  "scheduler": "constant", "batch_size": 8, "max_steps": 3},
     }
     path = tmp_path / "toy.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    shown = runner.invoke(app, ["recipes", "show", str(path)])
+    assert shown.exit_code == 0 and yaml.safe_load(shown.stdout)["train"]["mean_elbo"] == {"weight": 2.0}
+    bad = runner.invoke(app, ["recipes", "check", str(path), "--set", "train.mean_elbo.weight=-1"])
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.output
+    assert "train.mean_elbo.weight" in bad.stderr and "greater than 0" in bad.stderr
     out = tmp_path / "run"
-    res = runner.invoke(app, ["train", str(path), "-o", str(out), "--set", "train.objective=mean-elbo"])
+    res = runner.invoke(app, ["train", str(path), "-o", str(out)])
     assert res.exit_code == 0, res.output
-    assert "objective mean-elbo, 8 rows" in res.stderr
+    assert "objective mean_elbo, 8 rows" in res.stderr
     assert not (tmp_path / "no-cache").exists()
 
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -85,7 +99,33 @@ def test_a_toy_objective_is_one_class_and_one_registry_line(mean_elbo, tmp_path)
     exs = load_training_examples(rec, base_mp.tokenizer, quiet=True)
     b = collate(exs, rec.data.padding, 64, base_mp.tokenizer.pad_token_id)
     with torch.no_grad():
-        want = -float(elbo(base_mp, b, DrawConfig(n_mc=4)).double().mean())
+        want = -2.0 * float(elbo(base_mp, b, DrawConfig(n_mc=4)).double().mean())
     assert rows[0]["loss"] == pytest.approx(want, rel=1e-5)
     assert rows[-1]["loss"] < rows[0]["loss"]  # it trained towards a higher ELBO
-    assert json.loads((out / "final" / "training_summary.json").read_text())["objective"] == "mean-elbo"
+    assert json.loads((out / "final" / "training_summary.json").read_text())["objective"] == "mean_elbo"
+
+
+def test_recipes_check_refuses_an_unknown_objective_without_importing_torch():
+    """The name is checked against the declarations, which import nothing heavy."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom dllm_align.cli.app import app\n"
+            "r = CliRunner().invoke(app, ['recipes', 'check', 'demo', '--set', 'train.objective=elbo_ktoo'])\n"
+            "print(r.exit_code, 'torch' in sys.modules)\nprint(r.stderr, end='')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "2 False"
+    assert out[1:] == ["Error: --set train.objective=elbo_ktoo: train.objective: no objective named 'elbo_ktoo' "
+                       "(did you mean 'elbo_kto'?); known: elbo_kto, sft, vrpo"]
+
+
+def test_an_objective_refuses_the_train_keys_it_ignores_and_vrpo_checks_its_data():
+    from dllm_align.config.recipe import load_recipe
+
+    with pytest.raises(UserError, match=r"train.baseline: not a setting of the objective 'sft'"):
+        load_recipe("demo", ["train.objective=sft", "train.baseline=kl"])
+    with pytest.raises(UserError, match=r"train.sft_rows: not a setting of the objective 'vrpo'"):
+        load_recipe("demo", ["train.objective=vrpo", "train.sft_rows=desirable"])
+    with pytest.raises(UserError, match=r"train.objective 'vrpo' needs paired data, but data.format is 'unpaired'"):
+        load_recipe("demo", ["train.objective=vrpo", "data.format=unpaired"])
+    assert load_recipe("demo", ["train.objective=sft"]).train.objective == "sft"  # defaults of ignored keys pass

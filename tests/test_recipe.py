@@ -25,6 +25,7 @@ train:
 reference:
   n_mc: 8
 generate:
+  sampler: llada
   gen_length: 100
   block_length: 32
 bogus_section: {}
@@ -40,7 +41,7 @@ def test_all_problems_reported_at_once(tmp_path):
     assert "unknown key 'model.name_or_pth' (did you mean 'model.name_or_path'?)" in msg
     assert "train.beta: Input should be a valid number" in msg
     assert "train.lr: Input should be greater than 0" in msg
-    assert "generate: gen_length (100) must be a multiple of block_length (32)" in msg
+    assert "generate.gen_length: 100 is not a multiple of block_length (32)" in msg
     assert "unknown key 'bogus_section'" in msg
     assert msg.startswith("5 problems in recipe")
 

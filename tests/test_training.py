@@ -416,3 +416,53 @@ def test_fused_optimizer_gives_the_loop_update():
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
     assert build_optimizer(a.named_parameters(), TrainSection(mixed_precision="fp16")).param_groups[0]["fused"] is not True
     assert build_optimizer(a.named_parameters(), t, fused_ok=False).param_groups[0]["fused"] is not True
+
+
+def test_a_run_resolves_its_recipe_once_and_reads_config_json_once(toy, tiny_dir, monkeypatch):
+    """One `train` of a model folder with the reference loaded beside the policy (the three loads that each
+    read the folder's config.json before: the plan, the policy, the reference; the export a fourth time): the
+    plan reads it once and every later step takes it from the plan; the family, the padding and the FSDP launch
+    are resolved once. Reads inside transformers' own from_pretrained are not dllm-align's and not counted."""
+    import builtins
+    import io
+    import os
+    import sys
+
+    from dllm_align.training import plan as plan_mod
+
+    config = str(tiny_dir / "config.json")
+    reads: list[str] = []
+    real_open = io.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file) == config:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.endswith("pathlib.py"):
+                frame = frame.f_back
+            where = frame.f_code.co_filename if frame is not None else ""
+            if f"{os.sep}dllm_align{os.sep}" in where:  # transformers' own reads inside from_pretrained are its own
+                reads.append(frame.f_code.co_name)
+        return real_open(file, *args, **kwargs)
+
+    calls = {"model_source": 0, "resolve_padding": 0, "check_fsdp": 0}
+
+    def counted(name):
+        real = getattr(plan_mod, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(plan_mod, name, counted(name))
+    rec = recipe_for(toy["root"], toy["data"], toy["cache"], f"model.name_or_path={tiny_dir}", "reference.mode=online",
+                     "train.batch_size=4", "train.max_steps=1", out="config-once")
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    result = train(rec)
+    monkeypatch.setattr(io, "open", real_open)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert result.steps == 1 and (result.final_dir / "config.json").is_file()
+    assert calls == {"model_source": 1, "resolve_padding": 1, "check_fsdp": 1}
+    assert reads == ["model_source"]

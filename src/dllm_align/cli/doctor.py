@@ -56,11 +56,11 @@ def doctor(
     from dllm_align.training.traffic import traffic
     from dllm_align.config.recipe import load_recipe
 
-    from dllm_align.training.plan import check_fsdp, resolve_padding
+    from dllm_align.training.plan import resolve_recipe
 
-    r = resolve_padding(load_recipe(recipe, set_, output_dir))
     launch = read_launch(config)
-    check_fsdp(r, launch.fsdp, launch.fsdp_version, launch.activation_checkpointing)
+    r, _ = resolve_recipe(load_recipe(recipe, set_, output_dir), fsdp=launch.fsdp, fsdp_version=launch.fsdp_version,
+                          checkpointing=launch.activation_checkpointing)
     shape = model_shape(r)
     report = {"recipe": r.name, "environment": d.environment(r, launch, shape), "memory": d.memory_report(r, launch, gpu_memory, shape),
               "traffic": traffic(shape, r, launch)}

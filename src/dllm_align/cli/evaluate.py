@@ -74,13 +74,10 @@ def evaluate(
     Example: dllm-align evaluate table4_downstream --compare runs/ufb/final --limit 50
     """
     _require_harness()
-    import logging
-
-    from dllm_align.evaluate import run as E
-    from dllm_align.core.console import info, progress_enabled, result
-    from dllm_align.core.errors import UserError
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
     from dllm_align.config.recipe import load_recipe, write_run_info
+    from dllm_align.core.console import info
+    from dllm_align.core.errors import UserError
+    from dllm_align.evaluate import run as E
 
     if chat_template and no_chat_template:
         raise UserError("--apply-chat-template and --no-apply-chat-template contradict each other; pick one")
@@ -91,20 +88,10 @@ def evaluate(
         "evaluate.allow_code_execution": ("--allow-code-execution", True if allow_code_execution else None),
     })
     rec = load_recipe(recipe, set_, output_dir, flags=flags)
-    if os.environ.get("DLLM_ALIGN_DEBUG", "") in ("", "0"):
-        logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    if not progress_enabled():  # keep CI logs readable: no dataset-building bars
-        import datasets
-
-        datasets.disable_progress_bars()
+    _quiet_libraries()
     plans = E.plan_tasks(rec, _split(tasks), limit)
 
-    first = rec.model.name_or_path if model is None else model
-    second = rec.evaluate.compare if compare is None else compare
-    models = [first] + ([second] if second else [])
-    labels = [E.model_label(m) for m in models]
-    if len(labels) == 2 and labels[0] == labels[1]:
-        labels[1] += "-2"
+    models, labels = _models_and_labels(rec, model, compare)
     eval_dir = Path(rec.output_dir) / "eval"
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # Every task name is checked before anything is written (an unknown task left an empty eval/ behind).
@@ -122,6 +109,41 @@ def evaluate(
         return
     if any(m is None for m in merged):
         raise UserError("no results were produced (every task failed?)")
+    _report(models, labels, merged, plans, eval_dir, as_json)
+
+
+def _quiet_libraries() -> None:
+    """lm-eval's log at WARNING unless DLLM_ALIGN_DEBUG is set; no dataset-building bars off a terminal."""
+    import logging
+
+    from dllm_align.core.console import progress_enabled
+
+    if os.environ.get("DLLM_ALIGN_DEBUG", "") in ("", "0"):
+        logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if not progress_enabled():  # keep CI logs readable: no dataset-building bars
+        import datasets
+
+        datasets.disable_progress_bars()
+
+
+def _models_and_labels(rec, model: Optional[str], compare: Optional[str]) -> tuple[list[str], list[str]]:
+    """The checkpoints to evaluate (the flag, else the recipe) and their folder names under eval/ (made distinct)."""
+    from dllm_align.evaluate import run as E
+
+    first = rec.model.name_or_path if model is None else model
+    second = rec.evaluate.compare if compare is None else compare
+    models = [first] + ([second] if second else [])
+    labels = [E.model_label(m) for m in models]
+    if len(labels) == 2 and labels[0] == labels[1]:
+        labels[1] += "-2"
+    return models, labels
+
+
+def _report(models: list[str], labels: list[str], merged: list, plans, eval_dir: Path, as_json: bool) -> None:
+    """The scores on stdout (a table, or JSON with --json); with two models the comparison, also written to eval/."""
+    from dllm_align.core.console import info, result
+    from dllm_align.core.io import atomic_write_json, atomic_write_text
+    from dllm_align.evaluate import run as E
 
     payload: dict = {
         "models": {label: {"model": name, "results": str(eval_dir / label / "results.json"), "scores": m["dllm_align"]["scores"]}

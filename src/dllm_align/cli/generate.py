@@ -40,7 +40,7 @@ def generate(
     fast: Annotated[bool, typer.Option("--fast", help=f"Fast decoding: a key/value cache ({FAST_CACHE}; prefix for the block rule) and confidence threshold {FAST_THRESHOLD} (unless set otherwise).", metavar="")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", show_default=d("generate.cache"), help="Key/value reuse within a block: none, prefix or dual.")] = None,
     threshold: Annotated[Optional[float], typer.Option("--threshold", help="Commit every candidate above this confidence (fast mode).")] = None,
-    sampler: Annotated[Optional[str], typer.Option("--sampler", show_default=d("generate.sampler"), help="auto (the model family's rule), llada, dream or block.")] = None,
+    sampler: Annotated[Optional[str], typer.Option("--sampler", show_default=d("generate.sampler"), help="The decoding rule: auto (the model family's), or a registered rule: llada, dream, block, diffusion_gemma, ...")] = None,
     alg: Annotated[Optional[str], typer.Option("--alg", show_default=d("generate.alg"), help="Dream rule: origin, maskgit_plus, topk_margin or entropy.")] = None,
     alg_temp: Annotated[Optional[float], typer.Option("--alg-temp", show_default=d("generate.alg_temp"), help="Dream rule: > 0 draws the committed positions.")] = None,
     top_p: Annotated[Optional[float], typer.Option("--top-p", help="Dream rule: nucleus filtering of the candidates (at every temperature). Block rule: of the draw at temperature > 0.")] = None,

@@ -100,13 +100,37 @@ def judge(
 
     Example: dllm-align judge runs/kto/gen.jsonl runs/base/gen.jsonl --judge gpt-4o-mini --judge gpt-4.1-mini -o runs/kto/judge
     """
-    import json
-
-    from dllm_align.core.console import info, result
-    from dllm_align.core.errors import RunFailure
-    from dllm_align.judge.run import judge_files, print_table
     from dllm_align.config.recipe import load_recipe, write_run_info
+    from dllm_align.core.io import note_input
+    from dllm_align.judge.run import judge_files
 
+    flags = _recipe_flags(
+        judges=judges, base_url=base_url, api_key_env=api_key_env, template=template, concurrency=concurrency,
+        timeout=timeout, max_retries=max_retries, retry_delay=retry_delay, retry_after_max=retry_after_max,
+        max_parse_retries=max_parse_retries, bootstrap=bootstrap, seed=seed, temperature=temperature,
+        max_tokens=max_tokens, max_completion_tokens=max_completion_tokens, no_temperature=no_temperature,
+        batch=batch, batch_poll=batch_poll, batch_failed=batch_failed, price=price, length_threshold=length_threshold,
+        allow_plain_http=allow_plain_http, env_proxy=env_proxy, length_anchors=length_anchors,
+        anchors_model=anchors_model, difficulty_from=difficulty_from,
+    )
+    rec = load_recipe(recipe, flags=flags)
+    settings = rec.judge
+
+    if output is None:
+        output = a.parent / f"judge_{b.parent.name or 'b'}_{b.stem}"
+    for f in (a, b, template):  # never written over (io.check_not_input)
+        if f is not None:
+            note_input(f, "input")
+    run = judge_files(a, b, output, settings, strict=strict)
+    write_run_info(rec, output, "judge")
+    _report(run, output, json_out)
+
+
+def _recipe_flags(*, judges, base_url, api_key_env, template, concurrency, timeout, max_retries, retry_delay,
+                  retry_after_max, max_parse_retries, bootstrap, seed, temperature, max_tokens, max_completion_tokens,
+                  no_temperature, batch, batch_poll, batch_failed, price, length_threshold, allow_plain_http, env_proxy,
+                  length_anchors, anchors_model, difficulty_from) -> dict:
+    """The recipe keys the given flags set (``given`` drops the ones left out)."""
     flags = given({
         "judge.judges": ("--judge", judges or None),
         "judge.base_url": ("--base-url", base_url),
@@ -136,18 +160,17 @@ def judge(
     })
     if no_temperature:
         flags["judge.temperature"] = ("--no-temperature", None)  # sent as no temperature at all
-    rec = load_recipe(recipe, flags=flags)
-    settings = rec.judge
+    return flags
 
-    if output is None:
-        output = a.parent / f"judge_{b.parent.name or 'b'}_{b.stem}"
-    from dllm_align.core.io import note_input
 
-    for f in (a, b, template):  # never written over (io.check_not_input)
-        if f is not None:
-            note_input(f, "input")
-    run = judge_files(a, b, output, settings, strict=strict)
-    write_run_info(rec, output, "judge")
+def _report(run, output: Path, json_out: bool) -> None:
+    """The results on stdout (the table, or results.json with --json); exit 1 when some judgements failed."""
+    import json
+
+    from dllm_align.core.console import info, result
+    from dllm_align.core.errors import RunFailure
+    from dllm_align.judge.run import print_table
+
     if json_out:
         result(json.dumps(run.results, indent=2, ensure_ascii=False))
     else:

@@ -17,7 +17,7 @@ from dllm_align.cli.app import RecipeArg, SetOpt, command, given
 def label(
     recipe: RecipeArg,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder: the rows go to DIR/labelled.jsonl, the summary to DIR/label_summary.json (default: the recipe's output_dir).")] = None,
-    rule: Annotated[str, typer.Option("--rule", "-r", metavar="RULE", help="The verifier: sort, math_answer, regex:PATTERN or module:function.")] = "sort",
+    rule: Annotated[str, typer.Option("--rule", "-r", metavar="RULE", help="The verifier: a registered one by name (sort, math_answer, regex:PATTERN, judge:MODEL, a plugin's) or package.module:function.")] = "sort",
     n: Annotated[int, typer.Option("--n", metavar="N", min=1, max=1024, help="Samples per prompt.")] = 4,
     prompts: Annotated[Optional[str], typer.Option("--prompts", metavar="FILE", help="Prompts file (.jsonl/.json/.parquet/.csv/.txt; default: the recipe's data.train).")] = None,
     split: Annotated[str, typer.Option("--split", metavar="SPLIT", help="Split of the recipe's data when no --prompts is given.")] = "train",

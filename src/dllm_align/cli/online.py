@@ -18,7 +18,7 @@ def online(
     recipe: RecipeArg,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder: one round-<r>/ folder per round, rounds.json, rounds.png (default: the recipe's output_dir).")] = None,
     rounds: Annotated[Optional[int], typer.Option("--rounds", metavar="R", show_default=d("online.rounds"), help="Rounds of label -> reference -> ELBO-KTO.")] = None,
-    rule: Annotated[Optional[str], typer.Option("--rule", "-r", metavar="RULE", show_default=d("online.rule"), help="The verifier: sort, math_answer, regex:PATTERN or module:function.")] = None,
+    rule: Annotated[Optional[str], typer.Option("--rule", "-r", metavar="RULE", show_default=d("online.rule"), help="The verifier: a registered one by name (sort, math_answer, regex:PATTERN, judge:MODEL, a plugin's) or package.module:function.")] = None,
     n: Annotated[Optional[int], typer.Option("--n", metavar="N", show_default=d("online.n"), help="Samples per prompt and round.")] = None,
     prompts: Annotated[Optional[str], typer.Option("--prompts", metavar="FILE", help="Prompts file (default: the recipe's data.train).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", metavar="N", show_default=d("online.limit"), help="Only the first N prompts.")] = None,

@@ -18,6 +18,9 @@ Where declarations live:
 - a user's in a module named in the environment variable ``DLLM_ALIGN_PLUGINS`` (comma-separated importable
   module names), imported on the first lookup like the built-in catalogs.
 
+A built-in component may keep settings that recipes already write flat (``traits={"flat": True}``: the uniform
+likelihood's ``reference.time_power``): the schema then makes them fields of the section (:func:`flat_fields`).
+
 ``register`` refuses a name its section already uses (a field or another component), so a component's settings
 key never shadows a recipe key.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -56,6 +60,10 @@ class Kind:
     section: str
     selector: Optional[str]
     doc: str
+    # what a component's ``check`` receives: the whole recipe ("recipe", returning problem lines) or only its
+    # section ("section", returning (key, message) pairs: a decoding rule, whose settings reach the samplers
+    # without the recipe)
+    check_on: str = "recipe"
 
 
 KINDS: dict[str, Kind] = {
@@ -65,7 +73,8 @@ KINDS: dict[str, Kind] = {
         Kind("likelihood", "reference", None, "noise processes and their ELBOs (chosen by the model family)"),
         Kind("objective", "train", "objective", "training objectives (train.objective)"),
         Kind("backend", "generate", "backend", "generation backends (generate.backend)"),
-        Kind("rule", "generate", "sampler", "decoding rules of the in-process generator (generate.sampler)"),
+        Kind("rule", "generate", "sampler", "decoding rules of the in-process generator (generate.sampler)",
+             check_on="section"),
         Kind("verifier", "online", "rule", "verifiers of label / online (online.rule, --rule)"),
     )
 }
@@ -153,6 +162,16 @@ def register(component: Component) -> Component:
     return component
 
 
+def redeclare(component: Component) -> Component:
+    """Put ``component`` in place of the declaration of its kind and name (in the same place of the listing order,
+    which lookups that walk a kind follow): a process's extra facts about a built-in one (a larger built-in model)."""
+    _load_catalogs()
+    if component.name not in _REGISTRY[component.kind]:
+        raise ValueError(f"no {component.kind} named {component.name!r} is declared to redeclare")
+    _REGISTRY[component.kind][component.name] = component
+    return component
+
+
 def unregister(kind: str, name: str) -> None:
     """Remove a declaration (tests that add a toy component take it away again)."""
     _REGISTRY[kind].pop(name, None)
@@ -196,12 +215,55 @@ def load(kind: str, name: str, *, key: Optional[str] = None) -> Any:
     return get(kind, name, key=key).load()
 
 
+def flat_fields(section: str, catalog: str) -> dict[str, tuple]:
+    """The settings of the built-in components of ``section`` declared ``traits={"flat": True}``, as pydantic
+    field definitions for the section itself: settings that keep the flat spelling recipes already use
+    (``reference.time_power``, the uniform likelihood's) instead of ``<section>.<name>.<key>``. Built-in
+    catalogs only, and only ``catalog`` (the one declaring them) is imported: the schema reads this when it is
+    imported, before any plugin may be, and another catalog may import the schema."""
+    if catalog not in BUILTIN_CATALOGS:
+        raise ValueError(f"{catalog!r} is not a built-in catalog")
+    if catalog not in _loaded:
+        _loaded.add(catalog)
+        importlib.import_module(catalog)
+    out: dict[str, tuple] = {}
+    for kind, table in _REGISTRY.items():
+        for comp in table.values():
+            if KINDS[kind].section == section and comp.traits.get("flat"):
+                out.update({k: (f.annotation, f) for k, f in comp.settings.model_fields.items()})
+    return out
+
+
+class Loaded(Mapping):
+    """The implementations of every declared component of one kind, by name, in declaration order: a live,
+    read-only view (a component registered later appears; each loads on first access), for the lookups that
+    walk every component of a kind (which family claims a config.json)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __getitem__(self, name: str) -> Any:
+        comp = find(self.kind, name) if isinstance(name, str) else None
+        if comp is None:
+            raise KeyError(name)
+        return comp.load()
+
+    def __iter__(self):
+        return iter(components(self.kind))
+
+    def __len__(self) -> int:
+        return len(components(self.kind))
+
+    def __repr__(self) -> str:
+        return f"Loaded({self.kind!r}: {', '.join(components(self.kind))})"
+
+
 def section_components(section: str) -> list[Component]:
     """Every component whose settings live in ``section`` (for the schema's validation of ``<section>.<name>``)."""
     _load_catalogs()
     return [c for kind, table in _REGISTRY.items() if KINDS[kind].section == section for c in table.values()]
 
 
-__all__ = ["BUILTIN_CATALOGS", "Component", "ComponentSettings", "KINDS", "Kind", "NoSettings", "PLUGINS_ENV",
-           "components", "find", "get", "load", "names", "note_section_fields", "register", "section_components",
+__all__ = ["BUILTIN_CATALOGS", "Component", "ComponentSettings", "KINDS", "Kind", "Loaded", "NoSettings", "PLUGINS_ENV",
+           "components", "find", "flat_fields", "get", "load", "names", "note_section_fields", "redeclare", "register", "section_components",
            "unknown_message", "unregister"]

@@ -13,9 +13,11 @@ import difflib
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from dllm_align.config import components as registry
+from dllm_align.core.usercode import spec_problem
 
 
 class Section(BaseModel):
@@ -48,6 +50,9 @@ class ComposedSection(Section):
         by_name = {c.name: c for c in registry.section_components(self.SECTION)}
         for key in list(extra):
             comp = by_name.get(key)
+            if comp is not None and comp.traits.get("flat"):
+                keys = ", ".join(f"{self.SECTION}.{k}" for k in comp.settings.model_fields)
+                raise KeyedError(str(key), f"the settings of the {comp.kind} {comp.name!r} are written without its name: {keys}")
             if comp is None:
                 known = list(type(self).model_fields) + list(by_name)
                 close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
@@ -81,9 +86,20 @@ class ComposedSection(Section):
         if name in extra:
             return extra[name]
         for comp in registry.section_components(self.SECTION):
+            if comp.name == name and comp.traits.get("flat"):
+                return comp.settings.model_validate({k: getattr(self, k) for k in comp.settings.model_fields})
             if comp.name == name:
                 return comp.settings()
         raise KeyError(f"{self.SECTION}.{name}: no component of this section is named {name!r}")
+
+
+def component_problems(recipe: "Recipe", comp: "registry.Component") -> list[str]:
+    """One line per problem of ``recipe`` for component ``comp``: the keys of its section it ignores but the
+    recipe set, and its own checks. For the components no recipe key selects (a family, a likelihood: the
+    checkpoint decides), which the sections cannot check when the recipe is read; the run asks once it knows."""
+    section = getattr(recipe, registry.KINDS[comp.kind].section)
+    lines = [f"{registry.KINDS[comp.kind].section}.{key}: {msg}" for key, msg in ignored_problems(section, comp)]
+    return lines + (list(comp.check(recipe)) if comp.check is not None else [])
 
 
 def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tuple[str, str]]:
@@ -193,7 +209,7 @@ class DataSection(Section):
 
 
 # --------------------------------------------------------------------------- reference
-class ReferenceSection(ComposedSection):
+class _ReferenceDraws(ComposedSection):
     SECTION: ClassVar[str] = "reference"
     mode: Literal["cached", "online"] = Field(
         "cached", description="'cached': read precomputed reference ELBOs; 'online': keep the reference model resident."
@@ -204,17 +220,15 @@ class ReferenceSection(ComposedSection):
     seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
     estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
     stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
-    time_power: int = Field(2, ge=1, le=8, description="Uniform-noise likelihood (DiffusionGemma): t = u**time_power per canvas, "
-                            "weighted by dt/du (1: t uniform, whose estimator has infinite variance).")
-    parameterization: Literal["denoiser", "loo"] = Field(
-        "denoiser", description="Uniform noise: the softmax enters the bound as it is ('denoiser') or converted to the "
-        "leave-one-out posterior ('loo', finite only for a network that is a denoiser).")
-    self_conditioning: Literal["none", "detached"] = Field(
-        "none", description="Uniform noise: 'none' (zero self-conditioning signal, one pass) or 'detached' (a no-grad "
-        "first pass's logits condition the scored pass).")
-    surrogate: Literal["elbo", "flat_ce"] = Field(
-        "elbo", description="Uniform noise: 'elbo' (the continuous-time bound) or 'flat_ce' (the published SFT loss: "
-        "unweighted cross-entropy over the noisy canvas; a surrogate, not a bound).")
+
+
+# The uniform-noise likelihood's settings keep their flat spellings (reference.time_power, ...): fields of this
+# section made from the likelihood's own settings model, where they are described once.
+_ReferenceFlat = create_model("_ReferenceFlat", __base__=_ReferenceDraws, __module__=__name__,
+                              **registry.flat_fields("reference", "dllm_align.objective.components"))
+
+
+class ReferenceSection(_ReferenceFlat):
     batch_size: int = Field(4, ge=1, description="Examples per forward pass in precompute.")
     draws_per_forward: Optional[int] = Field(
         None, ge=1, description="How many of an example's K draws go in one forward call (default: all)."
@@ -248,9 +262,9 @@ class TrainSection(ComposedSection):
     SECTION: ClassVar[str] = "train"
     objective: str = Field(
         "elbo_kto",
-        description="The training objective by its registered name: elbo_kto (the paper), sft (masked-diffusion SFT), "
-        "vrpo (LLaDA 1.5's paired objective). The names are checked against the objective registry when a command "
-        "first asks for the objective (dllm_align.objective.base.register_objective adds one).",
+        description="The training objective by its declared name: elbo_kto (the paper), sft (masked-diffusion SFT), "
+        "vrpo (LLaDA 1.5's paired objective); dllm_align.objective.components declares them, a plugin module more "
+        "(docs: CONTRIBUTING.md, Adding a component).",
     )
     beta: float = Field(0.1, gt=0, description="KTO temperature (paper: 0.1 kto-mix-14k, 0.2 UltraFeedback).")
     baseline: Literal["global_mean", "none", "kl"] = Field(
@@ -316,6 +330,14 @@ class TrainSection(ComposedSection):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
     lora: LoraSection = Field(default_factory=LoraSection)
 
+    @field_validator("objective")
+    @classmethod
+    def _declared_objective(cls, v: str) -> str:
+        # checked against the declarations only (no objective is imported, so `recipes check` stays torch-free)
+        if registry.find("objective", v) is None:
+            raise ValueError(registry.unknown_message("objective", v).removeprefix("train.objective: "))
+        return v
+
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, v):
@@ -343,10 +365,11 @@ class GenerateSection(ComposedSection):
         "in_process", description="Who decodes: in_process (the model loaded in this process, the samplers of dllm_align.generate); "
         "other names are generation backends registered in dllm_align.generate.backend."
     )
-    sampler: Literal["auto", "llada", "dream", "block", "diffusion_gemma"] = Field(
-        "auto", description="Decoding rule: the model family's own (auto), LLaDA's block sampler, Dream's diffusion_generate, "
-        "block diffusion's (SDAR: block by block with a KV cache), or DiffusionGemma's own generate (its published "
-        "entropy-bound sampler: gen_length and steps are read, its temperature schedule is the published one)."
+    sampler: str = Field(
+        "auto", description="Decoding rule of the in-process backend, by its registered name: the model family's own "
+        "(auto), llada (LLaDA's block sampler), dream (Dream's diffusion_generate), block (block diffusion's: SDAR, "
+        "block by block with a KV cache), diffusion_gemma (DiffusionGemma's own generate: gen_length and steps are "
+        "read, its temperature schedule is the published one), or a rule registered as a component."
     )
 
     gen_length: int = Field(512, ge=1, description="Tokens generated per prompt (paper: 512).")
@@ -379,46 +402,33 @@ class GenerateSection(ComposedSection):
                                  "(Dream: applies at temperature 0 too; block: of the draw at temperature > 0, unused at 0).")
     eps: float = Field(1e-3, gt=0, lt=1, description="Dream rule: the last timestep of linspace(1, eps, steps + 1).")
 
+    @field_validator("sampler")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        if v != "auto" and registry.find("rule", v) is None:
+            known = registry.names("rule")
+            close = difflib.get_close_matches(v, known, n=1)
+            raise ValueError(f"no decoding rule named {v!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + "; known: " + ", ".join(["auto"] + known))
+        return v
+
     @model_validator(mode="after")
-    def _shapes(self) -> "GenerateSection":
-        problems = []
-        if self.sampler in ("dream", "diffusion_gemma"):
-            pass  # no blocks of this section (DiffusionGemma: the model's own canvas length)
-        elif self.gen_length % self.block_length:
-            problems.append(
-                f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})"
-            )
-        else:
-            blocks = self.gen_length // self.block_length
-            if self.steps % blocks:
-                problems.append(f"steps ({self.steps}) must be a multiple of the number of blocks ({blocks})")
-        problems += self._rule_problems()
-        if problems:
-            raise ValueError("; ".join(problems))
+    def _rule(self) -> "GenerateSection":
+        # "auto": the rule is the model family's, checked once the model is read (generate.rules.settings_for)
+        if self.sampler != "auto":
+            problems = rule_problems(self, self.sampler)
+            if problems:
+                raise KeyedError(*problems[0])
         return self
 
-    def _rule_problems(self) -> list[str]:
-        """Settings the chosen rule has no use for ("auto" is checked once the model names its rule)."""
-        if self.sampler == "dream":
-            out = []
-            if self.cache != "none" or self.threshold is not None:
-                out.append("the Dream rule decodes one canvas: cache and threshold apply to the LLaDA sampler "
-                           "(generate.sampler: llada)")
-            if self.cfg > 0:
-                out.append("cfg applies to the LLaDA sampler only (the Dream rule has no guidance)")
-            return out
-        if self.sampler == "diffusion_gemma":
-            extra = [k for k, v in (("cache", self.cache != "none"), ("threshold", self.threshold is not None),
-                                    ("cfg", self.cfg > 0), ("top_p", self.top_p is not None),
-                                    ("top_k", self.top_k is not None), ("remasking", self.remasking != "low_confidence"),
-                                    ("alg", self.alg != "origin"), ("alg_temp", self.alg_temp > 0)) if v]
-            return [f"{', '.join(extra)}: not settings of DiffusionGemma's published sampler (it reads gen_length and "
-                    "steps)"] if extra else []
-        if self.sampler == "llada" and (self.top_p is not None or self.top_k is not None):
-            return ["top_p / top_k belong to the Dream and block rules (generate.sampler: dream or block)"]
-        if self.sampler == "block" and self.cfg > 0:
-            return ["cfg applies to the LLaDA sampler only (the block rule has no guidance)"]
-        return []
+
+def rule_problems(generate: GenerateSection, rule: str) -> list[tuple[str, str]]:
+    """(key below ``generate``, message) for each setting of ``generate`` that decoding rule ``rule`` refuses:
+    the keys it ignores set away from their defaults, then its own check. The one place both the recipe (a rule
+    named in it) and ``generate.rules.settings_for`` (``sampler: auto`` resolved to the family's rule) ask."""
+    comp = registry.get("rule", rule, key="generate.sampler")
+    problems = ignored_problems(generate, comp)
+    return problems + (list(comp.check(generate)) if comp.check is not None else [])
 
 
 # --------------------------------------------------------------------------- judge
@@ -594,37 +604,40 @@ class EvaluateSection(Section):
 
 
 # --------------------------------------------------------------------------- online
-VERIFIERS = ("sort", "math_answer", "regex:PATTERN", "judge:MODEL", "package.module:function")
+def verifier_forms() -> list[str]:
+    """How each verifier is written in a spec (``sort``, ``regex:PATTERN``, ...), a user's function last."""
+    return [c.name + (f":{c.traits['argument']}" if "argument" in c.traits else "")
+            for c in registry.components("verifier").values()] + ["package.module:function"]
+
+
+def split_verifier(spec: str) -> tuple[Optional["registry.Component"], Optional[str]]:
+    """The registered verifier a spec selects and its argument (the text after ':'); (None, None) for a
+    ``package.module:function`` spec or an unknown name. A verifier that takes no argument is selected by its
+    bare name only (``name:x`` stays a user's module ``name``)."""
+    name, sep, arg = spec.partition(":")
+    comp = registry.find("verifier", name)
+    if comp is None or (sep and "argument" not in comp.traits):
+        return None, None
+    return comp, (arg if sep else None)
 
 
 def verifier_problem(spec) -> Optional[str]:
-    """What is wrong with a verifier spec (``online.rule``, ``--rule``) as written, or None; nothing is imported
-    (``dllm_align.online.verifiers`` then loads a user's function and checks its arity)."""
-    import re
-
-    from dllm_align.core.usercode import spec_problem
-
+    """What is wrong with a verifier spec (``online.rule``, ``--rule``) as written, or None; nothing heavy is
+    imported (``dllm_align.online.verifiers`` then loads the verifier, a user's function with its arity checked)."""
     if not isinstance(spec, str) or not spec.strip():
-        return "name a verifier: " + ", ".join(VERIFIERS)
-    if spec in ("sort", "math_answer"):
-        return None
-    if spec.startswith("regex:"):
-        pattern = spec[len("regex:"):]
-        if not pattern:
-            return "an empty pattern matches every completion: give the text a desirable completion contains"
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            return f"not a valid regular expression ({e})"
-        return None
-    if spec.startswith("judge:"):
-        return None if spec[len("judge:"):].strip() else "name the judge model, e.g. judge:gpt-4o-mini"
+        return "name a verifier: " + ", ".join(verifier_forms())
+    comp, arg = split_verifier(spec)
+    if comp is not None:
+        takes = comp.traits.get("argument")
+        if takes is not None and arg is None:
+            return f"the verifier {comp.name!r} needs its argument: {comp.name}:{takes}"
+        check = comp.traits.get("check_argument")
+        return check(arg) if check is not None and arg is not None else None
     if ":" in spec:
         return spec_problem(spec)
-    import difflib
-
-    close = difflib.get_close_matches(spec, ["sort", "math_answer"], n=1)
-    return f"unknown verifier {spec!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; known: " + ", ".join(VERIFIERS)
+    close = difflib.get_close_matches(spec, registry.names("verifier"), n=1)
+    return (f"unknown verifier {spec!r}" + (f" (did you mean {close[0]!r}?)" if close else "") + "; known: "
+            + ", ".join(verifier_forms()))
 
 
 class OnlineSection(ComposedSection):
@@ -633,7 +646,8 @@ class OnlineSection(ComposedSection):
     SECTION: ClassVar[str] = "online"
 
     rounds: int = Field(2, ge=1, le=100, description="Rounds of label -> reference -> ELBO-KTO.")
-    rule: str = Field("sort", description="The verifier: sort, math_answer, regex:PATTERN, judge:MODEL or module:function.")
+    rule: str = Field("sort", description="The verifier: a registered one by name (sort, math_answer, regex:PATTERN, "
+                      "judge:MODEL, ...; its own settings under online.<name>) or package.module:function.")
     n: int = Field(4, ge=1, le=1024, description="Samples per prompt and round.")
     limit: Optional[int] = Field(None, ge=1, description="Only the first N prompts of data.train.")
     reference: Literal["initial", "previous"] = Field("initial", description="Each round's reference: the initial model or the policy entering the round.")
@@ -652,6 +666,15 @@ class OnlineSection(ComposedSection):
         if problem:
             raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _verifier_ignores(self) -> "OnlineSection":
+        # the section's own check finds the selected component by the whole spec; a verifier is named before ':'
+        comp, _ = split_verifier(self.rule)
+        problems = ignored_problems(self, comp) if comp is not None else []
+        if problems:
+            raise KeyedError(*problems[0])
+        return self
 
 
 # --------------------------------------------------------------------------- recipe
@@ -687,8 +710,14 @@ class Recipe(Section):
                 f"train.n_mc ({self.train.n_mc}) must equal reference.n_mc ({self.reference.n_mc}) when reference.stratified "
                 "is on: a prefix of stratified draws covers only the low strata"
             )
-        if self.train.objective == "vrpo" and self.data.format == "unpaired":
-            problems.append("train.objective 'vrpo' needs paired data, but data.format is 'unpaired'")
+        for kind in registry.KINDS.values():
+            # the selected components' checks against the rest of the recipe (their ignored keys: their section's)
+            section = getattr(self, kind.section)
+            if kind.selector is None or section is None or kind.check_on != "recipe":
+                continue  # a section-checked kind (a decoding rule) ran its check in its section's validator
+            comp = registry.find(kind.name, getattr(section, kind.selector))
+            if comp is not None and comp.check is not None:
+                problems.extend(comp.check(self))
         if ((self.model.attn_implementation or "").startswith("flash") and self.train.mixed_precision == "no"
                 and self.model.dtype not in ("bfloat16", "float16")):
             # flash-attn kernels take only bf16 / fp16 inputs: an fp32 forward stops inside the kernel on CUDA
@@ -700,7 +729,11 @@ class Recipe(Section):
             g = t.gen_length or self.generate.gen_length
             b = t.block_length or self.generate.block_length
             s = t.steps or self.generate.steps
-            if g % b:
+            if self.generate.sampler != "auto":
+                # a named rule checks the task's decoding as its own (a rule without blocks has no block check)
+                task = self.generate.model_copy(update={"gen_length": g, "block_length": b, "steps": s})
+                problems += [f"evaluate.tasks.{key}: {k}: {m}" for k, m in rule_problems(task, self.generate.sampler)[:1]]
+            elif g % b:
                 problems.append(f"evaluate.tasks.{key}: gen_length ({g}) must be a multiple of block_length ({b})")
             elif s % (g // b):
                 problems.append(f"evaluate.tasks.{key}: steps ({s}) must be a multiple of the number of blocks ({g // b})")

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 # Logs, warnings, progress bars. Rich turns colour and live bars off when
 # stderr is not a terminal, so CI logs stay clean.
@@ -52,14 +53,6 @@ def progress(description: str, total: int | None, unit: str = "it") -> Iterator[
     if not progress_enabled():
         yield _Bar(None, None)
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     cols = [
         TextColumn("[bold]{task.description}"),

@@ -8,6 +8,9 @@ failing. Anything else is a bug and gets a traceback with ``DLLM_ALIGN_DEBUG=1``
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class DllmAlignError(Exception):
     exit_code = 1
@@ -43,9 +46,6 @@ _PEER_LOST = (
 def lost_peer(exc: BaseException) -> "RunFailure | None":
     """The one-line RunFailure for a collective that failed because another node or process of a multi-process
     launch stopped (or stopped answering); None for anything else, or outside such a launch."""
-    import os
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     if dist is None or not (dist.is_available() and dist.is_initialized()):
         return None

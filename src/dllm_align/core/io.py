@@ -26,6 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+try:
+    import fcntl
+except ImportError:  # not on this platform: the locks below are best effort and lock nothing
+    fcntl = None
+
 from dllm_align.core import faults
 from dllm_align.core.errors import RunFailure, UserError
 
@@ -431,9 +436,7 @@ class DirLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "DirLock":
-        try:
-            import fcntl
-        except ImportError:
+        if fcntl is None:
             return self
         if self.shared and not self.folder.is_dir():
             return self  # nothing to read yet: nothing to protect
@@ -473,9 +476,7 @@ class FileLock:
 
     def __enter__(self) -> "FileLock":
         check_not_input(self.path)
-        try:
-            import fcntl
-        except ImportError:
+        if fcntl is None:
             return self
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

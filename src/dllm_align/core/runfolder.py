@@ -1,5 +1,6 @@
-"""Run folders (``-o DIR``): what each command records there, and refusing a reused
-folder whose settings changed.
+"""Run folders (``-o DIR``): what each command records there, refusing a reused folder whose settings
+changed, and holding one while a command writes it (:func:`run_folder`: the lock, rank 0's decisions, no
+empty folder left behind).
 
 Every command writes its own record into the run folder, named after the
 command (``recipe.<command>.yaml``, ``run_info.<command>.json``), so that
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -324,3 +326,97 @@ def check_all_see(path: str | Path, what: str, timeout_s: float = 60.0) -> None:
             f"{path}: rank(s) {', '.join(map(str, blind))} cannot see the {what} rank 0 made {timeout_s:.0f} s ago",
             hint="the run folder must be on a disk every node mounts at the same path; on NFS, a lower actimeo helps",
         )
+
+
+# -- rank 0 writes the run folder: its lock, and its outcomes said to every rank
+
+@contextmanager
+def rank0_lock(folder: Path, message: str, rank: int, world: int):
+    """``folder``'s :class:`~dllm_align.core.io.DirLock` (``message`` when another command holds it), taken by rank 0
+    alone, which alone writes; when several processes run, whether it got the lock is said to every rank (a
+    refusal is raised on every rank), so that no rank goes on while rank 0 has stopped."""
+    from dllm_align.core.io import DirLock
+
+    lock = DirLock(folder, message) if rank == 0 else None
+
+    def take() -> None:  # returns nothing: the result is broadcast, and the lock stays on rank 0
+        lock.__enter__()
+
+    if world > 1:
+        from_rank0(take)
+    elif lock is not None:
+        take()
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def from_rank0(fn):
+    """``fn()`` run on rank 0 (the other ranks pass a function returning None), its result given to every
+    rank, or its error raised on every rank: no rank waits for a rank 0 that has stopped."""
+    import torch.distributed as dist
+
+    from dllm_align.core.errors import DllmAlignError, RunFailure
+
+    box: list = [None]
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except DllmAlignError as e:
+            box, err = [("error", e.exit_code, e.message, e.hint)], e
+        except Exception as e:  # noqa: BLE001 - said to the other ranks, then raised here as it is
+            box, err = [("error", 1, f"rank 0 stopped: {type(e).__name__}: {e}", None)], e
+    dist.broadcast_object_list(box, src=0)
+    if err is not None:
+        raise err
+    if box[0][0] == "error":
+        _, code, message, hint = box[0]
+        raise (UserError if code == 2 else RunFailure)(message, hint=hint)
+    return box[0][1]
+
+
+class HeldFolder:
+    """A run folder as :func:`run_folder` holds it: rank 0 writes, every rank learns what rank 0 decided."""
+
+    def __init__(self, folder: Path, rank: int, world: int, stack: ExitStack):
+        self.folder = folder
+        self.rank = rank
+        self.world = world
+        self._stack = stack
+
+    def decide(self, fn):
+        """``fn()`` run on rank 0 alone (it inspects the folder), its result given to every rank, its refusal
+        raised on every rank (:func:`from_rank0`)."""
+        if self.world > 1:
+            return from_rank0(fn if self.rank == 0 else (lambda: None))
+        return fn()
+
+    def hold(self, context):
+        """Enter ``context`` (another lock, say) until the folder is let go; returns what it gives."""
+        return self._stack.enter_context(context)
+
+
+@contextmanager
+def run_folder(folder: str | Path, message: str, *, rank: int = 0, world: int = 1, shared: Optional[str] = None):
+    """Hold the run folder ``folder`` while a command writes it; yields a :class:`HeldFolder`.
+
+    ``shared``: first refuse a folder the nodes of a multi-node launch do not all see (:func:`check_shared_folder`;
+    the word names it in the message). Then rank 0 takes the folder's lock (:func:`rank0_lock`, ``message`` when
+    another command holds it); what rank 0 decides about the folder reaches every rank (:meth:`HeldFolder.decide`).
+    A command that stops before writing anything (a refusal, an error, Ctrl-C) leaves no empty folder of its own
+    making behind.
+    """
+    folder = Path(folder)
+    made = rank == 0 and not folder.exists()
+    try:
+        if shared is not None:
+            check_shared_folder(folder, shared)
+        with rank0_lock(folder, message, rank, world), ExitStack() as stack:
+            yield HeldFolder(folder, rank, world, stack)
+    except BaseException:
+        if made and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise

@@ -23,12 +23,15 @@ May import: the standard library only.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import os
 import signal
 import sys
 import threading
 from typing import Any, Callable, Optional
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import RunFailure, UserError
 
 IMPORT_SECONDS = 30.0
@@ -114,11 +117,6 @@ def check_spec(spec: Any, label: str) -> tuple[str, str]:
 def load_function(spec: str, label: str, *, args: Optional[tuple] = None, what: str = "") -> tuple[Callable, str]:
     """The function ``spec`` names, imported under the bounds above, announced on stderr. ``args``: a sample
     call it must accept (its arity, checked before it ever runs; ``what`` says what it must take)."""
-    import importlib
-    import inspect
-
-    from dllm_align.core.console import warn
-
     mod_name, attr = check_spec(spec, label)
     try:
         with _stdout_to_stderr(), bounded(IMPORT_SECONDS):

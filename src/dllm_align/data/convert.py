@@ -17,6 +17,8 @@ from dllm_align.data.rows import Format, Row
 from dllm_align.data.imbalance import balance_weights, check_weight_ratio, class_counts, subsample, weights_path_for
 from dllm_align.data.load import load_unpaired
 
+# lazy imports: pyarrow: slow to import, and only a Parquet output needs it
+
 
 # --------------------------------------------------------------------------- writing
 def write_rows(rows: Sequence[Row], output: str | Path) -> Path:

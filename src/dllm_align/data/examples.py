@@ -21,7 +21,12 @@ import hashlib
 import math
 from typing import Callable, Optional, Sequence
 
+from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
+from dllm_align.data.batching import collate, plan_batches
+from dllm_align.data.load import rows_from_section
+from dllm_align.data.tokenize import Example, block_layout, pad_token_id, tokenize_rows
+
 
 def block_scoring(data, block_size: Optional[int]) -> Optional[str]:
     """What ``data.block_scoring`` does for a model of ``block_size`` (None: a whole-sequence model, where it does
@@ -34,8 +39,6 @@ def block_scoring(data, block_size: Optional[int]) -> Optional[str]:
 def block_layout_for(data, tokenizer, block_size: Optional[int]):
     """The :class:`dllm_align.data.tokenize.BlockLayout` the tokenisers take for ``data.block_scoring`` and a model of
     ``block_size``, or None (whole-sequence models, ``completion_only``)."""
-    from dllm_align.data.tokenize import block_layout
-
     if block_scoring(data, block_size) != "published":
         return None
     return block_layout(tokenizer, int(block_size))
@@ -44,18 +47,12 @@ def block_layout_for(data, tokenizer, block_size: Optional[int]):
 def load_training_examples(recipe, tokenizer, *, quiet: bool = False, block_size: Optional[int] = None) -> list:
     """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation). ``block_size``: the
     model's block size (block-diffusion families), for the layout ``data.block_scoring`` names."""
-    from dllm_align.data.load import rows_from_section
-    from dllm_align.data.tokenize import tokenize_rows
-
     rows = rows_from_section(recipe.data, "train", quiet=quiet)
     return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet,
                          block=block_layout_for(recipe.data, tokenizer, block_size))
 
 
 def make_collate(recipe, tokenizer) -> Callable[[list], dict]:
-    from dllm_align.data.batching import collate
-    from dllm_align.data.tokenize import pad_token_id
-
     return functools.partial(
         collate, padding=recipe.data.padding, max_length=recipe.data.max_length, pad_id=pad_token_id(tokenizer)
     )
@@ -84,8 +81,6 @@ def step_count(t, n_units: int, G: int) -> tuple[int, int]:
         )
     steps = max(1, math.ceil(exact))
     if steps != exact:
-        from dllm_align.core.console import info
-
         info(f"train.epochs {t.epochs:g} = {exact:.3g} optimiser steps; rounded up to {steps}")
     return per_epoch, steps
 
@@ -101,8 +96,6 @@ def kl_examples(batch: Sequence, max_length: int) -> list:
     (``truncation: completion``). Pairs are in the batch's row order, so pair
     i belongs with row i on whichever process holds it.
     """
-    from dllm_align.data.tokenize import Example
-
     n = len(batch)
     if n < 2:
         raise UserError("train.baseline kl needs at least 2 rows per global batch (it pairs each prompt with another row's completion)")
@@ -116,8 +109,6 @@ def kl_examples(batch: Sequence, max_length: int) -> list:
 
 def planned_batches(recipe, lengths: Sequence[int], G: int, total: int) -> list[list[int]]:
     """The global batches of every step of the run, in order (the plan of each epoch it reaches)."""
-    from dllm_align.data.batching import plan_batches
-
     out: list[list[int]] = []
     epoch = 0
     while len(out) < total:

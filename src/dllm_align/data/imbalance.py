@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
-from dllm_align.data.rows import KTO_RATIO_RANGE, Row, _show
+from dllm_align.data.rows import KTO_RATIO_RANGE, Row, show_value
 
 
 def class_counts(rows: Iterable[Row]) -> tuple[int, int]:
@@ -119,7 +119,7 @@ def read_weights_file(path: str | Path) -> tuple[float, float]:
     for key in ("lambda_desirable", "lambda_undesirable"):
         v = obj.get(key) if isinstance(obj, dict) else None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
-            raise UserError(f"{p}: '{key}' must be a positive number, got {_show(v)}")
+            raise UserError(f"{p}: '{key}' must be a positive number, got {show_value(v)}")
         out.append(float(v))
     return out[0], out[1]
 

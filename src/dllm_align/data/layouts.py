@@ -11,8 +11,8 @@ from typing import Any, Iterable, Optional
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
-from dllm_align.data.rows import Messages, PairRow, Problem, Row, Table, _Bad, _DETECT_ROWS, _explicit_id, _show, content_hash
-from dllm_align.data.read import _has_surrogates
+from dllm_align.data.rows import DETECT_ROWS, BadValue, Messages, PairRow, Problem, Row, Table, content_hash, explicit_id, show_value
+from dllm_align.data.read import has_surrogates
 
 
 # --------------------------------------------------------------------------- normalising values
@@ -21,15 +21,15 @@ def _text(value: Any, what: str) -> str:
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError:
-            raise _Bad(f"{what}: not UTF-8 text") from None
+            raise BadValue(f"{what}: not UTF-8 text") from None
     if isinstance(value, str):
-        if _has_surrogates(value):
-            raise _Bad(f"{what}: not UTF-8 text")
+        if has_surrogates(value):
+            raise BadValue(f"{what}: not UTF-8 text")
         return value
     if isinstance(value, list) and all(isinstance(x, dict) and x.get("type") == "text" for x in value):
         # OpenAI-style content parts; only text parts are meaningful here.
         return "".join(_text(x.get("text"), what) for x in value)
-    raise _Bad(f"{what} must be text, got {type(value).__name__}")
+    raise BadValue(f"{what} must be text, got {type(value).__name__}")
 
 
 def _maybe_json_list(value: Any, textual: bool) -> Any:
@@ -44,38 +44,38 @@ def _maybe_json_list(value: Any, textual: bool) -> Any:
     return value
 
 
-def _messages(value: Any, what: str, textual: bool = False) -> tuple[Messages, bool]:
+def as_messages(value: Any, what: str, textual: bool = False) -> tuple[Messages, bool]:
     """Normalise a prompt or conversation; returns (messages, was_a_string)."""
     value = _maybe_json_list(value, textual)
     if isinstance(value, (str, bytes)):
         text = _text(value, what)
         if not text.strip():
-            raise _Bad(f"empty {what}")
+            raise BadValue(f"empty {what}")
         return [{"role": "user", "content": text}], True
     if isinstance(value, (list, tuple)):
         if not value:
-            raise _Bad(f"empty {what} (no messages)")
+            raise BadValue(f"empty {what} (no messages)")
         out = []
         for j, m in enumerate(value):
             if not isinstance(m, dict):
-                raise _Bad(f"{what}[{j}] must be a message object with 'role' and 'content', got {type(m).__name__}")
+                raise BadValue(f"{what}[{j}] must be a message object with 'role' and 'content', got {type(m).__name__}")
             if "role" not in m or "content" not in m:
                 missing = "role" if "role" not in m else "content"
-                raise _Bad(f"{what}[{j}] has no '{missing}'")
+                raise BadValue(f"{what}[{j}] has no '{missing}'")
             role = m["role"]
             if not isinstance(role, str) or not role.strip():
-                raise _Bad(f"{what}[{j}].role must be a non-empty string, got {_show(role)}")
+                raise BadValue(f"{what}[{j}].role must be a non-empty string, got {show_value(role)}")
             content = "" if m["content"] is None else _text(m["content"], f"{what}[{j}].content")
             out.append({"role": role.strip(), "content": content})
         if not any(m["content"].strip() for m in out):
-            raise _Bad(f"empty {what} (every message is blank)")
+            raise BadValue(f"empty {what} (every message is blank)")
         return out, False
     if value is None:
-        raise _Bad(f"empty {what} (null)")
-    raise _Bad(f"{what} must be a string or a list of chat messages, got {type(value).__name__}")
+        raise BadValue(f"empty {what} (null)")
+    raise BadValue(f"{what} must be a string or a list of chat messages, got {type(value).__name__}")
 
 
-def _same_messages(a: Messages, b: Messages) -> bool:
+def same_messages(a: Messages, b: Messages) -> bool:
     return len(a) == len(b) and all(
         x["role"] == y["role"] and x["content"].strip() == y["content"].strip() for x, y in zip(a, b)
     )
@@ -95,25 +95,25 @@ def _reply(
     if isinstance(value, (str, bytes)) or value is None:
         text = _text(value, column) if value is not None else ""
         if not text.strip():
-            raise _Bad(f"empty {column}")
+            raise BadValue(f"empty {column}")
         return text, None
-    msgs, _ = _messages(value, column, textual)
+    msgs, _ = as_messages(value, column, textual)
     last = msgs[-1]
     if last["role"] != "assistant":
-        raise _Bad(f"{column}: the message list has no assistant reply (last message is from '{last['role']}')")
+        raise BadValue(f"{column}: the message list has no assistant reply (last message is from '{last['role']}')")
     if not last["content"].strip():
-        raise _Bad(f"empty {column} (the assistant reply is blank)")
+        raise BadValue(f"empty {column} (the assistant reply is blank)")
     before = msgs[:-1]
     if not before:
         return last["content"], None
     if prompt is not None:
-        agrees = _same_messages(before, prompt) or (
+        agrees = same_messages(before, prompt) or (
             prompt_was_str
             and before[-1]["role"] == "user"
             and before[-1]["content"].strip() == prompt[0]["content"].strip()
         )
         if not agrees:
-            raise _Bad(f"{column}: the conversation before the reply does not match the prompt column")
+            raise BadValue(f"{column}: the conversation before the reply does not match the prompt column")
     return last["content"], before
 
 
@@ -122,24 +122,24 @@ def _label(value: Any, textual: bool) -> bool:
         return value
     if textual and isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
-    raise _Bad(f"label must be true or false, got {_show(value)}")
+    raise BadValue(f"label must be true or false, got {show_value(value)}")
 
 
 def _prompt_of(data: dict, textual: bool) -> tuple[Optional[Messages], bool]:
     if "prompt" not in data:
         return None, False
-    return _messages(data["prompt"], "prompt", textual)
+    return as_messages(data["prompt"], "prompt", textual)
 
 
-def _check_prompt_turn(prompt: Messages) -> None:
+def check_prompt_turn(prompt: Messages) -> None:
     if prompt[-1]["role"] == "assistant":
-        raise _Bad("prompt ends with an assistant message; the completion must answer a user turn")
+        raise BadValue("prompt ends with an assistant message; the completion must answer a user turn")
 
 
 # --------------------------------------------------------------------------- layouts
-def _columns(table: Table) -> set[str]:
+def column_names(table: Table) -> set[str]:
     cols: set[str] = set()
-    for r in table.records[:_DETECT_ROWS]:
+    for r in table.records[:DETECT_ROWS]:
         if r.data is not None:
             cols |= set(r.data)
     return cols
@@ -160,18 +160,18 @@ def detect_layout(columns: Iterable[str]) -> Optional[str]:
 _REQUIRED = {"paired": ("chosen", "rejected"), "unpaired": ("completion",)}
 
 
-def _note_layout(tables: list[Table], layouts: list[str], quiet: bool) -> None:
+def note_layout(tables: list[Table], layouts: list[str], quiet: bool) -> None:
     """Say which layout was read (after validation, so an error stays the first line of output)."""
     if quiet:
         return
     for t, lay in zip(tables, layouts):
-        cols = _columns(t)
+        cols = column_names(t)
         shown = ", ".join(c for c in ("prompt", "completion", "label", "chosen", "rejected", "messages", "id", "prompt_id") if c in cols)
         console.info(f"{t.name}: {lay} layout ({shown}), {len(t.records):,} rows")
 
 
-def _layout(table: Table, fmt: str) -> str:
-    cols = _columns(table)
+def table_layout(table: Table, fmt: str) -> str:
+    cols = column_names(table)
     if not cols:
         if not table.records:
             raise UserError(f"{table.name}: no rows")
@@ -193,7 +193,7 @@ def _layout(table: Table, fmt: str) -> str:
     return fmt
 
 
-def _parse_unpaired(table: Table, label: Optional[bool], problems: list[Problem], counters: dict) -> list[tuple]:
+def parse_unpaired(table: Table, label: Optional[bool], problems: list[Problem], counters: dict) -> list[tuple]:
     out = []
     for rec in table.records:
         if rec.problem:
@@ -203,13 +203,13 @@ def _parse_unpaired(table: Table, label: Optional[bool], problems: list[Problem]
         try:
             prompt, was_str = _prompt_of(d, table.textual)
             if "completion" not in d:
-                raise _Bad("missing column 'completion'")
+                raise BadValue("missing column 'completion'")
             text, before = _reply(d["completion"], "completion", prompt, was_str, table.textual)
             if before is not None:
                 prompt = before
             if prompt is None:
-                raise _Bad("missing column 'prompt'")
-            _check_prompt_turn(prompt)
+                raise BadValue("missing column 'prompt'")
+            check_prompt_turn(prompt)
             if table.implied_label is not None and "label" not in d:
                 lab = table.implied_label
             elif "label" in d:
@@ -219,16 +219,16 @@ def _parse_unpaired(table: Table, label: Optional[bool], problems: list[Problem]
             elif label is not None:
                 lab = label
             else:
-                raise _Bad("missing column 'label' (for a file of one class pass --label true or --label false)")
-            rid = _explicit_id(d.get("id"))
-            pair_id = _explicit_id(d.get("pair_id"))
+                raise BadValue("missing column 'label' (for a file of one class pass --label true or --label false)")
+            rid = explicit_id(d.get("id"))
+            pair_id = explicit_id(d.get("pair_id"))
             out.append((rec.where, Row(rid or "", prompt, text, lab, pair_id), rid))
-        except _Bad as e:
+        except BadValue as e:
             problems.append(Problem(rec.where, str(e)))
     return out
 
 
-def _parse_paired(table: Table, problems: list[Problem]) -> list[tuple]:
+def parse_paired(table: Table, problems: list[Problem]) -> list[tuple]:
     out = []
     for rec in table.records:
         if rec.problem:
@@ -239,27 +239,27 @@ def _parse_paired(table: Table, problems: list[Problem]) -> list[tuple]:
             prompt, was_str = _prompt_of(d, table.textual)
             for col in ("chosen", "rejected"):
                 if col not in d:
-                    raise _Bad(f"missing column '{col}'")
+                    raise BadValue(f"missing column '{col}'")
             chosen, before_c = _reply(d["chosen"], "chosen", prompt, was_str, table.textual)
             rejected, before_r = _reply(d["rejected"], "rejected", prompt, was_str, table.textual)
             if prompt is None:
                 if before_c is None or before_r is None:
-                    raise _Bad("missing column 'prompt'")
-                if not _same_messages(before_c, before_r):
-                    raise _Bad("chosen and rejected conversations differ before the reply")
+                    raise BadValue("missing column 'prompt'")
+                if not same_messages(before_c, before_r):
+                    raise BadValue("chosen and rejected conversations differ before the reply")
             prompt = before_c or before_r or prompt
-            _check_prompt_turn(prompt)
-            rid = _explicit_id(d.get("id"))
+            check_prompt_turn(prompt)
+            rid = explicit_id(d.get("id"))
             # A prompt_id names the prompt, not the pair: several pairs may share it,
             # so it is a soft id (suffixed on repeats) rather than a row id.
-            soft = None if rid is not None else _explicit_id(d.get("prompt_id"))
+            soft = None if rid is not None else explicit_id(d.get("prompt_id"))
             out.append((rec.where, PairRow(rid or soft or "", prompt, chosen, rejected), rid))
-        except _Bad as e:
+        except BadValue as e:
             problems.append(Problem(rec.where, str(e)))
     return out
 
 
-def _assign_ids(parsed: list[tuple], problems: list[Problem], hash_of, counters: dict) -> list:
+def assign_ids(parsed: list[tuple], problems: list[Problem], hash_of, counters: dict) -> list:
     """Give each row its explicit id, else its soft id (a pair's ``prompt_id``), else a content hash.
 
     A repeated explicit id is a problem. Rows without one that collide (exact
@@ -294,26 +294,26 @@ def _with_id(row, new_id: str):
     return replace(row, id=new_id)
 
 
-def _row_hash(r: Row) -> str:
+def row_hash(r: Row) -> str:
     return content_hash({"prompt": r.prompt, "completion": r.completion, "label": r.label})
 
 
-def _pair_hash(p: PairRow) -> str:
+def pair_hash(p: PairRow) -> str:
     return content_hash({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected})
 
 
-def _prompt_hash(messages: Messages) -> str:
+def prompt_hash(messages: Messages) -> str:
     return content_hash({"prompt": messages})
 
 
 
 
 
-def _source_name(tables: list[Table], source) -> str:
+def source_name(tables: list[Table], source) -> str:
     return tables[0].name if len(tables) == 1 else str(source)
 
 
-def _finish_counters(counters: dict, label: Optional[bool]) -> None:
+def finish_counters(counters: dict, label: Optional[bool]) -> None:
     if counters.get("own_label"):
         console.warn(f"{counters['own_label']:,} rows have their own label column; --label {str(label).lower()} applies only to rows without one")
     if counters.get("dup_prompt_id"):

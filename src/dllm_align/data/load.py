@@ -11,9 +11,9 @@ from typing import Literal, Optional
 
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
-from dllm_align.data.rows import Format, PairRow, Problem, PromptRow, Row, Table, _Bad, _explicit_id, report_problems, unpair
+from dllm_align.data.rows import BadValue, Format, PairRow, Problem, PromptRow, Row, Table, explicit_id, report_problems, unpair
 from dllm_align.data.read import read_tables
-from dllm_align.data.layouts import _assign_ids, _check_prompt_turn, _columns, _finish_counters, _layout, _messages, _note_layout, _pair_hash, _parse_paired, _parse_unpaired, _prompt_hash, _row_hash, _same_messages, _source_name
+from dllm_align.data.layouts import as_messages, assign_ids, check_prompt_turn, column_names, finish_counters, note_layout, pair_hash, parse_paired, parse_unpaired, prompt_hash, row_hash, same_messages, source_name, table_layout
 from dllm_align.data.imbalance import class_counts, subsample
 
 
@@ -24,12 +24,12 @@ def _parse_tables(tables, format: str, label, problems: list, counters: dict, pr
     parsed_rows: list[tuple] = []
     layouts = []
     for t in tables:
-        lay = _layout(t, format)
+        lay = table_layout(t, format)
         layouts.append(lay)
         if lay == "paired":
-            parsed_pairs += _parse_paired(t, problems)
+            parsed_pairs += parse_paired(t, problems)
         elif lay == "unpaired":
-            parsed_rows += _parse_unpaired(t, label, problems, counters)
+            parsed_rows += parse_unpaired(t, label, problems, counters)
         else:
             raise UserError(f"{t.name}: {prompts_only}")
     return parsed_pairs, parsed_rows, layouts
@@ -60,11 +60,11 @@ def load_unpaired(
         tables, format, label, problems, counters, "holds prompts only (no completion or chosen/rejected columns); training needs completions"
     )
     # Ids are assigned over all files of a source at once (shards may hold copies of each other's rows).
-    rows = unpair(_assign_ids(parsed_pairs, problems, _pair_hash, counters))
-    rows += _assign_ids(parsed_rows, problems, _row_hash, counters)
-    report_problems(problems, _source_name(tables, source), skip_invalid)
-    _note_layout(tables, layouts, quiet)
-    _finish_counters(counters, label)
+    rows = unpair(assign_ids(parsed_pairs, problems, pair_hash, counters))
+    rows += assign_ids(parsed_rows, problems, row_hash, counters)
+    report_problems(problems, source_name(tables, source), skip_invalid)
+    note_layout(tables, layouts, quiet)
+    finish_counters(counters, label)
     if parsed_pairs and parsed_rows:
         _check_unique([r.id for r in rows], str(source))
     if not rows:
@@ -84,9 +84,9 @@ def _pair_file_rows(tables: list[Table], problems: list[Problem]) -> dict[str, l
     counters: dict = {}
     out = {}
     for t in tables:
-        if _columns(t) and "completion" not in _columns(t):
+        if column_names(t) and "completion" not in column_names(t):
             raise UserError(f"{t.name}: a {t.role} file needs a 'completion' column")
-        parsed = _parse_unpaired(t, None, problems, counters)
+        parsed = parse_unpaired(t, None, problems, counters)
         good = []
         seen: dict[str, str] = {}
         for where, row, rid in parsed:
@@ -114,7 +114,7 @@ def _unpaired_from_pair_files(tables: list[Table], skip_invalid: bool, quiet: bo
     # taking the first N rows (data.limit) keeps both classes.
     for _, c in by_role["chosen"]:
         o = rejected.get(c.id)
-        paired = o is not None and _same_messages(o.prompt, c.prompt)
+        paired = o is not None and same_messages(o.prompt, c.prompt)
         rows.append(Row(f"{c.id}:chosen", c.prompt, c.completion, True, c.id if paired else None))
         if o is not None:
             n_pairs += paired
@@ -142,7 +142,7 @@ def _pairs_from_pair_files(tables: list[Table], skip_invalid: bool, quiet: bool)
             problems.append(Problem(where, f"id '{c.id}' has no rejected partner"))
             continue
         rw, r = rej[c.id]
-        if not _same_messages(c.prompt, r.prompt):
+        if not same_messages(c.prompt, r.prompt):
             problems.append(Problem(where, f"id '{c.id}': prompt differs from the rejected row's ({rw})"))
             continue
         pairs.append(PairRow(c.id, c.prompt, c.completion, r.completion))
@@ -178,12 +178,12 @@ def load_paired(
     parsed_pairs, parsed_rows, layouts = _parse_tables(
         tables, format, None, problems, counters, "holds prompts only; pairs need chosen and rejected completions"
     )
-    pairs = _assign_ids(parsed_pairs, problems, _pair_hash, counters)
+    pairs = assign_ids(parsed_pairs, problems, pair_hash, counters)
     if parsed_rows:
-        pairs += _repair(parsed_rows, _source_name(tables, source), problems)
-    report_problems(problems, _source_name(tables, source), skip_invalid)
-    _note_layout(tables, layouts, quiet)
-    _finish_counters(counters, None)
+        pairs += _repair(parsed_rows, source_name(tables, source), problems)
+    report_problems(problems, source_name(tables, source), skip_invalid)
+    note_layout(tables, layouts, quiet)
+    finish_counters(counters, None)
     if parsed_pairs and parsed_rows:
         _check_unique([p.id for p in pairs], str(source))
     if not pairs:
@@ -214,7 +214,7 @@ def _repair(parsed: list[tuple], name: str, problems: list[Problem]) -> list[Pai
         if len(good) != 1 or len(bad) != 1:
             problems.append(Problem(where, f"pair_id '{pid}' has {len(good)} desirable and {len(bad)} undesirable rows (need 1 and 1)"))
             continue
-        if not _same_messages(good[0].prompt, bad[0].prompt):
+        if not same_messages(good[0].prompt, bad[0].prompt):
             problems.append(Problem(where, f"pair_id '{pid}': the two rows have different prompts"))
             continue
         pairs.append(PairRow(pid, good[0].prompt, good[0].completion, bad[0].completion))
@@ -244,24 +244,24 @@ def load_prompts(
     out: list[PromptRow] = []
     layouts = []
     for t in tables:
-        lay = "prompts" if t.name.endswith((".txt", ".txt.gz")) else _layout(t, "auto")
+        lay = "prompts" if t.name.endswith((".txt", ".txt.gz")) else table_layout(t, "auto")
         layouts.append(lay)
         out.extend(_prompts_of_table(t, lay, problems))
-    report_problems(problems, _source_name(tables, source), skip_invalid)
-    _note_layout(tables, layouts, quiet)
+    report_problems(problems, source_name(tables, source), skip_invalid)
+    note_layout(tables, layouts, quiet)
     # Distinct ids: identical prompts collapse, a reused id for another prompt is a problem.
     seen: dict[str, PromptRow] = {}
     unique = []
     clashes = []
     for p in out:
         if p.id in seen:
-            if not _same_messages(seen[p.id].messages, p.messages):
+            if not same_messages(seen[p.id].messages, p.messages):
                 clashes.append(p.id)
             continue
         seen[p.id] = p
         unique.append(p)
     if clashes:
-        raise UserError(f"{_source_name(tables, source)}: id '{clashes[0]}' is used for different prompts ({len(clashes)} ids)")
+        raise UserError(f"{source_name(tables, source)}: id '{clashes[0]}' is used for different prompts ({len(clashes)} ids)")
     if not unique:
         raise UserError(f"{source}: no prompts")
     return _limit(unique, limit)
@@ -275,21 +275,21 @@ def _prompts_of_table(t: Table, lay: str, problems: list[Problem]) -> list[Promp
     counters: dict = {}
     if lay == "paired":
         # Pairs sharing a prompt give it once (load_prompts drops same-id, same-prompt repeats).
-        return [PromptRow(rid or p.id or _prompt_hash(p.prompt), p.prompt) for _, p, rid in _parse_paired(t, problems)]
+        return [PromptRow(rid or p.id or prompt_hash(p.prompt), p.prompt) for _, p, rid in parse_paired(t, problems)]
     if lay == "unpaired":
-        parsed = _parse_unpaired(t, False, problems, counters)
+        parsed = parse_unpaired(t, False, problems, counters)
         pids = {}
         for rec in t.records:
             if rec.data is not None and "prompt_id" in rec.data:
                 try:
-                    pids[rec.where] = _explicit_id(rec.data["prompt_id"])
-                except _Bad:
+                    pids[rec.where] = explicit_id(rec.data["prompt_id"])
+                except BadValue:
                     pass
         keys = [json.dumps(r.prompt, sort_keys=True) for _, r, _ in parsed]
         repeats = len(set(keys)) < len(keys)
         out = []
         for (where, row, rid), _k in zip(parsed, keys):
-            pid = pids.get(where) or row.pair_id or (rid if not repeats else None) or _prompt_hash(row.prompt)
+            pid = pids.get(where) or row.pair_id or (rid if not repeats else None) or prompt_hash(row.prompt)
             out.append(PromptRow(pid, row.prompt))
         return out
     out = []
@@ -300,19 +300,19 @@ def _prompts_of_table(t: Table, lay: str, problems: list[Problem]) -> list[Promp
         d = rec.data
         try:
             if "prompt" in d:
-                msgs, _ = _messages(d["prompt"], "prompt", t.textual)
+                msgs, _ = as_messages(d["prompt"], "prompt", t.textual)
             elif "messages" in d:
-                msgs, _ = _messages(d["messages"], "messages", t.textual)
+                msgs, _ = as_messages(d["messages"], "messages", t.textual)
                 while msgs and msgs[-1]["role"] == "assistant":
                     msgs = msgs[:-1]
                 if not msgs:
-                    raise _Bad("messages: no user turn before the assistant reply")
+                    raise BadValue("messages: no user turn before the assistant reply")
             else:
-                raise _Bad("missing column 'prompt'")
-            _check_prompt_turn(msgs)
-            pid = _explicit_id(d.get("prompt_id")) or _explicit_id(d.get("id")) or _prompt_hash(msgs)
+                raise BadValue("missing column 'prompt'")
+            check_prompt_turn(msgs)
+            pid = explicit_id(d.get("prompt_id")) or explicit_id(d.get("id")) or prompt_hash(msgs)
             out.append(PromptRow(pid, msgs))
-        except _Bad as e:
+        except BadValue as e:
             problems.append(Problem(rec.where, str(e)))
     return out
 

@@ -23,6 +23,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.core.io import atomic_write_text
+from dllm_align.data.read import hub_reachable
+
+# lazy imports: datasets: slow to import, and only a download from the hub needs it
+
 HUB_ID = "trl-lib/kto-mix-14k"
 SPLIT = "test"
 FOLDER = "kto-mix-14k-test"
@@ -63,8 +68,6 @@ def pair_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def _write(folder: Path, chosen: list[dict], rejected: list[dict]) -> None:
-    from dllm_align.core.io import atomic_write_text
-
     folder.mkdir(parents=True, exist_ok=True)
     for name, rows in zip(FILES, (chosen, rejected)):
         atomic_write_text(folder / name, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -73,7 +76,6 @@ def _write(folder: Path, chosen: list[dict], rejected: list[dict]) -> None:
 def fetch(folder: Optional[Path] = None) -> Path:
     """Load the split through ``datasets`` (its cache first) and write the two files."""
     folder = folder or cache_folder()
-    from dllm_align.data.read import hub_reachable
 
     import datasets
 

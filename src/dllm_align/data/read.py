@@ -20,7 +20,9 @@ from dllm_align.core import console
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import note_input
 from dllm_align.data import toy
-from dllm_align.data.rows import Record, Table, _Bad, _DATA_SUFFIXES, _TEXT_SUFFIXES
+from dllm_align.data.rows import DATA_SUFFIXES, TEXT_SUFFIXES, BadValue, Record, Table
+
+# lazy imports: datasets, pyarrow: slow to import, and only hub data sets and Parquet files need them
 
 
 # --------------------------------------------------------------------------- reading sources
@@ -43,10 +45,10 @@ def _kind(path: Path) -> Optional[str]:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] == ".gz":
         suffixes = suffixes[:-1]
-        if suffixes and suffixes[-1] in _TEXT_SUFFIXES:
+        if suffixes and suffixes[-1] in TEXT_SUFFIXES:
             return suffixes[-1][1:]
         return None
-    if suffixes and suffixes[-1] in _DATA_SUFFIXES + (".txt",):
+    if suffixes and suffixes[-1] in DATA_SUFFIXES + (".txt",):
         return suffixes[-1][1:]
     return None
 
@@ -55,7 +57,7 @@ def _decode(line: bytes) -> str:
     try:
         return line.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Bad(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
+        raise BadValue(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
 
 
 def _read_jsonl_bytes(data: bytes, name: str) -> list[Record]:
@@ -71,15 +73,15 @@ def _read_jsonl_bytes(data: bytes, name: str) -> list[Record]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                raise _Bad(f"malformed JSON ({e.msg} at column {e.colno})") from None
+                raise BadValue(f"malformed JSON ({e.msg} at column {e.colno})") from None
             except RecursionError:
-                raise _Bad("JSON nested too deeply") from None
+                raise BadValue("JSON nested too deeply") from None
             if not isinstance(obj, dict):
-                raise _Bad(f"expected a JSON object, got {type(obj).__name__}")
+                raise BadValue(f"expected a JSON object, got {type(obj).__name__}")
             if "\\ud" in text.lower() and _lone_surrogate(obj):
-                raise _Bad("a lone UTF-16 surrogate escape (such as \\ud800) is not text")
+                raise BadValue("a lone UTF-16 surrogate escape (such as \\ud800) is not text")
             records.append(Record(where, obj))
-        except _Bad as e:
+        except BadValue as e:
             records.append(Record(where, problem=str(e)))
     return records
 
@@ -163,8 +165,8 @@ def _read_csv(path: Path) -> list[Record]:
             if None in row:
                 records.append(Record(where, problem="more fields than the header has columns"))
                 continue
-            bad = [k for k, v in row.items() if isinstance(v, str) and _has_surrogates(v)]
-            if bad or any(_has_surrogates(k) for k in row if k):
+            bad = [k for k, v in row.items() if isinstance(v, str) and has_surrogates(v)]
+            if bad or any(has_surrogates(k) for k in row if k):
                 records.append(Record(where, problem=f"not UTF-8 text (in column {bad[0] if bad else '?'})"))
                 continue
             records.append(Record(where, {k: v for k, v in row.items() if v is not None}))
@@ -173,7 +175,7 @@ def _read_csv(path: Path) -> list[Record]:
     return records
 
 
-def _has_surrogates(s: str) -> bool:
+def has_surrogates(s: str) -> bool:
     return any("\udc80" <= ch <= "\udcff" for ch in s)
 
 
@@ -183,7 +185,7 @@ def _read_txt(path: Path) -> list[Record]:
         where = f"{path}:{i}"
         try:
             text = _decode(raw.rstrip(b"\r"))
-        except _Bad as e:
+        except BadValue as e:
             records.append(Record(where, problem=str(e)))
             continue
         if i == 1:

@@ -59,13 +59,13 @@ Format = Literal["auto", "unpaired", "paired"]
 # Problems listed in full before "... and N more".
 MAX_LISTED = 20
 # Records looked at to detect a source's layout.
-_DETECT_ROWS = 200
+DETECT_ROWS = 200
 # KTO paper (Ethayarajh et al. 2024, section 4.2): keep
 # lambda_D * n_D / (lambda_U * n_U) within this range.
 KTO_RATIO_RANGE = (1.0, 4.0 / 3.0)
 
-_TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 # --------------------------------------------------------------------------- rows
@@ -136,7 +136,7 @@ class Table:
     role: Optional[str] = None  # "chosen" / "rejected" for a pair of files
 
 
-class _Bad(Exception):
+class BadValue(Exception):
     """A row-level problem (becomes a Problem with the row's location)."""
 
 
@@ -147,16 +147,16 @@ def content_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:n]
 
 
-def _explicit_id(value: Any) -> Optional[str]:
+def explicit_id(value: Any) -> Optional[str]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise _Bad(f"id must be a string or an integer, got {_show(value)}")
+        raise BadValue(f"id must be a string or an integer, got {show_value(value)}")
     s = str(value).strip()
     return s or None
 
 
-def _show(value: Any, n: int = 40) -> str:
+def show_value(value: Any, n: int = 40) -> str:
     try:
         s = json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):

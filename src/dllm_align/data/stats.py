@@ -5,16 +5,20 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
-from dllm_align.data.rows import Row
+import numpy as np
+
 from dllm_align.data.imbalance import class_counts
+from dllm_align.data.rows import Row
+from dllm_align.data.tokenize import fit, tokenize_with_report
+
+# lazy imports: dllm_align.data.batching: it imports torch, which `data stats` without a tokenizer never needs
 
 
 # --------------------------------------------------------------------------- stats
 def _percentiles(values: Sequence[int]) -> dict[str, float]:
-    import numpy as np
-
     if not values:
         return {}
     a = np.asarray(values)
@@ -39,10 +43,7 @@ def dataset_stats(
     Lengths are reported before truncation (what the data holds) and the padding
     costs after it (what training would see with ``data_section``).
     """
-    from types import SimpleNamespace
-
     from dllm_align.data.batching import padding_costs
-    from dllm_align.data.tokenize import fit, tokenize_with_report
 
     raw, _ = tokenize_with_report(
         rows, tokenizer, SimpleNamespace(

@@ -35,7 +35,7 @@ import torch
 
 from dllm_align.core.errors import UserError
 from dllm_align.generate.canvas import completion
-from dllm_align.generate.rules import DecodingRule, register_rule
+from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
 # transformers is imported where the block rule runs: transformers takes longer to import than torch, and the generator factory
@@ -263,4 +263,4 @@ def check_block_model(mp, settings: SamplerSettings) -> None:
                         hint="set generate.cache: prefix (or none)")
 
 
-register_rule(DecodingRule("block", generate_batch_block, check_block_model))
+RULE = DecodingRule("block", generate_batch_block, check_block_model)

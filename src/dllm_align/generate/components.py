@@ -59,3 +59,37 @@ register(Component(
     summary="an OpenAI-compatible server (dllm-align serve, SGLang, vLLM, LMDeploy) asked per prompt",
     traits={"serves": _openai_serves, "reads": "rule", "loads_here": False},
 ))
+
+
+# --------------------------------------------------------------------------- decoding rules
+# A rule (``generate.sampler``) is a ``generate.rules.DecodingRule`` in its own module. Its ``ignores`` are the
+# shared ``generate`` keys it never reads (refused when set away from their defaults); its ``check`` receives
+# the ``generate`` section (the samplers' settings carry no recipe) and returns (key, message) problems. Both
+# run when the recipe names the rule and again once ``sampler: auto`` is resolved to the model family's rule
+# (``config.schema.rule_problems``).
+
+
+def block_shapes(generate) -> list[tuple[str, str]]:
+    """The semi-autoregressive blocks: gen_length in whole blocks, steps dealt evenly over them."""
+    g, b, s = generate.gen_length, generate.block_length, generate.steps
+    if g % b:
+        return [("gen_length", f"{g} is not a multiple of block_length ({b}): the rule decodes whole blocks")]
+    if s % (g // b):
+        return [("steps", f"{s} is not a multiple of the number of blocks ({g // b}, gen_length / block_length)")]
+    return []
+
+
+register(Component(
+    "rule", "llada", "dllm_align.generate.sampler:RULE", ignores=("top_p", "top_k"), check=block_shapes,
+    summary="LLaDA's semi-autoregressive block sampler (low-confidence or random remasking, cfg, fast mode)"))
+register(Component(
+    "rule", "dream", "dllm_align.generate.dream:RULE", ignores=("cache", "threshold", "cfg"),
+    summary="Dream's diffusion_generate over one canvas (alg, alg_temp, top_p, top_k, eps)"))
+register(Component(
+    "rule", "block", "dllm_align.generate.block:RULE", ignores=("cfg",), check=block_shapes,
+    summary="block diffusion's rule (SDAR, LLaDA2): block by block with a cache of the finished blocks",
+    traits={"fast_cache": "prefix"}))
+register(Component(
+    "rule", "diffusion_gemma", "dllm_align.generate.gemma:RULE",
+    ignores=("cache", "threshold", "cfg", "top_p", "top_k", "remasking", "alg", "alg_temp"),
+    summary="DiffusionGemma's published generate (reads gen_length and steps; its own temperature schedule)"))

@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.generate.canvas import canvas, completion
-from dllm_align.generate.rules import DecodingRule, register_rule, whole_sequence_model
+from dllm_align.generate.rules import DecodingRule, whole_sequence_model
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -155,4 +155,4 @@ def generate_batch_dream(mp, prompts, settings: SamplerSettings, seeds, stats, t
     return out
 
 
-register_rule(DecodingRule("dream", generate_batch_dream, whole_sequence_model))
+RULE = DecodingRule("dream", generate_batch_dream, whole_sequence_model)

@@ -27,7 +27,7 @@ import torch
 
 from dllm_align.core.errors import UserError
 from dllm_align.generate.canvas import completion
-from dllm_align.generate.rules import DecodingRule, register_rule
+from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
 
@@ -86,4 +86,4 @@ def check_gemma_model(mp, settings: SamplerSettings) -> None:
         raise UserError(f"generate.sampler: diffusion_gemma needs a DiffusionGemma model ({mp.family.name} is not one)")
 
 
-register_rule(DecodingRule("diffusion_gemma", generate_batch_gemma, check_gemma_model))
+RULE = DecodingRule("diffusion_gemma", generate_batch_gemma, check_gemma_model)

@@ -1,17 +1,23 @@
-"""Decoding rules by name: the registry the in-process samplers dispatch on.
+"""Decoding rules by name: what the in-process samplers dispatch on.
 
-A family names its published rule (``Family.sampler``: "llada", "dream", "block"); ``generate.sampler``
-picks one by name or leaves it to the family ("auto"). Each rule module registers a :class:`DecodingRule`
-with :func:`register_rule` (LLaDA's in :mod:`dllm_align.generate.sampler`, Dream's in
-:mod:`dllm_align.generate.dream`, the block rule in :mod:`dllm_align.generate.block`); the settings a
-rule has no use for are refused by the recipe schema (``GenerateSection``).
+A family names its published rule (``Family.sampler``: "llada", "dream", "block", "diffusion_gemma");
+``generate.sampler`` picks one by name or leaves it to the family ("auto"). A rule is a component of kind
+``rule`` (``dllm_align.config.components``): declared torch-free with the ``generate`` keys it ignores and its
+check (the built-in ones in :mod:`dllm_align.generate.components`), its :class:`DecodingRule` living in its own
+module (LLaDA's in :mod:`dllm_align.generate.sampler`, Dream's in :mod:`dllm_align.generate.dream`, the block
+rule in :mod:`dllm_align.generate.block`, DiffusionGemma's in :mod:`dllm_align.generate.gemma`), imported when
+first used (:func:`rule_for`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from dllm_align.config import components
+from dllm_align.config.schema import FAST_CACHE, rule_problems
 from dllm_align.core.errors import UserError
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
@@ -31,14 +37,6 @@ class DecodingRule:
     check_model: Optional[Callable[[object, SamplerSettings], None]] = None
 
 
-RULES: dict[str, DecodingRule] = {}
-
-
-def register_rule(rule: DecodingRule) -> DecodingRule:
-    RULES[rule.name] = rule
-    return rule
-
-
 def whole_sequence_model(mp, settings: SamplerSettings) -> None:
     """The LLaDA and Dream rules decode one canvas of whole-sequence diffusion: a block-diffusion model is
     refused by name (its own rule is ``block``, which ``sampler: auto`` picks)."""
@@ -51,14 +49,10 @@ def whole_sequence_model(mp, settings: SamplerSettings) -> None:
 
 def fast_cache(model, sampler: str) -> str:
     """The key/value cache fast decoding fills in (``generate --fast``) for this model section and
-    ``generate.sampler``: the block rule's is ``prefix`` (it has no cache of the positions after the block),
-    the LLaDA sampler's ``dual``. Read from the model's config.json alone, before any weights load; a model
-    that cannot be read gets ``dual`` here and its own error when it loads."""
-    import json
-    from pathlib import Path
-
-    from dllm_align.config.schema import FAST_CACHE
-
+    ``generate.sampler``: the rule's own (its ``fast_cache`` trait: the block rule's is ``prefix``, it has no cache
+    of the positions after the block), else ``dual`` (the LLaDA sampler's). Read from the model's config.json
+    alone, before any weights load; a model that cannot be read gets ``dual`` here and its own error when it
+    loads."""
     name = sampler
     if name == "auto":
         try:
@@ -71,22 +65,38 @@ def fast_cache(model, sampler: str) -> str:
                 cfg = json.loads(Path(resolve_config_file(model.name_or_path, model.revision)).read_text(encoding="utf-8"))
                 name = family_for_config(cfg).sampler
         except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
-            name = "auto"
-    return "prefix" if name == "block" else FAST_CACHE
+            return FAST_CACHE
+    return rule_fast_cache(name)
+
+
+def rule_fast_cache(name: str) -> str:
+    """The fast mode's cache for decoding rule ``name`` (the declaration's ``fast_cache`` trait, else dual)."""
+    comp = components.find("rule", name)
+    return comp.traits["fast_cache"] if comp is not None and "fast_cache" in comp.traits else FAST_CACHE
 
 
 def rule_for(name: str) -> DecodingRule:
-    try:
-        return RULES[name]
-    except KeyError:
-        raise UserError(f"generate.sampler: no decoding rule named {name!r}", hint="rules: " + ", ".join(sorted(RULES))) from None
+    """The decoding rule registered as ``name`` (its module imported now)."""
+    rule = components.load("rule", name, key="generate.sampler")
+    if not isinstance(rule, DecodingRule) or rule.name != name:
+        raise UserError(f"generate.sampler: the rule {name!r} loads {rule!r}, not a DecodingRule named {name!r}")
+    return rule
 
 
 def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
-    """``settings`` for this model: ``sampler: auto`` resolved to its family's rule, then checked, the rule's
-    needs of the model included (the block rule: a block-diffusion model, decoded in its own block length).
-    Callers that write anything check with it first, so a refusal leaves nothing behind."""
-    settings = SamplerSettings.from_section(settings).for_model(mp)
+    """``settings`` for this model: ``sampler: auto`` resolved to its family's rule and checked for it as a
+    recipe naming that rule is (:func:`dllm_align.config.schema.rule_problems`), then the rule's needs of the model
+    (the block rule: a block-diffusion model, decoded in its own block length). Callers that write anything check
+    with it first, so a refusal leaves nothing behind."""
+    settings = SamplerSettings.from_section(settings)
+    if settings.sampler == "auto":
+        name = mp.family.sampler
+        problems = rule_problems(settings, name)
+        if problems:
+            key, message = problems[0]
+            raise UserError(f"generate.{key}: {message}",
+                            hint=f"generate.sampler is auto: {mp.family.name} models decode with the {name} rule")
+        settings = settings.for_model(mp)
     rule = rule_for(settings.sampler)
     if rule.check_model is not None:
         rule.check_model(mp, settings)

@@ -79,9 +79,8 @@ import torch
 
 from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
-from dllm_align.generate import block, dream, gemma  # noqa: F401 (their rules register on import)
 from dllm_align.generate.canvas import canvas, completion, first_stop
-from dllm_align.generate.rules import DecodingRule, register_rule, rule_for, settings_for, whole_sequence_model
+from dllm_align.generate.rules import DecodingRule, rule_for, settings_for, whole_sequence_model
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule
 
 # transformers is imported where the fast mode builds its cache: transformers takes longer to import than torch, and the generator
@@ -366,7 +365,7 @@ def _generate_batch_llada(mp, prompts, settings: SamplerSettings, seeds, stats, 
     return results  # type: ignore[return-value]
 
 
-register_rule(DecodingRule("llada", _generate_batch_llada, whole_sequence_model))
+RULE = DecodingRule("llada", _generate_batch_llada, whole_sequence_model)
 
 
 @torch.no_grad()
@@ -384,7 +383,7 @@ def generate_batch(
     ``seeds``: one per prompt (default: :func:`row_seed` of ``settings.seed`` and
     the prompt's index in this call; the CLI passes the prompt ids instead).
     The rule is ``settings.sampler``'s (auto: the model family's), looked up by name in
-    :data:`dllm_align.generate.rules.RULES`.
+    the components registry (:func:`dllm_align.generate.rules.rule_for`).
     """
     settings = settings_for(mp, settings)
     if not prompts:

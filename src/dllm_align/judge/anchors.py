@@ -16,8 +16,11 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from dllm_align.core.console import info, warn
 from dllm_align.core.errors import UserError
-from dllm_align.judge.client import ChatClient
+from dllm_align.core.io import JsonlAppender, note_input, recover_jsonl
+from dllm_align.judge import stats
+from dllm_align.judge.client import ChatClient, JudgementFailed, read_api_key, run_pool
 from dllm_align.judge.inputs import Pair
 
 REWRITE_STYLES = {
@@ -36,7 +39,6 @@ def rewrite_for_length(client: ChatClient, model: str, prompts: Sequence[str], a
         raise UserError(f"length anchors: unknown style {style!r}", hint=f"one of {', '.join(REWRITE_STYLES)}")
     if len(prompts) != len(answers):
         raise ValueError("one answer per prompt")
-    from dllm_align.judge.client import JudgementFailed, run_pool
 
     out: list[Optional[str]] = [None] * len(answers)
 
@@ -66,11 +68,6 @@ def length_anchors(pairs: list[Pair], out: Path, s: dict, environ, judges: list[
     (``OUT/anchors/<style>/``, with its own cache). Returns ``{judge: [(outcomes, lengths) per style]}``,
     one entry per pair, None where a rewrite or its verdict is missing. ``judge_pairs``, ``params`` and
     ``answer_length`` are :mod:`dllm_align.judge.run`'s, passed in (that module calls this one)."""
-    from dllm_align.core.console import info, warn
-    from dllm_align.core.io import JsonlAppender, recover_jsonl
-    from dllm_align.judge import stats
-    from dllm_align.judge.client import read_api_key
-
     model = s["length_anchors_model"] or next(j for j in judges if not j.startswith("rule:"))
     folder = out / "anchors"
     folder.mkdir(parents=True, exist_ok=True)
@@ -128,9 +125,6 @@ def length_anchors(pairs: list[Pair], out: Path, s: dict, environ, judges: list[
 def difficulty_from(source: str, pairs: list[Pair], judges: list[str]) -> dict[str, list]:
     """The instruction-difficulty term: a second model's outcome against the same B per prompt (by id), from
     its judge run's ``outcomes.jsonl`` (or the run folder); None where that run has none (a tie in the fit)."""
-    from dllm_align.core.io import note_input
-    from dllm_align.judge import stats
-
     path = Path(source)
     if path.is_dir():
         path = path / "outcomes.jsonl"

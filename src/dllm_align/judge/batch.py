@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from dllm_align.core import faults
-from dllm_align.core.errors import RunFailure
+from dllm_align.core.console import info, progress, warn
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import atomic_write_json, atomic_write_text
 from dllm_align.judge.cache import CacheWriter, Task
 from dllm_align.judge.client import Cancelled, ChatClient, FatalApiError
 
@@ -74,8 +76,6 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ state
     def _load_state(self) -> dict:
-        from dllm_align.core.errors import UserError
-
         if not self.state_path.exists():
             return {"version": 1, "batches": []}
         try:
@@ -87,8 +87,6 @@ class BatchRunner:
         return state
 
     def _save(self) -> None:
-        from dllm_align.core.io import atomic_write_json
-
         atomic_write_json(self.state_path, self.state)
 
     # ------------------------------------------------------------------ the run
@@ -100,8 +98,6 @@ class BatchRunner:
         why: dict[str, str] = {}
         for b in self.state["batches"]:
             if b["status"] != "done":
-                from dllm_align.core.console import info
-
                 info(f"Continuing {b['name']} ({len(b['keys'])} requests, stage: {b['status']})")
                 why.update(self._drive(b))
         for _ in range(rounds):
@@ -113,8 +109,6 @@ class BatchRunner:
                 why.update(self._drive(b))
         again = {k: m for k, m in self.conflicted.items() if k in tasks and k not in self.writer.cache}
         if again:
-            from dllm_align.core.console import info
-
             info(f"Submitting the {len(again)} request(s) whose results conflicted in one new batch (not asked live)")
             self.settled = set(again)
             for chunk in self._chunks([tasks[k] for k in again]):
@@ -142,8 +136,6 @@ class BatchRunner:
 
     def _write(self, tasks: list[Task]) -> dict:
         """Stage ``written``: the request file on disk, recorded in the state."""
-        from dllm_align.core.io import atomic_write_text
-
         self.folder.mkdir(parents=True, exist_ok=True)
         text = "".join(json.dumps(request_line(t, self.params), ensure_ascii=False) + "\n" for t in tasks)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -158,8 +150,6 @@ class BatchRunner:
         return b
 
     def _drive(self, b: dict) -> dict[str, str]:
-        from dllm_align.core.console import info
-
         c = self.client
         # Each attempt of an upload or a create first looks for what an earlier attempt
         # (killed, or timed out after the server had acted) may have made.
@@ -217,8 +207,6 @@ class BatchRunner:
         return None
 
     def _poll(self, b: dict):
-        from dllm_align.core.console import info, progress
-
         delay, last_status, polls = self.poll_interval, None, 0
         with progress(f"{b['name']}", len(b["keys"]), unit="requests") as bar:
             done_shown = 0
@@ -257,8 +245,6 @@ class BatchRunner:
     def _download(self, b: dict, file_id: Optional[str], kind: str) -> list[dict]:
         """The lines of a result file, kept under DIR/batches (scrubbed) so a rerun
         after a kill does not download it again."""
-        from dllm_align.core.io import atomic_write_text
-
         if not file_id:
             return []
         path = self.folder / f"{b['name']}.{kind}.jsonl"
@@ -339,8 +325,6 @@ class BatchRunner:
                              "tries": 1, "mode": "batch", "batch": b["batch_id"]})
             ok += 1
         if conflicts:
-            from dllm_align.core.console import warn
-
             warn(f"{b['name']}: {conflicts} request(s) answered more than once with different verdicts in the result file; "
                  "none of those answers was taken" + ("" if self.settled & set(b["keys"]) else " (they go into one new batch)"))
         if batch.status in ("failed", "cancelled") and batch.errors is not None and batch.errors.data:
@@ -353,7 +337,6 @@ class BatchRunner:
                 why[key] = reason
         b.update(status="done", server_status=batch.status, answered=ok, failed=len(why))
         self._save()
-        from dllm_align.core.console import info, warn
 
         (warn if why else info)(f"{b['name']} {batch.status}: {ok} judgement(s) cached, {len(why)} failed")
         return why

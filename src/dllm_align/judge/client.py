@@ -33,7 +33,7 @@ does not:
 * **Errors name the URL actually requested** (from the request object), and
   every message is scrubbed of the key.
 
-Size: about 640 lines, kept whole: the guarded transport, the SDK client built on it and the retry
+Size: about 700 lines, kept whole: the guarded transport, the SDK client built on it and the retry
 loop share one request state (URL, key scrubbing, limits), and splitting them would export that state.
 """
 
@@ -51,9 +51,14 @@ import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, Callable, Mapping, Optional, Sequence
+import urllib.request
 from urllib.parse import urlsplit
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
+
+# lazy imports: httpx2, openai: absent on Python 3.10 (pyproject installs them from 3.11), where everything but an
+# API judge works and `judge` with a model says what to install
 
 # A judge's reply is a few kB; a batch output file can be hundreds of MB.
 MAX_RESPONSE_BYTES = 8 << 20
@@ -272,9 +277,105 @@ def _ambient_header_names() -> set[str]:
 
 def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: str, auth: Optional[str],
                     deadline_s: float, stop: threading.Event, live_sockets: set, lock: threading.Lock):
+    """httpx2's transport ``inner`` behind the guards of the module docstring: a request only to the base URL, with
+    our credentials and no ambient ones, headers within the deadline, the body within the deadline and the size cap,
+    every live socket known (so a stop can shut it), and nothing sent once ``stop`` is set."""
     import httpx2
 
     ambient = _ambient_header_names()
+    GuardedStream = _guarded_stream_class(httpx2, stop, live_sockets, lock)
+
+    class GuardTransport(httpx2.BaseTransport):
+        def handle_request(self, request):
+            u = request.url
+            _refuse_off_base(request, scheme, host, port, path_prefix)
+            _only_our_credentials(request, auth, ambient)
+            if stop.is_set():
+                raise Cancelled()
+            # a batch file upload or a results download: larger, so longer (10x) and a larger cap
+            big = u.path.endswith("/content") or (request.method == "POST" and u.path.endswith("/files"))
+            started = time.monotonic()
+            limit = deadline_s * (10 if big else 1)
+            resp = _headers_within(inner, request, started + limit, limit, stop, lock)
+            sock = _socket_of(resp)
+            if sock is not None:
+                with lock:
+                    live_sockets.add(sock)
+            if stop.is_set():
+                resp.close()
+                raise Cancelled()
+            stream = GuardedStream(resp.stream, started + limit, limit, MAX_DOWNLOAD_BYTES if big else MAX_RESPONSE_BYTES, _url_of(request), sock)
+            return httpx2.Response(resp.status_code, headers=resp.headers, stream=stream, extensions=resp.extensions)
+
+        def close(self):
+            inner.close()
+
+    return GuardTransport()
+
+
+def _refuse_off_base(request, scheme: str, host: str, port: int, path_prefix: str) -> None:
+    """Refuse a request for anything but the base URL's scheme, host, port and path."""
+    u = request.url
+    if u.scheme != scheme or u.host != host or (u.port or (443 if u.scheme == "https" else 80)) != port \
+            or not (u.path == path_prefix or u.path.startswith(path_prefix.rstrip("/") + "/")):
+        raise OffBaseUrl(f"refused a request for {_url_of(request)}: outside --base-url")
+
+
+def _only_our_credentials(request, auth: Optional[str], ambient) -> None:
+    """Drop every credential header the SDK or the environment added, and set ours."""
+    for name in [k for k in request.headers.keys() if k.lower() in ("authorization", "openai-organization", "openai-project") or k.lower() in ambient]:
+        del request.headers[name]
+    if auth:
+        request.headers["Authorization"] = auth
+
+
+def _socket_of(resp):
+    """The response's socket (so a stop can shut it), or None where the transport does not say."""
+    try:
+        ns = resp.extensions.get("network_stream")
+        return ns.get_extra_info("socket") if ns is not None else None
+    except Exception:
+        return None
+
+
+def _headers_within(inner, request, deadline: float, limit: float, stop: threading.Event, lock: threading.Lock):
+    """``inner.handle_request`` (which returns once the headers are in) on a
+    helper thread, waited for until the deadline: httpx's read timeout is per
+    read, so a server trickling its headers a byte at a time would otherwise
+    hold the request for as long as it likes. A request given up on is closed
+    when its headers do arrive (h11 caps them at 16 KiB meanwhile)."""
+    box: dict = {}
+    done = threading.Event()
+
+    def go():
+        try:
+            box["resp"] = inner.handle_request(request)
+        except BaseException as e:  # handed back below
+            box["err"] = e
+        with lock:
+            done.set()
+            late = box.get("abandoned")
+        if late and "resp" in box:
+            box["resp"].close()
+
+    threading.Thread(target=go, daemon=True, name="judge-headers").start()
+    while not done.wait(0.1):
+        if stop.is_set() or time.monotonic() > deadline:
+            with lock:
+                if not done.is_set():
+                    box["abandoned"] = True
+            if box.get("abandoned"):
+                if stop.is_set():
+                    raise Cancelled()
+                raise TransportLimit(f"no response from {_url_of(request)} within {limit:g} s", "timeout")
+    if "err" in box:
+        raise box["err"]
+    return box["resp"]
+
+
+def _guarded_stream_class(httpx2, stop: threading.Event, live_sockets: set, lock: threading.Lock) -> type:
+    """A response body that stops at ``stop``, past its deadline or past its size cap, and forgets its socket when
+    read or closed (a subclass of httpx2's stream, which is imported only where it is used)."""
 
     class GuardedStream(httpx2.SyncByteStream):
         def __init__(self, stream, deadline: float, limit: float, cap: int, url: str, sock):
@@ -305,77 +406,7 @@ def _make_transport(inner, *, scheme: str, host: str, port: int, path_prefix: st
             self._forget()
             self._stream.close()
 
-    class GuardTransport(httpx2.BaseTransport):
-        def handle_request(self, request):
-            u = request.url
-            if u.scheme != scheme or u.host != host or (u.port or (443 if u.scheme == "https" else 80)) != port \
-                    or not (u.path == path_prefix or u.path.startswith(path_prefix.rstrip("/") + "/")):
-                raise OffBaseUrl(f"refused a request for {_url_of(request)}: outside --base-url")
-            for name in [k for k in request.headers.keys() if k.lower() in ("authorization", "openai-organization", "openai-project") or k.lower() in ambient]:
-                del request.headers[name]
-            if auth:
-                request.headers["Authorization"] = auth
-            if stop.is_set():
-                raise Cancelled()
-            # a batch file upload or a results download: larger, so longer (10x) and a larger cap
-            big = u.path.endswith("/content") or (request.method == "POST" and u.path.endswith("/files"))
-            started = time.monotonic()
-            limit = deadline_s * (10 if big else 1)
-            resp = self._headers_within(request, started + limit, limit)
-            sock = None
-            try:
-                ns = resp.extensions.get("network_stream")
-                sock = ns.get_extra_info("socket") if ns is not None else None
-            except Exception:
-                sock = None
-            if sock is not None:
-                with lock:
-                    live_sockets.add(sock)
-            if stop.is_set():
-                resp.close()
-                raise Cancelled()
-            stream = GuardedStream(resp.stream, started + limit, limit, MAX_DOWNLOAD_BYTES if big else MAX_RESPONSE_BYTES, _url_of(request), sock)
-            return httpx2.Response(resp.status_code, headers=resp.headers, stream=stream, extensions=resp.extensions)
-
-        def close(self):
-            inner.close()
-
-        @staticmethod
-        def _headers_within(request, deadline: float, limit: float):
-            """``inner.handle_request`` (which returns once the headers are in) on a
-            helper thread, waited for until the deadline: httpx's read timeout is per
-            read, so a server trickling its headers a byte at a time would otherwise
-            hold the request for as long as it likes. A request given up on is closed
-            when its headers do arrive (h11 caps them at 16 KiB meanwhile)."""
-            box: dict = {}
-            done = threading.Event()
-
-            def go():
-                try:
-                    box["resp"] = inner.handle_request(request)
-                except BaseException as e:  # handed back below
-                    box["err"] = e
-                with lock:
-                    done.set()
-                    late = box.get("abandoned")
-                if late and "resp" in box:
-                    box["resp"].close()
-
-            threading.Thread(target=go, daemon=True, name="judge-headers").start()
-            while not done.wait(0.1):
-                if stop.is_set() or time.monotonic() > deadline:
-                    with lock:
-                        if not done.is_set():
-                            box["abandoned"] = True
-                    if box.get("abandoned"):
-                        if stop.is_set():
-                            raise Cancelled()
-                        raise TransportLimit(f"no response from {_url_of(request)} within {limit:g} s", "timeout")
-            if "err" in box:
-                raise box["err"]
-            return box["resp"]
-
-    return GuardTransport()
+    return GuardedStream
 
 
 # =========================================================================== the client
@@ -429,7 +460,6 @@ class ChatClient:
         self._lock = threading.Lock()
         proxy = None
         if env_proxy:  # only when asked: the proxy the environment names for this scheme, unless NO_PROXY covers the host
-            import urllib.request
 
             if not urllib.request.proxy_bypass(parts.hostname):
                 proxy = urllib.request.getproxies().get(parts.scheme)
@@ -606,7 +636,6 @@ class ChatClient:
             if (asked, answered) in self.stats.other_models:
                 return
             self.stats.other_models.add((asked, answered))
-        from dllm_align.core.console import warn
 
         warn(self.scrub(f"asked {self.base_url} for model {asked!r}, but it answered as {answered!r}: "
                         "the verdicts are that model's (check the server's model routing)"))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
 
 ORDERS = ("AB", "BA")  # AB: model A's answer shown first; BA: model B's answer shown first
@@ -204,8 +205,6 @@ def match_rows(rows_a: list[GenRow], rows_b: list[GenRow], *, strict: bool = Fal
     ``strict`` they are an error); the same id with different prompts is always
     an error (the two models did not answer the same question).
     """
-    from dllm_align.core.console import warn
-
     by_b = {r.id: r for r in rows_b}
     ids_a = {r.id for r in rows_a}
     only_a = [r.id for r in rows_a if r.id not in by_b]
@@ -260,8 +259,6 @@ def load_template(path: str | Path | None) -> str:
     check_template(text, str(p))
     unknown = sorted({m for m in _ANY_FIELD_RE.findall(text) if m not in PLACEHOLDERS})
     if unknown:
-        from dllm_align.core.console import warn
-
         warn(f"{p}: " + ", ".join("{" + u + "}" for u in unknown) + " will be sent as written (only {prompt}, {answer_a}, {answer_b} are filled in)")
     return text
 

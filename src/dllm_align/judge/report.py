@@ -8,6 +8,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dllm_align.judge import stats
+
 LENGTH_UNIT = "characters"
 
 
@@ -28,10 +35,6 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
     prompt, None where missing, counted as a tie) enter the LC fit
     (:func:`dllm_align.judge.stats.lc_estimate`).
     """
-    import numpy as np
-
-    from dllm_align.judge import stats
-
     la = np.asarray(lengths[0], dtype=np.float64) if lengths is not None else None
     lb = np.asarray(lengths[1], dtype=np.float64) if lengths is not None else None
 
@@ -77,8 +80,6 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
 def length_report(len_a: Sequence[int], len_b: Sequence[int], threshold: float) -> dict:
     """Mean and median answer length of each side, and whether the means differ by
     more than ``threshold`` (relative to the shorter side's mean)."""
-    from dllm_align.judge import stats
-
     a, b = stats.length_summary(len_a), stats.length_summary(len_b)
     rel = None
     if a["mean"] is not None and min(a["mean"], b["mean"]) > 0:
@@ -217,10 +218,6 @@ def results_markdown(results: dict) -> str:
 
 def print_table(results: dict, file=None) -> None:
     """The results as a rich table (percent), on stdout by default."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     con = Console(file=file or sys.stdout, highlight=False, soft_wrap=False)
     if not con.is_terminal:  # piped or captured: room for every column rather than wrapped intervals
         con = Console(file=file or sys.stdout, highlight=False, soft_wrap=False, width=max(con.width, 150))

@@ -37,7 +37,10 @@ scrubbed from every message and stored reply; it is never written under DIR.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import importlib
+import inspect
 import json
 import re
 import threading
@@ -46,8 +49,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from dllm_align.config.schema import JudgeSection
+from dllm_align.core.console import info, progress, progress_enabled, warn
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's judging API)
+from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
+from dllm_align.core.usercode import load_function
+from dllm_align.judge import stats
+from dllm_align.judge.anchors import difficulty_from, length_anchors
+from dllm_align.judge.batch import BatchRunner, pending_batches
+from dllm_align.judge.cache import CacheWriter, Task, add_usage, judgement_key, load_cache
+# The transport, the cache, the batch flow and the report live in their own modules; the names the library's
+# judging API had here stay importable from here (hence the noqa F401).
+from dllm_align.judge.client import (  # noqa: F401
+    Cancelled, ChatClient, FatalApiError, JudgementFailed, Reply, Scrubber, ServerAskedToWait, read_api_key, run_pool,
+)
+from dllm_align.judge.inputs import (  # noqa: F401
     DEFAULT_TEMPLATE,
     ORDERS,
     PLACEHOLDERS,
@@ -61,6 +77,9 @@ from dllm_align.judge.inputs import (  # noqa: F401  (re-exported: the library's
     prompt_text,
     read_generations,
     render,
+)
+from dllm_align.judge.report import (  # noqa: F401
+    length_report, print_table, results_markdown, summarize_outcomes, table_rows, usage_lines, usage_report,
 )
 
 # =========================================================================== rule judges
@@ -122,8 +141,6 @@ def rule_names() -> list[str]:
 
 
 def _load_rule_modules() -> None:
-    import importlib
-
     for name, (mod, fn) in _BUILTIN_RULES.items():
         if name not in _RULES:
             register_rule(name, getattr(importlib.import_module(mod), fn))
@@ -133,8 +150,6 @@ def user_function(spec: str, label: str) -> tuple[Callable, str]:
     """The function ``package.module:function`` names, announced on stderr: the one place dllm-align runs code
     that a flag or a recipe names (rule judges here, verifiers in :mod:`dllm_align.online.verifiers`); what is
     contained of it (printing, exiting, hanging) is :mod:`dllm_align.core.usercode`."""
-    from dllm_align.core.usercode import load_function
-
     return load_function(spec, label)
 
 
@@ -143,7 +158,6 @@ def get_rule(name: str) -> RuleFn:
     ``package.module:function`` naming a pairwise function ``(prompt, answer_a, answer_b) -> "A"|"B"|"C"``."""
     if ":" in name:
         f, attr = user_function(name, f"rule:{name}")
-        import inspect
 
         try:  # a judging rule takes (prompt, answer_a, answer_b); anything else is refused before it runs
             inspect.signature(f).bind("", "", "")
@@ -158,8 +172,6 @@ def get_rule(name: str) -> RuleFn:
     if name not in _RULES:
         _load_rule_modules()
     if name not in _RULES:
-        import difflib
-
         close = difflib.get_close_matches(name, list(_RULES), n=1)
         raise UserError(
             f"unknown rule judge 'rule:{name}'",
@@ -188,26 +200,10 @@ def _exact_match(prompt: str, answer: str, reference: Optional[str]) -> float:
 
 
 # =========================================================================== the run
-# The transport, the cache, the batch flow and the report live in their own
-# modules; these names stay importable from here for users of the library.
-from dllm_align.judge.cache import Task, judgement_key, load_cache  # noqa: E402
-from dllm_align.judge.client import (  # noqa: E402
-    Cancelled,
-    ChatClient,
-    FatalApiError,
-    JudgementFailed,
-    Reply,
-    Scrubber,
-    ServerAskedToWait,
-    _retry_after,
-    read_api_key,
-)
-from dllm_align.judge.report import print_table, results_markdown, summarize_outcomes, table_rows  # noqa: E402
-
 __all__ = [
     "ChatClient", "Scrubber", "Task", "judge_files", "judge_pairs", "judgement_key", "load_cache", "parse_verdict",
     "print_table", "read_api_key", "register_rule", "register_scorer", "results_markdown", "summarize_outcomes",
-    "table_rows", "Reply", "Cancelled", "FatalApiError", "JudgementFailed", "_retry_after",
+    "table_rows", "Reply", "Cancelled", "FatalApiError", "JudgementFailed",
 ]
 
 
@@ -224,8 +220,6 @@ class JudgeRunResult:
 
 
 def _settings_dict(settings) -> dict:
-    from dllm_align.config.schema import JudgeSection
-
     if isinstance(settings, JudgeSection):
         return settings.model_dump()
     return JudgeSection.model_validate(dict(settings)).model_dump()
@@ -266,57 +260,19 @@ def judge_pairs(
     Returns the results; ``failed`` > 0 means some judgements are missing (their
     prompts are excluded for that judge, see the module docstring).
     """
-    from dllm_align.judge import stats
-    from dllm_align.core.console import info
-    from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
-    from dllm_align.judge.cache import CacheWriter
-    from dllm_align.judge.report import length_report, usage_lines, usage_report
-
     s = _settings_dict(settings)
-    judges: list[str] = list(s["judges"])
-    if not 1 <= len(judges) <= 2:
-        raise UserError(f"give one or two judges, got {len(judges)}", hint="majority vote and Cohen's kappa are defined for two judges")
-    if len(set(judges)) != len(judges):
-        raise UserError(f"the same judge is given twice: {judges[0]}")
-    template = load_template(s["template"])
-    rules = {j: get_rule(j[len("rule:"):]) for j in judges if j.startswith("rule:")}
-    api_judges = [j for j in judges if j not in rules]
-    if s["length_anchors"] and not (s["length_anchors_model"] or api_judges):
-        raise UserError("--length-anchors: no model to rewrite B's answers (the judges are all rules)",
-                        hint="name one with --anchors-model MODEL (judge.length_anchors_model)")
+    judges, template, rules, api_judges = _judges_of(s)
     difficulty = None
     if s["difficulty_from"]:
-        from dllm_align.judge.anchors import difficulty_from
-
         difficulty = difficulty_from(s["difficulty_from"], pairs, judges)
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} exists and is not a folder")
-    client = None
     stop = threading.Event()
-    if api_judges:
-        key = read_api_key(s["api_key_env"], environ)
-        client = ChatClient(
-            s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"], max_retries=s["max_retries"],
-            retry_base_delay=s["retry_base_delay"], retry_max_delay=s["retry_max_delay"],
-            retry_after_max=s["retry_after_max"], concurrency=s["concurrency"],
-            allow_plain_http=s["allow_plain_http"], env_proxy=s["env_proxy"], stop=stop,
-        )
+    client = _api_client(s, environ, stop) if api_judges else None
     # verdicts[(judge, pair index, order)] = "A" | "B" | "C"; errors[...] = message
-    verdicts: dict[tuple[str, int, str], str] = {}
+    verdicts = _rule_verdicts(rules, pairs)
     errors: dict[tuple[str, int, str], str] = {}
-
-    for j, rule in rules.items():
-        for i, p in enumerate(pairs):
-            for order in ORDERS:
-                first, second = _shown(p, order)
-                try:
-                    v = rule(p.prompt, first, second, p.reference)
-                except UserError as e:
-                    raise UserError(f"{e.message} (id {p.id!r})", e.hint)
-                if v not in ("A", "B", "C"):
-                    raise RunFailure(f"{j} returned {v!r} for id {p.id!r}; a rule must return 'A', 'B' or 'C'")
-                verdicts[(j, i, order)] = v
 
     out.mkdir(parents=True, exist_ok=True)
     params = request_params(s)
@@ -325,69 +281,24 @@ def judge_pairs(
     with DirLock(out, f"another `dllm-align judge` run is writing to {out}"):
         cache_path = out / "cache.jsonl"
         cache = load_cache(cache_path)
-        slots: dict[str, list[tuple[str, int, str]]] = {}  # key -> the (judge, i, order) it answers
-        tasks: dict[str, Task] = {}
-        for j in api_judges:
-            for i, p in enumerate(pairs):
-                for order in ORDERS:
-                    first, second = _shown(p, order)
-                    k = judgement_key(j, template, p.prompt, first, second, s["temperature"], params[token_param], token_param)
-                    slots.setdefault(k, []).append((j, i, order))
-                    if k not in cache and k not in tasks:
-                        tasks[k] = Task(k, j, order, p.id, render(template, p.prompt, first, second))
+        slots, tasks = _requests(pairs, api_judges, template, s, params, token_param, cache)
         used_keys = set(slots)
         if api_judges:
             done = len(used_keys) - len(tasks)
             how = "as a batch" if s["batch"] else f"concurrency {s['concurrency']}"
             info(f"Judging {len(pairs)} prompts x 2 orders with {', '.join(api_judges)}: {len(used_keys)} distinct judgements, "
                  f"{done} in {cache_path.name}, {len(tasks)} to request ({how})")
-        fatal: Optional[FatalApiError] = None
-        with CacheWriter(cache_path, cache) as writer:
-            try:
-                if tasks:
-                    fatal = _obtain(tasks, client, s, params, out, writer, slots, errors, stop, len(used_keys) - len(tasks))
-            except BaseException:
-                if client is not None:
-                    client.abort()  # Ctrl-C or a bug: do not wait for requests in flight
-                raise
-            finally:
-                if client is not None:
-                    client.close()
-        if isinstance(fatal, ServerAskedToWait):
-            have = sum(1 for k in used_keys if k in cache)
-            raise RunFailure(str(fatal), hint=f"{have} of {len(used_keys)} judgements are in {cache_path}; the rerun asks only "
-                             "for the others (or raise --retry-after-max, at most 86400 s, to wait as long as the server asks)")
-        if fatal is not None:
-            raise (UserError(str(fatal)) if fatal.user_error else RunFailure(str(fatal)))
+        _fetch(tasks, client, s, params, out, cache_path, cache, slots, errors, stop)
         for k, where in slots.items():
             if k in cache:
                 for slot in where:
                     verdicts[slot] = cache[k]["verdict"]
 
-        # ------------------------------------------------------------- outcomes and statistics
-        per_judge: dict[str, list[Optional[int]]] = {}
-        outcome_rows = []
-        len_a = [answer_length(p.a) for p in pairs]
-        len_b = [answer_length(p.b) for p in pairs]
-        for i, p in enumerate(pairs):
-            row: dict[str, Any] = {"id": p.id, "length_a": len_a[i], "length_b": len_b[i], "judges": {}}
-            for j in judges:
-                vab, vba = verdicts.get((j, i, "AB")), verdicts.get((j, i, "BA"))
-                o = stats.pair_outcome(vab, vba) if vab is not None and vba is not None else None
-                per_judge.setdefault(j, []).append(o)
-                entry: dict[str, Any] = {"AB": vab, "BA": vba, "outcome": stats.OUTCOME_NAMES[o] if o is not None else None}
-                errs = [errors[(j, i, od)] for od in ORDERS if (j, i, od) in errors]
-                if errs:
-                    entry["error"] = "; ".join(errs)
-                row["judges"][j] = entry
-            outcome_rows.append(row)
-
+        per_judge, outcome_rows, len_a, len_b = _outcomes(pairs, judges, verdicts, errors)
         failed = sum(1 for k in tasks if k not in cache)  # distinct API judgements still missing
         results: dict[str, Any] = {"n": len(pairs), "a": labels[0], "b": labels[1]}
         anchors = None
         if s["length_anchors"]:
-            from dllm_align.judge.anchors import length_anchors
-
             anchors = length_anchors(pairs, out, s, environ, judges, judge_pairs=judge_pairs, params=params, answer_length=answer_length)
         results.update(summarize_outcomes(per_judge, lengths=(len_a, len_b), bootstrap=s["bootstrap"], seed=s["seed"],
                                           anchors=anchors, difficulty=difficulty))
@@ -406,25 +317,7 @@ def judge_pairs(
             results["usage"] = usage_report(used_rows, s["prices"], s["batch_price_factor"])
             for line in usage_lines(results):
                 info(line)
-        results["settings"] = {
-            "base_url": s["base_url"] if api_judges else None,
-            "template": s["template"] or "built-in",
-            "template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
-            "temperature": s["temperature"],
-            "max_tokens": s["max_tokens"] if token_param == "max_tokens" else None,
-            "max_completion_tokens": s["max_completion_tokens"],
-            "mode": ("batch" if s["batch"] else "live") if api_judges else "rules",
-            "bootstrap_resamples": s["bootstrap"],
-            "seed": s["seed"],
-            "ci_level": 0.9,
-            "length_control": "logistic GLM of the outcome on tanh(standardised length difference) (+ instruction "
-                              "difficulty, + length anchors at weight 0.1 when given), A-longer and B-longer prompts "
-                              "weighted equally; LC-AWR = prediction at zero difference, withheld when the slope is not identified",
-            "length_anchors": (s["length_anchors_model"] or api_judges[0]) if s["length_anchors"] else None,
-            "difficulty_from": s["difficulty_from"],
-            "length_unit": "characters",
-            "failures": "excluded: a prompt counts for a judge only when both orders were judged",
-        }
+        results["settings"] = _recorded_settings(s, template, token_param, api_judges)
         # results.json last: it is the run's "done" record, so a full disk can leave the per-prompt
         # outcomes without the results, never results that point at outcomes that are not there.
         atomic_write_text(out / "outcomes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in outcome_rows))
@@ -433,15 +326,141 @@ def judge_pairs(
     return JudgeRunResult(results, outcome_rows, failed, out)
 
 
+def _judges_of(s: dict) -> tuple[list[str], str, dict[str, RuleFn], list[str]]:
+    """The judges (refused unless one or two, distinct), the template, the rule judges by name and the API ones."""
+    judges: list[str] = list(s["judges"])
+    if not 1 <= len(judges) <= 2:
+        raise UserError(f"give one or two judges, got {len(judges)}", hint="majority vote and Cohen's kappa are defined for two judges")
+    if len(set(judges)) != len(judges):
+        raise UserError(f"the same judge is given twice: {judges[0]}")
+    template = load_template(s["template"])
+    rules = {j: get_rule(j[len("rule:"):]) for j in judges if j.startswith("rule:")}
+    api_judges = [j for j in judges if j not in rules]
+    if s["length_anchors"] and not (s["length_anchors_model"] or api_judges):
+        raise UserError("--length-anchors: no model to rewrite B's answers (the judges are all rules)",
+                        hint="name one with --anchors-model MODEL (judge.length_anchors_model)")
+    return judges, template, rules, api_judges
+
+
+def _api_client(s: dict, environ: Mapping[str, str] | None, stop: threading.Event) -> ChatClient:
+    key = read_api_key(s["api_key_env"], environ)
+    return ChatClient(
+        s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"], max_retries=s["max_retries"],
+        retry_base_delay=s["retry_base_delay"], retry_max_delay=s["retry_max_delay"],
+        retry_after_max=s["retry_after_max"], concurrency=s["concurrency"],
+        allow_plain_http=s["allow_plain_http"], env_proxy=s["env_proxy"], stop=stop,
+    )
+
+
+def _rule_verdicts(rules: dict[str, RuleFn], pairs: list[Pair]) -> dict[tuple[str, int, str], str]:
+    """The rule judges' verdicts, both orders of every pair; a verdict other than A, B or C stops the run."""
+    verdicts: dict[tuple[str, int, str], str] = {}
+    for j, rule in rules.items():
+        for i, p in enumerate(pairs):
+            for order in ORDERS:
+                first, second = _shown(p, order)
+                try:
+                    v = rule(p.prompt, first, second, p.reference)
+                except UserError as e:
+                    raise UserError(f"{e.message} (id {p.id!r})", e.hint)
+                if v not in ("A", "B", "C"):
+                    raise RunFailure(f"{j} returned {v!r} for id {p.id!r}; a rule must return 'A', 'B' or 'C'")
+                verdicts[(j, i, order)] = v
+    return verdicts
+
+
+def _requests(pairs: list[Pair], api_judges: list[str], template: str, s: dict, params: dict, token_param: str,
+              cache: dict) -> tuple[dict[str, list[tuple[str, int, str]]], dict[str, Task]]:
+    """Every API judgement the run uses (key -> the (judge, i, order) slots it answers) and those not cached yet."""
+    slots: dict[str, list[tuple[str, int, str]]] = {}
+    tasks: dict[str, Task] = {}
+    for j in api_judges:
+        for i, p in enumerate(pairs):
+            for order in ORDERS:
+                first, second = _shown(p, order)
+                k = judgement_key(j, template, p.prompt, first, second, s["temperature"], params[token_param], token_param)
+                slots.setdefault(k, []).append((j, i, order))
+                if k not in cache and k not in tasks:
+                    tasks[k] = Task(k, j, order, p.id, render(template, p.prompt, first, second))
+    return slots, tasks
+
+
+def _fetch(tasks: dict[str, Task], client: Optional[ChatClient], s: dict, params: dict, out: Path, cache_path: Path,
+           cache: dict, slots, errors, stop: threading.Event) -> None:
+    """Ask for ``tasks`` (answers go into ``cache`` and its file) and close the client; an error that stopped the
+    run is raised here, saying how many judgements a rerun finds cached."""
+    used_keys = set(slots)
+    fatal: Optional[FatalApiError] = None
+    with CacheWriter(cache_path, cache) as writer:
+        try:
+            if tasks:
+                fatal = _obtain(tasks, client, s, params, out, writer, slots, errors, stop, len(used_keys) - len(tasks))
+        except BaseException:
+            if client is not None:
+                client.abort()  # Ctrl-C or a bug: do not wait for requests in flight
+            raise
+        finally:
+            if client is not None:
+                client.close()
+    if isinstance(fatal, ServerAskedToWait):
+        have = sum(1 for k in used_keys if k in cache)
+        raise RunFailure(str(fatal), hint=f"{have} of {len(used_keys)} judgements are in {cache_path}; the rerun asks only "
+                         "for the others (or raise --retry-after-max, at most 86400 s, to wait as long as the server asks)")
+    if fatal is not None:
+        raise (UserError(str(fatal)) if fatal.user_error else RunFailure(str(fatal)))
+
+
+def _outcomes(pairs: list[Pair], judges: list[str], verdicts: dict, errors: dict
+              ) -> tuple[dict[str, list[Optional[int]]], list[dict], list[int], list[int]]:
+    """Each judge's outcome per pair (None unless both orders were judged), the rows of outcomes.jsonl, and the
+    answers' lengths."""
+    per_judge: dict[str, list[Optional[int]]] = {}
+    outcome_rows = []
+    len_a = [answer_length(p.a) for p in pairs]
+    len_b = [answer_length(p.b) for p in pairs]
+    for i, p in enumerate(pairs):
+        row: dict[str, Any] = {"id": p.id, "length_a": len_a[i], "length_b": len_b[i], "judges": {}}
+        for j in judges:
+            vab, vba = verdicts.get((j, i, "AB")), verdicts.get((j, i, "BA"))
+            o = stats.pair_outcome(vab, vba) if vab is not None and vba is not None else None
+            per_judge.setdefault(j, []).append(o)
+            entry: dict[str, Any] = {"AB": vab, "BA": vba, "outcome": stats.OUTCOME_NAMES[o] if o is not None else None}
+            errs = [errors[(j, i, od)] for od in ORDERS if (j, i, od) in errors]
+            if errs:
+                entry["error"] = "; ".join(errs)
+            row["judges"][j] = entry
+        outcome_rows.append(row)
+    return per_judge, outcome_rows, len_a, len_b
+
+
+def _recorded_settings(s: dict, template: str, token_param: str, api_judges: list[str]) -> dict[str, Any]:
+    """results.json's record of how the judgements were made."""
+    return {
+        "base_url": s["base_url"] if api_judges else None,
+        "template": s["template"] or "built-in",
+        "template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+        "temperature": s["temperature"],
+        "max_tokens": s["max_tokens"] if token_param == "max_tokens" else None,
+        "max_completion_tokens": s["max_completion_tokens"],
+        "mode": ("batch" if s["batch"] else "live") if api_judges else "rules",
+        "bootstrap_resamples": s["bootstrap"],
+        "seed": s["seed"],
+        "ci_level": 0.9,
+        "length_control": "logistic GLM of the outcome on tanh(standardised length difference) (+ instruction "
+                          "difficulty, + length anchors at weight 0.1 when given), A-longer and B-longer prompts "
+                          "weighted equally; LC-AWR = prediction at zero difference, withheld when the slope is not identified",
+        "length_anchors": (s["length_anchors_model"] or api_judges[0]) if s["length_anchors"] else None,
+        "difficulty_from": s["difficulty_from"],
+        "length_unit": "characters",
+        "failures": "excluded: a prompt counts for a judge only when both orders were judged",
+    }
+
+
 def _obtain(tasks: dict[str, Task], client: ChatClient, s: dict, params: dict, out: Path, writer, slots, errors,
             stop: threading.Event, already: int) -> Optional[FatalApiError]:
     """Get the judgements of ``tasks`` live or through the Batch API (failed batch
     requests are retried live, or in new batches with ``batch_failed: batch``).
     Returns a fatal error if one stopped the run."""
-    from dllm_align.core.console import info
-
-    from dllm_align.judge.batch import BatchRunner, pending_batches
-
     if not s["batch"]:
         busy = {name: n for name, keys in pending_batches(out).items() if (n := len(set(keys) & set(tasks)))}
         if busy:  # asking live would send requests a batch on the server is answering
@@ -483,10 +502,6 @@ def _run_live(tasks: list[Task], client: ChatClient, s: dict, params: dict, writ
               already: int) -> Optional[FatalApiError]:
     """Run the API judgements on a bounded pool of daemon threads; the main thread
     appends each finished one to the cache, so lines never interleave."""
-    from dllm_align.core.console import info, progress, progress_enabled, warn
-    from dllm_align.judge.cache import add_usage
-    from dllm_align.judge.client import run_pool
-
     max_parse = s["max_parse_retries"]
 
     def work(t: Task) -> tuple[str, Reply, int, dict]:

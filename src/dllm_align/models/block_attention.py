@@ -41,15 +41,22 @@ The noisy streams' SDPA call is 4-D, the draws folded into the heads: CUDA's fus
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
+import psutil
 import torch
 
-# Imported where used: transformers (transformers takes longer to import than torch, and the family records reach this module without a
-# model) and torch.nn.attention.flex_attention (from torch 2.5 on, pyproject allows 2.4; only the flex
-# variant needs it).
+from dllm_align.core.errors import UserError
+from dllm_align.models.attention_memory import flex_refusal
+
+# lazy imports: transformers: it takes longer to import than torch, and the family records reach this module
+# without a model
+# lazy imports: torch.nn.attention: FlexAttention is in torch from 2.5 on (pyproject allows 2.4); only the flex
+# variant needs it
 
 STREAMS_ATTENTION = "dllm_block_sdpa"
 STREAMS_EAGER = "dllm_block_eager"
@@ -183,9 +190,6 @@ _COMPILED: dict = {}
 def flex_compiles(device) -> bool:
     """Whether ``torch.compile`` can build FlexAttention's fused kernels on ``device``: Triton on CUDA, a C++
     compiler on the CPU (inductor's code generators)."""
-    import importlib.util
-    import shutil
-
     kind = torch.device(device).type
     if kind == "cuda":
         return importlib.util.find_spec("triton") is not None
@@ -210,15 +214,10 @@ def _compiled(name: str, device):
 
 
 def _refuse_uncompiled(rows: int, heads: int, n: int, device) -> None:
-    from dllm_align.core.errors import UserError
-    from dllm_align.models.attention_memory import flex_refusal
-
     dev = torch.device(device)
     if dev.type == "cuda":
         available = torch.cuda.mem_get_info(dev)[0]
     else:
-        import psutil
-
         available = psutil.virtual_memory().available
     why = flex_refusal(rows, heads, n, available)
     if why:

@@ -13,54 +13,16 @@ source checkpoint had; :func:`write_published_layout` does all of it to a saved 
 The source checkpoint's own ``config.json`` is the authority when there is one (training does not change the
 architecture): its ``model_type``, ``architectures``, ``auto_map`` and every other field are kept, and only
 what training changed (the dtype) is taken from the trained config. A model with no published source (the
-built-in ones) gets the family's published fields from :data:`LAYOUTS`.
+built-in ones) gets the family's published fields from its record (``Family.published``, ``block_size``,
+``mask_token_id``).
 """
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-
-@dataclass(frozen=True)
-class Layout:
-    """One family's published config.json identity and the fields its own code reads."""
-
-    model_type: str
-    architectures: tuple[str, ...]
-    auto_map: dict = field(default_factory=dict)
-    # fields the published code or the serving engines read that a transformers config may not carry
-    block_size: Optional[int] = None
-    mask_token_id: Optional[int] = None
-
-
-LAYOUTS: dict[str, Layout] = {
-    "sdar": Layout(
-        "sdar", ("SDARForCausalLM",),
-        {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
-         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
-        block_size=4, mask_token_id=151669),
-    "llada2": Layout(
-        "llada2_moe", ("LLaDA2MoeModelLM",),
-        {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig", "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
-         "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
-        block_size=32, mask_token_id=156895),
-    "llada": Layout(
-        "llada", ("LLaDAModelLM",),
-        {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
-         "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
-        mask_token_id=126336),
-    "dream": Layout(
-        "Dream", ("DreamModel",),
-        {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
-        mask_token_id=151666),
-    "llada_moe": Layout(
-        "llada", ("LLaDAMoEModelLM",),
-        {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM"},
-        mask_token_id=156895),
-}
 
 # Keys dllm-align adds to a config for its own loading; the published code has no use for them.
 _OWN_KEYS = ("dllm_align_family", "is_causal")
@@ -88,7 +50,10 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
     """
     from dllm_align.models.families import get_family
 
-    layout = LAYOUTS[family]
+    fam = get_family(family)
+    layout = fam.published
+    if layout is None:
+        raise KeyError(family)
     if source is not None and (source.get("architectures") or source.get("auto_map")):
         out = {k: v for k, v in source.items() if k not in _OWN_KEYS}
         for key in ("torch_dtype", "dtype"):
@@ -96,7 +61,7 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
                 out["torch_dtype"] = str(trained[key]).replace("torch.", "")
         out.pop("dtype", None)
     else:
-        inverse = get_family(family).published_fields
+        inverse = fam.published_fields
         out = inverse(trained) if inverse else {k: v for k, v in trained.items() if k not in _OWN_KEYS}
         out = _rope_as_published(out)
         out.pop("rope_parameters", None)
@@ -107,10 +72,10 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
         out["auto_map"] = dict(layout.auto_map)
         if "dtype" in out:
             out["torch_dtype"] = str(out.pop("dtype")).replace("torch.", "")
-    if layout.block_size is not None and "block_size" not in out:
-        out["block_size"] = int(trained.get("block_size") or layout.block_size)
+    if fam.block_size is not None and "block_size" not in out:
+        out["block_size"] = int(trained.get("block_size") or fam.block_size)
     if "mask_token_id" not in out:
-        out["mask_token_id"] = int(trained.get("mask_token_id") or layout.mask_token_id)
+        out["mask_token_id"] = int(trained.get("mask_token_id") or fam.mask_token_id)
     return out
 
 
@@ -166,7 +131,8 @@ def missing_remote_code(folder: Path, cfg: dict) -> list[str]:
     return sorted(m for m in mods if not (Path(folder) / f"{m}.py").is_file())
 
 
-def write_published_layout(folder: Path, family: str, source: Optional[Path], code: Optional[Path] = None) -> dict:
+def write_published_layout(folder: Path, family: str, source: Optional[Path], code: Optional[Path] = None,
+                           source_config: Optional[dict] = None) -> dict:
     """Turn a model folder saved with the trained (native) config into the family's published layout, in place:
     ``config.json`` from :func:`published_config`, and from the ``source`` checkpoint folder (None: a model with no
     published source) its remote-code files and ``generation_config.json``. ``code``: a folder holding the family's
@@ -175,13 +141,14 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
     A folder whose ``auto_map`` names modules it does not carry cannot be loaded through it (transformers looks
     for the files beside config.json), so when neither ``source`` nor ``code`` supplies them, ``auto_map`` is left
     out: ``model_type`` and ``architectures`` (what the serving engines key on) stay, and the code can be added later
-    together with the ``auto_map`` of :data:`LAYOUTS`. Returns the written config."""
+    together with the ``auto_map`` of the family's ``published`` layout. ``source_config``: the source's config.json
+    as the caller read it already (a training run reads it once). Returns the written config."""
     import json
 
     folder = Path(folder)
     trained = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    src_cfg = None
-    if source is not None and (Path(source) / "config.json").is_file():
+    src_cfg = source_config
+    if src_cfg is None and source is not None and (Path(source) / "config.json").is_file():
         src_cfg = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
     cfg = published_config(family, trained, src_cfg)
     if source is not None and Path(source).is_dir():

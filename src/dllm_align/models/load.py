@@ -27,13 +27,15 @@ import os
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from packaging.version import Version
 
+from dllm_align.config import components as registry
 from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import fsync_tree, verify_checksums
@@ -47,6 +49,7 @@ from dllm_align.models.families import (
     get_family,
     native_family,
 )
+from dllm_align.models.families.base import Family
 from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
@@ -72,24 +75,36 @@ class TinySpec:
     family: str = "llada"  # the family that builds it (its Family's tiny_tokenizer and build_tiny)
 
 
+class _BuiltinSpecs(Mapping):
+    """The built-in tiny models by ``builtin:`` name: each declared family's ``builtin_models`` trait
+    (``dllm_align.models.components``), read live so that a family declared later brings its own."""
+
+    def _table(self) -> dict[str, TinySpec]:
+        return {name: TinySpec(**shape, family=comp.name)
+                for comp in registry.components("family").values() if "builtin_models" in comp.traits
+                for name, shape in comp.traits["builtin_models"].items()}
+
+    def __getitem__(self, name: str) -> TinySpec:
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 # Random-init models built from code (no files), deterministic by spec.
-BUILTIN_SPECS: dict[str, TinySpec] = {
-    "builtin:tiny": TinySpec(),  # 2 x 64: tests; a training step takes milliseconds
-    "builtin:small": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256),  # the toy demo's base
-    "builtin:tiny-dream": TinySpec(family="dream"),  # Dream's layout and manners at the tiny size
-    "builtin:small-dream": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="dream"),
-    "builtin:tiny-sdar": TinySpec(family="sdar"),  # block diffusion (SDAR's Qwen3 layout, block 4) at the tiny size
-    "builtin:small-sdar": TinySpec(hidden_size=128, layers=4, heads=4, intermediate_size=256, family="sdar"),
-    # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny
-    # size, with blocks of 8 (families/block.py's build_tiny_llada2)
-    "builtin:tiny-llada2": TinySpec(family="llada2"),
-    # DiffusionGemma's published config shrunk (6 layers in its 5:1 sliding/full pattern, 4 experts top-2, canvas 8;
-    # families/diffusion_gemma.py's tiny_config)
-    "builtin:tiny-diffusiongemma": TinySpec(layers=6, intermediate_size=96, family="diffusion_gemma"),
-    # the same layout a little wider: the DiffusionGemma demo's base (recipe toy_sort_base_gemma)
-    "builtin:small-diffusiongemma": TinySpec(hidden_size=96, layers=6, heads=4, intermediate_size=96,
-                                             family="diffusion_gemma"),
-}
+BUILTIN_SPECS: Mapping[str, TinySpec] = _BuiltinSpecs()
+
+
+def add_builtin_model(name: str, spec: TinySpec) -> None:
+    """Make ``name`` a built-in model of ``spec.family`` for this process (the GPU checks' published-size bodies):
+    the family's declaration is replaced by one with the model in its ``builtin_models``."""
+    comp = registry.get("family", spec.family)
+    shape = {k: v for k, v in asdict(spec).items() if k != "family"}
+    models = {**(comp.traits["builtin_models"] if "builtin_models" in comp.traits else {}), name: shape}
+    registry.redeclare(replace(comp, traits={**comp.traits, "builtin_models": models}))
 
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
@@ -310,8 +325,10 @@ def load_model(
     mask_token_id: Optional[int] = None,
     attn_implementation: Optional[str] = None,
     tokenizer: Optional[str] = None,
+    config: Optional[dict] = None,
 ) -> "MaskPredictor":
-    """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`."""
+    """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`. ``config``: the folder's
+    config.json as the caller read it already (:func:`model_source`), so that a run reads it once."""
     _ready_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
@@ -321,11 +338,7 @@ def load_model(
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
     else:
         path = Path(path)
-        try:
-            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-            raise UserError(f"{path / 'config.json'}: invalid JSON ({why})") from None
+        cfg = config if config is not None else _read_config(path)
         if not isinstance(cfg, dict):
             raise UserError(f"{path / 'config.json'}: expected a JSON object")
         # Folders written by dllm-align (checkpoints, final/) carry checksums: a
@@ -394,6 +407,14 @@ def load_model(
     return MaskPredictor(model, tok, mask_token_id=mask_token_id)
 
 
+def _read_config(folder: Path) -> Any:
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise UserError(f"{folder / 'config.json'}: invalid JSON ({why})") from None
+
+
 def _set_attention(model, impl: str) -> None:
     """Switch a loaded model's attention kernel, or refuse the setting by name."""
     try:
@@ -436,22 +457,36 @@ def check_max_length(mp: "MaskPredictor", max_length: int, key: str = "data.max_
                         hint=f"set {key} to at most {max_pos}")
 
 
-def family_of_source(name_or_path: str, revision: Optional[str] = None):
-    """The family of a model from its config.json alone (built-in models: their spec), before any weights load;
-    None when the config cannot be read here (the load itself then says why)."""
-    from dllm_align.models.families import family_for_config, get_family
+@dataclass(frozen=True)
+class ModelSource:
+    """A recipe's model as read before any weights load: its family and its config.json as read, with the folder
+    that holds it (a built-in model: its spec's family, no file). ``family`` and ``config`` are None when the
+    config cannot be read here: the load itself then says why."""
 
+    name_or_path: str
+    revision: Optional[str]
+    family: Optional[Family]
+    config: Optional[dict] = None
+    folder: Optional[Path] = None
+
+
+def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSource:
+    """The family and config.json of a model (one read of the file), before any weights load."""
     if name_or_path in BUILTIN_SPECS:
-        return get_family(BUILTIN_SPECS[name_or_path].family)
+        return ModelSource(name_or_path, revision, get_family(BUILTIN_SPECS[name_or_path].family))
     try:
-        cfg = json.loads(resolve_config_file(name_or_path, revision).read_text(encoding="utf-8"))
-        return family_for_config(cfg)
+        path = resolve_config_file(name_or_path, revision)
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(cfg, dict):
+            return ModelSource(name_or_path, revision, None)
+        return ModelSource(name_or_path, revision, family_for_config(cfg), cfg, path.parent)
     except (UserError, OSError, ValueError):
-        return None
+        return ModelSource(name_or_path, revision, None)
 
 
-def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None) -> "MaskPredictor":
-    """Load the model described by a recipe's ``model`` section."""
+def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None,
+                      config: Optional[dict] = None) -> "MaskPredictor":
+    """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read)."""
     mp = load_model(
         name_or_path or section.name_or_path,
         revision=section.revision,
@@ -461,6 +496,7 @@ def load_from_section(section, device: str | torch.device = "cpu", name_or_path:
         mask_token_id=section.mask_token_id,
         attn_implementation=section.attn_implementation,
         tokenizer=section.tokenizer,
+        config=config,
     )
     if section.gradient_checkpointing:
         mp.enable_gradient_checkpointing()

@@ -49,10 +49,11 @@ import torch
 
 from dllm_align.core.errors import UserError
 
-# Imported where used, since the memory estimate reaches this module without a model: transformers (MoE
-# experts only; it takes longer to import than torch), accelerate (the launch handlers) and
-# torch.distributed.fsdp (only an FSDP run needs it; FSDP2's names are public from torch 2.6, pyproject
-# allows 2.4).
+# The memory estimate reaches this module without a model, so these are imported where used:
+# lazy imports: transformers: MoE experts only, and it takes longer to import than torch
+# lazy imports: accelerate: the launch handlers only
+# lazy imports: torch.distributed.fsdp: only an FSDP run needs it (FSDP2's names are public from torch 2.6,
+# pyproject allows 2.4)
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}

@@ -17,8 +17,8 @@ from dllm_align.models.block_attention import STREAMS_ATTENTION, uses_streams_at
 from dllm_align.models.families import family_of
 from dllm_align.models.precision import autocast, experts_in_compute_precision
 
-# torch.nn.attention.flex_attention is imported where the flex variant runs: it exists from torch 2.5 on
-# and pyproject allows 2.4.
+# lazy imports: torch.nn.attention.flex_attention: it exists from torch 2.5 on (pyproject allows 2.4); only the flex
+# variant runs it
 
 if TYPE_CHECKING:
     from dllm_align.models.block_attention import Streams

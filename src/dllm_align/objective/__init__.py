@@ -1,11 +1,9 @@
-"""Stage 3, the objective: the likelihoods (``likelihood``: the interface; ``masked``, ``block``: one
-component per noise process; ``draws``: the deterministic draws they share; ``elbo``: the registry by name
-and the Monte Carlo ELBO every command calls, paper eq. elbo-l) and the objectives, one module each
-(``elbo_kto`` with its baselines, ``vrpo``, ``sft``): the loss as a pure function of ELBO values, and what the
-training loop asks of the objective (``base``: the ``Objective`` interface and its registry by name).
+"""Stage 3, the objective: the likelihoods (``likelihood``: the interface; ``masked``, ``block``, ``uniform``: one
+component per noise process; ``draws``: the deterministic draws they share; ``elbo``: the lookup by name and the
+Monte Carlo ELBO every command calls, paper eq. elbo-l) and the objectives, one module each (``elbo_kto`` with
+its baselines, ``vrpo`` over ``paired``'s pairs, ``sft``): the loss as a pure function of ELBO values, and what
+the training loop asks of the objective (``base``: the ``Objective`` interface). ``components`` declares them
+all by name (``dllm_align.config.components``); nothing here imports them.
 
 May import: `core`, `config`, `data`, `models`.
 """
-
-# The built-in objectives register themselves by name (objective.base.get_objective finds them).
-from dllm_align.objective import elbo_kto, sft, vrpo  # noqa: E402,F401

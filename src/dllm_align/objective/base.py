@@ -1,9 +1,10 @@
 """The objective as a component: what the training loop, the reference precompute, the memory model and
-``doctor`` ask of an objective, and the registry that finds one by its ``train.objective`` name.
+``doctor`` ask of an objective, and the lookup that finds one by its ``train.objective`` name.
 
-An objective is one module: a subclass of :class:`Objective` registered with
-:func:`register_objective`. It says what a training unit is (one row, or a
-(chosen, rejected) pair) and how units are made from the tokenised examples,
+An objective is one module: a subclass of :class:`Objective`, declared by one ``Component("objective", ...)``
+line (the built-in ones in ``objective/components.py``), which also holds its own settings (``train.<name>``,
+read as :attr:`Objective.settings`), the ``train`` keys it ignores and its checks against the recipe. It says
+what a training unit is (one row, or a (chosen, rejected) pair) and how units are made from the tokenised examples,
 whether it needs reference ELBOs and for which rows, how a step's reference
 point is set, the loss of a micro-batch from the policy's and the reference's
 ELBOs, which of its loss metrics add up over micro-batches and processes, how
@@ -20,6 +21,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional, Sequence
 
 import torch
 
+from dllm_align.config import components as registry
 from dllm_align.core.errors import UserError
 
 SATURATION = 6.0  # |beta * s * (r - b)| beyond this: sigmoid'(.) < 2.5e-3, the row gives ~no gradient
@@ -85,6 +87,11 @@ class Objective:
         self.t = train
         self.weights = weights or ClassWeights(train.lambda_desirable, train.lambda_undesirable)
 
+    @property
+    def settings(self):
+        """This objective's own settings (``train.<name>``: its declaration's settings model, defaults unless set)."""
+        return self.t.own_settings(self.name)
+
     # ---------------------------------------------------------------- data
     def make_units(self, examples: Sequence) -> list[tuple]:
         """The units of the global batch, from the tokenised examples (UserError when none can be made)."""
@@ -101,6 +108,11 @@ class Objective:
     def uses_extra_rows(self) -> bool:
         """Whether a step scores extra rows besides its units (:meth:`extra_rows`)."""
         return False
+
+    def extra_rows_settings(self) -> dict[str, Any]:
+        """The ``train`` keys (and values) that make a reference cache hold this objective's extra rows: a cache
+        shared by several runs (``ablate``) is made with them, so that it holds every run's rows; empty: none."""
+        return {}
 
     def extra_rows(self, batch_units: Sequence[tuple], max_length: int) -> list:
         """The extra rows of one global batch, one per unit, in the batch's order (row i goes where unit i goes)."""
@@ -151,27 +163,14 @@ def margin_status(m: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------- registry
-_OBJECTIVES: dict[str, type[Objective]] = {}
-
-
-def register_objective(cls: type[Objective]) -> type[Objective]:
-    """Make ``cls`` the objective named ``cls.name`` (usable as a class decorator)."""
-    if not getattr(cls, "name", None):
-        raise ValueError(f"{cls.__name__} has no name")
-    _OBJECTIVES[cls.name] = cls
-    return cls
-
-
 def objective_names() -> list[str]:
-    return sorted(_OBJECTIVES)
+    return registry.names("objective")
 
 
 def get_objective(name: str) -> type[Objective]:
-    """The objective class registered as ``name`` (UserError naming ``train.objective`` otherwise)."""
-    try:
-        return _OBJECTIVES[name]
-    except KeyError:
-        raise UserError(f"train.objective {name!r} is not a known objective (known: {', '.join(objective_names())})") from None
+    """The objective class declared as ``name`` (``dllm_align.objective.components``, or a plugin's declaration);
+    a UserError naming ``train.objective`` otherwise."""
+    return registry.load("objective", name, key="train.objective")
 
 
 def objective_for(train, weights: Optional[ClassWeights] = None) -> Objective:

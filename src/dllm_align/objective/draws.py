@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dllm_align.config import components as registry
 from dllm_align.objective.likelihood import Likelihood
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -66,11 +67,9 @@ class DrawConfig:
     seed: int = 0
     estimator: str = "l"  # "l" (paper) or "t"
     stratified: bool = False
-    # The uniform-noise likelihood's choices (``objective.uniform``); the absorbing-mask draws ignore them.
-    time_power: int = 2  # t = u ** time_power per canvas, weighted by dt/du
-    parameterization: str = "denoiser"  # what enters the bound: the softmax as it is, or its leave-one-out form
-    self_conditioning: str = "none"  # "none" (one pass) or "detached" (a no-grad first pass conditions the second)
-    surrogate: str = "elbo"  # "elbo" (the bound) or "flat_ce" (the published SFT loss, not a bound)
+    # The likelihoods' own settings, (name, settings) pairs (the recipe's, by ``from_reference``); a likelihood
+    # missing here reads its declaration's defaults (:meth:`settings_of`). The absorbing-mask draws have none.
+    likelihood_settings: tuple = ()
 
     def __post_init__(self):
         if self.estimator not in ("l", "t"):
@@ -81,8 +80,14 @@ class DrawConfig:
     @classmethod
     def from_reference(cls, ref, n_mc: Optional[int] = None) -> "DrawConfig":
         return cls(n_mc=n_mc or ref.n_mc, seed=ref.seed, estimator=ref.estimator, stratified=ref.stratified,
-                   time_power=ref.time_power, parameterization=ref.parameterization,
-                   self_conditioning=ref.self_conditioning, surrogate=ref.surrogate)
+                   likelihood_settings=tuple((name, ref.own_settings(name)) for name in registry.names("likelihood")))
+
+    def settings_of(self, likelihood: str):
+        """The own settings of ``likelihood`` these draws are made with (its declaration's defaults if not given)."""
+        for name, settings in self.likelihood_settings:
+            if name == likelihood:
+                return settings
+        return registry.get("likelihood", likelihood).settings()
 
 
 def draw_masks(example_id: str, L: int, cfg: DrawConfig) -> tuple[np.ndarray, np.ndarray]:

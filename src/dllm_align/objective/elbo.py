@@ -1,10 +1,11 @@
-"""The Monte Carlo ELBO of any model: the registry of likelihoods by name, and the entry points every
+"""The Monte Carlo ELBO of any model: the likelihoods by name, and the entry points every
 command calls (:func:`elbo_draws`, :func:`elbo`).
 
-A model's family names its likelihood (``Family.likelihood``); :data:`LIKELIHOODS` maps that name to the
-component (``objective.likelihood``) that draws the noise and computes the per-draw terms: ``"masked"``,
-whole-sequence absorbing-mask diffusion (``objective.masked``), ``"block"``, block diffusion
-(``objective.block``), and ``"uniform"``, uniform-noise block diffusion (``objective.uniform``: DiffusionGemma). A new noise process is one module and one line here.
+A model's family names its likelihood (``Family.likelihood``); :data:`LIKELIHOODS` maps that name (declared in
+``objective/components.py``) to the component (``objective.likelihood``) that draws the noise and computes the
+per-draw terms: ``"masked"``, whole-sequence absorbing-mask diffusion (``objective.masked``), ``"block"``, block
+diffusion (``objective.block``), and ``"uniform"``, uniform-noise block diffusion (``objective.uniform``:
+DiffusionGemma). A new noise process is one module and one declaration.
 
 The draws are pure functions of (seed, example id, draw index, L) (``objective.draws``), so policy and
 reference share them (common random numbers: the VRPO variance reduction the paper relies on); the names
@@ -14,12 +15,12 @@ callers import from here (``DrawConfig``, ``draw_masks``, ``make_noisy_batch``, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import torch
 
-from dllm_align.core.errors import UserError
-from dllm_align.objective.block import BLOCK
+from dllm_align.config import components as registry
 from dllm_align.objective.draws import (  # noqa: F401  (the draws' names, where callers import them)
     DrawConfig,
     NoisyBatch,
@@ -29,18 +30,15 @@ from dllm_align.objective.draws import (  # noqa: F401  (the draws' names, where
     splitmix64,
 )
 from dllm_align.objective.likelihood import Likelihood
-from dllm_align.objective.masked import MASKED, exact_elbo  # noqa: F401
-from dllm_align.objective.uniform import UNIFORM
+from dllm_align.objective.masked import exact_elbo  # noqa: F401
 
-# Every likelihood by the name a family gives (``Family.likelihood``).
-LIKELIHOODS: dict[str, Likelihood] = {lik.name: lik for lik in (MASKED, BLOCK, UNIFORM)}
+# Every likelihood by the name a family gives (``Family.likelihood``), each loaded on first use.
+LIKELIHOODS: Mapping[str, Likelihood] = registry.Loaded("likelihood")
 
 
 def get_likelihood(name: str) -> Likelihood:
-    """The likelihood component registered under ``name``; an unknown name is one error naming the known ones."""
-    if name not in LIKELIHOODS:
-        raise UserError(f"unknown likelihood '{name}'", hint=f"known: {', '.join(LIKELIHOODS)}")
-    return LIKELIHOODS[name]
+    """The likelihood declared as ``name``; an unknown name is one error naming the known ones."""
+    return registry.load("likelihood", name, key="the model family's likelihood")
 
 
 def likelihood_of(mp) -> Likelihood:

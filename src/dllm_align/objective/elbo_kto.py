@@ -21,7 +21,7 @@ import torch
 from dllm_align.core.errors import UserError
 from dllm_align.data.examples import kl_examples, planned_batches, step_count
 from dllm_align.data.imbalance import check_weight_ratio
-from dllm_align.objective.base import SATURATION, LossTerms, Objective, StepInputs, margin_status, register_objective
+from dllm_align.objective.base import SATURATION, LossTerms, Objective, StepInputs, margin_status
 
 
 def baseline_of(margins: torch.Tensor, kind: str) -> torch.Tensor:
@@ -130,7 +130,6 @@ def planned_kl_examples(recipe, examples: Sequence) -> list:
     return list(seen.values())
 
 
-@register_objective
 class ElboKto(Objective):
     """ELBO-KTO over unpaired rows, each labelled desirable or undesirable."""
 
@@ -164,6 +163,10 @@ class ElboKto(Objective):
     @property
     def uses_extra_rows(self) -> bool:
         return self.t.baseline == "kl"
+
+    def extra_rows_settings(self) -> dict:
+        # the mismatched pairs of the kl baseline; the other baselines score none
+        return {"baseline": self.t.baseline} if self.uses_extra_rows else {}
 
     def extra_rows(self, batch_units: Sequence[tuple], max_length: int) -> list:
         return kl_examples([u[0] for u in batch_units], max_length) if self.uses_extra_rows else []

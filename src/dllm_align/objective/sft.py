@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.core.errors import UserError
-from dllm_align.objective.base import LossTerms, Objective, register_objective
+from dllm_align.objective.base import LossTerms, Objective
 
 
 def sft_loss(policy_elbo: torch.Tensor, completion_len: torch.Tensor, *, normalizer: Optional[float] = None) -> LossTerms:
@@ -22,7 +22,6 @@ def sft_loss(policy_elbo: torch.Tensor, completion_len: torch.Tensor, *, normali
     return LossTerms(per.sum() / m, metrics)
 
 
-@register_objective
 class Sft(Objective):
     """SFT on every row, or on the desirable rows only (``train.sft_rows``)."""
 

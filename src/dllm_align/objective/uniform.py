@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from dllm_align.core.errors import UserError
+from dllm_align.objective.components import UniformSettings
 from dllm_align.objective.draws import example_key, mix
 from dllm_align.objective.likelihood import Footprint, Likelihood
 
@@ -188,7 +189,7 @@ class UniformDrawConfig:
     n_mc: int = 8
     seed: int = 0
     stratified: bool = False
-    time_power: int = 2
+    time_power: int = UniformSettings.model_fields["time_power"].default
 
     def __post_init__(self):
         if self.n_mc < 1:
@@ -345,18 +346,17 @@ class UniformNoise(Likelihood):
     the K noisy canvases against its cache (``MaskPredictor.canvas_logits``). The term of a draw is
     -sum over positions of weight * integrand (an ELBO on log p(completion | prompt), <= 0), or with
     ``surrogate: flat_ce`` minus the unweighted cross-entropy summed over the canvas (the published SFT
-    loss; not a bound). ``cfg``'s ``time_power``, ``parameterization`` and ``self_conditioning`` are the
-    recipe's choices (section ``reference``)."""
+    loss; not a bound). ``time_power``, ``parameterization``, ``self_conditioning`` and ``surrogate`` are this
+    likelihood's own settings (``cfg.settings_of("uniform")``; recipe keys ``reference.time_power``, ...)."""
 
     name = "uniform"
     packs = False
     packs_reason = ("each example's clean context runs through the encoder alone and its canvases against that "
                     "cache, so no compute goes to padding and there is nothing to pack")
 
-    @staticmethod
-    def _draw_config(cfg) -> UniformDrawConfig:
+    def _draw_config(self, cfg) -> UniformDrawConfig:
         return UniformDrawConfig(n_mc=cfg.n_mc, seed=cfg.seed, stratified=cfg.stratified,
-                                 time_power=getattr(cfg, "time_power", 2))
+                                 time_power=cfg.settings_of(self.name).time_power)
 
     def draws(self, example_id: str, length: int, cfg, vocab_size: int = 2, canvas_length: Optional[int] = None):
         return draw_uniform_noise(example_id, length, self._draw_config(cfg), vocab_size, canvas_length)
@@ -366,9 +366,8 @@ class UniformNoise(Likelihood):
         if pack_length is not None:
             raise UserError("data.padding: packed is not available for uniform-noise models (DiffusionGemma)",
                             hint=self.packs_reason + ": use data.padding: none")
-        par = getattr(cfg, "parameterization", "denoiser")
-        sc = getattr(cfg, "self_conditioning", "none")
-        surrogate = getattr(cfg, "surrogate", "elbo")
+        own = cfg.settings_of(self.name)  # this likelihood's settings (objective/components.py: UniformSettings)
+        par, sc, surrogate = own.parameterization, own.self_conditioning, own.surrogate
         if par not in PARAMETERIZATIONS or sc not in SELF_CONDITIONING or surrogate not in SURROGATES:
             raise ValueError(f"uniform likelihood: bad choice (parameterization {par!r}, self_conditioning {sc!r}, "
                              f"surrogate {surrogate!r})")

@@ -1,4 +1,5 @@
-"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``): is this answer good, yes or no?
+"""An LLM judge in absolute mode as a verifier (``--rule judge:MODEL``, the component ``judge``:
+:func:`judge_rule`): is this answer good, yes or no?
 
 The request goes through the judge's own client (:class:`dllm_align.judge.client.ChatClient`: only the
 recipe's ``judge.base_url`` is contacted, the key comes from ``judge.api_key_env`` and never reaches a
@@ -15,8 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Optional
+
+from dllm_align.config.schema import JudgeSection
+from dllm_align.core.errors import UserError
+from dllm_align.core.io import JsonlAppender, recover_jsonl
+from dllm_align.judge.batch import BatchRunner
+from dllm_align.judge.cache import CacheWriter, Task
+from dllm_align.judge.client import ChatClient, check_base_url, read_api_key
+from dllm_align.judge.run import request_params
+from dllm_align.online.verifiers import Rule
 
 TEMPLATE = (
     "You are judging one answer to a user's request. Decide whether the answer is good: correct, helpful "
@@ -43,10 +54,6 @@ class AbsoluteJudge:
     """A verifier ``(prompt, completion, row) -> True | False | None`` (None: unjudgeable)."""
 
     def __init__(self, model: str, section, out_dir: Path):
-        from dllm_align.core.io import recover_jsonl
-        from dllm_align.judge.client import ChatClient, read_api_key
-        from dllm_align.judge.run import request_params
-
         s = section.model_dump()
         key = read_api_key(s["api_key_env"])
         self.client = ChatClient(s["base_url"], key, api_key_env=s["api_key_env"] or "(none)", timeout=s["timeout"],
@@ -65,8 +72,6 @@ class AbsoluteJudge:
         return hashlib.sha256(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
     def __call__(self, prompt: str, completion: str, row: dict) -> Optional[bool]:
-        from dllm_align.core.io import JsonlAppender
-
         key = self._key(prompt, completion)
         if key in self.cache:
             return self.cache[key]["verdict"] == "YES"
@@ -91,11 +96,6 @@ class AbsoluteJudge:
         """The verdicts of ``(prompt, completion)`` pairs, the uncached ones asked through the Batch API (as
         ``judge --batch``: resumable at every stage from ``DIR/batch_state.json``). What a batch left without
         a verdict is then asked live, with the re-ask for the verdict alone."""
-        import threading
-
-        from dllm_align.judge.batch import BatchRunner
-        from dllm_align.judge.cache import CacheWriter, Task
-
         tasks: dict[str, Task] = {}
         for prompt, completion in pairs:
             key = self._key(prompt, completion)
@@ -115,3 +115,23 @@ class AbsoluteJudge:
             self._appender.close()
             self._appender = None
         self.client.close()
+
+
+def check_judge(rule: str, section) -> None:
+    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
+    if not rule[len("judge:"):].strip():
+        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
+    key = read_api_key(section.api_key_env)
+    try:
+        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
+    except UserError as e:  # the client names its own flag; label reads the recipe's key
+        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
+
+
+def judge_rule(sel):
+    """The verifier ``judge:MODEL`` (``sel``: an ``online.verifiers.Selection``): the recipe's judge section
+    checked now (key and URL), the judge itself made once the run folder is taken (its verdicts are cached
+    there), on the rank that labels."""
+    section = sel.recipe.judge if sel.recipe is not None else JudgeSection()
+    check_judge(sel.spec, section)
+    return Rule(sel.spec, lambda p, c, r: True, bind=lambda out: AbsoluteJudge(sel.argument, section, out))

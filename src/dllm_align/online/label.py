@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from dllm_align.core.errors import UserError
+from dllm_align.core.runfolder import from_rank0, run_folder
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
@@ -60,9 +60,9 @@ def _prompt_id(d: dict, msgs: list, where: str) -> str:
 def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifier=None) -> list[Prompt]:
     """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``; each
     prompt, its id and the columns the verifier reads checked here, naming the file and line."""
-    from dllm_align.data.layouts import _messages
+    from dllm_align.data.layouts import as_messages
     from dllm_align.data.read import read_tables
-    from dllm_align.data.rows import _Bad
+    from dllm_align.data.rows import BadValue
 
     out: list[Prompt] = []
     seen: dict[str, str] = {}
@@ -79,8 +79,8 @@ def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifi
                 raise UserError(f"{rec.where}: the {col} has {len(raw):,} characters; at most {MAX_PROMPT_CHARS:,} are read",
                                 hint="shorten it: no model of these families has room for it")
             try:
-                msgs, _ = _messages(raw, col, t.textual)
-            except _Bad as e:
+                msgs, _ = as_messages(raw, col, t.textual)
+            except BadValue as e:
                 raise UserError(f"{rec.where}: {e}") from None
             if sum(len(str(m.get("content", ""))) for m in msgs) > MAX_PROMPT_CHARS:
                 raise UserError(f"{rec.where}: the {col} is longer than {MAX_PROMPT_CHARS:,} characters")
@@ -129,17 +129,11 @@ def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
         raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
 
 
-def _reason_counts(rule: str, reasons: Counter) -> dict[str, int]:
-    """The verdicts per reason; for math_answer every reason is listed, zeros included, so that the summaries
-    of different rounds have the same keys."""
-    if rule == "math_answer":
-        from dllm_align.online.math_answer import reason_counts
-
-        return reason_counts(reasons.elements())
-    if rule == "sort":
-        from dllm_align.online.verifiers import SORT_REASONS
-
-        return {k: reasons.get(k, 0) for k in SORT_REASONS}
+def _reason_counts(verifier, reasons: Counter) -> dict[str, int]:
+    """The verdicts per reason; a verifier that lists its reasons (``Rule.reasons``) gets every one, zeros
+    included, so that the summaries of different rounds have the same keys."""
+    if verifier.reasons:
+        return {k: reasons[k] for k in verifier.reasons}
     return dict(sorted(reasons.items()))
 
 
@@ -187,8 +181,10 @@ def label_settings(recipe, temperature: Optional[float], fast: bool = True):
 def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
-    if fast and gen.settings_for(settings.replace(cache="none", threshold=None)).sampler == "block":
-        settings = settings.replace(cache="prefix")
+    if fast:
+        from dllm_align.generate.rules import rule_fast_cache
+
+        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
     return gen.settings_for(settings)
 
 
@@ -199,28 +195,11 @@ def check_temperature(temperature: Optional[float], n: int) -> None:
                         "to contrast", hint="sample at a temperature above 0 (1.0 by default), or --n 1")
 
 
-def check_judge(rule: str, section) -> None:
-    """``--rule judge:MODEL``: the model named, the key set and ``judge.base_url`` a URL, before any work."""
-    from dllm_align.judge.client import check_base_url, read_api_key
-
-    if not rule[len("judge:"):].strip():
-        raise UserError("--rule judge:MODEL: name the judge model, e.g. judge:gpt-4o-mini")
-    key = read_api_key(section.api_key_env)
-    try:
-        check_base_url(section.base_url, has_key=key is not None, allow_plain_http=section.allow_plain_http)
-    except UserError as e:  # the client names its own flag; label reads the recipe's key
-        raise UserError(e.message.replace("--base-url", "judge.base_url"), hint=e.hint) from None
-
-
 def check_rule(rule: str, answer_column: str, recipe):
     """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
-    from dllm_align.online.verifiers import Rule, check_spec, get_rule
+    from dllm_align.online.verifiers import get_rule
 
-    check_spec(rule, f"--rule {rule}")
-    if rule.startswith("judge:"):
-        check_judge(rule, recipe.judge)
-        return Rule(rule, lambda p, c, r: True)  # replaced by the judge once the folder is taken
-    return get_rule(rule, answer_column=answer_column)
+    return get_rule(rule, answer_column=answer_column, recipe=recipe)
 
 
 def _refuse_relabel(summary_path: Path, settings: dict) -> None:
@@ -296,41 +275,12 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     # Round 0 keeps the seeds of `label` itself; later rounds draw new ones, so that a policy that did not
     # change is not asked the very same random questions again.
     seeds = [row_seed(settings.seed, f"{items[i].id}:{j}" if round_ == 0 else f"round{round_}:{items[i].id}:{j}") for i, j in flat]
-    made = rank == 0 and not out.exists()
-    try:
-        with rank0_lock(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
-                        rank, world):
-            return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
-                                 record, rank, world)
-    except BaseException:
-        # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache
-        # is kept: the rerun reuses it).
-        if made and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        raise
-
-
-@contextmanager
-def rank0_lock(folder: Path, message: str, rank: int, world: int):
-    """``folder``'s :class:`~dllm_align.core.io.DirLock` (``message`` when another command holds it), taken by rank 0
-    alone, which alone writes; when several processes run, whether it got the lock is said to every rank (a
-    refusal is raised on every rank), so that no rank goes on while rank 0 has stopped."""
-    from dllm_align.core.io import DirLock
-
-    lock = DirLock(folder, message) if rank == 0 else None
-
-    def take() -> None:  # returns nothing: the result is broadcast, and the lock stays on rank 0
-        lock.__enter__()
-
-    if world > 1:
-        from_rank0(take)
-    elif lock is not None:
-        take()
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
+    # A run that stopped before writing leaves no empty folder of its own making (a judge's verdict cache is kept:
+    # the rerun reuses it).
+    with run_folder(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
+                    rank=rank, world=world):
+        return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
+                             record, rank, world)
 
 
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
@@ -341,11 +291,10 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
 
     rows_path, summary_path = out / ROWS, out / SUMMARY
     judge = None
-    if rule.startswith("judge:") and rank == 0:  # the judge (and its cache in the run folder) lives on rank 0
-        from dllm_align.online.absolute import AbsoluteJudge
+    if verifier.bind is not None and rank == 0:  # a verifier bound to the run folder (a judge's cache) lives on rank 0
         from dllm_align.online.verifiers import Rule
 
-        judge = AbsoluteJudge(rule[len("judge:"):], recipe.judge, out)
+        judge = verifier.bind(out)
         verifier = Rule(rule, judge)
     if rank == 0:
         fast = (f", cache {settings.cache}, threshold {settings.threshold}"
@@ -399,31 +348,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
     return comps
 
 
-def from_rank0(fn):
-    """``fn()`` run on rank 0 (the other ranks pass a function returning None), its result given to every
-    rank, or its error raised on every rank: no rank waits for a rank 0 that has stopped."""
-    import torch.distributed as dist
-
-    from dllm_align.core.errors import DllmAlignError, RunFailure
-
-    box: list = [None]
-    err = None
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except DllmAlignError as e:
-            box, err = [("error", e.exit_code, e.message, e.hint)], e
-        except Exception as e:  # noqa: BLE001 - said to the other ranks, then raised here as it is
-            box, err = [("error", 1, f"rank 0 stopped: {type(e).__name__}: {e}", None)], e
-    dist.broadcast_object_list(box, src=0)
-    if err is not None:
-        raise err
-    if box[0][0] == "error":
-        _, code, message, hint = box[0]
-        raise (UserError if code == 2 else RunFailure)(message, hint=hint)
-    return box[0][1]
-
-
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
                      judge_section, record: dict, served: Optional[dict]) -> dict:
     from dllm_align.core.io import atomic_write_json, atomic_write_text
@@ -471,7 +395,7 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
-        "reasons": _reason_counts(verifier.name, reasons) if reasons else None, "settings": record,
+        "reasons": _reason_counts(verifier, reasons) if reasons else None, "settings": record,
     }
     summary["served"] = served  # the model the backend says it served (None where it cannot tell)
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

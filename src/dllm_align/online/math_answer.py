@@ -35,11 +35,15 @@ extractors, is in docs/online.md (``python benchmarks/math_verifiers.py``).
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Optional
+
+# lazy imports: math_verify: it loads sympy (about a second), which only the math_answer verifier's symbolic
+# fallback needs
 
 REASONS = ("correct", "wrong", "hedge", "truncated", "expression", "none")
 NO_ANSWER = ("hedge", "truncated", "expression", "none")
@@ -251,8 +255,6 @@ def reference_answer(reference: str) -> tuple[Optional[tuple[Fraction, str]], st
 
 
 def _equal(got: tuple[Fraction, str], want: tuple[Fraction, str]) -> bool:
-    import logging
-
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # its one warning says that timeouts are off, which is what we ask for (see below)

@@ -1,5 +1,10 @@
 """Verifiers: functions that label one completion desirable (True) or not, given its prompt and row.
 
+A verifier is a component of kind ``verifier`` (``dllm_align.config.components``): declared torch-free with
+its name, the argument it takes after ':' and its own settings (``online.<name>``), the built-in ones in
+:mod:`dllm_align.online.components`; its target is a factory ``(Selection) -> Rule``. A spec ``name:ARGUMENT``
+selects ``name`` with that argument; a spec no component takes is a user's ``package.module:function``.
+
 Built in:
 
 * ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order
@@ -12,6 +17,8 @@ Built in:
   rule is in :mod:`dllm_align.online.math_answer`.
 * ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``; an empty pattern is
   refused, and each search is bounded in time like a user's function, so catastrophic backtracking stops).
+* ``judge:MODEL``: an LLM judge in absolute mode (:mod:`dllm_align.online.absolute`), bound to the run
+  folder once it is taken (its verdict cache lives there).
 * ``package.module:function``: your function ``(prompt, completion, row) -> bool`` (``prompt`` is the last
   user message's text, ``row`` the prompt's source row as a dict); like the judge's rule judges, running
   your code is announced on stderr. Its printing, exits and hangs are contained
@@ -23,9 +30,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
+from pydantic import BaseModel
+
+from dllm_align.config.schema import split_verifier, verifier_problem
 from dllm_align.core.errors import DllmAlignError, UserError
+from dllm_align.core.usercode import call, load_function
+from dllm_align.data.toy import desirable, digits_of, undesirable
+from dllm_align.online.math_answer import REASONS, judge, reference_answer
 
 Verifier = Callable[[str, str, dict], bool]
 
@@ -42,6 +56,11 @@ class Rule:
     why: Optional[Callable[[str, str, dict], str]] = None
     # What is wrong with a source row for this rule (None: nothing), checked before anything is sampled.
     check_row: Optional[Callable[[dict], Optional[str]]] = None
+    # Every reason ``why`` can give, so that summaries of different rounds have the same keys (zeros included).
+    reasons: tuple[str, ...] = ()
+    # A verifier that works in the run folder (the absolute judge caches its verdicts there): called with the
+    # folder once it is taken, it returns what labels instead of ``fn`` (with ``batch`` when it can ask in bulk).
+    bind: Optional[Callable[[Path], Any]] = None
 
     def explain(self, prompt: str, completion: str, row: dict) -> Optional[str]:
         """The reason behind the verdict, or None for a rule that gives none."""
@@ -49,8 +68,6 @@ class Rule:
 
 
 def _sort(prompt: str, completion: str, row: dict) -> bool:
-    from dllm_align.data.toy import desirable, digits_of
-
     return completion.strip() == desirable(digits_of(prompt))
 
 
@@ -60,8 +77,6 @@ SORT_REASONS = ("correct", "descending", "unsorted", "malformed")
 def _sort_why(prompt: str, completion: str, row: dict) -> str:
     """``correct``; ``descending`` (the reverse sort); ``unsorted`` (the prompt's digits in another order);
     ``malformed`` (not the prompt's digits: missing, extra or other characters)."""
-    from dllm_align.data.toy import desirable, digits_of, undesirable
-
     digits, got = digits_of(prompt), completion.strip()
     if got == desirable(digits):
         return "correct"
@@ -71,8 +86,6 @@ def _sort_why(prompt: str, completion: str, row: dict) -> str:
 
 
 def _math(column: str) -> tuple[Verifier, Callable[[str, str, dict], str]]:
-    from dllm_align.online.math_answer import judge
-
     def check(prompt: str, completion: str, row: dict) -> bool:
         return judge(completion, str(row[column])).desirable
 
@@ -87,8 +100,6 @@ def _math_row(column: str) -> Callable[[dict], Optional[str]]:
         v = row.get(column)
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not str(v).strip():
             return f"{column} is {json.dumps(v)[:40]}: math_answer needs a reference answer (text or a number)"
-        from dllm_align.online.math_answer import reference_answer
-
         want, text = reference_answer(str(v))
         if want is None and not text:
             return f"{column} {str(v)[:40]!r} holds no final answer for math_answer to compare against"
@@ -97,45 +108,62 @@ def _math_row(column: str) -> Callable[[dict], Optional[str]]:
     return problem
 
 
-BUILTIN = ("sort", "math_answer", "regex:PATTERN", "package.module:function")
+@dataclass(frozen=True)
+class Selection:
+    """A verifier as a spec selects it: the spec as written, the text after ':' (None: none), the verifier's own
+    settings (``online.<name>``, its defaults when the recipe has none), the reference-answer column
+    (``--answer-column``) and the recipe (None when there is none)."""
+
+    spec: str
+    argument: Optional[str]
+    settings: BaseModel
+    answer_column: str = "answer"
+    recipe: Any = None
+
+
+def sort_rule(sel: Selection) -> Rule:
+    return Rule("sort", _sort, why=_sort_why, reasons=SORT_REASONS)
+
+
+def math_answer_rule(sel: Selection) -> Rule:
+    check, why = _math(sel.answer_column)
+    return Rule("math_answer", check, (sel.answer_column,), why, _math_row(sel.answer_column), REASONS)
+
+
+def regex_rule(sel: Selection) -> Rule:
+    rx = re.compile(sel.argument or "")  # checked with the spec (verifier_problem)
+    return Rule(sel.spec, lambda p, c, r: rx.search(c) is not None)
 
 
 def check_spec(spec: Any, label: str) -> None:
-    """Refuse a rule spec that cannot name a verifier, without importing anything (the recipe schema checks
-    ``online.rule`` with the same words); :func:`get_rule` then imports a user's module."""
-    from dllm_align.config.schema import verifier_problem
-
+    """Refuse a rule spec that cannot name a verifier, without importing it (the recipe schema checks
+    ``online.rule`` with the same words); :func:`get_rule` then loads it."""
     problem = verifier_problem(spec)
     if problem:
         raise UserError(f"{label}: {problem}")
 
 
-def get_rule(spec: str, *, answer_column: str = "answer") -> Rule:
-    """The verifier a ``--rule`` names (module docstring); one error naming it when it is unknown, and a user's
-    function that cannot take (prompt, completion, row) refused before anything is sampled."""
+def get_rule(spec: str, *, answer_column: str = "answer", recipe=None) -> Rule:
+    """The verifier a ``--rule`` names (module docstring), every check that needs no model done; one error naming
+    it when it is unknown, and a user's function that cannot take (prompt, completion, row) refused before
+    anything is sampled. Its own settings are the recipe's ``online.<name>`` (defaults without an online section)."""
     label = f"--rule {spec}"
     check_spec(spec, label)
-    if spec == "sort":
-        return Rule("sort", _sort, why=_sort_why)
-    if spec == "math_answer":
-        check, why = _math(answer_column)
-        return Rule("math_answer", check, (answer_column,), why, _math_row(answer_column))
-    if spec.startswith("regex:"):
-        rx = re.compile(spec[len("regex:"):])  # checked by check_spec
-        return Rule(spec, lambda p, c, r: rx.search(c) is not None)
-    if spec.startswith("judge:"):
-        raise UserError(f"{label}: the judge labels through dllm_align.online.absolute, not as a function")
-    from dllm_align.core.usercode import load_function
-
-    fn, _ = load_function(spec, label, args=("", "", {}), what="(prompt, completion, row) and return True or False")
-    return Rule(spec, fn)
+    comp, argument = split_verifier(spec)
+    if comp is None:
+        fn, _ = load_function(spec, label, args=("", "", {}), what="(prompt, completion, row) and return True or False")
+        return Rule(spec, fn)
+    online = getattr(recipe, "online", None)
+    own = online.own_settings(comp.name) if online is not None else comp.settings()
+    rule = comp.load()(Selection(spec, argument, own, answer_column, recipe))
+    if not isinstance(rule, Rule):
+        raise UserError(f"{label}: the verifier {comp.name!r} ({comp.target}) returned {type(rule).__name__}, not a Rule")
+    return rule
 
 
 def apply(rule: Rule, prompt: str, completion: str, row: dict, where: str) -> bool:
     """Run a verifier on one completion (printing, exiting and hanging contained: :mod:`dllm_align.core.usercode`);
     an exception or a non-boolean answer is one error naming the rule and the row."""
-    from dllm_align.core.usercode import call
-
     try:
         v: Any = call(rule.fn, (prompt, completion, row), f"--rule {rule.name}", where)
     except DllmAlignError:

@@ -42,6 +42,7 @@ from dllm_align.core.runfolder import refuse_changes
 from dllm_align.data.examples import block_scoring
 from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_model_path
 from dllm_align.models.precision import precision_for
+from dllm_align.objective.components import UniformSettings
 
 
 FORMAT_VERSION = 1
@@ -54,7 +55,7 @@ SHARD_FMT = "shard-{:05d}.safetensors"
 # reference, and a different checkpoint behind the same name is not.
 # The uniform-noise likelihood's settings and their defaults: in the fingerprint only when they differ from
 # the defaults (a cache that lacks one was made with its default).
-UNIFORM_FIELDS_DEFAULTS = {"time_power": 2, "parameterization": "denoiser", "self_conditioning": "none", "surrogate": "elbo"}
+UNIFORM_FIELDS_DEFAULTS = {k: f.default for k, f in UniformSettings.model_fields.items()}
 UNIFORM_FIELDS = tuple(UNIFORM_FIELDS_DEFAULTS)
 # Fields present only where they apply; a cache that lacks one was made where it did not (or before it existed).
 OPTIONAL_FIELDS = (*UNIFORM_FIELDS, "tied_head")

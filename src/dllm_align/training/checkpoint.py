@@ -222,7 +222,7 @@ def state_dict_of(saver: Saver) -> dict:
 
 
 def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False,
-           source: Optional[Path] = None, code: Optional[Path] = None) -> dict:
+           source: Optional[Path] = None, code: Optional[Path] = None, source_config: Optional[dict] = None) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA).
 
     A checkpoint (``final=False``) keeps the native layout it resumes from. The final model is written in its
@@ -230,7 +230,7 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     and from ``source``, the folder the run started from, its remote code and generation config; from ``code``, a
     folder of the family's published modeling files, when the source has none), so the published code and the
     serving engines load it as the original; dllm-align reads it back to the same numbers. Without the remote code
-    the folder names no ``auto_map`` (said on stderr)."""
+    the folder names no ``auto_map`` (said on stderr). ``source_config``: ``source``'s config.json as already read."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
@@ -239,18 +239,18 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
         return adapter
-    from dllm_align.models.export import LAYOUTS, published_state, write_published_layout
+    from dllm_align.models.export import published_state, write_published_layout
     from dllm_align.models.families import family_for_config
 
     fam = family_for_config(config)
     family = fam.name
-    if family not in LAYOUTS:  # no published layout to write
+    if fam.published is None:  # no published layout to write
         save_model_folder(folder, weights, config, saver.tokenizer)
         if fam.export_extras is not None:
             fam.export_extras(folder, config, saver.tokenizer, source)
         return adapter
     save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
-    cfg = write_published_layout(folder, family, source, code)
+    cfg = write_published_layout(folder, family, source, code, source_config)
     if "auto_map" not in cfg:
         info(f"export: the final model carries no {family} remote code (neither the model's folder nor "
              f"model.published_code has the files), so its config.json names no auto_map: it loads through "

@@ -221,8 +221,6 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
 
     if not isinstance(cfg, dict):
         raise UserError(f"{source or 'config.json'}: expected a JSON object of model settings, got {type(cfg).__name__}")
-    if cfg.get("model_type") == "diffusion_gemma" and isinstance(cfg.get("text_config"), dict):
-        return _diffusion_gemma_shape(cfg, source)
 
     def pick(*keys, default=None, low: int = 1):
         for k in keys:
@@ -235,6 +233,8 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
     from dllm_align.models.families import family_for_config
 
     fam = family_for_config(cfg)
+    if fam.tied_text_stack and isinstance(cfg.get("text_config"), dict):
+        return _tied_text_stack_shape(cfg, source, fam.likelihood)
     if fam.refuse_reason:  # as loading it would (train, generate): refused by name, not sized
         raise UserError(f"{source or 'config.json'}: {fam.name} checkpoint: {fam.refuse_reason}")
     block_problem = fam.block_size_problem(cfg)
@@ -286,8 +286,7 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         intermediate=_whole(cfg, "intermediate_size", mlp, source=source),
         tied=bool(cfg.get("tie_word_embeddings", cfg.get("weight_tying", False))),
         source=source,
-        qk_norm=(cfg.get("model_type") in ("qwen3", "sdar") and not experts)
-        or (cfg.get("model_type") in ("llada2_moe", "llada21_moe") and cfg.get("use_qk_norm", True) is not False),
+        qk_norm=fam.qk_norm(cfg, experts) if fam.qk_norm else (cfg.get("model_type") == "qwen3" and not experts),
         likelihood=fam.likelihood,
         block_size=fam.block_size_in(cfg) or 0,
         config=cfg,
@@ -295,9 +294,10 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
     )
 
 
-def _diffusion_gemma_shape(cfg: dict, source: str) -> ModelShape:
-    """DiffusionGemma's text stack (encoder and decoder are one set of tied weights, counted once): Gemma 4 MoE
-    layers, each with a dense gated MLP (``intermediate_size``, run by every token: counted as a shared expert)
+def _tied_text_stack_shape(cfg: dict, source: str, likelihood: str) -> ModelShape:
+    """A text stack nested under ``text_config`` (``Family.tied_text_stack``), encoder and decoder one set of tied
+    weights, counted once; DiffusionGemma's is Gemma 4 MoE layers, each with a dense gated MLP
+    (``intermediate_size``, run by every token: counted as a shared expert)
     beside ``num_experts`` experts of ``moe_intermediate_size`` (``top_k_experts`` active). Attention is sized
     as the sliding layers (``head_dim``, ``num_key_value_heads``; five layers in six); the vision tower is not
     counted (loaded frozen, never run)."""
@@ -309,15 +309,13 @@ def _diffusion_gemma_shape(cfg: dict, source: str) -> ModelShape:
     experts = int(t.get("num_experts") or 0)
     ei = _whole(t, "moe_intermediate_size", t.get("moe_intermediate_size"), source=source) if experts else 0
     inter = _whole(t, "intermediate_size", t.get("intermediate_size"), source=source)
-    from dllm_align.models.families import get_family
-
     return ModelShape(
         vocab=_whole(t, "vocab_size", t.get("vocab_size"), source=source), hidden=d, layers=layers, heads=heads,
         kv_heads=_whole(t, "num_key_value_heads", t.get("num_key_value_heads") or heads, source=source),
         intermediate=inter, tied=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", True))), source=source, qk_norm=True,
         explicit_head_dim=hd, experts=experts, active_experts=int(t.get("top_k_experts") or 0) if experts else 0,
         expert_intermediate=ei, moe_layers=layers if experts else 0, shared_intermediate=inter if experts else 0,
-        likelihood=get_family("diffusion_gemma").likelihood, config=cfg)
+        likelihood=likelihood, config=cfg)
 
 
 def model_shape(recipe) -> ModelShape:

@@ -1,6 +1,7 @@
 """The run's plan: what a training run derives from its recipe and its launch, computed once before anything
-loads (the objective and its class weights, the precision, the packed-row length, the draws, the process layout
-and the global batch), as one frozen record the setup steps and the step take.
+loads or the run folder changes (the model's family and likelihood from its config.json, read once; the padding
+and FSDP settings that family allows; the objective and its class weights, the precision, the packed-row length,
+the draws, the process layout and the global batch), as one frozen record the setup steps and the step take.
 """
 
 from __future__ import annotations
@@ -10,14 +11,18 @@ from typing import Optional
 
 import torch
 
-from dllm_align.config.schema import TrainSection
+from dllm_align.config import components as registry
+from dllm_align.config.schema import TrainSection, component_problems
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
 from dllm_align.data.imbalance import read_weights_file
+from dllm_align.models.families.base import Family
+from dllm_align.models.load import ModelSource, model_source
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
-from dllm_align.objective.elbo import DrawConfig
+from dllm_align.objective.elbo import DrawConfig, get_likelihood
+from dllm_align.objective.likelihood import Likelihood
 from dllm_align.training.distributed import fsdp_launch_of, is_fsdp
 
 
@@ -25,7 +30,9 @@ from dllm_align.training.distributed import fsdp_launch_of, is_fsdp
 class TrainPlan:
     """The derived values of one run on one process."""
 
+    source: ModelSource  # the recipe's model: its family and config.json, read once
     objective: Objective
+    class_weights: ClassWeights
     precision: Precision  # one precision for the policy and the reference (models.precision)
     pack_length: Optional[int]  # pack each forward's noisy rows into rows of this length (data.padding: packed)
     draws: DrawConfig  # the reference's draw set; the policy uses draws 0..k-1 of it
@@ -35,6 +42,8 @@ class TrainPlan:
     rank: int
     main: bool
     fsdp: bool
+    fsdp_version: int  # 1 or 2 (an FSDP launch's; 1 where it says none)
+    fsdp_checkpointing: bool  # FSDP's activation checkpointing (it replaces the model's own)
     accum: int  # micro-batches per process and step
     global_batch: int  # units per optimiser step: train.batch_size x accum x world
 
@@ -42,19 +51,44 @@ class TrainPlan:
     def draw_ids(self) -> list[int]:
         return list(range(self.k))
 
+    @property
+    def family(self) -> Optional[Family]:
+        return self.source.family
 
-def make_plan(recipe, accelerator) -> TrainPlan:
-    """The plan of ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train first)."""
+    @property
+    def likelihood(self) -> Optional[Likelihood]:
+        return likelihood_of(self.source)
+
+    @property
+    def fsdp2(self) -> bool:
+        return self.fsdp and self.fsdp_version == 2
+
+
+def plan_run(recipe, accelerator, quiet: Optional[bool] = None):
+    """``(recipe, plan)``: the recipe as this model and launch can train it (:func:`resolve_recipe`) and the run's
+    plan on this process of ``accelerator``. Everything here is refused before anything loads or is written.
+    ``quiet``: no info lines (default: on the processes other than the main one)."""
+    version, checkpointing = fsdp_launch_of(accelerator)
+    recipe, source = resolve_recipe(recipe, fsdp=is_fsdp(accelerator), fsdp_version=version, checkpointing=checkpointing,
+                                    quiet=not accelerator.is_main_process if quiet is None else quiet)
+    return recipe, make_plan(recipe, accelerator, source)
+
+
+def make_plan(recipe, accelerator, source: ModelSource) -> TrainPlan:
+    """The plan of a resolved ``recipe`` on this process of ``accelerator`` (refuses what this device cannot train)."""
     t = recipe.train
     check_trainable_on(recipe, accelerator.device)
-    check_fsdp(recipe, is_fsdp(accelerator), *fsdp_launch_of(accelerator))
     world = accelerator.num_processes
+    version, checkpointing = fsdp_launch_of(accelerator)
     ld, lu = class_weights(recipe)
     # Weights the recipe sets on purpose (the demo's lambda_U = 0.3) are reported, not warned about.
     chosen = bool({"lambda_desirable", "lambda_undesirable"} & t.model_fields_set) or bool(recipe.data.weights_file)
+    weights = ClassWeights(ld, lu, chosen)
     accum = grad_accum_for(t, world)
     return TrainPlan(
-        objective=objective_for(t, ClassWeights(ld, lu, chosen)),
+        source=source,
+        objective=objective_for(t, weights),
+        class_weights=weights,
         precision=precision_for(recipe, accelerator.device),
         pack_length=pack_length_of(recipe.data),
         draws=DrawConfig.from_reference(recipe.reference),
@@ -64,53 +98,72 @@ def make_plan(recipe, accelerator) -> TrainPlan:
         rank=accelerator.process_index,
         main=accelerator.is_main_process,
         fsdp=is_fsdp(accelerator),
+        fsdp_version=version,
+        fsdp_checkpointing=checkpointing,
         accum=accum,
         global_batch=t.batch_size * accum * world,
     )
 
 
-def resolve_padding(recipe, quiet: bool = False):
-    """The recipe with ``data.padding`` as the model's likelihood allows, decided from its config.json before
-    anything loads or is written: a likelihood that does not pack (DiffusionGemma's uniform noise) turns the
-    default ``packed`` into ``none`` with one info line; a ``packed`` the recipe sets on purpose is refused by
-    name. Other recipes come back unchanged."""
-    from dllm_align.models.load import family_of_source
-    from dllm_align.objective.elbo import get_likelihood
+def resolve_recipe(recipe, *, fsdp: bool = False, fsdp_version: int = 1, checkpointing: bool = False,
+                   quiet: bool = False):
+    """``(recipe, source)``: the model's family read from its config.json (once), the family's and its likelihood's
+    own checks against the recipe, ``data.padding`` as the likelihood allows (:func:`resolve_padding`) and the
+    FSDP launch the family allows (:func:`check_fsdp`). Used by ``train``, ``precompute-ref`` and ``doctor``."""
+    source = model_source(recipe.model.name_or_path, recipe.model.revision)
+    if source.family is not None:
+        refuse_component_problems(recipe, source.family)
+    recipe = resolve_padding(recipe, source, quiet=quiet)
+    check_fsdp(recipe, source.family, fsdp, fsdp_version, checkpointing)
+    return recipe, source
 
+
+def likelihood_of(source: ModelSource) -> Optional[Likelihood]:
+    return get_likelihood(source.family.likelihood) if source.family is not None else None
+
+
+def refuse_component_problems(recipe, fam: Family) -> None:
+    """Refuse the recipe's settings that the model's family or its likelihood has no use for (the uniform-noise
+    settings on a masked-diffusion model), and their checks' problems: no recipe key selects them (the checkpoint's
+    config.json does), so the recipe is checked against them here, once the family is known."""
+    for kind, name in (("family", fam.name), ("likelihood", fam.likelihood)):
+        problems = component_problems(recipe, registry.get(kind, name))
+        if problems:
+            raise UserError(f"{problems[0]} ({fam.name} models use the {fam.likelihood} likelihood)")
+
+
+def resolve_padding(recipe, source: ModelSource, quiet: bool = False):
+    """The recipe with ``data.padding`` as the model's likelihood allows: a likelihood that does not pack
+    (DiffusionGemma's uniform noise) turns the default ``packed`` into ``none`` with one info line; a ``packed``
+    the recipe sets on purpose is refused by name. Other recipes come back unchanged."""
     if recipe.data.padding != "packed":
         return recipe
-    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
-    lik = get_likelihood(fam.likelihood) if fam is not None else None
+    fam, lik = source.family, likelihood_of(source)
     if lik is None or lik.packs:
         return recipe
     if "padding" in recipe.data.model_fields_set:
         raise UserError(f"data.padding: packed is not available for {fam.name} (the {lik.name} likelihood does not pack)",
                         hint=f"{lik.packs_reason}: use data.padding: none, or leave the key out")
     if not quiet:
-        from dllm_align.core.console import info
-
         info(f"data.padding: none ({fam.name}'s {lik.name} likelihood does not pack: {lik.packs_reason})")
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"padding": "none"})})
 
 
-def check_fsdp(recipe, fsdp: bool, version: int = 1, checkpointing: bool = False) -> None:
+def check_fsdp(recipe, fam: Optional[Family], fsdp: bool, version: int = 1, checkpointing: bool = False) -> None:
     """Refuse, before anything loads, an FSDP launch (``version`` 1 or 2, with activation ``checkpointing`` or
     not) for a family whose model that FSDP cannot shard or checkpoint (its reason)."""
-    if not fsdp:
+    if not fsdp or fam is None:
         return
-    from dllm_align.models.load import family_of_source
-
-    fam = family_of_source(recipe.model.name_or_path, recipe.model.revision)
-    if fam is not None and fam.fsdp_refusal:
+    if fam.fsdp_refusal:
         raise UserError(f"FSDP is not available for {fam.name}: {fam.fsdp_refusal}",
                         hint="launch with DDP (accelerate's MULTI_GPU) and LoRA, or on one device")
-    if fam is not None and version != 2 and fam.fsdp1_refusal:
+    if version != 2 and fam.fsdp1_refusal:
         raise UserError(f"FSDP1 is not available for {fam.name}: {fam.fsdp1_refusal}",
                         hint="set fsdp_version: 2 in the accelerate config's fsdp_config")
-    if fam is not None and checkpointing and fam.fsdp_checkpointing_refusal:
+    if checkpointing and fam.fsdp_checkpointing_refusal:
         raise UserError(f"fsdp_activation_checkpointing is not available for {fam.name}: {fam.fsdp_checkpointing_refusal}",
                         hint="set fsdp_activation_checkpointing: false in the accelerate config's fsdp_config")
-    if fam is not None and fam.fsdp_units is not None and recipe.train.fsdp_gather == "bf16_layers":
+    if fam.fsdp_units is not None and recipe.train.fsdp_gather == "bf16_layers":
         raise UserError(f"train.fsdp_gather bf16_layers is not available for {fam.name}: its FSDP2 units are groups "
                         "of tied layers, gathered in fp32", hint="use train.fsdp_gather: fp32")
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from dllm_align.config.schema import LoraSection, TrainSection
+from dllm_align.config.schema import LoraSection, ModelSection, TrainSection
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.models.families import family_of
@@ -70,18 +70,19 @@ class PolicyView:
 
 
 # --------------------------------------------------------------------------- loading
-def load_policy(recipe, plan: TrainPlan, accelerator, resume_from: Optional[Path]):
+def load_policy(model: ModelSection, lora: LoraSection, max_length: int, plan: TrainPlan, resume_from: Optional[Path]):
     """The policy's MaskPredictor in training mode: fp32 master weights unless the recipe pins a dtype (autocast
-    does bf16 on GPU), its LoRA adapters, or a resumed full fine-tune's weights."""
-    section = recipe.model
+    does bf16 on GPU), its LoRA adapters, or a resumed full fine-tune's weights. ``max_length``: data.max_length."""
+    section = model
     if section.dtype == "auto":
         section = section.model_copy(update={"dtype": "float32"})
-    if plan.fsdp and accelerator.state.fsdp_plugin.activation_checkpointing:
+    if plan.fsdp and plan.fsdp_checkpointing:
         section = section.model_copy(update={"gradient_checkpointing": False})  # FSDP does it
-    lora = recipe.train.lora
     src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
-    mp = load_from_section(section, "cpu" if plan.fsdp else plan.device, name_or_path=src)
-    check_max_length(mp, recipe.data.max_length)
+    # the recipe's model's config.json as the plan read it (a resumed full fine-tune loads another folder's)
+    config = plan.source.config if src is None else None
+    mp = load_from_section(section, "cpu" if plan.fsdp else plan.device, name_or_path=src, config=config)
+    check_max_length(mp, max_length)
     # The policy's forward computes under the plan's precision whatever wraps the module (DDP, FSDP).
     mp.set_precision(plan.precision)
     if lora.enabled:
@@ -144,7 +145,7 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
         # accelerate's default casts parameters and buffers (the rotary frequencies) to
         # bf16 and reduces gradients in bf16; ours keeps fp32 and lets autocast do bf16.
         plugin = accelerator.state.fsdp_plugin
-        plugin.mixed_precision_policy = fsdp_mixed_precision(getattr(plugin, "fsdp_version", 1))
+        plugin.mixed_precision_policy = fsdp_mixed_precision(plan.fsdp_version)
         fsdp_wrap_family_layer(plugin, mp.model)
         if family_of(mp.model).fsdp_units is not None:
             tied_units(mp.model, plugin, accelerator)
@@ -153,7 +154,7 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
     elif t.fsdp_gather != "fp32" and plan.main:
         info("train: train.fsdp_gather applies to FSDP2 launches only; ignored here")
     scorer = PolicyScorer(mp)
-    if getattr(accelerator, "is_fsdp2", False):
+    if plan.fsdp2:
         # FSDP2 swaps the parameters for sharded DTensors: the optimiser is built on the
         # originals and handed over with the model, which accelerate then remaps.
         opt = build_optimizer(scorer.named_parameters(), t, fused_ok=False)
@@ -190,7 +191,7 @@ def tied_units(model: torch.nn.Module, plugin, accelerator) -> None:
 
 def bf16_layer_units(model: torch.nn.Module, plugin, plan: TrainPlan, accelerator) -> None:
     """``train.fsdp_gather: bf16_layers`` (FSDP2 + bf16 autocast): decoder layers gathered in bf16."""
-    if getattr(plugin, "fsdp_version", 1) != 2:
+    if plan.fsdp_version != 2:
         raise UserError("train.fsdp_gather bf16_layers needs an FSDP2 launch (fsdp_version: 2 in the accelerate config)")
     if plan.precision.autocast != torch.bfloat16:
         raise UserError("train.fsdp_gather bf16_layers needs train.mixed_precision bf16 (it gathers what autocast "

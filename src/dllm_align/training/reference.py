@@ -30,19 +30,20 @@ from accelerate import Accelerator
 from dllm_align.config.recipe import write_run_info
 from dllm_align.core.console import info, progress, warn
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.core.io import DirLock, atomic_write_json
-from dllm_align.core.runfolder import check_shared_folder
+from dllm_align.core.io import atomic_write_json
+from dllm_align.core.runfolder import run_folder
 from dllm_align.data.batching import pack_length_of, plan_batches
 from dllm_align.data.examples import load_training_examples, make_collate, planned_batches
-from dllm_align.models.load import check_max_length, load_from_section
-from dllm_align.models.precision import accelerator_kwargs, precision_for, prepare_reference
+from dllm_align.models.load import ModelSource, check_max_length, load_from_section
+from dllm_align.models.precision import Precision, accelerator_kwargs, precision_for, prepare_reference
 from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import DrawConfig, elbo_draws
-from dllm_align.training.plan import resolve_padding
+from dllm_align.training.plan import resolve_recipe
 from dllm_align.training.cache import (
     FORMAT_VERSION,
     MANIFEST,
     SHARD_FMT,
+    Fingerprint,
     OPTIONAL_FIELDS,
     STRICT_FIELDS,
     ReferenceCache,
@@ -62,16 +63,20 @@ from dllm_align.training.cache import (
 
 
 # --------------------------------------------------------------------------- computing
-def load_reference(recipe, device):
+def load_reference(recipe, device, *, precision: Optional[Precision] = None, source: Optional[ModelSource] = None):
     """The frozen reference, loaded in the training precision (the policy's forward at step 0).
 
     Used by the online reference and by precompute, so that a cached value and an
     online one are the same function of the same weights as the policy before its
-    first update (:mod:`dllm_align.models.precision`).
+    first update (:mod:`dllm_align.models.precision`). ``precision``: the run's (default: the recipe's on
+    ``device``); ``source``: the recipe's model as already read, whose config.json is not read again when the
+    reference is that model.
     """
-    prec = precision_for(recipe, device)
+    prec = precision if precision is not None else precision_for(recipe, device)
+    name = reference_name(recipe)
     section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
-    mp = load_from_section(section, device, name_or_path=reference_name(recipe))
+    config = source.config if source is not None and source.name_or_path == name else None
+    mp = load_from_section(section, device, name_or_path=name, config=config)
     check_max_length(mp, recipe.data.max_length)
     prepare_reference(mp.model, prec)
     mp.set_precision(prec)
@@ -113,7 +118,7 @@ def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
     """The reference of a training run: loaded resident (``online``), or the cache, checked to hold every row
     the run will score (its units and the objective's extra rows) under this run's fingerprint."""
     if recipe.reference.mode == "online":
-        ref = TrainingReference(model=load_reference(recipe, plan.device))
+        ref = TrainingReference(model=load_reference(recipe, plan.device, precision=plan.precision, source=plan.source))
         if plan.main:
             info(f"train: reference computed online ({reference_name(recipe)}, resident)")
         return ref
@@ -278,6 +283,22 @@ class PrecomputeReport:
         return n / self.seconds if self.seconds > 0 else float("nan")
 
 
+@dataclass
+class ShardLayout:
+    """The cache's rows in training's micro-batch order (:func:`micro_batch_groups`), cut into shards of whole
+    micro-batches, with the fingerprint every shard carries."""
+
+    examples: list
+    ids: list[str]
+    digests: list[str]  # each row's token digest
+    groups: list[list[int]]  # the micro-batches, as positions in ``examples``
+    bounds: list[tuple[int, int]]  # shard s holds rows [lo, hi)
+    fingerprint: Fingerprint
+    digest: str  # the fingerprint's
+    draws: DrawConfig
+    shard_size: int
+
+
 def precompute(
     recipe, examples: Sequence, collate: Callable[[list], dict], accelerator=None, ref_mp=None, overwrite: bool = False
 ) -> PrecomputeReport:
@@ -291,8 +312,49 @@ def precompute(
     """
     rank = accelerator.process_index if accelerator else 0
     world = accelerator.num_processes if accelerator else 1
-    is_main = rank == 0
     device = accelerator.device if accelerator else torch.device("cpu")
+    check_unique_examples(examples)
+    out = cache_dir(recipe)
+    # rank 0 writes the shards and the manifest that the other ranks (and `train` on every node) read
+    with run_folder(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "
+                         "`train` reading it as its reference cache (that run must finish first)",
+                    rank=rank, world=world, shared="reference cache"):
+        out.mkdir(parents=True, exist_ok=True)
+        if ref_mp is None:
+            ref_mp = load_reference(recipe, device)
+        elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
+            ref_mp.set_precision(precision_for(recipe, device))
+        ref_mp.model.eval()
+        old = _read_manifest(out)
+        layout = shard_layout(recipe, examples, ref_mp, device, old)
+        if old is not None and not overwrite:
+            was, now = old["fingerprint"], layout.fingerprint.fields
+            _refuse_other_settings(out, [(k, was.get(k), now.get(k)) for k in (*STRICT_FIELDS, *OPTIONAL_FIELDS, "dataset")
+                                         if was.get(k) != now.get(k)])
+        todo, reused = shards_to_compute(out, layout, overwrite, rank, world)
+        if rank == 0 and old is not None:
+            (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
+        if rank == 0:
+            info(
+                f"precompute-ref: {len(layout.examples)} examples, K={layout.draws.n_mc}, {len(layout.bounds)} shard(s) "
+                f"of ~{layout.shard_size} (whole training micro-batches of {recipe.train.batch_size}); "
+                + (f"the rows of each shard dealt out over {world} processes; " if world > 1 else "1 process; ")
+                + f"{len(todo)} shard(s) to compute, {reused} already done"
+            )
+        t0 = time.perf_counter()
+        compute_shards(recipe, out, layout, todo, ref_mp, collate, rank, world)
+        seconds = time.perf_counter() - t0
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        if rank == 0:
+            write_manifest(out, layout)
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        return PrecomputeReport(out, len(layout.examples), len(layout.bounds), len(todo), reused, seconds)
+
+
+def check_unique_examples(examples: Sequence) -> None:
+    """Refuse an empty training set, or one whose ids repeat (the ids seed the masks)."""
     if not examples:
         raise UserError("precompute-ref: the training set is empty")
     ids = [ex.id for ex in examples]
@@ -300,161 +362,137 @@ def precompute(
         dup = next(i for i in ids if ids.count(i) > 1)
         raise UserError(f"example id '{dup}' appears more than once; ids must be unique (they seed the masks)")
 
-    out = cache_dir(recipe)
-    # rank 0 writes the shards and the manifest that the other ranks (and `train` on every node) read
-    check_shared_folder(out, "reference cache")
-    out.mkdir(parents=True, exist_ok=True)
 
-    lock = DirLock(out, f"{out} is in use by another dllm-align command: a `precompute-ref` writing it, or a "
-                        "`train` reading it as its reference cache (that run must finish first)") if is_main else None
-    if lock is not None:
-        lock.__enter__()
-    try:
-        if ref_mp is None:
-            ref_mp = load_reference(recipe, device)
-        elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
-
-            ref_mp.set_precision(precision_for(recipe, device))
-        ref_mp.model.eval()
-        old = _read_manifest(out)
-        fp = fingerprint(
-            recipe,
-            tokenizer=ref_mp.tokenizer,
-            mask_token_id=ref_mp.mask_token_id,
-            block_size=ref_mp.block_size,
-            device=device,
-            examples=examples,
-            known_files=(old or {}).get("weight_files"),
-        )
-        fpd = fp.digest()
-        cfg = draw_config(recipe)
-        size = recipe.reference.shard_size
-        # Rows in training's micro-batch order; shards hold whole micro-batches (micro_batch_groups).
-        groups = micro_batch_groups(recipe, examples)
-        perm = [i for g in groups for i in g]
-        where = {i: j for j, i in enumerate(perm)}
-        examples = [examples[i] for i in perm]
-        ids = [ex.id for ex in examples]
-        groups = [[where[i] for i in g] for g in groups]
-        bounds = _shard_bounds(groups, size)
-        n_shards = len(bounds)
-        digests = [example_digest(ex) for ex in examples]
-
-        if old is not None and not overwrite:
-            was = old["fingerprint"]
-            _refuse_other_settings(out, [(k, was.get(k), fp.fields.get(k)) for k in (*STRICT_FIELDS, *OPTIONAL_FIELDS, "dataset")
-                                         if was.get(k) != fp.fields.get(k)])
-
-        todo, reused = [], 0
-        for s in range(n_shards):  # every process checks every shard, so all refuse together
-            p = out / SHARD_FMT.format(s)
-            lo, hi = bounds[s]
-            if p.exists():
-                try:
-                    _, sids, sdig, sfp = read_shard(p)
-                    if sfp == fpd and sids == ids[lo:hi] and sdig == digests[lo:hi]:
-                        reused += 1
-                        continue
-                    if not overwrite:
-                        _refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
-                except ShardError as e:
-                    if is_main:
-                        warn(f"reference cache: {e}; computing it again")
-            todo.append(s)
-        if world > 1:
-            # Every process works on the main process's list (rows of each shard are dealt out
-            # below), so a shard written meanwhile cannot make their lists differ.
-            box = [(todo, reused)]
-            torch.distributed.broadcast_object_list(box, src=0)
-            todo, reused = box[0]
-        if is_main and old is not None:
-            (out / MANIFEST).unlink()  # the manifest marks a complete cache; it is rewritten at the end
-
-        n_todo = sum(bounds[s][1] - bounds[s][0] for s in todo)
-        t0 = time.perf_counter()
-        rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
-        pack = pack_length_of(recipe.data)
-        objective = objective_for(recipe.train)
-        if is_main:
-            info(
-                f"precompute-ref: {len(examples)} examples, K={cfg.n_mc}, {n_shards} shard(s) of ~{size} "
-                f"(whole training micro-batches of {recipe.train.batch_size}); "
-                + (f"the rows of each shard dealt out over {world} processes; " if world > 1 else "1 process; ")
-                + f"{len(todo)} shard(s) to compute, {reused} already done"
-            )
-        with progress("reference ELBO", total=n_todo if is_main else None, unit="ex") as bar:
-            for s in todo:
-                lo, hi = bounds[s]
-                # Micro-batches are dealt out interleaved, so every process has a near-equal share of
-                # every shard: a process waits at most about one micro-batch's time for the others
-                # (whole shards per process left 5 of 8 GPUs idle for a whole shard on kto-mix-14k).
-                in_shard = [g for g in groups if lo <= g[0] < hi]
-                my_groups = in_shard[rank::world]
-                mine = [i for g in my_groups for i in g]
-                vals = np.zeros((len(mine), cfg.n_mc), dtype=np.float32)
-                at = 0
-                for g in my_groups:
-                    exs = [examples[i] for i in g]
-                    if any(objective.is_extra_row(ex) for ex in exs):
-                        # not a training micro-batch (the kl baseline's pairs): batched as before
-                        v = reference_values(ref_mp, exs, collate, cfg, len(exs), rows, pack_length=pack)
-                    else:
-                        v = group_values(ref_mp, exs, collate, cfg, recipe.train_n_mc(), recipe.train.rows_per_forward, pack)
-                    vals[at:at + len(g)] = v
-                    at += len(g)
-                    if is_main:
-                        bar.advance(len(g) * world)
-                problem = elbo_range_problem(vals, [ids[i] for i in mine])
-                parts = [(mine, vals, problem)]
-                if world > 1:
-                    parts = [None] * world
-                    torch.distributed.all_gather_object(parts, (mine, vals, problem))
-                problem = next((p for _, _, p in parts if p), None)
-                if problem:  # every process sees it and stops together
-
-                    raise RunFailure(
-                        f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
-                        hint="check the reference model's weights and model.dtype (float16 overflows: use bfloat16 or float32)",
-                    )
-                if is_main:
-                    block = np.zeros((hi - lo, cfg.n_mc), dtype=np.float32)
-                    for rows_i, v, _ in parts:
-                        block[[i - lo for i in rows_i]] = v
-                    write_shard(out / SHARD_FMT.format(s), block, ids[lo:hi], digests[lo:hi], fpd)
-        seconds = time.perf_counter() - t0
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
-        if is_main:
-            shards = []
-            for s in range(n_shards):
-                p = out / SHARD_FMT.format(s)
-                try:
-                    _, sids, sdig, sfp = read_shard(p)
-                except (ShardError, FileNotFoundError) as e:
-                    raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
-                lo, hi = bounds[s]
-                if sfp != fpd or sids != ids[lo:hi] or sdig != digests[lo:hi]:
-                    raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
-                shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
-            manifest = {
-                "format_version": FORMAT_VERSION,
-                "fingerprint": fp.fields,
-                "fingerprint_digest": fpd,
-                "weight_files": fp.weight_files,
-                "K": cfg.n_mc,
-                "shard_size": size,
-                "shards": shards,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            atomic_write_json(out / MANIFEST, manifest)
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
-        return PrecomputeReport(out, len(examples), n_shards, len(todo), reused, seconds)
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
+def shard_layout(recipe, examples: Sequence, ref_mp, device, old: Optional[dict]) -> ShardLayout:
+    """The rows in training's micro-batch order, their shards and the fingerprint (``old``: the cache's manifest,
+    whose weight-file digests are trusted while size and mtime match)."""
+    fp = fingerprint(
+        recipe,
+        tokenizer=ref_mp.tokenizer,
+        mask_token_id=ref_mp.mask_token_id,
+        block_size=ref_mp.block_size,
+        device=device,
+        examples=examples,
+        known_files=(old or {}).get("weight_files"),
+    )
+    size = recipe.reference.shard_size
+    # Rows in training's micro-batch order; shards hold whole micro-batches (micro_batch_groups).
+    groups = micro_batch_groups(recipe, examples)
+    perm = [i for g in groups for i in g]
+    where = {i: j for j, i in enumerate(perm)}
+    ordered = [examples[i] for i in perm]
+    groups = [[where[i] for i in g] for g in groups]
+    return ShardLayout(examples=ordered, ids=[ex.id for ex in ordered], digests=[example_digest(ex) for ex in ordered],
+                       groups=groups, bounds=_shard_bounds(groups, size), fingerprint=fp, digest=fp.digest(),
+                       draws=draw_config(recipe), shard_size=size)
 
 
+def _shard_matches(layout: ShardLayout, s: int, sids, sdig, sfp) -> bool:
+    lo, hi = layout.bounds[s]
+    return sfp == layout.digest and sids == layout.ids[lo:hi] and sdig == layout.digests[lo:hi]
+
+
+def shards_to_compute(out: Path, layout: ShardLayout, overwrite: bool, rank: int, world: int) -> tuple[list[int], int]:
+    """``(shards to compute, shards reused)``: a finished shard of this layout and fingerprint is kept, one of other
+    settings refused (unless ``overwrite``), a damaged one computed again. Every process checks every shard, so
+    all refuse together; the main process's list is then every process's."""
+    todo, reused = [], 0
+    for s in range(len(layout.bounds)):
+        p = out / SHARD_FMT.format(s)
+        if p.exists():
+            try:
+                _, sids, sdig, sfp = read_shard(p)
+                if _shard_matches(layout, s, sids, sdig, sfp):
+                    reused += 1
+                    continue
+                if not overwrite:
+                    _refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
+            except ShardError as e:
+                if rank == 0:
+                    warn(f"reference cache: {e}; computing it again")
+        todo.append(s)
+    if world > 1:
+        # Every process works on the main process's list (rows of each shard are dealt out
+        # below), so a shard written meanwhile cannot make their lists differ.
+        box = [(todo, reused)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        todo, reused = box[0]
+    return todo, reused
+
+
+def compute_shards(recipe, out: Path, layout: ShardLayout, todo: list[int], ref_mp, collate, rank: int, world: int) -> None:
+    """Each shard of ``todo``: its micro-batches dealt out over the processes, scored as training will score them,
+    gathered, range-checked and written (main process) atomically."""
+    cfg, examples, ids = layout.draws, layout.examples, layout.ids
+    rows = recipe.reference.batch_size * (recipe.reference.draws_per_forward or cfg.n_mc)
+    pack = pack_length_of(recipe.data)
+    objective = objective_for(recipe.train)
+    n_todo = sum(layout.bounds[s][1] - layout.bounds[s][0] for s in todo)
+    with progress("reference ELBO", total=n_todo if rank == 0 else None, unit="ex") as bar:
+        for s in todo:
+            lo, hi = layout.bounds[s]
+            # Micro-batches are dealt out interleaved, so every process has a near-equal share of
+            # every shard: a process waits at most about one micro-batch's time for the others
+            # (whole shards per process left 5 of 8 GPUs idle for a whole shard on kto-mix-14k).
+            in_shard = [g for g in layout.groups if lo <= g[0] < hi]
+            my_groups = in_shard[rank::world]
+            mine = [i for g in my_groups for i in g]
+            vals = np.zeros((len(mine), cfg.n_mc), dtype=np.float32)
+            at = 0
+            for g in my_groups:
+                exs = [examples[i] for i in g]
+                if any(objective.is_extra_row(ex) for ex in exs):
+                    # not a training micro-batch (the kl baseline's pairs): batched as before
+                    v = reference_values(ref_mp, exs, collate, cfg, len(exs), rows, pack_length=pack)
+                else:
+                    v = group_values(ref_mp, exs, collate, cfg, recipe.train_n_mc(), recipe.train.rows_per_forward, pack)
+                vals[at:at + len(g)] = v
+                at += len(g)
+                if rank == 0:
+                    bar.advance(len(g) * world)
+            problem = elbo_range_problem(vals, [ids[i] for i in mine])
+            parts = [(mine, vals, problem)]
+            if world > 1:
+                parts = [None] * world
+                torch.distributed.all_gather_object(parts, (mine, vals, problem))
+            problem = next((p for _, _, p in parts if p), None)
+            if problem:  # every process sees it and stops together
+                raise RunFailure(
+                    f"reference ELBO out of range in shard {s}: {problem}; the shard was not written",
+                    hint="check the reference model's weights and model.dtype (float16 overflows: use bfloat16 or float32)",
+                )
+            if rank == 0:
+                block = np.zeros((hi - lo, cfg.n_mc), dtype=np.float32)
+                for rows_i, v, _ in parts:
+                    block[[i - lo for i in rows_i]] = v
+                write_shard(out / SHARD_FMT.format(s), block, ids[lo:hi], layout.digests[lo:hi], layout.digest)
+
+
+def write_manifest(out: Path, layout: ShardLayout) -> None:
+    """Check every shard once more (written by this layout and fingerprint) and write the manifest that marks the
+    cache complete."""
+    shards = []
+    for s, (lo, hi) in enumerate(layout.bounds):
+        p = out / SHARD_FMT.format(s)
+        try:
+            _, sids, sdig, sfp = read_shard(p)
+        except (ShardError, FileNotFoundError) as e:
+            raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
+        if not _shard_matches(layout, s, sids, sdig, sfp):
+            raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
+        shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
+    fp = layout.fingerprint
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fp.fields,
+        "fingerprint_digest": layout.digest,
+        "weight_files": fp.weight_files,
+        "K": layout.draws.n_mc,
+        "shard_size": layout.shard_size,
+        "shards": shards,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    atomic_write_json(out / MANIFEST, manifest)
 
 
 def run_precompute(recipe, accelerator=None, overwrite: bool = False):
@@ -463,8 +501,8 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     Returns (PrecomputeReport, accelerator). Finished shards are reused.
     """
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
-    recipe = resolve_padding(recipe, quiet=not acc.is_main_process)
-    ref_mp = load_reference(recipe, acc.device)
+    recipe, source = resolve_recipe(recipe, quiet=not acc.is_main_process)
+    ref_mp = load_reference(recipe, acc.device, source=source)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process,
                                       block_size=ref_mp.block_size)
     # the objective's extra rows of every step (the kl baseline's mismatched pairs)
@@ -473,4 +511,3 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     if acc.is_main_process:  # after the inputs were checked: a refused run leaves nothing behind
         write_run_info(recipe, recipe.output_dir, "precompute-ref")
     return rep, acc
-

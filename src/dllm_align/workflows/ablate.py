@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from dllm_align.core import console
+from dllm_align.objective.base import objective_for
 
 from dllm_align.workflows import pipeline
 
@@ -105,8 +106,13 @@ def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list
     shared.output_dir = str(out_dir)
     cache = Path(recipe.reference.cache or out_dir / "ref_cache")
     shared.reference.cache = str(cache)
-    if any(s.overrides.get("train.baseline") == "kl" for s in settings):
-        shared.train.baseline = "kl"  # the cache then also holds the mismatched pairs (a superset of the rows)
+    for s in settings:
+        # the shared cache holds every setting's extra rows (ELBO-KTO's kl baseline: the mismatched pairs), a
+        # superset of the rows each run scores
+        train = shared.train.model_copy(update={k.removeprefix("train."): v for k, v in s.overrides.items()
+                                                if k.startswith("train.")})
+        for key, value in objective_for(train).extra_rows_settings().items():
+            setattr(shared.train, key, value)
     base_gen: Optional[Path] = None
     rows = []
     by_overrides: dict[str, dict] = {}  # settings that train the same thing (e.g. ratio 1 of both sweeps) run once

@@ -21,10 +21,19 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
+from dllm_align.config.recipe import load_recipe
 from dllm_align.core import console
+from dllm_align.core.console import result
+from dllm_align.core.io import atomic_path, atomic_write_json, atomic_write_text
+from dllm_align.data import toy
 from dllm_align.generate.backend import check_serves_each_round
 from dllm_align.workflows import pipeline
+from dllm_align.workflows.online import markdown_table, refuse_set_by_online, run_online
+
+# lazy imports: matplotlib: an optional extra (pip install dllm-align[plot]); without it the demo skips its plot
 
 ROWS = (("aligned", "ELBO-KTO (aligned)"), ("chosen", "chosen target"), ("rejected", "rejected target"))
 
@@ -45,9 +54,6 @@ def one_thread_unless_chosen(environ=None) -> bool:
 
 def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overrides: Optional[list[str]] = None) -> dict:
     """Run (or finish) the demo in ``output_dir``; returns the content of results.json."""
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-    from dllm_align.config.recipe import load_recipe
-
     rec = load_recipe(recipe_name, overrides, output_dir)
     if rec.online is not None:
         # before its folder is made
@@ -59,7 +65,6 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     rounds = None
     if rec.online is not None:
         # Online ELBO-KTO: no labelled rows, the policy's own samples labelled by the verifier, in rounds.
-        from dllm_align.workflows.online import markdown_table, refuse_set_by_online, run_online
 
         refuse_set_by_online(overrides)
 
@@ -124,10 +129,6 @@ def closing_line(results: dict) -> str:
 def sort_counts(path: Path) -> dict:
     """How many answers in a generation file are the exact ascending sort, the exact descending
     sort, or something else (the toy task's two labelled behaviours)."""
-    import json
-
-    from dllm_align.data import toy
-
     counts = {"n": 0, "ascending": 0, "descending": 0, "other": 0}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if not line.strip():
@@ -166,8 +167,6 @@ def explain(results: dict) -> list[str]:
 
 def plot(results: dict, metrics: Path, path: Path) -> Optional[Path]:
     """demo.png: the reward margins over training, and the three AWR rows with their 90% intervals."""
-    import json
-
     try:
         import matplotlib
 
@@ -176,7 +175,6 @@ def plot(results: dict, metrics: Path, path: Path) -> Optional[Path]:
     except ImportError:
         console.info("demo: no figure (matplotlib is not installed: pip install matplotlib, or the 'plot' extra)")
         return None
-    from dllm_align.core.io import atomic_path
 
     steps = [json.loads(x) for x in metrics.read_text(encoding="utf-8").splitlines() if x.strip()] if metrics.exists() else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -235,9 +233,6 @@ def markdown(results: dict) -> str:
 
 
 def print_table(results: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"Toy Table 1: AWR (%) vs base, judge {', '.join(results['judges'])}")
     for col in ("", "AWR", "90% CI", "wins", "losses", "ties", "n"):
         t.add_column(col, justify="left" if not col else "right")
@@ -247,6 +242,5 @@ def print_table(results: dict) -> None:
             lo, hi = r["ci90"]
             t.add_row(label, f"{100 * r['awr']:.1f}", f"[{100 * lo:.1f}, {100 * hi:.1f}]", str(r["wins"]), str(r["losses"]), str(r["ties"]), str(r["n"]))
     Console(highlight=False).print(t)
-    from dllm_align.core.console import result
 
     result("\n".join(explain(results)))

@@ -42,8 +42,9 @@ from typing import Optional
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_write_json
+from dllm_align.core.runfolder import from_rank0, rank0_lock
 from dllm_align.generate.backend import run_record
-from dllm_align.online.label import ROWS, SUMMARY, from_rank0, label, label_settings, prompt_fingerprint
+from dllm_align.online.label import ROWS, SUMMARY, label, label_settings, prompt_fingerprint
 from dllm_align.workflows import pipeline
 
 RECORD = "online.json"
@@ -267,9 +268,8 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     source = prompts or recipe.data.train
     if source is None:
         raise UserError("no prompts: pass --prompts FILE, or set data.train in the recipe")
-    if not read_prompts(str(source), None if prompts else "train", limit, None if rule.startswith("judge:") else verifier):
+    if not read_prompts(str(source), None if prompts else "train", limit, verifier):
         raise UserError(f"{source}: no prompts")
-    from dllm_align.online.label import rank0_lock
 
     rank, world = _process_group()
     if world > 1:

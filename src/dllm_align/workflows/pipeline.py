@@ -14,14 +14,22 @@ from pathlib import Path
 from typing import Optional
 
 from dllm_align.core import console
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import atomic_write_text
+from dllm_align.core.runfolder import check_training_settings
+from dllm_align.data.load import load_paired
+from dllm_align.generate.run import run_generate
+from dllm_align.judge.run import judge_files
 from dllm_align.objective.base import objective_for
+from dllm_align.training.checkpoint import FINAL
+from dllm_align.training.reference import run_precompute
+from dllm_align.training.train import train
 
 
 def reference(recipe) -> None:
     """Fill the reference cache (finished shards are reused) unless the recipe computes it online."""
     if not objective_for(recipe.train).needs_reference or recipe.reference.mode == "online":
         return
-    from dllm_align.training.reference import run_precompute
 
     run_precompute(recipe)
 
@@ -29,15 +37,10 @@ def reference(recipe) -> None:
 def trained_model(recipe, allow_changes=()) -> Path:
     """Train (or resume, or reuse) the policy of ``recipe``; returns its final model folder. ``allow_changes``:
     recipe keys that may differ from the recorded run (``--allow-change``)."""
-    from dllm_align.training.checkpoint import FINAL
-    from dllm_align.training.train import train
-
     out = Path(recipe.output_dir)
     final = out / FINAL
     done = out / "train.done"
     if done.exists() and (final / "config.json").exists():
-        from dllm_align.core.runfolder import check_training_settings
-
         check_training_settings(recipe, out, allow_changes)  # a finished model is reused only for the settings that made it
         console.info(f"train: reusing {final}")
         return final
@@ -52,8 +55,6 @@ def trained_model(recipe, allow_changes=()) -> Path:
 
 def generations(recipe, model: str | Path, out: Path, split: Optional[str] = None) -> Path:
     """Generate for the recipe's test prompts with ``model`` into ``out`` (ids already there are kept)."""
-    from dllm_align.generate.run import run_generate
-
     rec = recipe.model_copy(deep=True)
     rec.model.name_or_path = str(model)
     if split is not None:
@@ -65,10 +66,6 @@ def generations(recipe, model: str | Path, out: Path, split: Optional[str] = Non
 def targets(recipe, out_dir: Path) -> dict[str, Path]:
     """The test split's own chosen and rejected completions as generation files (the paper's
     'chosen target' and 'rejected target' rows); empty when the test data is not paired."""
-    from dllm_align.data.load import load_paired
-    from dllm_align.core.errors import UserError
-    from dllm_align.core.io import atomic_write_text
-
     d = recipe.data
     try:
         pairs = load_paired(d.test, split=d.test_split, quiet=True)
@@ -92,9 +89,6 @@ def targets(recipe, out_dir: Path) -> dict[str, Path]:
 
 def judged(recipe, a: Path, b: Path, out: Path) -> dict:
     """Judge ``a`` against ``b`` with the recipe's judges; returns results.json's content."""
-    from dllm_align.core.errors import RunFailure
-    from dllm_align.judge.run import judge_files
-
     res = judge_files(a, b, out, recipe.judge)
     if res.failed:
         raise RunFailure(f"{res.failed} judgement(s) failed in {out}; rerun to retry them")

@@ -12,24 +12,24 @@ config and a mask token behaves like.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
+from dllm_align.config import components as registry
 from dllm_align.core.errors import UserError
 from dllm_align.models.families.base import Family
-from dllm_align.models.families.block import LLADA2, LLADA21, SDAR
-from dllm_align.models.families.diffusion_gemma import DIFFUSION_GEMMA
-from dllm_align.models.families.dream import DREAM
-from dllm_align.models.families.llada import LLADA
-from dllm_align.models.families.llada_moe import LLADA_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLADA, DREAM, LLADA_MOE, SDAR, LLADA2, LLADA21, DIFFUSION_GEMMA)}
+# The declared families (``dllm_align.models.components``, plugins), each record loaded on first use.
+FAMILIES: Mapping[str, Family] = registry.Loaded("family")
+# The manners of a checkpoint no family claims.
+DEFAULT_FAMILY = "llada"
 # Older folders written by dllm-align name the built-in models' family "tiny": LLaDA's manners.
 _ALIASES = {"tiny": "llada"}
 
 
 def get_family(name: str) -> Family:
     name = _ALIASES.get(name, name)
-    if name not in FAMILIES:
+    if registry.find("family", name) is None:
         raise UserError(f"unknown model family '{name}'", hint=f"known: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
@@ -92,7 +92,7 @@ def family_for_config(cfg: dict | Any) -> Family:
     name: Optional[str] = d.get("dllm_align_family")
     if name:
         return get_family(name)
-    return detect_family(d) or LLADA
+    return detect_family(d) or FAMILIES[DEFAULT_FAMILY]
 
 
 def family_of(model) -> Family:

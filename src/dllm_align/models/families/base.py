@@ -32,6 +32,18 @@ MAX_BLOCK_SIZE = 65536
 
 
 @dataclass(frozen=True)
+class PublishedLayout:
+    """A family's published config.json identity (``dllm_align.models.export``): its ``model_type``, the classes
+    its ``architectures`` names and the remote-code modules its ``auto_map`` points at. The fields its own code
+    reads besides (the block size, the mask id) are the family's :attr:`Family.block_size` and
+    :attr:`Family.mask_token_id`."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    auto_map: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything the rest of the code needs to know about one model family."""
 
@@ -111,6 +123,13 @@ class Family:
     # Export in the published layout (``dllm_align.models.export``), the inverse of the native loading: the trained
     # model's config.json dict -> the published config's fields (None: the native names are the published ones),
     # and its state dict -> the published weight names (None: the same names).
+    # The memory model's questions (``dllm_align.training.memory``): whether the body normalises queries and keys,
+    # (config.json dict, its routed experts) -> bool (None: only a dense Qwen3 body does); and whether the config
+    # nests its text stack's fields under ``text_config``, one set of weights serving encoder and decoder
+    # (DiffusionGemma), which the estimate sizes instead of the top-level fields.
+    qk_norm: Optional[Callable[[dict, int], bool]] = None
+    tied_text_stack: bool = False
+    published: Optional[PublishedLayout] = None  # None: no published layout to export into (the native one is kept)
     published_fields: Optional[Callable[[dict], dict]] = None
     published_state: Optional[Callable[[dict], dict]] = None
 

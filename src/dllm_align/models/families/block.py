@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from dllm_align.models.families.base import (Family, build_seeded, load_mapped, qwen_fields, refuse, special_ids,
-                                             tag_config, transformers_key)
+from dllm_align.models.families.base import (Family, PublishedLayout, build_seeded, load_mapped, qwen_fields, refuse,
+                                             special_ids, tag_config, transformers_key)
 from dllm_align.models.families.dream import build_dream_tokenizer
 from dllm_align.models.families.llada import build_llada_tokenizer
 
@@ -177,6 +177,11 @@ SDAR = Family(
     # SDAR is Qwen-tokenised as Dream is: <|im_start|> / <|im_end|> turns
     tiny_tokenizer=build_dream_tokenizer,
     build_tiny=build_sdar_model,
+    published=PublishedLayout(
+        "sdar", ("SDARForCausalLM",),
+        {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}),
+    qk_norm=lambda cfg, experts: not experts,  # Qwen3's per-head norms; the MoE variant has none
 )
 
 LLADA2 = Family(
@@ -193,6 +198,11 @@ LLADA2 = Family(
     block_size=32,
     tiny_tokenizer=build_llada_tokenizer,
     build_tiny=build_tiny_llada2,
+    published=PublishedLayout(
+        "llada2_moe", ("LLaDA2MoeModelLM",),
+        {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig", "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+         "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}),
+    qk_norm=lambda cfg, experts: cfg.get("use_qk_norm", True) is not False,
 )
 
 LLADA21 = Family(
@@ -205,4 +215,5 @@ LLADA21 = Family(
     block_size=32,
     refuse_reason=("LLaDA2.1 decodes with token editing (tokens already decoded can be replaced), which is not "
                    "an absorbing-mask likelihood: dllm-align's ELBO would train it wrongly, so it is refused"),
+    qk_norm=lambda cfg, experts: cfg.get("use_qk_norm", True) is not False,
 )

@@ -362,4 +362,5 @@ DIFFUSION_GEMMA = Family(
     fsdp_units=fsdp_units,
     fsdp_checkpointing_refusal=("a decoder layer's forward appends its canvas keys and values to the context's "
                                 "cache, so the backward's recompute attends to them twice (shapes that do not match)"),
+    tied_text_stack=True,
 )

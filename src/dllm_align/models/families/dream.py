@@ -24,6 +24,7 @@ import torch
 
 from dllm_align.models.families.base import (
     Family,
+    PublishedLayout,
     build_seeded,
     byte_level_tokenizer,
     load_mapped,
@@ -129,4 +130,7 @@ DREAM = Family(
     decoding={"gen_length": 512, "steps": 512, "temperature": 0.2, "top_p": 0.95, "alg": "entropy", "alg_temp": 0.0},
     tiny_tokenizer=build_dream_tokenizer,
     build_tiny=build_dream_model,
+    published=PublishedLayout(
+        "Dream", ("DreamModel",),
+        {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"}),
 )

@@ -17,6 +17,7 @@ import torch
 
 from dllm_align.models.families.base import (
     Family,
+    PublishedLayout,
     build_seeded,
     byte_level_tokenizer,
     load_mapped,
@@ -239,4 +240,8 @@ LLADA = Family(
     build_tiny=build_llada_model,
     published_fields=llama_config_to_llada,
     published_state=llama_state_to_llada,
+    published=PublishedLayout(
+        "llada", ("LLaDAModelLM",),
+        {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
+         "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"}),
 )

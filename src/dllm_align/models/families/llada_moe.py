@@ -33,6 +33,7 @@ import torch
 
 from dllm_align.models.families.base import (
     Family,
+    PublishedLayout,
     load_mapped,
     refuse,
     special_ids,
@@ -185,4 +186,7 @@ LLADA_MOE = Family(
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "remasking": "low_confidence"},
     published_fields=qwen3moe_config_to_lladamoe,
     published_state=unstack_experts,
+    published=PublishedLayout(
+        "llada", ("LLaDAMoEModelLM",),
+        {"AutoConfig": "configuration_lladamoe.LLaDAConfig", "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM"}),
 )
