@@ -27,10 +27,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from dllm_align.core.console import info
+from dllm_align.core.console import info, warn
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_write_json
-from dllm_align.generate.backend import make_generator, recorded_settings
+from dllm_align.generate.backend import loads_here, make_generator, recorded_settings
 from dllm_align.generate.settings import SamplerSettings, encode_prompt, model_fingerprint, row_seed
 from dllm_align.online.label import read_prompts
 from dllm_align.online.verifiers import apply, get_rule
@@ -198,4 +198,23 @@ def check_record(path: str | Path, recipe) -> dict:
     return rec
 
 
-__all__ = ["RECORD", "check_record", "first_divergence", "permutation_p", "run_parity"]
+def online_gate(recipe, record: Optional[str], skip: bool) -> Optional[dict]:
+    """What ``online`` records about the parity gate of its backend: None for a backend that loads the weights
+    here (the samplers themselves); else a passing record for this model and these settings (its path and what
+    it saw served), or ``{"skipped": True}`` when the gate is skipped on request."""
+    name = recipe.generate.backend
+    if loads_here(name):
+        return None
+    if skip:
+        warn(f"online: the parity gate of the backend {name!r} is skipped (--skip-parity); the run records it")
+        return {"skipped": True}
+    if record is None:
+        raise UserError(f"generate.backend: {name!r} generates on a server; online needs a passing parity record for "
+                        f"{recipe.model.name_or_path} with these settings",
+                        hint="run dllm-align parity with this recipe and pass --parity DIR/parity.json, or --skip-parity "
+                             "(recorded in the run)")
+    rec = check_record(record, recipe)
+    return {"record": str(record), "served": rec["served"], "skipped": False}
+
+
+__all__ = ["RECORD", "check_record", "online_gate", "first_divergence", "permutation_p", "run_parity"]
