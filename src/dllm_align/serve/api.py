@@ -194,6 +194,12 @@ def chat_prompt(engine: Engine, messages: Any) -> list[int]:
         raise ApiError(400, f"messages: the chat template refused them ({type(e).__name__}: {str(e)[:200]})", "messages") from None
 
 
+def _retrieved(fut) -> None:
+    """Read a dropped request's outcome, so asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 # --------------------------------------------------------------------------- the app
 class Server:
     """The routes over ``engine``; ``api_key``: required of every route but /health when set."""
@@ -346,28 +352,26 @@ class Server:
             raise ApiError(429, f"the queue is full ({self.engine.pending()} waiting); retry later", kind="rate_limit_error") from None
         except Stopped:
             raise ApiError(503, "the server is shutting down", kind="server_error") from None
-        waiting = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        waiting = [asyncio.wrap_future(f) for f in futures]
         deadline = time.monotonic() + self.timeout
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=0.25)
-                if done:
-                    return [(c, s) for c, s in zip(waiting.result(), seeds)]
+                _, pending = await asyncio.wait(waiting, timeout=0.25)
+                if not pending:
+                    return [(w.result(), s) for w, s in zip(waiting, seeds)]
                 if await request.is_disconnected():
                     raise ClientDisconnect()
                 if time.monotonic() > deadline:
                     raise ApiError(504, f"not decoded within {self.timeout:g} s", kind="timeout_error")
-        except ApiError:
-            raise
-        except (ClientDisconnect, asyncio.CancelledError):
+        except (ApiError, ClientDisconnect, asyncio.CancelledError):
             raise
         except Exception as e:
             raise ApiError(500, f"decoding failed ({type(e).__name__}: {str(e)[:200]})", kind="server_error") from None
         finally:
-            if not waiting.done():
-                for f in futures:
-                    f.cancel()
-                waiting.cancel()
+            for f, w in zip(futures, waiting):
+                if not w.done():
+                    f.cancel()  # dropped before its batch starts (a batch under way finishes; its answer is dropped)
+                w.add_done_callback(_retrieved)
 
     def _reply(self, body: dict, kind: str, prompts: list[list[int]], results: list[tuple[Completion, int]], chat: bool) -> JSONResponse:
         stops = _stops(body)
