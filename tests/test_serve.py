@@ -332,3 +332,24 @@ def test_the_serve_command_starts_answers_and_stops(tmp_path):
     assert proc.returncode is not None and not any(tmp_path.iterdir())
     r = runner.invoke(app, ["serve", "demo", "--host", "0.0.0.0", "--api-key-env", "NO_SUCH_VAR_S45"])
     assert r.exit_code == 2 and "not a loopback address" in r.stderr
+
+
+def test_evaluate_through_serve_writes_the_in_process_samples(tmp_path):
+    pytest.importorskip("lm_eval", reason="the evaluate command needs the optional harness")
+    from test_backend import _eval_recipe
+
+    def samples(folder, generate):
+        recipe = _eval_recipe(folder, ">>")
+        spec = json.loads(recipe.read_text())
+        spec["generate"] = generate
+        recipe.write_text(json.dumps(spec))
+        r = runner.invoke(app, ["evaluate", str(recipe)])
+        assert r.exit_code == 0, r.output
+        rows = [json.loads(x) for x in (folder / "run" / "eval" / "builtin_tiny" / "samples_gen.jsonl").read_text().splitlines()]
+        return [(row["doc_id"], row["resps"]) for row in rows]
+
+    kw = dict(gen_length=8, block_length=4, steps=4, temperature=1.0, seed=5)
+    want = samples(tmp_path / "local", kw)
+    with served("builtin:tiny", GenerateSection(**kw)) as run:
+        got = samples(tmp_path / "served", {**kw, "backend": "openai", "openai": {"base_url": run.url + "/v1"}})
+    assert got == want and len(want) == 2
