@@ -262,7 +262,9 @@ def test_generate_through_serve_resumes_without_asking_finished_prompts_again(tm
         assert r.exit_code == 0, r.output
         asked = engine.stats.prompts
         assert asked == 3
-        r = runner.invoke(app, args + ["--limit", "5"])
+        # the same server under another address (a restarted server on another port alike): resumed, not refused
+        other = args[:-1] + [f"generate.openai.base_url=http://localhost:{run.port}/v1", "--set", "generate.openai.concurrency=2"]
+        r = runner.invoke(app, other + ["--limit", "5"])
         assert r.exit_code == 0, r.output
         assert engine.stats.prompts == asked + 2  # only the two new prompts
         rows = [json.loads(x) for x in (tmp_path / "gen.test.jsonl").read_text().splitlines()]

@@ -11,7 +11,9 @@ which say without loading it
   (it serves one model and cannot change it: ``online``, which samples each round's new policy, refuses it);
 - ``reads``: the keys of the ``generate`` section that decide its tokens (``"rule"``: every key the decoding
   rule reads); records and resume checks hold these and nothing else;
-- ``loads_here``: it loads the weights in this process, at ``model.dtype`` (then the dtype is recorded).
+- ``loads_here``: it loads the weights in this process, at ``model.dtype`` (then the dtype is recorded);
+- ``records`` (optional): the keys of its own settings that decide its tokens (the others, say a server's
+  address, are left out of records, so a rerun against the same server elsewhere resumes).
 
 ``in_process`` (:mod:`dllm_align.generate.in_process`, the samplers of this package on a model loaded here) is
 declared in :mod:`dllm_align.generate.components`. Torch-free: ``recipes check`` and every command's first
@@ -132,11 +134,21 @@ def recorded_settings(settings: SamplerSettings) -> dict:
     reads = _trait(comp, "reads")
     full = settings.to_dict()
     if reads is None or reads == "rule":
-        return full
+        return _own_recorded(comp, full, settings, "python")
     out = {k: full[k] for k in reads if k in full}
     if comp.has_settings():
         out[comp.name] = settings.own_settings(comp.name).model_dump()
-    return out
+    return _own_recorded(comp, out, settings, "python")
+
+
+def _own_recorded(comp: registry.Component, out: dict, section, mode: str) -> dict:
+    """``out`` with the backend's own settings cut to its ``records`` trait (the own keys that decide tokens:
+    a server's address or its timeouts do not, and a run resumes against the same server on another port)."""
+    keep = _trait(comp, "records")
+    if keep is None or not comp.has_settings():
+        return out
+    own = section.own_settings(comp.name).model_dump(mode=mode)
+    return {**out, comp.name: {k: own[k] for k in keep}}
 
 
 def run_record(generate) -> dict:
@@ -146,12 +158,12 @@ def run_record(generate) -> dict:
     reads = _trait(comp, "reads")
     full = generate.model_dump(mode="json")
     if reads is None or reads == "rule":
-        return full
+        return _own_recorded(comp, full, generate, "json")
     keep = set(reads) | RUN_KEYS | ({comp.name} if comp.has_settings() else set())
     out = {k: v for k, v in full.items() if k in keep}
     if comp.has_settings() and comp.name not in out:
         out[comp.name] = generate.own_settings(comp.name).model_dump(mode="json")
-    return out
+    return _own_recorded(comp, out, generate, "json")
 
 
 def make_generator(generate, model=None, *, device=None, name_or_path: Optional[str] = None, predictor=None) -> Generator:

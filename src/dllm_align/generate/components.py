@@ -57,7 +57,8 @@ register(Component(
     kind="backend", name="openai", target="dllm_align.serve.client:make_openai_generator",
     settings=OpenAIBackendSettings,
     summary="an OpenAI-compatible server (dllm-align serve, SGLang, vLLM, LMDeploy) asked per prompt",
-    traits={"serves": _openai_serves, "reads": "rule", "loads_here": False},
+    traits={"serves": _openai_serves, "reads": "rule", "loads_here": False,
+            "records": ("model", "engine", "fixed", "accept_unseeded")},
 ))
 
 
