@@ -22,8 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dllm_align.core.errors import UserError
-from dllm_align.core.runfolder import from_rank0, run_folder
+import torch
+import torch.distributed as dist
+
+from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
+from dllm_align.core.console import info, progress, warn
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import atomic_write_json, atomic_write_text, check_not_input
+from dllm_align.core.runfolder import differing, from_rank0, refuse_changes, run_folder
+from dllm_align.data.layouts import as_messages
+from dllm_align.data.read import read_tables
+from dllm_align.data.rows import BadValue, content_hash
+from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
+from dllm_align.generate.rules import rule_fast_cache
+from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed
+from dllm_align.judge.client import FatalApiError, JudgementFailed
+from dllm_align.online.verifiers import Rule, apply, get_rule
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
@@ -45,8 +59,6 @@ MAX_PROMPT_CHARS = 200_000
 
 
 def _prompt_id(d: dict, msgs: list, where: str) -> str:
-    from dllm_align.data.rows import content_hash
-
     for col in ("prompt_id", "id"):
         v = d.get(col)
         if v is None or v == "":
@@ -60,10 +72,6 @@ def _prompt_id(d: dict, msgs: list, where: str) -> str:
 def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifier=None) -> list[Prompt]:
     """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``; each
     prompt, its id and the columns the verifier reads checked here, naming the file and line."""
-    from dllm_align.data.layouts import as_messages
-    from dllm_align.data.read import read_tables
-    from dllm_align.data.rows import BadValue
-
     out: list[Prompt] = []
     seen: dict[str, str] = {}
     for t in read_tables(source, split, allow_txt=True):
@@ -107,17 +115,11 @@ def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifi
 def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) -> str:
     """A hash of the prompts' content (ids, messages and source rows), whatever file or built-in holds them:
     what a resumed online run must still be labelling."""
-    from dllm_align.data.rows import content_hash
-
     return content_hash([[p.id, p.messages, p.row] for p in read_prompts(source, split, limit)], n=32)
 
 
 def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
     """One sample's label: the verifier's True/False; None when an absolute judge could not decide."""
-    from dllm_align.core.errors import RunFailure
-    from dllm_align.judge.client import FatalApiError, JudgementFailed
-    from dllm_align.online.verifiers import apply
-
     where = f"{p.where} (prompt {p.id!r}, sample {j})"
     if judge is None:
         return apply(verifier, _prompt_text(p.messages), completion, p.row, where)
@@ -141,9 +143,6 @@ def _labels(verifier, judge, items: list, flat: list, texts: list[str], section)
     """Every sample's label, in order: the verifier's, or the absolute judge's (live, or through the Batch API
     when ``judge.batch`` is set, as ``judge`` does)."""
     if judge is not None and section.batch:
-        from dllm_align.core.errors import RunFailure
-        from dllm_align.judge.client import FatalApiError, JudgementFailed
-
         try:
             return judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])
         except FatalApiError as e:
@@ -163,9 +162,6 @@ def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
     then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
     decoding as it is."""
-    from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
-    from dllm_align.generate.settings import SamplerSettings
-
     s = SamplerSettings.from_section(recipe.generate)
     upd = {}
     if temperature is not None:
@@ -182,8 +178,6 @@ def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
     if fast:
-        from dllm_align.generate.rules import rule_fast_cache
-
         settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
     return gen.settings_for(settings)
 
@@ -197,15 +191,11 @@ def check_temperature(temperature: Optional[float], n: int) -> None:
 
 def check_rule(rule: str, answer_column: str, recipe):
     """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
-    from dllm_align.online.verifiers import get_rule
-
     return get_rule(rule, answer_column=answer_column, recipe=recipe)
 
 
 def _refuse_relabel(summary_path: Path, settings: dict) -> None:
     """A folder labelled with other settings is not relabelled over: its rows would mix rules, models or samples."""
-    from dllm_align.core.runfolder import differing, refuse_changes
-
     if not summary_path.is_file():
         return
     try:
@@ -231,12 +221,6 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     settings, the model and its decoding rule, each prompt's length against the model's positions. The
     folder is then locked (:class:`dllm_align.core.io.DirLock`, by rank 0 when several processes sample)
     while samples are drawn and labelled."""
-    import torch
-
-    from dllm_align.core.io import check_not_input
-    from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
-    from dllm_align.generate.settings import encode_prompt, row_seed
-
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
     check_temperature(temperature, n)
@@ -286,14 +270,9 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
                   rank: int, world: int) -> dict:
     """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
-    from dllm_align.core.console import info
-    from dllm_align.generate.backend import recorded_settings
-
     rows_path, summary_path = out / ROWS, out / SUMMARY
     judge = None
     if verifier.bind is not None and rank == 0:  # a verifier bound to the run folder (a judge's cache) lives on rank 0
-        from dllm_align.online.verifiers import Rule
-
         judge = verifier.bind(out)
         verifier = Rule(rule, judge)
     if rank == 0:
@@ -314,8 +293,6 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
 
 def _ranks() -> tuple[int, int]:
     """(rank, world size) of the process group a multi-process launch opened; (0, 1) alone."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -325,9 +302,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
     """Every sample's completion, the length-grouped batches dealt across the processes (batch j to rank
     j mod world, as ``generate`` deals them) and gathered: the same batches, hence the same samples, as one
     process draws."""
-    from dllm_align.core.console import progress
-    from dllm_align.generate.settings import length_batches
-
     batches = length_batches([len(p) for p in prompts], batch_size)
     mine = [b for j, b in enumerate(batches) if j % world == rank]
     got: list = []
@@ -337,8 +311,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
             got += list(zip(b, res))
             bar.advance(len(b))
     if world > 1:
-        import torch.distributed as dist
-
         parts: list = [None] * world
         dist.all_gather_object(parts, got)
         got = [x for part in parts for x in part]
@@ -350,9 +322,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
 
 def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
                      judge_section, record: dict, served: Optional[dict]) -> dict:
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-    from dllm_align.generate.backend import recorded_settings
-
     # The run's decoding is recorded once, in the summary; each row keeps what tells its samples apart from
     # another run's, without the fast mode's cache and threshold (the same for every row of the run).
     sampler = recorded_settings(settings)
@@ -383,8 +352,6 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         good[r["prompt_id"]] += r["label"]
     n_good = sum(r["label"] for r in rows)
     if judge is not None and judge.unjudgeable:  # said before the error below, which refers to it
-        from dllm_align.core.console import warn
-
         warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
     if not rows:
         raise UserError("no sample got a verdict: nothing to write", hint="see the warning above")

@@ -36,17 +36,27 @@ Recipe keys that online sets itself for each round are refused when given (:data
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
-from dllm_align.core.io import atomic_write_json
-from dllm_align.core.runfolder import from_rank0, rank0_lock
-from dllm_align.generate.backend import run_record
-from dllm_align.online.label import ROWS, SUMMARY, label, label_settings, prompt_fingerprint
+from dllm_align.core.io import atomic_path, atomic_write_json, atomic_write_text
+from dllm_align.core.runfolder import check_shared_folder, differing, flatten, from_rank0, rank0_lock, refuse_changes
+from dllm_align.generate.backend import check_serves_each_round, run_record
+from dllm_align.generate.settings import row_seed
+from dllm_align.online.label import (ROWS, SUMMARY, check_rule, check_temperature, label, label_settings, prompt_fingerprint,
+                                     read_prompts)
 from dllm_align.serve.parity import online_gate
 from dllm_align.workflows import pipeline
+
+# lazy imports: matplotlib: an optional extra (pip install dllm-align[plot]); without it the run skips its plot
 
 RECORD = "online.json"
 ROUNDS = "rounds.json"
@@ -81,8 +91,6 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
     ``--allow-change`` are warned about). A record with no finished stage behind it (no labelled samples yet,
     of a round or a held-out evaluation) binds nothing: a first run refused or stopped before it labelled
     anything leaves nothing that blocks the corrected rerun. Rank 0 alone writes (``main``)."""
-    from dllm_align.core.runfolder import differing, refuse_changes
-
     path = out / RECORD
     if path.exists():
         try:
@@ -105,8 +113,6 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
 
 
 def _is_key(key: str, tree: dict) -> bool:
-    from dllm_align.core.runfolder import flatten
-
     keys = set(flatten(tree))
     return key in keys or any(k.startswith(key + ".") for k in keys)
 
@@ -136,7 +142,6 @@ def round_seed(seed: int, r: int) -> int:
     """The seed of round ``r``: the recipe's in round 0, then a hash of it and the round (31 bits)."""
     if r == 0:
         return seed
-    from dllm_align.generate.settings import row_seed
 
     return row_seed(seed, f"online-round-{r}") & 0x7FFFFFFF
 
@@ -163,8 +168,6 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
     (lambda_D n_D = lambda_U n_U, the larger 1) times the recipe's lambda_D, lambda_U. The greedy decodes
     (``greedy_path``) join the samples with ids of their own (``<prompt>:greedy``): a row's id seeds its
     masks, and the greedy decode of a prompt is not its sample 0."""
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-
     rows = _read_rows(rows_path)
     greedy_rows = []
     if greedy_path is not None:
@@ -196,8 +199,6 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
 def _share_ci(rows: list[dict]) -> dict:
     """The desirable share of labelled rows with a 90% interval over prompts (the samples of one prompt are
     not independent: the standard error is that of the per-prompt means)."""
-    import math
-
     per: dict[str, list[bool]] = {}
     for r in rows:
         per.setdefault(r["prompt_id"], []).append(bool(r["label"]))
@@ -241,9 +242,6 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                greedy: bool = True, allow_changes=(), parity: Optional[str] = None, skip_parity: bool = False) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring).
     ``parity``: a passing parity record, which a served backend needs (``skip_parity``: go without, recorded)."""
-    from dllm_align.generate.backend import check_serves_each_round
-    from dllm_align.online.label import check_rule, check_temperature, read_prompts
-
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
     if reference not in ("initial", "previous"):
@@ -277,8 +275,6 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     rank, world = _process_group()
     if world > 1:
         # rank 0 writes the run's records and labelled rows, every rank reads them back
-        from dllm_align.core.runfolder import check_shared_folder
-
         check_shared_folder(out, "online run folder")
     # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
     with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world):
@@ -425,12 +421,8 @@ def _round_row(r: int, policy, summary: dict, counts: dict, held, final: Path) -
 def _process_group() -> tuple[int, int]:
     """(rank, world size) of a torchrun / accelerate launch, its process group opened (as `generate` opens it);
     (0, 1) in one process. Sampling is dealt across the ranks; rank 0 alone writes."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return 0, 1
-    import torch
-    from accelerate import PartialState
 
     state = PartialState(cpu=not torch.cuda.is_available())
     return state.process_index, state.num_processes
@@ -438,8 +430,6 @@ def _process_group() -> tuple[int, int]:
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
@@ -447,7 +437,6 @@ def _agreed(value, world: int):
     """Rank 0's ``value`` on every rank."""
     if world < 2:
         return value
-    import torch.distributed as dist
 
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -464,7 +453,6 @@ def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    from dllm_align.core.io import atomic_path
 
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     ax.plot([t["round"] for t in table], [100 * t["desirable_share"] for t in table], marker="o", label="round's samples (policy entering it)")
