@@ -355,3 +355,27 @@ def test_evaluate_through_serve_writes_the_in_process_samples(tmp_path):
     with served("builtin:tiny", GenerateSection(**kw)) as run:
         got = samples(tmp_path / "served", {**kw, "backend": "openai", "openai": {"base_url": run.url + "/v1"}})
     assert got == want and len(want) == 2
+
+
+@pytest.mark.parametrize("recipe", ["demo", "demo_dream", "demo_block", "demo_gemma"])
+def test_generate_through_serve_of_each_toy_demo_base_equals_in_process(recipe, tmp_path):
+    from dllm_align.config.recipe import load_recipe
+
+    rec = load_recipe(recipe, ["generate.temperature=1.0", "generate.seed=4"], None)
+    engine = Engine.from_section(rec.model, rec.generate)
+    run = Running(Server(engine), "127.0.0.1", 0, start_timeout=WAIT)
+    try:
+        common = ["--limit", "6", "--set", "generate.temperature=1.0", "--set", "generate.seed=4"]
+        served_args = ["--set", "generate.backend=openai", "--set", f"generate.openai.base_url={run.url}/v1"]
+        r = runner.invoke(app, ["generate", recipe, "-o", str(tmp_path / "served"), *common, *served_args])
+        assert r.exit_code == 0, r.output
+    finally:
+        run.stop(timeout=WAIT)
+    r = runner.invoke(app, ["generate", recipe, "-o", str(tmp_path / "local"), *common])
+    assert r.exit_code == 0, r.output
+
+    def rows(run_dir):
+        return [(x["id"], x["completion"], x["num_tokens"]) for x in
+                map(json.loads, (tmp_path / run_dir / "gen.test.jsonl").read_text().splitlines())]
+
+    assert rows("served") == rows("local") and len(rows("local")) == 6
