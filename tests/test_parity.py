@@ -81,10 +81,16 @@ def test_parity_passes_against_serve_and_writes_its_record(tmp_path):
 def test_parity_fails_naming_the_quirk(tmp_path, cls, model, reason):
     with served(cls, model) as run:
         r = parity(tmp_path, run.url)
-    assert r.exit_code == 1, r.output
-    assert "parity failed:" in r.stderr and reason in r.stderr
-    rec = json.loads((tmp_path / "parity.json").read_text())
-    assert not rec["passed"] and any(x.startswith(reason) for x in rec["reasons"])
+        assert r.exit_code == 1, r.output
+        assert "parity failed:" in r.stderr and reason in r.stderr
+        rec = json.loads((tmp_path / "parity.json").read_text())
+        assert not rec["passed"] and any(x.startswith(reason) for x in rec["reasons"])
+        # online refuses the engine on that record, naming why, before its folder is made
+        r = runner.invoke(app, ["online", "demo", "-o", str(tmp_path / "online"), "--rounds", "1",
+                                "--set", "generate.backend=openai", "--set", f"generate.openai.base_url={run.url}/v1",
+                                "--parity", str(tmp_path / "parity.json")])
+    assert r.exit_code == 2 and "the backend failed parity" in r.stderr and reason in r.stderr, r.output
+    assert not (tmp_path / "online").exists()
 
 
 def test_parity_statistics():
