@@ -140,8 +140,9 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     passes: dict[str, Any] = {}
     if verifier is not None:
         def verdicts(comps):
+            # an unsure verdict counts as not passing (as online's held-out share counts it)
             return [float(apply(verifier, _prompt_text(items[i // samples].messages), c.text, items[i // samples].row,
-                                f"prompt {items[i // samples].id!r}")) for i, c in enumerate(comps)]
+                                f"prompt {items[i // samples].id!r}").label is True) for i, c in enumerate(comps)]
 
         va, vb = verdicts(sa), verdicts(sb)
         p_pass = permutation_p(va, vb)
