@@ -379,3 +379,29 @@ def test_generate_through_serve_of_each_toy_demo_base_equals_in_process(recipe, 
                 map(json.loads, (tmp_path / run_dir / "gen.test.jsonl").read_text().splitlines())]
 
     assert rows("served") == rows("local") and len(rows("local")) == 6
+
+
+def test_a_rules_own_settings_reach_the_server(tmp_path):
+    # LLaDA2.1's rule has settings of its own (generate.llada21.*): the client sends them, the server decodes by them
+    kw = dict(gen_length=8, block_length=8)
+    base = GenerateSection(**kw, seed=2)
+    with served("builtin:tiny-llada21", base) as run:
+        mp = run.server.engine.generator.mp
+        wants = []
+        for own in ({"mode": "speed"}, {"mode": "quality", "threshold": 0.3, "edit_threshold": 0.2}):
+            section = GenerateSection(**kw, seed=2, temperature=1.0, llada21=own)
+            gen = make_generator(client_section(section, run.url), ModelSection(name_or_path="builtin:tiny-llada21"))
+            st = gen.settings_for(SamplerSettings.from_section(section))
+            assert st.sampler == "llada21" and st.own_settings("llada21").mode == own["mode"]
+            prompts = _prompts(gen.tokenizer, 6)
+            got = gen.generate(prompts, st, list(range(6)))
+            want = generate(mp, prompts, st, seeds=list(range(6)))
+            assert [c.raw for c in got] == [c.raw for c in want], own
+            wants.append([c.raw for c in want])
+            gen.close()
+        assert wants[0] != wants[1]  # the rule's settings decide the tokens: the equality above shows they arrived
+        # a request naming them directly; an unknown key of the rule is refused by name
+        code, _ = call(run.url, "/v1/completions", {"prompt": [5, 6, 7], "llada21": {"mode": "speed"}})
+        assert code == 200
+        code, err = call(run.url, "/v1/completions", {"prompt": [5, 6, 7], "llada21": {"speed": 1}})
+        assert code == 400 and "llada21" in err["error"]["message"]

@@ -40,7 +40,7 @@ from dllm_align import __version__
 from dllm_align.core.errors import UserError
 from dllm_align.generate.settings import Completion, encode_prompt
 from dllm_align.judge.client import is_loopback
-from dllm_align.serve.engine import MAX_SEED, REQUEST_KEYS, Engine, QueueFull, Stopped, completion_record, default_seed
+from dllm_align.serve.engine import MAX_SEED, Engine, QueueFull, Stopped, completion_record, default_seed, request_keys
 
 MAX_PROMPTS = 64  # prompts in one request's list
 MAX_STOPS = 8
@@ -87,7 +87,7 @@ FREE_FIELDS = {"model", "user", "return_token_ids", "stop", "seed", "max_tokens"
 
 
 def check_fields(body: dict, prompt_key: str) -> None:
-    known = FREE_FIELDS | set(FIXED_FIELDS) | set(REQUEST_KEYS)
+    known = FREE_FIELDS | set(FIXED_FIELDS) | set(request_keys())
     unknown = sorted(k for k in body if k not in known or k in ("prompt", "messages") and k != prompt_key)
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
@@ -112,7 +112,7 @@ def request_settings(engine: Engine, body: dict, length_key: str = "max_tokens")
             over[k] = v
     if "top_k" in body and body["top_k"] is not None and body["top_k"] != -1:
         over["top_k"] = _int(body, "top_k", 1, 1 << 20)
-    for k in REQUEST_KEYS:
+    for k in request_keys():
         if k in body and k not in ("temperature", "top_p", "top_k"):
             over[k] = body[k]
     if "gen_length" in body and "gen_length" in over and length_key in body:
@@ -288,7 +288,7 @@ class Server:
     async def settings(self, request: Request) -> Response:
         async def go(req):
             body = await self._body(req)
-            unknown = sorted(k for k in body if k not in REQUEST_KEYS and k != "seed")
+            unknown = sorted(k for k in body if k not in request_keys() and k != "seed")
             if unknown:
                 raise ApiError(400, f"unknown generate key {unknown[0]!r}", unknown[0])
             try:

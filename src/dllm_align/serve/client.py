@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from dllm_align.config import components as registry
 from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, model_fingerprint, row_seed
 from dllm_align.judge.client import Cancelled, ChatClient, FatalApiError, JudgementFailed, run_pool
@@ -45,9 +46,10 @@ def client_tokenizer(model, name_or_path: Optional[str] = None):
 
 
 def decoding_keys(settings: SamplerSettings) -> dict:
-    """The section's own keys (a backend's settings, extra keys of the section, left out)."""
+    """The section's keys and its decoding rules' own settings (``generate.llada21``, ...); a backend's settings
+    (this one's address, say) are left out."""
     dumped = settings.model_dump(mode="json")
-    return {k: dumped[k] for k in SamplerSettings.model_fields}
+    return {k: v for k, v in dumped.items() if k in SamplerSettings.model_fields or registry.find("backend", k) is None}
 
 
 def api_key(env: str) -> Optional[str]:

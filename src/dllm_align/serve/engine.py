@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from dllm_align.config import components as registry
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.generate.in_process import InProcessGenerator
@@ -32,6 +33,13 @@ from dllm_align.generate.settings import RUN_KEYS, Completion, SamplerSettings, 
 # The generate keys a request may set beside max_tokens / temperature / top_p / top_k / seed (the rest of the
 # keys that decide a prompt's tokens; the keys that organise a run are the server's business).
 REQUEST_KEYS = tuple(k for k in SamplerSettings.model_fields if k not in RUN_KEYS and k != "seed")
+
+
+def request_keys() -> tuple[str, ...]:
+    """:data:`REQUEST_KEYS` and the decoding rules' own settings (``generate.<rule>``, e.g. ``llada21``: an object
+    of that rule's keys), which a request may set too; backends' settings are the client's business."""
+    return REQUEST_KEYS + tuple(sorted(c.name for c in registry.section_components("generate") if c.kind != "backend"
+                                       and c.has_settings()))
 MAX_SEED = (1 << 63) - 1  # a torch.Generator seed; row seeds are 63 bits
 
 
@@ -215,4 +223,4 @@ def completion_record(c: Completion) -> dict:
     return {"token_ids": list(c.ids), "raw": list(c.raw), "stopped": bool(c.stopped), "forwards": int(c.forwards)}
 
 
-__all__ = ["Engine", "Job", "MAX_SEED", "QueueFull", "REQUEST_KEYS", "Stopped", "completion_record", "default_seed"]
+__all__ = ["Engine", "Job", "MAX_SEED", "QueueFull", "REQUEST_KEYS", "request_keys", "Stopped", "completion_record", "default_seed"]
