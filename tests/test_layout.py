@@ -20,7 +20,8 @@ from dllm_align.config import components as registry
 from dllm_align.generate import sampler  # noqa: F401  (registers the decoding rules, whose names AMBIGUOUS reads)
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "dllm_align"
-STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "workflows")
+STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "serve",
+          "workflows")
 MAX_LINES = 600
 
 
