@@ -69,12 +69,32 @@ def _debug() -> bool:
     return os.environ.get("DLLM_ALIGN_DEBUG", "") not in ("", "0", "false", "False")
 
 
+# An error line names what is wrong; a value the user gave may be any length (a 20,000-character name), so a run
+# of characters past LONG_RUN without a space is shown by its head and tail.
+LONG_RUN = 120
+
+
+def _bounded(text: str) -> str:
+    def word(w: str) -> str:
+        return w if len(w) <= LONG_RUN else f"{w[:60]}...({len(w):,} characters)...{w[-20:]}"
+
+    return "\n".join(" ".join(map(word, line.split(" "))) for line in text.split("\n"))
+
+
 def _error_line(msg: str, hint: str | None = None) -> None:
-    # Plain writes (no rich markup) so that file names with brackets print as they are.
-    sys.stderr.write(f"Error: {msg}\n")
+    # Plain writes (no rich markup) so that file names with brackets print as they are; one line each.
+    sys.stderr.write(f"Error: {_bounded(msg)}\n")
     if hint:
-        sys.stderr.write(f"Hint: {hint}\n")
+        sys.stderr.write(f"Hint: {_bounded(hint)}\n")
     sys.stderr.flush()
+
+
+def check_environment() -> None:
+    """The environment settings a command may read late (after the model loaded and every prompt was sampled),
+    read and checked before it starts: a bad value is refused (exit 2) before any work or any folder."""
+    from dllm_align.core.usercode import call_seconds
+
+    call_seconds()
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -87,6 +107,7 @@ def handle_errors(fn: Callable) -> Callable:
 
         forget_inputs()  # each command guards its own inputs (io.check_not_input)
         try:
+            check_environment()
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
