@@ -320,7 +320,7 @@ class TrainSection(ComposedSection):
     )
     seed: int = 0
     process_group_timeout_minutes: float = Field(
-        60.0, gt=0,
+        60.0, gt=0, le=7 * 24 * 60,  # a week at most: beyond any checkpoint write, and within what timedelta holds
         description="How long a process waits for the others in a collective (NCCL/gloo) before the run fails. "
         "torch's NCCL default is 10; rank 0 alone gathers, writes and hashes a checkpoint (an 8B model: minutes).",
     )
