@@ -114,3 +114,71 @@ def test_a_5000_digit_integer_is_refused_naming_the_key(tmp_path):
 def test_a_process_group_timeout_beyond_a_week_is_refused_at_check():
     refused(run_cli(["recipes", "check", "demo", "--set", "train.process_group_timeout_minutes=1e300"]),
             "train.process_group_timeout_minutes")
+
+
+# --------------------------------------------------------------------------- judge: user functions, strict JSON
+def _gens(tmp: Path, n: int = 3, a_longer: bool = True) -> tuple[Path, Path]:
+    out = []
+    for m in ("A", "B"):
+        p = tmp / f"{m.lower()}.jsonl"
+        long = (m == "A") == a_longer
+        p.write_text("".join(json.dumps({"id": str(i), "prompt": f"Q {i}?", "completion": "x" * (9 if long else 3)}) + "\n"
+                             for i in range(n)))
+        out.append(p)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("body, code, needles", [
+    ("import time\ndef f(p, a, b):\n    time.sleep(60)\n", 1, ("rule:r5_judge_{n}:f", "did not return within 1 s")),
+    ("import sys\ndef f(p, a, b):\n    sys.exit(0)\n", 1, ("rule:r5_judge_{n}:f", "sys.exit(0)")),
+    ("import sys\ndef f(p, a, b):\n    sys.exit(3)\n", 1, ("rule:r5_judge_{n}:f", "sys.exit(3)")),
+    ("def f(p, a, b):\n    return 1 / 0\n", 2, ("rule:r5_judge_{n}:f", "f() raised ZeroDivisionError")),
+])
+def test_a_rule_judge_from_a_module_is_contained_as_label_contains_verifiers(tmp_path, monkeypatch, body, code, needles):
+    n = abs(hash(body)) % 10**8
+    (tmp_path / f"r5_judge_{n}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a, b = _gens(tmp_path)
+    r = run_cli(["judge", a, b, "--judge", f"rule:r5_judge_{n}:f", "--bootstrap", "100", "-o", tmp_path / "o"],
+                env={"DLLM_ALIGN_RULE_TIMEOUT": "1"})
+    refused(r, *(x.format(n=n) for x in needles), code=code)
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_a_rule_judges_prints_do_not_corrupt_json_on_stdout(tmp_path, monkeypatch):
+    (tmp_path / "r5_noisy.py").write_text("def f(p, a, b):\n    print('noise')\n    return 'A'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a, b = _gens(tmp_path)
+    r = run_cli(["judge", a, b, "--judge", "rule:r5_noisy:f", "--bootstrap", "100", "--json", "-o", tmp_path / "o"])
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["n"] == 3 and "noise" in r.err
+
+
+def _strict_load(text: str):
+    def bad(c):
+        raise AssertionError(f"not strict JSON: {c}")
+    return json.loads(text, parse_constant=bad)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_results_json_is_strict_json_when_one_side_always_wins(tmp_path, n):
+    a, b = _gens(tmp_path, n=n)
+    out = tmp_path / "o"
+    r = run_cli(["judge", a, b, "--judge", "rule:longer", "--bootstrap", "100", "--json", "-o", out])
+    assert r.code == 0, r.err
+    for text in ((out / "results.json").read_text(), r.out):
+        res = _strict_load(text)
+        if "undefined" in res:
+            assert all("not defined for these data" in why for why in res["undefined"].values())
+
+
+@pytest.mark.parametrize("content", ['"a string"\n', "[1, 2]\n", '{"id": "0", "judges": {"rule:longer": {"outcome": [1]}}}\n',
+                                     '{"id": "0", "judges": ["rule:longer"]}\n', '{"id": "0", "judges": {"rule:longer": {"outcome": "won"}}}\n'])
+def test_difficulty_from_a_file_of_the_wrong_shape_is_refused_naming_it(tmp_path, content):
+    a, b = _gens(tmp_path)
+    other = tmp_path / "other.jsonl"
+    other.write_text(content)
+    out = tmp_path / "o"
+    r = run_cli(["judge", a, b, "--judge", "rule:longer", "--bootstrap", "100", "--difficulty-from", other, "-o", out])
+    refused(r, "other.jsonl")
+    assert not (out / "results.json").exists()
