@@ -182,3 +182,63 @@ def test_difficulty_from_a_file_of_the_wrong_shape_is_refused_naming_it(tmp_path
     r = run_cli(["judge", a, b, "--judge", "rule:longer", "--bootstrap", "100", "--difficulty-from", other, "-o", out])
     refused(r, "other.jsonl")
     assert not (out / "results.json").exists()
+
+
+# --------------------------------------------------------------------------- what an export copies
+def _code_folder(tmp: Path, make) -> Path:
+    code = tmp / "code"
+    code.mkdir()
+    (code / "configuration_llada.py").write_text("X = 1\n")
+    make(code)
+    return code
+
+
+def _link_out(code: Path):
+    secret = code.parent / "secret.txt"
+    secret.write_text("not for final/\n")
+    (code / "modeling_llada.py").symlink_to(secret)
+
+
+def _fifo(code: Path):
+    os.mkfifo(code / "modeling_llada.py")
+
+
+def _folder(code: Path):
+    (code / "modeling_llada.py").mkdir()
+
+
+def _not_utf8(code: Path):
+    (code / "modeling_llada.py").write_bytes(b"x = '\xff\xfe'\n")
+
+
+def _tok_garbage(code: Path):
+    (code / "modeling_llada.py").write_text("Y = 1\n")
+    (code / "tokenizer_config.json").write_text("{not json")
+
+
+def _tok_outside(code: Path):
+    (code / "modeling_llada.py").write_text("Y = 1\n")
+    (code.parent / "outside5.py").write_text("Z = 1\n")
+    (code / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["../outside5.T", None]}}))
+
+
+def _sibling_link(code: Path):
+    (code / "modeling_llada.py").write_text("from .helpers import x\n")
+    (code.parent / "helpers.py").write_text("x = 1\n")
+    (code / "helpers.py").symlink_to(code.parent / "helpers.py")
+
+
+@pytest.mark.parametrize("make, needle", [(_link_out, "modeling_llada.py"), (_fifo, "modeling_llada.py"),
+                                          (_folder, "modeling_llada.py"), (_not_utf8, "modeling_llada.py"),
+                                          (_tok_garbage, "tokenizer_config.json"), (_tok_outside, "outside5"),
+                                          (_sibling_link, "helpers.py")],
+                         ids=["link-out", "fifo", "folder", "not-utf8", "tokenizer-config", "dotdot", "sibling-link"])
+def test_published_code_that_an_export_cannot_copy_is_refused_before_training(tmp_path, make, needle):
+    code = _code_folder(tmp_path, make)
+    before = snapshot(code.parent)
+    refused(run_cli(["recipes", "check", "demo", "--set", f"model.published_code={code}"]), needle)
+    out = tmp_path / "run"
+    r = run_cli(["train", "demo", "--set", f"model.published_code={code}", "-o", out])
+    refused(r, needle)
+    assert not out.exists()
+    assert snapshot(code.parent) == before if make is not _fifo else True
