@@ -242,3 +242,16 @@ def test_published_code_that_an_export_cannot_copy_is_refused_before_training(tm
     refused(r, needle)
     assert not out.exists()
     assert snapshot(code.parent) == before if make is not _fifo else True
+
+
+# --------------------------------------------------------------------------- a flag and --set of the same key
+@pytest.mark.parametrize("args, key", [
+    (["online", "demo_online", "--n", "2", "--set", "online.n=3"], "online.n"),
+    (["generate", "demo", "--gen-length", "8", "--set", "generate.gen_length=16"], "generate.gen_length"),
+    (["train", "demo", "--set", "output_dir={t}/a"], "output_dir"),
+])
+def test_a_flag_beside_a_set_of_the_same_key_is_refused(tmp_path, args, key):
+    out = tmp_path / "o"
+    r = run_cli([a.format(t=tmp_path) for a in args] + ["-o", out])
+    refused(r, key, "give one")
+    assert not out.exists() and not (tmp_path / "a").exists()

@@ -438,9 +438,13 @@ def load_recipe(
         key = ov.partition("=")[0]
         given[".".join(p for p in key.strip().split(".") if p)] = f"--set {ov}"
     for key, (flag, value) in (flags or {}).items():
+        if key in given:  # the flag would silently win over the --set of the same key
+            problems.append(f"{_short(given[key])} and {_short(_shown(flag, value))} both set {key}: give one")
         _set_path(raw, key.split("."), value)
         given[key] = _shown(flag, value)
     if output_dir is not None:
+        if "output_dir" in given:
+            problems.append(f"{_short(given['output_dir'])} and -o {_short(str(output_dir))} both set output_dir: give one")
         raw["output_dir"] = output_dir
         given["output_dir"] = f"-o {output_dir}"
     try:
