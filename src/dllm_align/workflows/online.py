@@ -42,7 +42,7 @@ from typing import Optional
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_write_json
-from dllm_align.core.runfolder import from_rank0, rank0_lock
+from dllm_align.core.runfolder import from_rank0, rank0_lock, records_kept_on_refusal
 from dllm_align.generate.backend import run_record
 from dllm_align.online.label import ROWS, SUMMARY, label, label_settings, prompt_fingerprint
 from dllm_align.workflows import pipeline
@@ -278,7 +278,8 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
 
         check_shared_folder(out, "online run folder")
     # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
-    with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world):
+    with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world), \
+            records_kept_on_refusal(out, main=rank == 0):
         return _run_rounds(recipe, out, rank=rank, world=world, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts,
                            reference=reference, keep_uniform=keep_uniform, temperature=temperature,
                            answer_column=answer_column, heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n,
