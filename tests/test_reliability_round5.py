@@ -255,3 +255,58 @@ def test_a_flag_beside_a_set_of_the_same_key_is_refused(tmp_path, args, key):
     r = run_cli([a.format(t=tmp_path) for a in args] + ["-o", out])
     refused(r, key, "give one")
     assert not out.exists() and not (tmp_path / "a").exists()
+
+
+# --------------------------------------------------------------------------- the benchmark scripts' flags
+def _script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"r5_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _refused_script(mod, argv, capsys, *needles):
+    try:
+        code = mod.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [x for x in err.splitlines() if x.startswith("Error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--threads", "0"], "--threads"), (["--threads", "-3"], "--threads"), (["--threads", "100000"], "--threads"),
+    (["--json", "/nonexistent-r5/x.json"], "--json"), (["--json", "{t}"], "--json"), (["--only"], "--only"),
+    (["--bogus"], "unrecognized"), (["--threads", "many"], "--threads"),
+])
+def test_benchmarks_run_refuses_bad_flags_before_any_work(tmp_path, capsys, argv, needle):
+    before = snapshot(tmp_path)
+    _refused_script(_script("run"), [a.format(t=tmp_path) for a in argv], capsys, needle)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--out", ""], "--out"), (["--measure-lengths", "{t}/missing"], "--measure-lengths"), (["--bogus"], "unrecognized"),
+    (["--out", "{t}/o", "--budget", "nan"], "--budget"),
+])
+def test_gpu_check_refuses_bad_flags_writing_nothing(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    _refused_script(_script("gpu_check"), [a.format(t=tmp_path) for a in argv], capsys, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_check_on_cuda_without_a_gpu_writes_nothing(tmp_path, capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the refusal is for machines without one")
+    monkeypatch.chdir(tmp_path)
+    _refused_script(_script("gpu_check"), ["--out", str(tmp_path / "o")], capsys, "--device cuda")
+    assert list(tmp_path.iterdir()) == []
