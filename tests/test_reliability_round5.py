@@ -310,3 +310,23 @@ def test_gpu_check_on_cuda_without_a_gpu_writes_nothing(tmp_path, capsys, monkey
     monkeypatch.chdir(tmp_path)
     _refused_script(_script("gpu_check"), ["--out", str(tmp_path / "o")], capsys, "--device cuda")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- a refused rerun changes nothing
+def test_a_refusal_part_way_writes_back_the_records_it_found(tmp_path):
+    from dllm_align.core.errors import UserError
+    from dllm_align.core.runfolder import records_kept_on_refusal
+
+    out = tmp_path / "on"
+    (out / "round-0" / "ref_cache").mkdir(parents=True)
+    files = {"online.json": '{"n": 2}\n', "round-0/ref_cache/manifest.json": '{"v": 1}\n',
+             "round-0/recipe.train.yaml": "train: {}\n"}
+    for rel, text in files.items():
+        (out / rel).write_text(text)
+    before = snapshot(out)
+    with pytest.raises(UserError):
+        with records_kept_on_refusal(out):
+            for rel in files:
+                (out / rel).write_text("rewritten on the way to a refusal\n")
+            raise UserError("refused")
+    assert snapshot(out) == before
