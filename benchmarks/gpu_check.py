@@ -565,8 +565,6 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError("--out is required")
     if not str(a.out).strip() or str(a.out) in (".", "./"):
         raise UsageError(f"--out {str(a.out)!r}: name a folder for the results (not the working folder)")
-    if a.out.exists() and not a.out.is_dir():
-        raise UsageError(f"--out {a.out}: a file, not a folder")
     if not math.isfinite(a.budget) or a.budget <= 0:
         raise UsageError(f"--budget must be a positive number of seconds, got {a.budget:g}")
     if a.device == "cuda":

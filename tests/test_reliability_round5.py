@@ -330,3 +330,27 @@ def test_a_refusal_part_way_writes_back_the_records_it_found(tmp_path):
                 (out / rel).write_text("rewritten on the way to a refusal\n")
             raise UserError("refused")
     assert snapshot(out) == before
+
+
+# --------------------------------------------------------------------------- --help
+def _command_paths():
+    import typer
+
+    from dllm_align.cli.app import app
+
+    def walk(cmd, path):
+        yield path
+        for name, sub in sorted((getattr(cmd, "commands", None) or {}).items()):
+            yield from walk(sub, path + [name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_no_help_page_shows_a_value_beside_a_flag():
+    paths = _command_paths()
+    assert len(paths) >= 20
+    for path in paths:
+        r = run_cli([*path, "--help"], env={"COLUMNS": "200"})
+        assert r.code == 0, (path, r.err)
+        assert "<bool>" not in r.out, (path, [line for line in r.out.splitlines() if "<bool>" in line])
+        assert "--help" in r.out

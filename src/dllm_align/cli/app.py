@@ -22,11 +22,36 @@ import typing
 from typing import Annotated, Any, Callable, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from dllm_align import __version__
 from dllm_align.config.schema import Recipe
 
+def _flags_without_a_value(params: list) -> list:
+    # An on/off flag takes no value: Typer would show it as `<bool>` (--help, --install-completion, ...) unless
+    # its metavar is empty, as the project's own flags set it.
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A command whose help shows flags without a value as flags (see :func:`_flags_without_a_value`)."""
+
+    def get_params(self, ctx):
+        return _flags_without_a_value(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """A command group whose help shows flags without a value as flags."""
+
+    def get_params(self, ctx):
+        return _flags_without_a_value(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=Group,
     name="dllm-align",
     help="Align masked diffusion LMs (LLaDA, ...) with unpaired thumbs-up / thumbs-down feedback (ELBO-KTO).",
     no_args_is_help=True,
@@ -172,6 +197,7 @@ def command(name: str | None = None, *, group: typer.Typer | None = None, **kwar
 
     def deco(fn: Callable) -> Callable:
         kwargs.setdefault("help", reflow(fn.__doc__ or ""))
+        kwargs.setdefault("cls", Command)
         (group or app).command(name, **kwargs)(handle_errors(fn))
         return fn
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import typer
 
-from dllm_align.cli.app import app, RecipeArg, SetOpt, command
+from dllm_align.cli.app import Group, RecipeArg, SetOpt, app, command
 
-group = typer.Typer(help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
+group = typer.Typer(cls=Group, help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
 app.add_typer(group, name="recipes")
 
 
