@@ -354,3 +354,16 @@ def test_no_help_page_shows_a_value_beside_a_flag():
         assert r.code == 0, (path, r.err)
         assert "<bool>" not in r.out, (path, [line for line in r.out.splitlines() if "<bool>" in line])
         assert "--help" in r.out
+
+
+# --------------------------------------------------------------------------- DiffusionGemma's temperature
+def test_diffusiongemmas_temperature_is_refused_by_name_and_not_recorded(tmp_path, prompts):
+    out = tmp_path / "g"
+    refused(run_cli(["generate", "demo_gemma", "-o", out, "--prompts", prompts, "--temperature", "0.7"]),
+            "--temperature 0.7", "diffusion_gemma")
+    assert not out.exists()
+    r = run_cli(["generate", "demo_gemma", "-o", out, "--prompts", prompts, "--gen-length", "8"])
+    assert r.code == 0, r.err
+    sidecar = json.loads(next(out.glob("*.settings.json")).read_text())
+    assert "temperature" not in sidecar["sampler"] and "top_p" not in sidecar["sampler"]
+    assert sidecar["sampler"]["gen_length"] == 8

@@ -379,7 +379,9 @@ class GenerateSection(ComposedSection):
         "low_confidence", description="LLaDA rule: which candidates a step commits, the most probable ones or random ones "
         "(the block rule commits by confidence, statically or above generate.threshold; not recorded for it)."
     )
-    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise.")
+    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise. "
+                               "DiffusionGemma's rule reads none (its own schedule over random canvases: tokens depend on the seed); "
+                               "only 0 is accepted there.")
     cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
     batch_size: int = Field(8, ge=1, description="Prompts per forward pass (length-grouped, left-padded).")
     seed: int = Field(0, description="Seed for temperature / random remasking; each prompt hashes it with its id.")

@@ -55,6 +55,8 @@ register(Component(
     traits={"fast_cache": "prefix", "decodes": ("block",)}))
 register(Component(
     "rule", "diffusion_gemma", "dllm_align.generate.gemma:RULE",
-    ignores=("cache", "threshold", "cfg", "top_p", "top_k", "remasking", "alg", "alg_temp"),
+    # temperature: the published sampler anneals its own (t_max 0.8 -> t_min 0.4) over canvases of random tokens,
+    # so its tokens depend on the seed at any setting; 0 (the default) means that schedule, any other is refused
+    ignores=("cache", "threshold", "cfg", "top_p", "top_k", "remasking", "alg", "alg_temp", "temperature"),
     traits={"decodes": ("uniform",)},
     summary="DiffusionGemma's published generate (reads gen_length and steps; its own temperature schedule)"))

@@ -32,6 +32,7 @@ from dllm_align.generate.settings import (
     length_batches,
     model_fingerprint,
     row_seed,
+    unused_by_rule,
 )
 from dllm_align.models.load import pick_dtype
 
@@ -248,9 +249,11 @@ def _resume_or_refuse(files: _Output, record: dict, ranks: _Ranks, overwrite: bo
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{sidecar}: not valid JSON", hint="delete it (and the output) or pass --overwrite") from None
         if existing and isinstance(old, dict):
+            # a key the rule never reads is not recorded (older records hold it): not a difference
+            unread = tuple(f"sampler.{k}" for k in unused_by_rule(record["sampler"].get("sampler", "auto")))
             refuse_changes(
                 f"{out} was made with other settings; refusing to mix them",
-                differing(old, record),
+                differing(old, record, neutral=unread),
                 hint="choose another --output, or pass --overwrite to start afresh",
             )
     elif existing:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.config import components
 from dllm_align.core.errors import UserError
 from dllm_align.core.runfolder import from_rank0, run_folder
 
@@ -178,12 +179,20 @@ def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     return s.replace(**upd), filled
 
 
-def _for_model(gen, settings, fast: bool):
+def _for_model(gen, settings, fast: bool, chosen_temperature: bool = True):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
-    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
-    if fast:
-        from dllm_align.generate.rules import rule_fast_cache
+    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix). A rule
+    with its own temperature schedule (DiffusionGemma's; its draws differ by seed at any temperature) takes none:
+    the 1.0 filled in for sampling is dropped, one the user chose (``chosen_temperature``) refused by name."""
+    from dllm_align.generate.rules import rule_fast_cache
 
+    rule = gen.settings_for(settings.replace(cache="none", threshold=None, temperature=0.0)).sampler
+    if "temperature" in components.get("rule", rule, key="generate.sampler").ignores and settings.temperature != 0:
+        if chosen_temperature:
+            raise UserError(f"--temperature {settings.temperature:g}: the {rule} rule samples with its own temperature "
+                            "schedule and reads no temperature", hint="leave --temperature out: its samples differ by seed")
+        settings = settings.replace(temperature=0.0)
+    if fast:
         settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
     return gen.settings_for(settings)
 
@@ -262,7 +271,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     gen = make_generator(recipe.generate, recipe.model, device=dev, name_or_path=name)
-    settings = _for_model(gen, settings, filled)
+    settings = _for_model(gen, settings, filled, temperature is not None or recipe.generate.temperature != 0)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     max_pos = gen.max_positions
     for p, x in zip(items, ids):
