@@ -367,3 +367,77 @@ def test_diffusiongemmas_temperature_is_refused_by_name_and_not_recorded(tmp_pat
     sidecar = json.loads(next(out.glob("*.settings.json")).read_text())
     assert "temperature" not in sidecar["sampler"] and "top_p" not in sidecar["sampler"]
     assert sidecar["sampler"]["gen_length"] == 8
+
+
+# --------------------------------------------------------------------------- tampered weights
+ASSETS = Path(__file__).resolve().parent.parent / "src" / "dllm_align" / "assets"
+BASES = ["toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar", "toy_sort_base_gemma"]
+
+
+def _tampered(tmp: Path, base: str, change) -> Path:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp / "m"
+    shutil.copytree(ASSETS / base, folder)
+    f = folder / "model.safetensors"
+    sd = load_file(str(f))
+    name = next(k for k in sorted(sd) if k.endswith("weight") and sd[k].dim() == 2)
+    change(sd, name, torch)
+    save_file(sd, str(f))
+    return folder
+
+
+def _drop(sd, name, torch):
+    del sd[name]
+
+
+def _extra(sd, name, torch):
+    sd["evil.injected"] = torch.zeros(2, 2)
+
+
+def _int32(sd, name, torch):
+    for k in sd:
+        sd[k] = sd[k].to(torch.int32)
+
+
+def _fp16(sd, name, torch):
+    for k in sd:
+        sd[k] = sd[k].to(torch.float16)
+
+
+def _nan(sd, name, torch):
+    sd[name] = sd[name].clone()
+    sd[name][0, 0] = float("nan")
+
+
+def _shape(sd, name, torch):
+    sd[name] = sd[name][:-1].clone()
+
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("change, needles", [(_drop, ("missing",)), (_extra, ("evil.injected",)), (_int32, ("int", "I32")),
+                                             (_fp16, ("F16",)), (_nan, ("NaN",)), (_shape, ("shape",))],
+                         ids=["missing", "unexpected", "int32", "fp16", "nan", "shape"])
+def test_tampered_weights_are_refused_on_load_for_every_family(tmp_path, prompts, base, change, needles):
+    folder = _tampered(tmp_path, base, change)
+    out = tmp_path / "g"
+    r = run_cli(["generate", "demo", "-o", out, "--prompts", prompts, "--model", folder, "--limit", "1"])
+    line = refused(r)
+    assert any(n in line for n in needles), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_a_truncated_weights_file_is_refused_naming_it(tmp_path, prompts, base):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(ASSETS / base, folder)
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    out = tmp_path / "g"
+    refused(run_cli(["generate", "demo", "-o", out, "--prompts", prompts, "--model", folder]), "model.safetensors")
+    assert not out.exists()

@@ -49,7 +49,7 @@ from dllm_align.models.families import (
     get_family,
     native_family,
 )
-from dllm_align.models.families.base import Family
+from dllm_align.models.families.base import Family, check_finite, check_weight_files, from_pretrained_checked
 from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
@@ -355,6 +355,7 @@ def load_model(
         if block_problem:
             raise UserError(f"{path / 'config.json'}: {block_problem}", hint="the block size the model was trained with")
         native = None if trust_remote_code else native_family(cfg)
+        check_weight_files(path, cfg)  # each file opens and holds weights, before any loader reads them
         if native is not None:
             try:
                 model = native.load_native(path, cfg, torch_dtype)
@@ -380,11 +381,13 @@ def load_model(
                 ) from None
             try:
                 try:
-                    model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+                    model = from_pretrained_checked(AutoModelForCausalLM.from_pretrained, path, family.name, config=conf, **kw)
                 except ValueError:
                     if not trust_remote_code:
                         raise
-                    model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+                    model = from_pretrained_checked(AutoModel.from_pretrained, path, family.name, config=conf, **kw)
+            except UserError:
+                raise
             except Exception as e:
                 # A truncated safetensors file, a .bin-only folder, weights of another shape
                 # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
@@ -395,6 +398,7 @@ def load_model(
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
+        check_finite(model, path)
 
     if family_of(model).block_size:
         _block_attention(model, attn_implementation)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.models.families.base import Family, build_seeded, byte_level_tokenizer
+from dllm_align.models.families.base import Family, build_seeded, byte_level_tokenizer, from_pretrained_checked
 
 # The first release that ships the classes (``DiffusionGemmaForBlockDiffusion``).
 MIN_TRANSFORMERS = "5.11"
@@ -98,8 +98,8 @@ def load_native(folder: Path, cfg: dict, dtype: torch.dtype):
     from transformers import DiffusionGemmaForBlockDiffusion
 
     try:
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype, use_safetensors=True,
-                                                                trust_remote_code=False)
+        model = from_pretrained_checked(DiffusionGemmaForBlockDiffusion.from_pretrained, folder, "DiffusionGemma",
+                                        dtype=dtype, use_safetensors=True, trust_remote_code=False)
     except OSError as e:
         raise UserError(f"{folder}: could not load the DiffusionGemma weights ({str(e).splitlines()[0][:200]})") from None
     model.config.dllm_align_family = "diffusion_gemma"
