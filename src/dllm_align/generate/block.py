@@ -38,8 +38,8 @@ from dllm_align.generate.canvas import completion
 from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
-# transformers is imported where the block rule runs: transformers takes longer to import than torch, and the generator factory
-# (generate/backend.py) imports this module for every backend, served ones included.
+# lazy imports: transformers: imported where the block rule runs: it takes longer to import than torch, and the generator
+# factory (generate/backend.py) imports this module for every backend, served ones included
 
 
 def transfer_schedule(block_length: int, steps: int) -> torch.Tensor:

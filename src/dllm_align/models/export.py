@@ -53,7 +53,6 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
     ``trained``: the config the trained model carries (``config.to_dict()``); ``source``: the source checkpoint's
     own ``config.json`` (None for a model with no published source). Raises KeyError for an unknown family.
     """
-
     fam = get_family(family)
     layout = fam.published
     if layout is None:
@@ -183,7 +182,6 @@ def copy_remote_code(source: Path, dest: Path, cfg: dict) -> list[str]:
 
 def published_state(family: str, state: dict) -> dict:
     """The trained (native) state dict under the family's published weight names."""
-
     inverse = get_family(family).published_state
     return inverse(state) if inverse else dict(state)
 
@@ -208,7 +206,6 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
     out: ``model_type`` and ``architectures`` (what the serving engines key on) stay, and the code can be added later
     together with the ``auto_map`` of the family's ``published`` layout. ``source_config``: the source's config.json
     as the caller read it already (a training run reads it once). Returns the written config."""
-
     folder = Path(folder)
     trained = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     src_cfg = source_config

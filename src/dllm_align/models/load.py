@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     pass
 from dllm_align.models.predictor import MaskPredictor
 
-# transformers and huggingface_hub are imported inside the functions that build a model or reach the
-# Hub: the memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch.
+# lazy imports: transformers, huggingface_hub: imported inside the functions that build a model or reach the Hub: the
+# memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch
 
 
 

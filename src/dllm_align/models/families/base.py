@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 from dllm_align.core.errors import UserError
 
-# tokenizers and transformers are imported inside the builders: the family records are read (which family
-# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+# lazy imports: tokenizers, transformers: imported inside the builders: the family records are read (which family
+# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
@@ -157,8 +157,6 @@ class Family:
             return None
         problem = self.block_size_problem(config)
         if problem:
-            from dllm_align.core.errors import UserError
-
             raise UserError(f"the model's config: {problem}")
         value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
         return int(value or self.block_size)

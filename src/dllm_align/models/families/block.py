@@ -36,9 +36,9 @@ from dllm_align.models.families.base import (Family, PublishedLayout, build_seed
 from dllm_align.models.families.dream import build_dream_tokenizer
 from dllm_align.models.families.llada import build_llada_tokenizer
 
-# transformers, and llada2_body (which subclasses transformers' classes), are imported inside the builders:
-# the family records are read (which family claims a config, the memory estimate) without building
-# anything, and transformers takes longer to import than torch.
+# lazy imports: transformers, dllm_align.models.families.llada2_body: imported inside the builders (llada2_body
+# subclasses transformers' classes): the family records are read (which family claims a config, the memory
+# estimate) without building anything, and transformers takes longer to import than torch
 
 
 def sdar_config_to_qwen3(cfg: dict):
