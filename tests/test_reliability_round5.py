@@ -441,3 +441,20 @@ def test_a_truncated_weights_file_is_refused_naming_it(tmp_path, prompts, base):
     out = tmp_path / "g"
     refused(run_cli(["generate", "demo", "-o", out, "--prompts", prompts, "--model", folder]), "model.safetensors")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("base", ["toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar"])
+def test_a_config_of_a_larger_model_beside_the_weights_is_refused_before_allocating_it(tmp_path, prompts, base):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(ASSETS / base, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] = 400  # 100 times the layers (a few hundred MB if it were allocated: safe to get wrong)
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:1] * 400
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "g"
+    line = refused(run_cli(["generate", "demo", "-o", out, "--prompts", prompts, "--model", folder]))
+    assert "config.json" in line or "missing" in line, line
+    assert not out.exists()

@@ -49,7 +49,8 @@ from dllm_align.models.families import (
     get_family,
     native_family,
 )
-from dllm_align.models.families.base import Family, check_finite, check_weight_files, from_pretrained_checked
+from dllm_align.models.families.base import (Family, check_finite, check_weight_files, from_pretrained_checked,
+                                             refuse_oversized)
 from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
@@ -355,8 +356,8 @@ def load_model(
         if block_problem:
             raise UserError(f"{path / 'config.json'}: {block_problem}", hint="the block size the model was trained with")
         native = None if trust_remote_code else native_family(cfg)
-        check_weight_files(path, cfg)  # each file opens and holds weights, before any loader reads them
         if native is not None:
+            check_weight_files(path, cfg)  # each file opens and holds weights, before any loader reads them
             try:
                 model = native.load_native(path, cfg, torch_dtype)
             except UserError:
@@ -379,6 +380,9 @@ def load_model(
                     hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
                          "model.trust_remote_code: true",
                 ) from None
+            if any(path.glob("*.safetensors")) and not trust_remote_code:
+                elements = check_weight_files(path, cfg)
+                refuse_oversized(path, elements, lambda: AutoModelForCausalLM.from_config(conf))
             try:
                 try:
                     model = from_pretrained_checked(AutoModelForCausalLM.from_pretrained, path, family.name, config=conf, **kw)

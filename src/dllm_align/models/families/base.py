@@ -12,6 +12,7 @@ is made. The rest of dllm-align asks the family; it never branches on a family's
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -244,14 +245,15 @@ WEIGHT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 
 
-def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> None:
+def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> int:
     """The folder's safetensors files, read by their headers before any weight loads: each must open (a truncated
     or damaged file is refused naming it), hold weights (floating tensors: an int32 one is refused naming it), and
     when the config names the dtype it was saved in, some tensor must be in it (a folder whose every tensor was
     rewritten in another precision is refused). Every family's loader asks this; the values' finiteness is
-    checked once the model is built (:func:`check_finite`)."""
+    checked once the model is built (:func:`check_finite`). Returns how many weight values the files hold."""
     want = _CONFIG_DTYPES.get(str((cfg or {}).get("dtype") or (cfg or {}).get("torch_dtype") or ""))
     seen: set[str] = set()
+    elements = 0
     for f in safetensors_files(folder):
         try:
             with safe_open(str(f), framework="pt") as sf:
@@ -261,6 +263,7 @@ def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> None:
                         raise UserError(f"{f}: tensor {k[:120]!r} is {dt}, not a weight (floating point) tensor",
                                         hint="the folder was modified after it was saved; use the checkpoint as written")
                     seen.add(dt)
+                    elements += math.prod(sf.get_slice(k).get_shape())
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors for a truncated or damaged file
@@ -269,6 +272,19 @@ def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> None:
     if want is not None and seen and want not in seen:
         raise UserError(f"{folder}: config.json says the weights are {want} but every tensor is "
                         f"{'/'.join(sorted(seen))}", hint="the weights were rewritten after the model was saved")
+    return elements
+
+
+def refuse_oversized(folder: Path, elements: int, build: Callable[[], torch.nn.Module]) -> None:
+    """Refuse a config.json that describes a model far larger than the weights beside it (another model's config
+    in a checkpoint folder), counted on the meta device before a loader that allocates the whole model first
+    (transformers' ``from_pretrained``) runs out of memory on it."""
+    with torch.device("meta"):
+        model = build()
+    need = sum(p.numel() for p in model.parameters())
+    if need > 1.5 * elements + 1_000_000:
+        raise UserError(f"{folder / 'config.json'}: describes a model of {need:,} weights, but the folder's safetensors "
+                        f"hold {elements:,}", hint="the config.json is another model's; use the one saved with the weights")
 
 
 def from_pretrained_checked(load: Callable, folder: Path, what: str, **kw):
