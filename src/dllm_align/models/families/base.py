@@ -243,13 +243,14 @@ def _short(keys: list[str]) -> str:
 # The dtypes weights are stored in; an integer or boolean tensor is not a weight these models read.
 WEIGHT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16}
 
 
 def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> int:
     """The folder's safetensors files, read by their headers before any weight loads: each must open (a truncated
     or damaged file is refused naming it), hold weights (floating tensors: an int32 one is refused naming it), and
-    when the config names the dtype it was saved in, some tensor must be in it (a folder whose every tensor was
-    rewritten in another precision is refused). Every family's loader asks this; the values' finiteness is
+    when the config names the dtype it was saved in, the tensors must not all be narrower (a folder whose every
+    tensor was rewritten in a lower precision is refused). Every family's loader asks this; the values' finiteness is
     checked once the model is built (:func:`check_finite`). Returns how many weight values the files hold."""
     want = _CONFIG_DTYPES.get(str((cfg or {}).get("dtype") or (cfg or {}).get("torch_dtype") or ""))
     seen: set[str] = set()
@@ -269,7 +270,10 @@ def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> int:
         except Exception as e:  # noqa: BLE001 - safetensors' own errors for a truncated or damaged file
             raise UserError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:160]})",
                             hint="the file is truncated or damaged; use an earlier checkpoint") from None
-    if want is not None and seen and want not in seen:
+    widest = max((_BITS[d] for d in seen), default=0)
+    if want is not None and seen and want not in seen and (widest < _BITS[want] or widest == 16):
+        # every tensor narrower than the config says (fp32 rewritten as fp16), or the other 16-bit format; a
+        # checkpoint saved wider than its config (a bf16 model kept in fp32) loses nothing and loads
         raise UserError(f"{folder}: config.json says the weights are {want} but every tensor is "
                         f"{'/'.join(sorted(seen))}", hint="the weights were rewritten after the model was saved")
     return elements
