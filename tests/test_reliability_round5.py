@@ -458,3 +458,14 @@ def test_a_config_of_a_larger_model_beside_the_weights_is_refused_before_allocat
     line = refused(run_cli(["generate", "demo", "-o", out, "--prompts", prompts, "--model", folder]))
     assert "config.json" in line or "missing" in line, line
     assert not out.exists()
+
+
+def test_label_on_diffusiongemma_samples_without_a_temperature_or_cache_and_refuses_one(tmp_path, prompts):
+    out = tmp_path / "lab"
+    refused(run_cli(["label", "demo_gemma", "-o", out, "--rule", "sort", "--prompts", prompts, "--n", "2",
+                     "--temperature", "0.7"]), "--temperature 0.7", "diffusion_gemma")
+    assert not out.exists()
+    r = run_cli(["label", "demo_gemma", "-o", out, "--rule", "sort", "--prompts", prompts, "--n", "2"])
+    assert r.code == 0, r.err
+    rows = [json.loads(line) for line in (out / "labelled.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("temperature" not in r["sampler"] and "cache" not in r["sampler"] for r in rows)

@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dllm_align.config import components
 from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
 from dllm_align.core.console import info, progress, warn
 from dllm_align.core.errors import RunFailure, UserError
@@ -36,7 +35,7 @@ from dllm_align.data.read import read_tables
 from dllm_align.data.rows import BadValue, content_hash
 from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
 from dllm_align.generate.rules import rule_fast_cache
-from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed
+from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed, unused_by_rule
 from dllm_align.judge.client import FatalApiError, JudgementFailed
 from dllm_align.online.verifiers import Outcome, Rule, apply, get_rule
 from dllm_align.online.verifiers import recorded_settings as recorded_settings_of
@@ -182,31 +181,44 @@ def _prompt_text(messages: list) -> str:
 def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
     then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
-    decoding as it is."""
+    decoding as it is. Nothing is filled in that the recipe's named rule does not read (DiffusionGemma's rule
+    reads no temperature and has no cache); a ``temperature`` the user gives it is refused by name."""
     s = SamplerSettings.from_section(recipe.generate)
+    unread = unused_by_rule(s.sampler)
+    if temperature is not None:
+        _refuse_unread_temperature(s.sampler, temperature, unread)
     upd = {}
     if temperature is not None:
         upd["temperature"] = temperature
-    elif s.temperature == 0:
+    elif s.temperature == 0 and "temperature" not in unread:
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
-    filled = fast and s.cache == "none" and s.threshold is None
+    filled = fast and s.cache == "none" and s.threshold is None and "cache" not in unread
     if filled:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
     return s.replace(**upd), filled
 
 
+def _refuse_unread_temperature(rule: str, temperature: float, unread) -> None:
+    if "temperature" in unread and temperature != 0:
+        raise UserError(f"--temperature {temperature:g}: the {rule} rule samples with its own temperature schedule and "
+                        "reads no temperature", hint="leave --temperature out: its samples differ by seed")
+
+
 def _for_model(gen, settings, fast: bool, chosen_temperature: bool = True):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
-    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix). A rule
-    with its own temperature schedule (DiffusionGemma's; its draws differ by seed at any temperature) takes none:
-    the 1.0 filled in for sampling is dropped, one the user chose (``chosen_temperature``) refused by name."""
+    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix); a
+    rule with no cache (DiffusionGemma's) gets none. A rule with its own temperature schedule (DiffusionGemma's;
+    its draws differ by seed at any temperature) takes none: the 1.0 filled in for sampling is dropped, one the
+    user chose (``chosen_temperature``) refused by name."""
     rule = gen.settings_for(settings.replace(cache="none", threshold=None, temperature=0.0)).sampler
-    if "temperature" in components.get("rule", rule, key="generate.sampler").ignores and settings.temperature != 0:
-        if chosen_temperature:
-            raise UserError(f"--temperature {settings.temperature:g}: the {rule} rule samples with its own temperature "
-                            "schedule and reads no temperature", hint="leave --temperature out: its samples differ by seed")
+    unread = unused_by_rule(rule)
+    if chosen_temperature:
+        _refuse_unread_temperature(rule, settings.temperature, unread)
+    if "temperature" in unread:
         settings = settings.replace(temperature=0.0)
-    if fast:
+    if fast and "cache" in unread:
+        settings = settings.replace(cache="none", threshold=None)
+    elif fast:
         settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
     return gen.settings_for(settings)
 
