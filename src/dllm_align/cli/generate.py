@@ -90,11 +90,12 @@ def generate(
     rec = load_recipe(recipe, set_, output_dir, flags=flags, auto_rule=auto_rule)
     if fast:
         extra = {}
-        if cache is None and rec.generate.cache == "none":
-            from dllm_align.generate.rules import fast_cache
+        from dllm_align.generate.rules import resolved_rule, rule_fast_cache, rule_reads
 
-            extra["generate.cache"] = ("--fast", fast_cache(rec.model, rec.generate.sampler))
-        if threshold is None and rec.generate.threshold is None:
+        rule = resolved_rule(rec.model, rec.generate.sampler)
+        if cache is None and rec.generate.cache == "none":
+            extra["generate.cache"] = ("--fast", rule_fast_cache(rule))
+        if threshold is None and rec.generate.threshold is None and rule_reads(rule, "threshold"):
             extra["generate.threshold"] = ("--fast", FAST_THRESHOLD)
         if extra:
             rec = load_recipe(recipe, set_, output_dir, flags={**flags, **extra}, auto_rule=auto_rule)

@@ -56,8 +56,8 @@ def fast_cache(model, sampler: str) -> str:
     of the positions after the block), else ``dual`` (the LLaDA sampler's). Read from the model's config.json
     alone, before any weights load; a model that cannot be read gets ``dual`` here and its own error when it
     loads."""
-    name = sampler if sampler != "auto" else family_rule(model)
-    return rule_fast_cache(name) if name is not None else FAST_CACHE
+    name = resolved_rule(model, sampler)
+    return rule_fast_cache(name) if name != "auto" else FAST_CACHE
 
 
 def auto_rule(recipe) -> Optional[str]:
@@ -73,16 +73,32 @@ def auto_rule(recipe) -> Optional[str]:
 def family_rule(model) -> Optional[str]:
     """The decoding rule of this model section's family, read from the model's config.json alone, before any
     weights load; None for a model that cannot be read (loading it names what is wrong)."""
-    from dllm_align.models.families import family_for_config, get_family
+    from dllm_align.models.families import family_for_config, get_family, with_folder_evidence
     from dllm_align.models.load import BUILTIN_SPECS, resolve_config_file
 
     try:
         if model.name_or_path in BUILTIN_SPECS:
             return get_family(BUILTIN_SPECS[model.name_or_path].family).sampler
-        cfg = json.loads(Path(resolve_config_file(model.name_or_path, model.revision)).read_text(encoding="utf-8"))
+        path = Path(resolve_config_file(model.name_or_path, model.revision))
+        cfg = with_folder_evidence(json.loads(path.read_text(encoding="utf-8")), path.parent)
         return family_for_config(cfg).sampler
     except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
         return None
+
+
+def rule_reads(name: str, key: str) -> bool:
+    """Whether decoding rule ``name`` reads the shared ``generate`` key ``key`` (it is not among its ``ignores``):
+    fast mode fills in ``threshold`` only for a rule that reads it (LLaDA2.1's has thresholds of its own)."""
+    comp = components.find("rule", name)
+    return comp is None or key not in comp.ignores
+
+
+def resolved_rule(model, sampler: str) -> str:
+    """``generate.sampler`` with ``auto`` resolved to the family's rule from the model's config.json alone (no
+    weights load); ``auto`` itself when the config cannot be read here (loading the model then says why)."""
+    if sampler != "auto":
+        return sampler
+    return family_rule(model) or "auto"
 
 
 def rule_fast_cache(name: str) -> str:

@@ -48,6 +48,7 @@ from dllm_align.models.families import (
     family_of,
     get_family,
     native_family,
+    with_folder_evidence,
 )
 from dllm_align.models.families.base import (Family, check_finite, check_weight_files, from_pretrained_checked,
                                              refuse_oversized)
@@ -349,6 +350,7 @@ def load_model(
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
 
+        cfg = with_folder_evidence(cfg, path)  # the hub's LLaDA2.1 says llada2_moe: its shipped code tells it apart
         family = family_for_config(cfg)
         if family.refuse_reason:
             raise UserError(f"{path}: {family.name} checkpoint: {family.refuse_reason}")
@@ -487,6 +489,7 @@ def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSour
         cfg = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(cfg, dict):
             return ModelSource(name_or_path, revision, None)
+        cfg = with_folder_evidence(cfg, path.parent)  # the hub's LLaDA2.1 says llada2_moe: its shipped code tells it apart
         return ModelSource(name_or_path, revision, family_for_config(cfg), cfg, path.parent)
     except (UserError, OSError, ValueError):
         return ModelSource(name_or_path, revision, None)

@@ -219,7 +219,8 @@ def _for_model(gen, settings, fast: bool, chosen_temperature: bool = True):
     if fast and "cache" in unread:
         settings = settings.replace(cache="none", threshold=None)
     elif fast:
-        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
+        # threshold only for a rule that reads it (LLaDA2.1's has thresholds of its own)
+        settings = settings.replace(cache=rule_fast_cache(rule), threshold=None if "threshold" in unread else settings.threshold)
     return gen.settings_for(settings)
 
 

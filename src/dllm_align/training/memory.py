@@ -86,7 +86,7 @@ from typing import Optional
 
 from dllm_align.config.recipe import load_yaml_file
 from dllm_align.core.errors import UserError
-from dllm_align.models.families import family_for_config
+from dllm_align.models.families import family_for_config, with_folder_evidence
 from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_config_file
 from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import get_likelihood
@@ -325,7 +325,7 @@ def model_shape(recipe) -> ModelShape:
         return shape_from_config(build_tiny_model(spec=BUILTIN_SPECS[name]).config.to_dict(), name)
     path = resolve_config_file(name, recipe.model.revision)
     try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+        cfg = with_folder_evidence(json.loads(Path(path).read_text(encoding="utf-8")), Path(path).parent)
         return shape_from_config(cfg, str(path))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path}: cannot read the model shape ({type(e).__name__}: {e})") from None

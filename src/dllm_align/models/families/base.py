@@ -58,6 +58,10 @@ class Family:
     # config.json keys only this family's configs hold: they settle a ``model_type`` shared by two
     # families when the folder names no class (LLaDA: ``d_model``; LLaDA-MoE: ``num_experts``).
     signature: tuple[str, ...] = ()
+    # Evidence beside config.json for a folder its config.json alone does not tell from another family's:
+    # (folder, config.json dict) -> True when the folder is this family's (LLaDA2.1: its shipped modeling file,
+    # read as text). Read by ``families.with_folder_evidence``, which records the answer as ``dllm_align_family``.
+    folder_claim: Optional[Callable[[Path, dict], bool]] = None
     # Which output scores position j: j - logit_shift (Dream: 1, "shifted logits";
     # position 0 then reuses its own output, as the published code does).
     logit_shift: int = 0
