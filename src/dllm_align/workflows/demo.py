@@ -57,7 +57,8 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     """Run (or finish) the demo in ``output_dir``; returns the content of results.json."""
     rec = load_recipe(recipe_name, overrides, output_dir)
     if rec.online is not None:
-        check_serves_each_round(rec.generate.backend, "the online demo")  # before its folder is made
+        # before its folder is made
+        check_serves_each_round(rec.generate.backend, "the online demo", rec.generate.own_settings(rec.generate.backend))
     check_for_model(rec)  # what the training and generation steps would refuse, refused before the folder is made
     out = Path(rec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
