@@ -177,3 +177,14 @@ def call(fn: Callable, args: tuple, label: str, where: str, *, seconds: Optional
                        hint="make it faster, or raise the bound with DLLM_ALIGN_RULE_TIMEOUT=SECONDS") from None
     except SystemExit as e:
         raise RunFailure(f"{label} called {_exit_code(e)} on {where}; a rule returns its verdict, it does not exit") from None
+
+
+def call_named(fn: Callable, args: tuple, label: str, name: str, where: str) -> Any:
+    """:func:`call`, with an exception the function raised turned into one error naming ``label``, the function
+    (``name``) and ``where`` instead of a bare ``ZeroDivisionError`` line."""
+    try:
+        return call(fn, args, label, where)
+    except (RunFailure, UserError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function failed: say whose, not a traceback
+        raise UserError(f"{label}: {name}() raised {type(e).__name__} on {where}: {e}"[:400]) from None

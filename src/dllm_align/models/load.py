@@ -50,7 +50,8 @@ from dllm_align.models.families import (
     native_family,
     with_folder_evidence,
 )
-from dllm_align.models.families.base import Family
+from dllm_align.models.families.base import (Family, check_finite, check_weight_files, from_pretrained_checked,
+                                             refuse_oversized)
 from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
@@ -358,6 +359,7 @@ def load_model(
             raise UserError(f"{path / 'config.json'}: {block_problem}", hint="the block size the model was trained with")
         native = None if trust_remote_code else native_family(cfg)
         if native is not None:
+            check_weight_files(path, cfg)  # each file opens and holds weights, before any loader reads them
             try:
                 model = native.load_native(path, cfg, torch_dtype)
             except UserError:
@@ -380,13 +382,18 @@ def load_model(
                     hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
                          "model.trust_remote_code: true",
                 ) from None
+            if any(path.glob("*.safetensors")) and not trust_remote_code:
+                elements = check_weight_files(path, cfg)
+                refuse_oversized(path, elements, lambda: AutoModelForCausalLM.from_config(conf))
             try:
                 try:
-                    model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+                    model = from_pretrained_checked(AutoModelForCausalLM.from_pretrained, path, family.name, config=conf, **kw)
                 except ValueError:
                     if not trust_remote_code:
                         raise
-                    model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+                    model = from_pretrained_checked(AutoModel.from_pretrained, path, family.name, config=conf, **kw)
+            except UserError:
+                raise
             except Exception as e:
                 # A truncated safetensors file, a .bin-only folder, weights of another shape
                 # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
@@ -397,6 +404,7 @@ def load_model(
                     ) from None
                 raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
+        check_finite(model, path)
 
     if family_of(model).block_size:
         _block_attention(model, attn_implementation)
