@@ -193,6 +193,14 @@ def grad_storage_probe(run) -> dict:
     return out
 
 
+def status_kib(field: str) -> int:
+    """A /proc/self/status figure in KiB (VmRSS: resident now; VmHWM: the peak since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def main() -> None:
     from dllm_align.data.examples import load_training_examples
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, build_tiny_tokenizer
@@ -289,6 +297,28 @@ def main() -> None:
         acc = make_accelerator(launch, "no")
         train(rec, examples=exs, accelerator=acc, resume=True)
         results.setdefault("resume", {})[launch] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
+
+    for folder, lora in spec.get("loading", []):
+        # FSDP2 loading from bf16 safetensors shards: what each process holds at its peak while loading
+        from dllm_align.training.plan import plan_run
+        from dllm_align.training.policy import load_policy, wrap_policy
+
+        acc = make_accelerator("fsdp2", "no")
+        rec = recipe(spec, "no", "cached", lora, str(out / f"l-{lora}"), f"model.name_or_path={folder}")
+        rec, plan = plan_run(rec, acc)
+        torch.manual_seed(rec.train.seed)
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the resident size
+        before = status_kib("VmRSS")
+        mp = load_policy(rec.model, rec.train.lora, rec.data.max_length, plan, None)
+        held = wrap_policy(mp, rec.train, plan, acc)
+        peak = status_kib("VmHWM")
+        gathered = [None] * acc.num_processes
+        local = {"before": before * 1024, "peak": peak * 1024, "sharded_read": mp.weight_sources is not None,
+                 "shard_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in held.module.parameters())}
+        torch.distributed.all_gather_object(gathered, local)
+        results.setdefault("loading", {})[f"lora={lora}"] = gathered
+        del held, mp
+        acc.free_memory()
 
     if spec.get("raw_fsdp1_default_policy"):
         # The defect as accelerate's default FSDP policy produces it: buffers cast to bf16.

@@ -22,6 +22,7 @@ The interface every stage calls is :class:`dllm_align.models.predictor.MaskPredi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from packaging.version import Version
+from safetensors import safe_open
 
 from dllm_align.config import components as registry
 from dllm_align.core.console import warn
@@ -49,7 +51,7 @@ from dllm_align.models.families import (
     get_family,
     native_family,
 )
-from dllm_align.models.families.base import Family
+from dllm_align.models.families.base import Family, WeightSources, empty_weights, rebuild_rotary, safetensors_files
 from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
@@ -326,13 +328,17 @@ def load_model(
     attn_implementation: Optional[str] = None,
     tokenizer: Optional[str] = None,
     config: Optional[dict] = None,
+    empty: bool = False,
 ) -> "MaskPredictor":
     """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`. ``config``: the folder's
-    config.json as the caller read it already (:func:`model_source`), so that a run reads it once."""
+    config.json as the caller read it already (:func:`model_source`), so that a run reads it once. ``empty``: read no
+    weight where the folder's names say where each lies (``mp.weight_sources``, for :func:`read_weight_shards`;
+    None where the weights were read as usual: a built-in model, remote code, a family that transforms them)."""
     _ready_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
     family = native = None
+    sources: Optional[WeightSources] = None
     if isinstance(path, str) and path in BUILTIN_SPECS:
         tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
@@ -357,7 +363,9 @@ def load_model(
         native = None if trust_remote_code else native_family(cfg)
         if native is not None:
             try:
-                model = native.load_native(path, cfg, torch_dtype)
+                with empty_weights() if empty else contextlib.nullcontext() as found:
+                    model = native.load_native(path, cfg, torch_dtype)
+                sources = found or None
             except UserError:
                 raise
             except Exception as e:  # a truncated or damaged safetensors file
@@ -379,12 +387,16 @@ def load_model(
                          "model.trust_remote_code: true",
                 ) from None
             try:
-                try:
-                    model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
-                except ValueError:
-                    if not trust_remote_code:
-                        raise
-                    model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+                model = None
+                if empty and not trust_remote_code:
+                    model, sources = _empty_transformers_model(path, AutoModelForCausalLM, conf, kw)
+                if model is None:
+                    try:
+                        model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+                    except ValueError:
+                        if not trust_remote_code:
+                            raise
+                        model = AutoModel.from_pretrained(str(path), config=conf, **kw)
             except Exception as e:
                 # A truncated safetensors file, a .bin-only folder, weights of another shape
                 # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
@@ -404,7 +416,77 @@ def load_model(
 
     keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
-    return MaskPredictor(model, tok, mask_token_id=mask_token_id)
+    mp = MaskPredictor(model, tok, mask_token_id=mask_token_id)
+    mp.weight_sources = sources
+    return mp
+
+
+def _empty_transformers_model(path: Path, cls, conf, kw: dict) -> tuple[Any, Optional[WeightSources]]:
+    """``(model, sources)``: a transformers model with empty weights (storage allocated, never written) and where each
+    lies in ``path``'s safetensors, when the files name exactly the model's weights in its own layout; else
+    ``(None, None)`` (loaded as usual). Every buffer outside the files must be one the load rebuilds (rotary)."""
+    sources: WeightSources = {}
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                sources[k] = (f, k)
+    with torch.device("meta"):
+        model = cls.from_config(conf, dtype=kw["dtype"], **{k: v for k, v in kw.items() if k == "attn_implementation"})
+    names = set(model.state_dict())
+    tied = {"lm_head.weight"} if getattr(conf, "tie_word_embeddings", False) else set()
+    loose = {n for n, _ in model.named_buffers() if n not in names and not n.endswith("inv_freq")}
+    if names - tied != set(sources) - tied or loose:
+        return None, None
+    model.to_empty(device="cpu")  # read later, each process its shard (read_weight_shards)
+    if tied:
+        model.tie_weights()
+    rebuild_rotary(model)
+    return model, sources
+
+
+def read_weight_shards(module: torch.nn.Module, sources: WeightSources, prefix: str = "") -> int:
+    """Fill a model loaded with empty weights, its parameters sharded (FSDP2: each a DTensor split along dim 0), from
+    the files ``sources`` names: each process reads only its own rows of each weight, in the stored dtype, and casts
+    them into its shard, so no process holds a full copy at any point. ``prefix``: where the loaded model sits in
+    ``module`` (the scorer's ``model.``); peft's ``.base_layer`` and activation checkpointing's wrapper are seen
+    through. Returns the bytes read here; a weight the files lack is an error."""
+    read = 0
+    done = set()
+    with torch.no_grad():
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
+            key = _native_name(name, prefix)
+            if key not in sources or key in done:
+                if key not in sources and ".lora_" not in name and not name.endswith("inv_freq"):
+                    raise UserError(f"no weight for {key} in the model's files")
+                continue
+            done.add(key)
+            f, k = sources[key]
+            local = p.to_local() if hasattr(p, "to_local") else p
+            start, stop = 0, local.shape[0] if local.dim() else None
+            if hasattr(p, "to_local"):
+                if len(p.placements) != 1 or getattr(p.placements[0], "dim", None) != 0:
+                    raise UserError(f"{key}: sharded as {p.placements}, expected rows (dim 0)")
+                chunk = -(-p.shape[0] // p.device_mesh.size())
+                start = p.device_mesh.get_local_rank() * chunk
+                stop = start + local.shape[0]
+            if local.numel() == 0:
+                continue
+            # the file is opened per weight: its mapped pages stay resident only while this weight is read
+            with safe_open(str(f), framework="pt") as sf:
+                part = sf.get_slice(k)[start:stop] if local.dim() else sf.get_tensor(k)
+            local.copy_(part.to(local.dtype))
+            read += part.numel() * part.element_size()
+    missing = set(sources) - done - {"lm_head.weight"}
+    if missing:
+        raise UserError(f"weights never placed in the model: {sorted(missing)[:3]}")
+    return read
+
+
+def _native_name(name: str, prefix: str) -> str:
+    """A parameter's name in the loaded model: ``prefix`` (the wrapping module's attribute) and the wrappers' parts
+    (activation checkpointing's, peft's base layer) removed."""
+    name = name.replace("_checkpoint_wrapped_module.", "").replace(".base_layer.", ".")
+    return name.removeprefix(prefix)
 
 
 def _read_config(folder: Path) -> Any:
@@ -485,8 +567,9 @@ def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSour
 
 
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None,
-                      config: Optional[dict] = None) -> "MaskPredictor":
-    """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read)."""
+                      config: Optional[dict] = None, empty: bool = False) -> "MaskPredictor":
+    """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read;
+    ``empty``: :func:`load_model`'s)."""
     mp = load_model(
         name_or_path or section.name_or_path,
         revision=section.revision,
@@ -497,6 +580,7 @@ def load_from_section(section, device: str | torch.device = "cpu", name_or_path:
         attn_implementation=section.attn_implementation,
         tokenizer=section.tokenizer,
         config=config,
+        empty=empty,
     )
     if section.gradient_checkpointing:
         mp.enable_gradient_checkpointing()

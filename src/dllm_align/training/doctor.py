@@ -59,7 +59,9 @@ from dllm_align.data.load import load_prompts
 from dllm_align.training.cache import cache_dir, composition, dataset_digest
 from dllm_align.training.distributed import make_accelerator
 from dllm_align.training.loop import invariant_margins
-from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
+from dllm_align.models.families import family_for_config
+from dllm_align.models.load import BUILTIN_SPECS
+from dllm_align.training.memory import GiB, HostRam, Launch, advice, estimate, host_loading, model_shape
 from dllm_align.training.train import setup_run
 
 # Imported where used: resource (POSIX only; the peak-memory line) and torch.nn.attention (probed
@@ -130,22 +132,29 @@ def environment(recipe, launch: Launch, shape) -> dict:
         "cache_bytes_per_10k_rows": 10_000 * (4 * recipe.reference.n_mc + 48),
     }
     total, avail = _host_ram()
-    per_proc = 4 * P  # every process first loads an fp32 copy on the host (FSDP shards after)
-    procs = launch.processes
+    ram = host_ram_needed(recipe, launch, shape)
     env["host_ram"] = {
-        "total_bytes": total, "available_bytes": avail, "needed_bytes": per_proc * procs,
-        "why": f"{procs} process(es) x {per_proc / 1e9:.1f} GB fp32 copy while loading",
+        "total_bytes": total, "available_bytes": avail, "needed_bytes": ram.per_node,
+        "per_process_bytes": ram.per_process, "sharded_read": ram.sharded_read, "why": ram.why,
     }
     problems = []
     if env["disk"]["free_bytes"] < need_out:
         problems.append(f"disk: {out} has {env['disk']['free_bytes'] / 1e9:.1f} GB free, the run needs ~{need_out / 1e9:.1f} GB")
-    if avail is not None and avail < per_proc * procs:
-        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{per_proc * procs / 1e9:.1f} GB")
+    if avail is not None and avail < ram.per_node:
+        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{ram.per_node / 1e9:.1f} GB")
     att = recipe.model.attn_implementation
     if att and not backends.get(att, False):
         problems.append(f"model.attn_implementation: {att} is not available here")
     env["problems"] = problems
     return env
+
+
+def host_ram_needed(recipe, launch: Launch, shape) -> HostRam:
+    """Host memory a node needs while the run loads (:func:`dllm_align.training.memory.host_loading`)."""
+    gpu = torch.cuda.is_available() or launch.source != Launch().source
+    fam = family_for_config(shape.config) if shape.config else None
+    return host_loading(shape, recipe, launch, reads_by_name=fam is None or fam.reads_by_name,
+                        has_files=recipe.model.name_or_path not in BUILTIN_SPECS, gpu=gpu)
 
 
 def device_capacity(launch: Launch, gpu_memory_gb: Optional[float]) -> tuple[int, str]:
