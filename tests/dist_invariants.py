@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 tests/dist_invariants.py SPEC.json
 
 SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
-"margins": [[launch, mixed_precision, reference_mode, lora], ...],
+"margins": [[launch, mixed_precision, reference_mode, lora], ...], "loading": [[model folder, lora], ...],
 "train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir], ...],
 "raw_fsdp1_default_policy": bool}
 
@@ -232,6 +232,7 @@ def main() -> None:
             results.setdefault("grad_norms", {})[launch] = grad_norm_probe(run)
         results["margins"][key] = {
             "fsdp": run.plan.fsdp,
+            "sharded_read": run.mp.weight_sources is not None,
             "module": type(run.policy.module).__name__,
             "mixed_precision": acc.mixed_precision,
             "rows": len(allm),

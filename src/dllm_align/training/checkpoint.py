@@ -1,7 +1,8 @@
 """Checkpoints and exports of a training run: save, verify, resume, export.
 
-``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout (safetensors,
-config, tokenizer; LoRA merged, plus the adapter itself), the optimiser state
+``checkpoints/step-N/`` holds what trains: a full fine-tune's model in ``save_pretrained`` layout (safetensors,
+config, tokenizer), a LoRA run's adapters alone (``adapter.safetensors``: the frozen base is read again from the
+model the recipe names, and never gathered), the optimiser state
 (plain tensors, read back with ``weights_only=True``), the RNG state
 (safetensors), ``trainer_state.json`` (the run's record, the step, the data
 position and what the margin watch needs to continue) and ``checksums.json``
@@ -46,6 +47,8 @@ METRICS = "metrics.jsonl"
 STATE = "trainer_state.json"
 STATE_VERSION = 2
 TMP_FINAL = ".tmp-final"
+ADAPTER = "adapter.safetensors"  # a LoRA checkpoint's adapters, as resuming reads them
+ADAPTER_DIR = "adapter"  # final/'s PEFT adapter folder beside a merged model
 
 
 @dataclass
@@ -221,6 +224,24 @@ def state_dict_of(saver: Saver) -> dict:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
 
+def adapter_state(saver: Saver) -> dict:
+    """The LoRA adapters by their names in the model (``...q_proj.lora_A.default.weight``), whole on every process:
+    each sharded one is gathered alone (every process calls this: the gathers are matched), so no process gathers
+    the frozen base. An FSDP1 module's flat parameters are gathered through its full state dict."""
+    if saver.fsdp and not getattr(saver.accelerator, "is_fsdp2", False):
+        return _adapters_of(state_dict_of(saver))
+    out = {}
+    for name, p in saver.accelerator.unwrap_model(saver.module).named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+    return _adapters_of(out)
+
+
+def _adapters_of(sd: dict) -> dict:
+    return {k.replace("_checkpoint_wrapped_module.", "").removeprefix("model."): v
+            for k, v in sd.items() if ".lora_A." in k or ".lora_B." in k}
+
+
 def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False,
            source: Optional[Path] = None, code: Optional[Path] = None, source_config: Optional[dict] = None) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA).
@@ -235,6 +256,10 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
         return adapter
+    if final and lora.enabled:
+        # the adapters beside the merged model, in a folder of their own: an adapter_config.json at the top would
+        # make transformers read final/ as an adapter of the base rather than as the merged model
+        save_peft_adapter(folder / ADAPTER_DIR, adapter, lora, base_model, saver.tokenizer)
     config = saver.accelerator.unwrap_model(saver.module).model.config
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
@@ -285,12 +310,17 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
     from dllm_align.core.runfolder import check_all_see
 
     check_all_see(tmp, "checkpoint folder")
-    sd = state_dict_of(saver)
-    if main:
-        adapter = export(saver, tmp, sd, lora, record.model)
-        if adapter:
-            save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / "adapter.safetensors"))
+    if lora.enabled:
+        # what trains: the adapters (with the optimiser's state below), never the frozen base, which resuming
+        # reads from the model the recipe names
+        adapter = adapter_state(saver)
+        if main:
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER))
             (tmp / "adapter_config.json").write_text(json.dumps(lora.model_dump(), indent=2))
+    else:
+        sd = state_dict_of(saver)
+        if main:
+            export(saver, tmp, sd, lora, record.model)
     if main:
         faults.at("kill_in_checkpoint", state.step)
     opt_sd = _local_tensors(optimizer.state_dict())

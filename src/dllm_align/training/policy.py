@@ -20,6 +20,7 @@ from dllm_align.models.families.base import Family
 from dllm_align.models.load import check_max_length, load_from_section, read_weight_shards
 from dllm_align.models.precision import fsdp2_bf16_layer_units, fsdp_mixed_precision
 from dllm_align.training.distributed import fsdp_wrap_family_layer, preserve_checkpoint_rng
+from dllm_align.training.checkpoint import ADAPTER
 from dllm_align.training.optim import build_optimizer
 from dllm_align.training.plan import TrainPlan
 
@@ -117,7 +118,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, resume_from: Optional[
     if resume_from is None:
         return
 
-    adapter = load_file(str(resume_from / "adapter.safetensors"))
+    adapter = load_file(str(resume_from / ADAPTER))
     named = dict(model.named_parameters())
     extra = sorted(set(adapter) - set(named))
     if extra:
