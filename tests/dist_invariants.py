@@ -228,7 +228,7 @@ def main() -> None:
         torch.distributed.all_gather_object(gathered, local)
         allm = {k: v for d in gathered for k, v in d.items()}
         key = f"{launch}/{mp}/{mode}/lora={lora}" + "".join(f"/{x}" for x in sets)
-        if lora and mp == "no" and mode == "online":
+        if lora and mp == "no" and mode == "online" and not sets:
             results.setdefault("grad_norms", {})[launch] = grad_norm_probe(run)
         results["margins"][key] = {
             "fsdp": run.plan.fsdp,

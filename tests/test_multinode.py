@@ -305,3 +305,41 @@ def test_node0_exits_within_the_timeout_when_node1_stops_answering(shared):
     errors = [x for x in n0.stderr.splitlines() if x.startswith("Error:")]
     assert n0.rc not in (0, None) and len(errors) == 1, n0.stderr[-3000:]
     print(f"node 0 exited {n0.ended - died:.1f} s after node 1 froze (timeout 15 s): {errors[0]}")
+
+
+def test_each_node_downloads_a_hub_model_once(tmp_path, tiny_dir):
+    """Two nodes of two processes each (every node its own Hugging Face cache), all asking for the same hub model
+    at once from a counting stand-in of the Hub on 127.0.0.1: each file is downloaded once per node, and every
+    process reads the one local copy of its node."""
+    import os
+    import subprocess
+    import time
+
+    repo = tmp_path / "hub" / "repo"
+    repo.mkdir(parents=True)
+    for p in tiny_dir.iterdir():
+        if p.is_file():
+            (repo / p.name).write_bytes(p.read_bytes())
+    port_file = tmp_path / "port"
+    server = subprocess.Popen([sys.executable, str(HERE / "hub_server.py"), str(repo), "org/tiny", str(port_file)])
+    try:
+        for _ in range(100):
+            if port_file.exists() and port_file.read_text():
+                break
+            time.sleep(0.1)
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{port_file.read_text()}"
+        code = "from dllm_align.models.load import resolve_model_path; print(resolve_model_path('org/tiny'))"
+        procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "HF_HOME": str(tmp_path / f"node{n}")},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n in (0, 1) for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        server.kill()
+        server.wait()
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    paths = [o[0].strip() for o in outs]
+    assert paths[0] == paths[1] and paths[2] == paths[3] and paths[0] != paths[2]
+    counts = json.loads((tmp_path / "hub" / "counts.json").read_text())
+    weights = [n for n in counts if n.endswith(".safetensors")]
+    assert weights and all(counts[n] == 2 for n in counts), counts  # once per node

@@ -39,8 +39,8 @@ from safetensors import safe_open
 
 from dllm_align.config import components as registry
 from dllm_align.core.console import warn
-from dllm_align.core.errors import UserError
-from dllm_align.core.io import fsync_tree, verify_checksums
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import fsync_tree, verify_checksums, waiting_lock
 from dllm_align.data.read import hub_reachable
 from dllm_align.models.block_attention import VARIANTS, use_streams_attention
 from dllm_align.models.families import (
@@ -64,6 +64,9 @@ from dllm_align.models.predictor import MaskPredictor
 
 
 BUILTIN_TINY = "builtin:tiny"
+
+# How long a process waits for another process of its node to download a model (the largest take hours).
+DOWNLOAD_WAIT_S = 4 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
 def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
     """Download (or find in the local cache) a hub repo's config, tokenizer and safetensors."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"]
     try:
@@ -211,8 +215,18 @@ def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
     if not hub_reachable():
         raise UserError(f"model '{repo_id}' is not in the local Hugging Face cache and the Hugging Face Hub cannot be reached",
                         hint="pass a local folder (model.name_or_path: /path/to/model), or run where the hub is reachable")
+    # One process per node downloads (the node's processes share its Hugging Face cache): the first to take the
+    # lock fetches the files, the others wait for it (bounded) and then read them from the cache.
+    lock = Path(HF_HUB_CACHE) / ".locks" / "dllm-align" / f"{repo_id.replace('/', '--')}@{revision or 'main'}.lock"
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=10))
+        with waiting_lock(lock, DOWNLOAD_WAIT_S, f"download of '{repo_id}'"):
+            try:
+                return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
+            except Exception:
+                pass  # not there yet: this process downloads
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=10))
+    except RunFailure:
+        raise
     except Exception as e:  # network down, no such repo, gated repo
         reason = type(e).__name__
         raise UserError(
