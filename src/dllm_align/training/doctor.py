@@ -61,7 +61,8 @@ from dllm_align.training.distributed import make_accelerator
 from dllm_align.training.loop import invariant_margins
 from dllm_align.models.families import family_for_config
 from dllm_align.models.load import BUILTIN_SPECS
-from dllm_align.training.memory import GiB, HostRam, Launch, advice, estimate, host_loading, model_shape
+from dllm_align.training.host import HostRam, host_loading
+from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
 from dllm_align.training.train import setup_run
 
 # Imported where used: resource (POSIX only; the peak-memory line) and torch.nn.attention (probed

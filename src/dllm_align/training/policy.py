@@ -17,7 +17,8 @@ from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.models.families import family_of
 from dllm_align.models.families.base import Family
-from dllm_align.models.load import check_max_length, load_from_section, read_weight_shards
+from dllm_align.models.load import check_max_length, load_from_section
+from dllm_align.models.shards import read_weight_shards
 from dllm_align.models.precision import fsdp2_bf16_layer_units, fsdp_mixed_precision
 from dllm_align.training.distributed import fsdp_wrap_family_layer, preserve_checkpoint_rng
 from dllm_align.training.checkpoint import ADAPTER
