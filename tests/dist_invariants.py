@@ -4,7 +4,7 @@
 
 SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
 "margins": [[launch, mixed_precision, reference_mode, lora], ...], "loading": [[model folder, lora], ...],
-"train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir], ...],
+"train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir(, extra sets...)], ...],
 "raw_fsdp1_default_policy": bool}
 
 launch is ddp, fsdp1 or fsdp2. accelerate turns FSDP on only for GPU
@@ -284,20 +284,23 @@ def main() -> None:
         results["train"][key] = {"dir": run_dir, "metrics": res.last_metrics}
         acc.free_memory()
 
-    for launch, run_dir in spec.get("resume", []):
+    for launch, run_dir, *sets in spec.get("resume", []):
         # 3 steps with a checkpoint at step 2; final/ removed; resumed: the same weights as without the stop
         import shutil
 
         acc = make_accelerator(launch, "no")
-        rec = recipe(spec, "no", "cached", False, run_dir, "train.max_steps=3", "train.save_every=2", f"train.max_grad_norm={spec['clip']}")
-        train(rec, examples=exs, accelerator=acc)
+        rec = recipe(spec, "no", "cached", False, run_dir, "train.max_steps=3", "train.save_every=2", f"train.max_grad_norm={spec['clip']}", *sets)
+        family = BUILTIN_SPECS.get(rec.model.name_or_path, BUILTIN_SPECS["builtin:tiny"]).family
+        rows = exs if family == "llada" else load_training_examples(rec, build_tiny_tokenizer(family), quiet=True)
+        train(rec, examples=rows, accelerator=acc)
         if torch.distributed.get_rank() == 0:
             shutil.copytree(Path(run_dir) / "final", Path(run_dir + "-uninterrupted"))
             shutil.rmtree(Path(run_dir) / "final")
         torch.distributed.barrier()
         acc = make_accelerator(launch, "no")
-        train(rec, examples=exs, accelerator=acc, resume=True)
-        results.setdefault("resume", {})[launch] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
+        train(rec, examples=rows, accelerator=acc, resume=True)
+        key = launch + "".join(f"/{x.split('=', 1)[1]}" for x in sets[:1])
+        results.setdefault("resume", {})[key] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
 
     for folder, lora in spec.get("loading", []):
         # FSDP2 loading from bf16 safetensors shards: what each process holds at its peak while loading

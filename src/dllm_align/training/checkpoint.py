@@ -202,7 +202,11 @@ def _reshard_optimizer_state(optimizer) -> None:
 
         for k, v in list(st.items()):
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False)
+                # the parameter's global shape, said: inferred from the local shard it is wrong wherever a
+                # parameter's rows do not divide by the processes (each rank's moments then had another global
+                # shape, and the first step after resuming failed: why DiffusionGemma's FSDP2 runs could not resume)
+                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
 
 
 def state_dict_of(saver: Saver) -> dict:
