@@ -137,7 +137,13 @@ def environment(recipe, launch: Launch, shape) -> dict:
     if env["disk"]["free_bytes"] < need_out:
         problems.append(f"disk: {out} has {env['disk']['free_bytes'] / 1e9:.1f} GB free, the run needs ~{need_out / 1e9:.1f} GB")
     if avail is not None and avail < ram.per_node:
-        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{ram.per_node / 1e9:.1f} GB")
+        fit = avail // max(ram.per_process, 1)
+        fam = family_for_config(shape.config) if shape.config else None
+        how = ("; an FSDP2 launch reads each process's shard only (recipes/accelerate/fsdp_8gpu.yaml)"
+               if not ram.sharded_read and (fam is None or fam.reads_by_name) else "")
+        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{ram.per_node / 1e9:.1f} GB "
+                        f"({ram.processes_per_node} process(es) x {ram.per_process / 1e9:.1f} GB: {fit} per node "
+                        f"would fit{how})")
     att = recipe.model.attn_implementation
     if att and not backends.get(att, False):
         problems.append(f"model.attn_implementation: {att} is not available here")
