@@ -343,3 +343,24 @@ def test_each_node_downloads_a_hub_model_once(tmp_path, tiny_dir):
     counts = json.loads((tmp_path / "hub" / "counts.json").read_text())
     weights = [n for n in counts if n.endswith(".safetensors")]
     assert weights and all(counts[n] == 2 for n in counts), counts  # once per node
+
+
+@pytest.mark.parametrize("during,argv", [
+    ("sampling", ["online", "demo", *ONLINE]),
+    ("precompute", ["precompute-ref", "demo", *_sets()]),
+])
+def test_a_rank_killed_while_sampling_or_precomputing_ends_the_launch_within_30_s(tmp_path, during, argv):
+    """Node 1 killed (SIGKILL, agent included) as it samples an online round's first batch / scores its first
+    reference group: node 0, waiting for it in the gather, exits within 30 s with one error line naming rank 1."""
+    run = tmp_path / "run"
+    stamp = tmp_path / "died.stamp"
+    cmd = [argv[0], argv[1], "-o", str(run), *argv[2:]]
+    spec = {"steps": [{"name": during, "argv": cmd}], "die": {"rank": 1, "how": "kill", "during": during, "stamp": str(stamp)}}
+    nodes = mn.two_nodes(spec, [tmp_path / "n0", tmp_path / "n1"], tmp_path / "spec.json", timeout=300)
+    n0 = _node0(nodes)
+    died = json.loads(stamp.read_text())["time"]
+    errors = [x for x in n0.stderr.splitlines() if x.startswith("Error:")]
+    assert n0.rc not in (0, None) and len(errors) == 1, n0.stderr[-3000:]
+    assert errors[0].startswith("Error: another node or process of this launch stopped (rank 1; this is rank 0 of 2)"), errors
+    print(f"{during}: node 0 exited {n0.ended - died:.1f} s after node 1 was killed")
+    assert n0.ended - died < 30
