@@ -14,7 +14,8 @@ tests/dist_invariants.py does (the plugin from the shipped recipes/accelerate/fs
 ``"die"`` in SPEC makes one global rank kill (SIGKILL: a crashed node, its sockets closed by the kernel)
 or freeze (SIGSTOP: a node that stops answering) its whole node, agent included, just before a given
 training step (or, with ``"during": "sampling"`` / ``"precompute"``, as it samples its first batch of an online
-round / scores its first micro-batch group of the reference); the time of that moment goes to ``die.stamp``.
+round / scores its first micro-batch group of the reference); ``"how": "raise"`` raises an error there instead,
+its process left to report it; the time of that moment goes to ``die.stamp``.
 
 Note: torchrun ignores ``--node_rank`` with the c10d rendezvous (it says so); ranks follow the sorted
 (host, agent pid) of the nodes. The node started first gets rank 0 here, and the reports say which.
@@ -188,6 +189,8 @@ def _patch(spec: dict, current: dict) -> None:
     if die and int(os.environ.get("RANK", "-1")) == die["rank"]:
         def dying() -> None:
             Path(die["stamp"]).write_text(json.dumps({"time": time.time(), "how": die["how"]}))
+            if die["how"] == "raise":  # a failure that this rank reports itself
+                raise RuntimeError(f"injected failure on rank {die['rank']}")
             sig = signal.SIGKILL if die["how"] == "kill" else signal.SIGSTOP
             os.kill(os.getppid(), sig)  # the node's torchrun agent
             os.kill(os.getpid(), sig)

@@ -364,3 +364,25 @@ def test_a_rank_killed_while_sampling_or_precomputing_ends_the_launch_within_30_
     assert errors[0].startswith("Error: another node or process of this launch stopped (rank 1; this is rank 0 of 2)"), errors
     print(f"{during}: node 0 exited {n0.ended - died:.1f} s after node 1 was killed")
     assert n0.ended - died < 30
+
+
+@pytest.mark.parametrize("during,argv", [
+    ("sampling", ["online", "demo", *ONLINE]),
+    ("precompute", ["precompute-ref", "demo", *_sets()]),
+])
+def test_a_rank_that_fails_while_sampling_or_precomputing_ends_the_launch_with_its_error(tmp_path, during, argv):
+    """Node 1 raises as it samples / scores: it exits with its own error line, and node 0, waiting for it in the
+    gather, exits within 30 s with one line naming rank 1."""
+    stamp = tmp_path / "failed.stamp"
+    spec = {"steps": [{"name": during, "argv": [argv[0], argv[1], "-o", str(tmp_path / "run"), *argv[2:]]}],
+            "die": {"rank": 1, "how": "raise", "during": during, "stamp": str(stamp)}}
+    nodes = mn.two_nodes(spec, [tmp_path / "n0", tmp_path / "n1"], tmp_path / "spec.json", timeout=300)
+    n0 = _node0(nodes)
+    n1 = next(n for n in nodes if n.node_rank != n0.node_rank)
+    failed = json.loads(stamp.read_text())["time"]
+    assert "Error: RuntimeError: injected failure on rank 1" in n1.stderr, n1.stderr[-3000:]
+    errors = [x for x in n0.stderr.splitlines() if x.startswith("Error:")]
+    assert n0.rc not in (0, None) and len(errors) == 1, n0.stderr[-3000:]
+    assert "rank 1" in errors[0], errors
+    print(f"{during}: node 0 exited {n0.ended - failed:.1f} s after rank 1 failed: {errors[0][:120]}")
+    assert n0.ended - failed < 30
