@@ -230,6 +230,9 @@ def test_fsdp_resume_continues_exactly(launched, launch):
 
     r = launched["results"]["resume"][launch]
     assert (Path(r["dir"]) / "checkpoints" / "step-2").is_dir()
+    if launch.startswith("fsdp2"):  # written by both processes, one file each, in save_pretrained's sharded layout
+        names = sorted(p.name for p in (Path(r["dir"]) / "checkpoints" / "step-2").glob("model*.safetensors"))
+        assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], names
     a = load_file(str(Path(r["dir"]) / "final" / "model.safetensors"))
     b = load_file(str(Path(r["uninterrupted"]) / "model.safetensors"))
     assert a.keys() == b.keys() and a

@@ -1,7 +1,7 @@
 """Checkpoints and exports of a training run: save, verify, resume, export.
 
 ``checkpoints/step-N/`` holds what trains: a full fine-tune's model in ``save_pretrained`` layout (safetensors,
-config, tokenizer), a LoRA run's adapters alone (``adapter.safetensors``: the frozen base is read again from the
+config, tokenizer; under FSDP2 one file per process, each written by its process: :func:`save_model_shards`), a LoRA run's adapters alone (``adapter.safetensors``: the frozen base is read again from the
 model the recipe names, and never gathered), the optimiser state
 (plain tensors, read back with ``weights_only=True``), the RNG state
 (safetensors), ``trainer_state.json`` (the run's record, the step, the data
@@ -151,6 +151,44 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
         cfg.dtype = next(iter(dtypes))
     cfg.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
+
+
+def save_model_shards(folder: Path, saver: Saver) -> None:
+    """A full fine-tune's checkpoint under FSDP2, in ``save_pretrained``'s sharded layout, written by every process:
+    each weight is gathered alone (every process calls this: the gathers are matched) and kept by the process that
+    owns it (weight i: process i mod N), which writes its own ``model-0000r-of-0000N.safetensors``; the main process
+    writes the index, config and tokenizer. A process holds one gathered weight and its own part (about 1/N of the
+    model), never the whole."""
+    acc = saver.accelerator
+    module = acc.unwrap_model(saver.module)
+    config = module.model.config
+    sd = module.state_dict()
+    name = {k: k.replace("_checkpoint_wrapped_module.", "").removeprefix("model.") for k in sd}
+    from dllm_align.models.families import family_for_config
+
+    skips = family_for_config(config).export_skips
+    tied = getattr(config, "tie_word_embeddings", False)
+    keys = [k for k in sd if not (tied and name[k] == "lm_head.weight") and not (skips is not None and skips(name[k]))]
+    world = acc.num_processes
+    files = [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
+    mine = {}
+    for i, k in enumerate(keys):
+        v = sd[k]
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if i % world == saver.rank:
+            mine[name[k]] = full.detach().cpu().contiguous()
+        del full
+    save_file(mine, str(folder / files[saver.rank]), metadata={"format": "pt"})
+    if saver.main:
+        index = {"metadata": {"total_size": sum(sd[k].numel() * sd[k].element_size() for k in keys)},
+                 "weight_map": {name[k]: files[i % world] for i, k in enumerate(keys)}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg = copy.deepcopy(config)
+        dtypes = {sd[k].dtype for k in keys}
+        if len(dtypes) == 1:
+            cfg.dtype = next(iter(dtypes))
+        cfg.save_pretrained(str(folder))
+        saver.tokenizer.save_pretrained(str(folder))
 
 
 def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
@@ -321,6 +359,8 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
         if main:
             save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER))
             (tmp / "adapter_config.json").write_text(json.dumps(lora.model_dump(), indent=2))
+    elif saver.fsdp and getattr(acc, "is_fsdp2", False):
+        save_model_shards(tmp, saver)  # every process writes its part: none gathers the whole model
     else:
         sd = state_dict_of(saver)
         if main:
