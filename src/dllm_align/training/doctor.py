@@ -141,9 +141,11 @@ def environment(recipe, launch: Launch, shape) -> dict:
         fam = family_for_config(shape.config) if shape.config else None
         how = ("; an FSDP2 launch reads each process's shard only (recipes/accelerate/fsdp_8gpu.yaml)"
                if not ram.sharded_read and (fam is None or fam.reads_by_name) else "")
-        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{ram.per_node / 1e9:.1f} GB "
-                        f"({ram.processes_per_node} process(es) x {ram.per_process / 1e9:.1f} GB: {fit} per node "
-                        f"would fit{how})")
+        if ram.per_node > ram.per_process * ram.processes_per_node:  # the final export is the larger moment
+            why = "final/'s model gathered on the main process; a LoRA run with merge_on_export false gathers none"
+        else:
+            why = f"{ram.processes_per_node} process(es) x {ram.per_process / 1e9:.1f} GB: {fit} per node would fit{how}"
+        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, the run needs ~{ram.per_node / 1e9:.1f} GB ({why})")
     att = recipe.model.attn_implementation
     if att and not backends.get(att, False):
         problems.append(f"model.attn_implementation: {att} is not available here")

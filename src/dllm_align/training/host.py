@@ -53,7 +53,9 @@ def host_loading(shape: ModelShape, recipe, launch: Launch, *, reads_by_name: bo
       one at a time: P x w) while one safetensors file is mapped (at most 5 GB), and under FSDP holds it until it
       is sharded;
     * an online reference is read whole on the host (P x w) before it moves to the device: beside the policy
-      where the policy is still on the host (FSDP before sharding, or a CPU run).
+      where the policy is still on the host (FSDP before sharding, or a CPU run);
+    * at the end, final/'s model (a full fine-tune's, or LoRA merged) is gathered whole on the main process's host
+      (P x w); a LoRA run that keeps the adapters alone gathers none. The node needs the larger of the two moments.
     """
     t = recipe.train
     P, N = shape.params, launch.processes if launch.fsdp else 1
@@ -84,4 +86,9 @@ def host_loading(shape: ModelShape, recipe, launch: Launch, *, reads_by_name: bo
     per = policy + ref if policy_on_host else max(policy, ref)
     k = launch.per_machine
     why = "; ".join(terms) + f"; x {k} process(es) per node"
-    return HostRam(per_process=per, per_node=per * k, processes_per_node=k, sharded_read=sharded, why=why)
+    # final/'s model (a full fine-tune, or LoRA merged) is gathered on the main process's host and written
+    export = 0 if (t.lora.enabled and not t.lora.merge_on_export) else P * w
+    node = per * k
+    if export > node:
+        why += f"; then final/'s model gathered on the main process: {export / GiB:.2f} GiB (P x {w}), the larger"
+    return HostRam(per_process=per, per_node=max(node, export), processes_per_node=k, sharded_read=sharded, why=why)
