@@ -449,8 +449,6 @@ CASES = [
     doctor("doctor-zero-experts", dict(LLADA2_CFG, num_experts=0), ("config.json", "num_experts")),
     doctor("doctor-zero-expert-groups", dict(LLADA2_CFG, n_group=0), ("config.json", "n_group")),
     doctor("doctor-negative-experts", dict(LLADA2_CFG, num_experts=-8), ("config.json", "num_experts")),
-    doctor("doctor-llada21", dict(LLADA2_CFG, model_type="llada21_moe"), ("llada21",),
-           why="refused by name as train refuses it, not a memory verdict"),
     # ================================================================ caches
     Case("cache-shard-edited-in-place", "cache", ["train", "{recipe}", "-o", "{t}/run", "--set", "reference.cache={t}/cache"], 2,
          ("shard-00001.safetensors",), prep=cache_edited_in_place(), timeout=120, unchanged=("cache",),

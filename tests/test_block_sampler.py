@@ -54,11 +54,11 @@ def test_cached_decode_passes_the_cache_under_the_bodys_own_name():
     import inspect
     import warnings
 
-    from dllm_align.generate.block import _cache_argument
+    from dllm_align.generate.block import cache_argument
 
     model = tiny()
     want = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    assert _cache_argument(model) == want
+    assert cache_argument(model) == want
     grad = []
     model.register_forward_hook(lambda *_: grad.append(torch.is_grad_enabled()))
     with warnings.catch_warnings():

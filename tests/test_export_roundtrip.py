@@ -60,7 +60,8 @@ def _tok(kind: str = ""):
 
 def source_configs() -> dict:
     tok, dtok = _tok(), _tok("dream")
-    return {"sdar": sdar_config(tok), "llada2": llada2_config(tok), "dream": dream_config(dtok),
+    # LLaDA2.1's hub config.json has LLaDA2.0's identity (its remote code tells it apart: tests/test_llada21.py)
+    return {"sdar": sdar_config(tok), "llada2": llada2_config(tok), "llada21": llada2_config(tok), "dream": dream_config(dtok),
             "llada_moe": lladamoe_config(tok), "llada": dict(LLADA_SOURCE)}
 
 

@@ -52,9 +52,10 @@ def test_every_family_declares_what_the_code_asks():
         if fam.refuse_reason:  # recognised only to be refused with the reason (LLaDA2.1's token editing)
             assert fam.model_types and fam.block_size
             continue
-        assert fam.model_types and fam.stop_tokens and fam.sampler in ("llada", "dream", "block", "diffusion_gemma")
+        assert fam.model_types and fam.stop_tokens and fam.sampler in ("llada", "dream", "block", "diffusion_gemma", "llada21")
         assert fam.load_native is not None and fam.logit_shift in (0, 1)
-        assert (fam.sampler == "block") == bool(fam.block_size)  # a block family decodes block by block
+        # a block family decodes block by block (the block rule, or LLaDA2.1's editing one)
+        assert (fam.sampler in ("block", "llada21")) == bool(fam.block_size)
     assert family_for_config({"model_type": "Dream"}).logit_shift == 1
     assert family_for_config({"model_type": "llada"}).name == "llada"
     assert family_for_config({"model_type": "lladamoe"}).name == "llada_moe"

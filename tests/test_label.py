@@ -1,5 +1,5 @@
-"""`dllm-align label`: verifiers (hand-checked GSM8K-style answers), the labelled rows and their
-provenance, reruns, and bad input (one Error line, nothing written)."""
+"""`dllm-align label`: the labelled rows, their verdicts and provenance, reruns, and bad input (one Error line,
+nothing written); math_answer's own rule is tested in test_math_answer.py."""
 
 from __future__ import annotations
 
@@ -9,20 +9,9 @@ from pathlib import Path
 import pytest
 
 from dllm_align.data.toy import desirable, digits_of
-from dllm_align.online.math_answer import judge
 from reliability import run_cli
 
-FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_answers.jsonl"
 FAST = ["--set", "generate.gen_length=16", "--set", "generate.block_length=16", "--set", "generate.steps=16"]
-
-
-def test_math_answer_on_the_older_gsm8k_style_outputs():
-    """40 model-style solutions (####, \\boxed{}, "The answer is", units, commas, $, fractions, negatives,
-    wrong and missing answers), each hand-labelled right or wrong against its reference solution; the
-    held-out set and the per-format figures are in tests/test_math_answer.py."""
-    rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
-    assert len(rows) == 40 and sum(not r["correct"] for r in rows) >= 6
-    assert [judge(r["output"], r["answer"]).desirable for r in rows] == [r["correct"] for r in rows]
 
 
 def _label(tmp_path: Path, *extra, out="lab"):
@@ -71,6 +60,117 @@ def test_a_rule_that_raises_on_one_row_names_it_and_writes_nothing(tmp_path, mon
     err = _one_error(_label(tmp_path, "--rule", "myrules:picky"))
     assert "rule myrules:picky failed on" in err and "sort-train-00003" in err and "cannot read this one" in err
     assert not (tmp_path / "lab" / "labelled.jsonl").exists()
+
+
+def test_unsure_rows_are_counted_kept_apart_and_never_trained_on(tmp_path, monkeypatch):
+    """A verifier's None and ("unsure", reason) leave the row out of labelled.jsonl (what train reads), in
+    unsure.jsonl with its reason, counted in the summary and said on stderr; a row past the time bound is
+    unsure too (reason timeout) instead of stopping the run."""
+    (tmp_path / "shy_rules.py").write_text(
+        "import time\n"
+        "def shy(prompt, completion, row):\n"
+        "    k = int(row['id'].rsplit('-', 1)[1])\n"
+        "    if k == 1:\n"
+        "        return None\n"
+        "    if k == 2:\n"
+        "        return ('unsure', 'two answers')\n"
+        "    if k == 3:\n"
+        "        time.sleep(30)\n"
+        "    return ('desirable', 'fine') if k % 2 else False\n"
+        "def wrong(prompt, completion, row):\n"
+        "    return ('maybe', 'no such verdict')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--n", "2", "--limit", "6", *FAST, "--rule", "shy_rules:shy"],
+                env={"DLLM_ALIGN_RULE_TIMEOUT": "0.5"})
+    assert r.code == 0, r.err
+    lab = tmp_path / "lab"
+    rows = [json.loads(x) for x in (lab / "labelled.jsonl").read_text().splitlines()]
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    summary = json.loads((lab / "label_summary.json").read_text())
+    assert len(rows) == 6 and len(unsure) == 6 and all(isinstance(x["label"], bool) for x in rows)
+    assert {x["prompt_id"] for x in unsure} == {"sort-train-00001", "sort-train-00002", "sort-train-00003"}
+    assert all(x["verdict"] == "unsure" and x["label"] is None for x in unsure)
+    assert sorted(x.get("reason") for x in unsure if x.get("reason")) == ["timeout", "timeout", "two answers", "two answers"]
+    assert summary["unsure"] == 6 and summary["unsure_share"] == 0.5 and summary["rows"] == 6
+    assert "6 of 12 samples unsure (50.0%)" in r.err
+    bad = run_cli(["label", "demo", "-o", tmp_path / "bad", "--n", "1", "--limit", "2", *FAST, "--rule", "shy_rules:wrong"],
+                  env={"DLLM_ALIGN_RULE_TIMEOUT": "0.5"})
+    assert bad.code == 2 and "a verifier returns True, False, None (unsure) or (verdict, reason)" in bad.err
+
+
+def test_label_on_a_thousand_samples_with_a_megabyte_loop_finishes_with_that_row_unsure(tmp_path, monkeypatch):
+    """math_answer on 1,000 samples, one of them 1 MB of a model revising its answer over and over: the run
+    finishes in the time bound, that row unsure (the rule is linear in the completion)."""
+    from dllm_align.generate.settings import Completion
+    from dllm_align.online import label as label_mod
+
+    loop = "#### 12\nOn second thought, it is 13.\n"
+    big = loop * (1_000_000 // len(loop))
+    texts = {0: big}
+
+    def fake_sample(gen, prompts, settings, seeds, batch_size, rank, world):
+        out = []
+        for k in range(len(prompts)):
+            t = texts.get(k, f"Adding up gives {k % 7}.\n#### {k % 7}" if k % 3 else "I am not sure.")
+            out.append(Completion(ids=[], text=t, raw=[], stopped=True, forwards=0))
+        return out
+
+    monkeypatch.setattr(label_mod, "_sample", fake_sample)
+    src = tmp_path / "q.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "question": f"What is {i} mod 7?", "answer": f"#### {i % 7}"}) + "\n"
+                           for i in range(250)))
+    r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--rule", "math_answer", "--prompts", src, "--n", "4", *FAST],
+                env={"DLLM_ALIGN_RULE_TIMEOUT": "5"})
+    assert r.code == 0, r.err
+    lab = tmp_path / "lab"
+    summary = json.loads((lab / "label_summary.json").read_text())
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    assert summary["rows"] + summary["unsure"] == 1000
+    assert [x["id"] for x in unsure] == ["q0:s0"] and unsure[0]["reason"] == "revised" and len(unsure[0]["completion"]) > 999_000
+    assert summary["reasons"]["none"] == sum(1 for k in range(1, 1000) if k % 3 == 0)
+
+
+def test_math_answer_reads_the_recipes_format_and_states_it_in_the_prompt(tmp_path, monkeypatch):
+    """online.math_answer.format picks where the answer is read and the sentence every prompt gets (recorded with
+    the run); no_answer: unsure keeps an output without the format out of training; instruction '' adds none."""
+    from dllm_align.generate.settings import Completion
+    from dllm_align.online import label as label_mod
+    from dllm_align.online.math_answer import instruction
+
+    outs = ["So the total is \\boxed{4}.", "#### 4", "It is 4.", "\\boxed{4} or \\boxed{5}"]
+    seen = []
+
+    def fake_sample(gen, prompts, settings, seeds, batch_size, rank, world):
+        seen.extend(gen.tokenizer.decode(p) for p in prompts)
+        return [Completion(ids=[], text=outs[k % 4], raw=[], stopped=True, forwards=0) for k in range(len(prompts))]
+
+    monkeypatch.setattr(label_mod, "_sample", fake_sample)
+    src = tmp_path / "q.jsonl"
+    src.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    args = ["label", "demo", "--rule", "math_answer", "--prompts", src, "--n", "4", *FAST]
+    r = run_cli([*args, "-o", tmp_path / "boxed", "--set", "online.math_answer.format=boxed",
+                 "--set", "online.math_answer.no_answer=unsure"])
+    assert r.code == 0, r.err
+    lab = tmp_path / "boxed"
+    rows = [json.loads(x) for x in (lab / "labelled.jsonl").read_text().splitlines()]
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    said = instruction("boxed")
+    assert rows[0]["prompt"][-1]["content"] == "What is 2 + 2?\n\n" + said and said in seen[0]
+    assert [(x["completion"], x["verdict"]) for x in rows] == [(outs[0], "desirable")]
+    assert sorted((x["completion"], x["reason"]) for x in unsure) == sorted(
+        [(outs[1], "none"), (outs[2], "none"), (outs[3], "two_answers")])
+    summary = json.loads((lab / "label_summary.json").read_text())
+    assert summary["settings"]["instruction"] == said and summary["unsure"] == 3
+    assert summary["settings"]["verifier_settings"]["format"] == "boxed"
+    other = run_cli([*args, "-o", lab, "--set", "online.math_answer.format=answer_tag",
+                     "--set", "online.math_answer.no_answer=unsure", "--set", f"online.math_answer.instruction={said}"])
+    assert other.code == 2 and "verifier_settings.format" in other.err  # the same sentence, another format: refused
+    r = run_cli([*args, "-o", tmp_path / "plain", "--set", "online.math_answer.instruction=''"])
+    assert r.code == 0, r.err
+    rows = [json.loads(x) for x in (tmp_path / "plain" / "labelled.jsonl").read_text().splitlines()]
+    assert rows[0]["prompt"][-1]["content"] == "What is 2 + 2?" and "instruction" not in json.loads(
+        (tmp_path / "plain" / "label_summary.json").read_text())["settings"]
+    assert [x["verdict"] for x in rows] == ["undesirable", "desirable", "undesirable", "undesirable"]  # hashes read only
 
 
 def test_math_answer_needs_the_reference_column(tmp_path):
@@ -201,6 +301,41 @@ def test_the_judge_labeller_uses_the_batch_api_when_asked(tmp_path, monkeypatch)
     for x in rows:
         assert x["label"] == (x["completion"].strip() == "".join(sorted(digits_of(x["prompt"][-1]["content"]))))
     assert key not in "".join(p.read_text() for p in (tmp_path / "lab").rglob("*") if p.is_file())
+
+
+def test_unsure_samples_go_to_a_judge_when_the_recipe_names_one(tmp_path, monkeypatch):
+    """online.unsure_judge: the verifier's unsure samples are asked of that judge (the verifier's reason kept, the
+    row marked judged_by); the judge's own no-verdict stays unsure; decided samples are never asked."""
+    from judge_server import JudgeServer
+
+    from dllm_align.generate.settings import Completion
+    from dllm_align.online import label as label_mod
+
+    outs = ["#### 4", "#### 4 or 5", "#### 4\nOn second thought, it is 7.", "#### 9"]
+
+    def fake_sample(gen, prompts, settings, seeds, batch_size, rank, world):
+        return [Completion(ids=[], text=outs[k % 4], raw=[], stopped=True, forwards=0) for k in range(len(prompts))]
+
+    monkeypatch.setattr(label_mod, "_sample", fake_sample)
+    key = _judge_env(monkeypatch)
+    src = tmp_path / "q.jsonl"
+    src.write_text(json.dumps({"id": "q1", "question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    with JudgeServer(key) as srv:
+        srv.absolute = lambda first, n: "[[YES]]" if "4 or 5" in first else "I cannot tell."
+        r = run_cli(["label", "demo", "-o", tmp_path / "lab", "--rule", "math_answer", "--prompts", src, "--n", "4", *FAST,
+                     "--set", f"judge.base_url={srv.url}", "--set", "online.unsure_judge=m"])
+        asked = [b for b in srv.bodies]
+    assert r.code == 0, r.err
+    lab = tmp_path / "lab"
+    rows = {x["completion"]: x for x in map(json.loads, (lab / "labelled.jsonl").read_text().splitlines())}
+    unsure = [json.loads(x) for x in (lab / "unsure.jsonl").read_text().splitlines()]
+    assert rows[outs[1]]["verdict"] == "desirable" and rows[outs[1]]["judged_by"] == "judge:m"
+    assert rows[outs[1]]["reason"] == "two_answers" and "judged_by" not in rows[outs[0]] and rows[outs[3]]["label"] is False
+    assert [x["completion"] for x in unsure] == [outs[2]] and unsure[0]["reason"] == "revised"
+    summary = json.loads((lab / "label_summary.json").read_text())
+    assert summary["unsure_judged"] == 1 and summary["unsure"] == 1 and summary["settings"]["unsure_judge"] == "judge:m"
+    assert not any("#### 9" in json.dumps(b) for b in asked)  # a decided sample is not asked
+    assert "2 unsure sample(s) sent to the judge m: 1 decided" in r.err
 
 
 def test_the_unjudgeable_warning_comes_before_the_error_that_refers_to_it(tmp_path, monkeypatch):

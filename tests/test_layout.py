@@ -324,65 +324,8 @@ def _library() -> dict[str, Path]:
     return {m: p for m, p in _modules().items() if _package(m) not in ("cli", "")}
 
 
-# Modules other people were sweeping while these guards were written: (module -> how many it may still have).
-# Being swept; each count only goes down, and the entry goes when it reaches 0.
-UNJUSTIFIED_LEFT: dict[str, int] = {
-    "config.recipe": 1,
-    "config.schema": 3,
-    "core.runfolder": 11,
-    "generate.block": 1,
-    "generate.gemma": 3,
-    "generate.in_process": 1,
-    "generate.rules": 7,
-    "generate.run": 31,
-    "generate.sampler": 1,
-    "models.export": 5,
-    "models.families.base": 6,
-    "models.families.block": 7,
-    "models.families.diffusion_gemma": 9,
-    "models.families.dream": 4,
-    "models.families.llada": 4,
-    "models.families.llada_moe": 2,
-    "models.load": 10,
-    "objective.block": 1,
-    "objective.uniform": 1,
-    "online.label": 44,
-    "online.verifiers": 10,
-    "training.checkpoint": 11,
-    "training.distributed": 1,
-    "training.doctor": 2,
-    "training.memory": 10,
-    "training.plan": 4,
-    "training.policy": 3,
-    "training.traffic": 2,
-    "training.train": 2,
-    "workflows.ablate": 10,
-    "workflows.online": 34,
-}
-PRIVATE_LEFT: dict[str, int] = {
-    "training.checkpoint": 1,
-    "training.loop": 1,
-    "training.reference": 3,
-    "training.train": 4,
-    "workflows.online": 1,
-}
-REIMPORTS_LEFT: dict[str, int] = {
-    "workflows.online": 1,
-    "config.schema": 1,
-    "models.families.base": 1,
-    "models.load": 2,
-    "training.plan": 1,
-}
-
-
-def _over(found: dict[str, list[str]], left: dict[str, int]) -> list[str]:
-    return [f"{mod}:{hit}" for mod, hits in found.items() if len(hits) > left.get(mod.removeprefix("dllm_align."), 0)
-            for hit in hits]
-
-
 def test_library_modules_import_at_the_top_unless_they_say_why():
-    found = {m: unjustified_imports(p.read_text()) for m, p in _library().items()}
-    bad = _over(found, UNJUSTIFIED_LEFT)
+    bad = [f"{m}:{hit}" for m, p in _library().items() for hit in unjustified_imports(p.read_text())]
     assert not bad, ("a function-level import with no stated reason (move it to the top, or list the module on a "
                      "'# lazy imports: <modules>: <reason>' line at the module's top):\n" + "\n".join(bad))
 
@@ -393,15 +336,13 @@ def test_every_stated_lazy_import_is_used():
 
 
 def test_no_function_reimports_a_name_imported_at_the_top():
-    found = {m: reimports(p.read_text()) for m, p in _modules().items()}
-    bad = _over(found, REIMPORTS_LEFT)
+    bad = [f"{m}:{hit}" for m, p in _modules().items() for hit in reimports(p.read_text())]
     assert not bad, "a function re-imports a name the module imports at the top:\n" + "\n".join(bad)
 
 
 def test_no_private_name_is_imported_across_modules():
     mods = set(_modules())
-    found = {m: private_imports(p.read_text(), m, mods) for m, p in _modules().items()}
-    bad = _over(found, PRIVATE_LEFT)
+    bad = [f"{m}:{hit}" for m, p in _modules().items() for hit in private_imports(p.read_text(), m, mods)]
     assert not bad, ("a private name used from another module (make it public where it is shared, or merge modules "
                      "whose split is not a seam):\n" + "\n".join(bad))
 

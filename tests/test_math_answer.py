@@ -1,110 +1,200 @@
-"""The ``math_answer`` verifier (:mod:`dllm_align.online.math_answer`): the hand-labelled held-out set
-(tests/fixtures/gsm8k_heldout.md says how it was built), one test per false-positive class that the rule
-before it had, the no-answer reasons and the forms math-verify alone does not read."""
+"""The ``math_answer`` verifier (:mod:`dllm_align.online.math_answer`): the targets on the held-out part of
+benchmarks/data/math_verifier_cases.jsonl, one test per class of output that a rule reading the last number
+gets wrong (each expects the right verdict or unsure, never the wrong one), the answer formats, and bounded
+work on degenerate outputs."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from dllm_align.online.math_answer import REASONS, judge, reason_counts
-from dllm_align.online.verifiers import get_rule
+from dllm_align.online.math_answer import FORMATS, REASONS, judge, reason_counts
 
-HELDOUT = Path(__file__).parent / "fixtures" / "gsm8k_heldout.jsonl"
-
-
-def _rows() -> list[dict]:
-    return [json.loads(x) for x in HELDOUT.read_text().splitlines()]
+CASES = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "math_verifier_cases.jsonl"
 
 
-def test_the_held_out_set_meets_the_targets():
-    """False positives at most 1% of the undesirable outputs; false negatives fewer than math-verify's
-    alone (its whole-output parse against the reference number) on the same rows."""
+def _cases(split: str) -> list[dict]:
+    return [r for r in map(json.loads, CASES.read_text(encoding="utf-8").splitlines()) if r["split"] == split]
+
+
+def test_the_held_out_cases_meet_the_targets():
+    """False positives at most 1% of the rows that are not desirable, false negatives fewer than math-verify
+    alone's, unsure on at most 10% of the outputs that commit to one answer in their format."""
     from math_verify import parse, verify
 
-    rows = _rows()
-    assert len(rows) >= 200 and len({r["format"] for r in rows}) >= 19
-    got = [judge(r["output"], r["answer"]).desirable for r in rows]
-    wrong = sum(not r["desirable"] for r in rows)
-    fp = sum(g and not r["desirable"] for g, r in zip(got, rows))
-    fn = sum(r["desirable"] and not g for g, r in zip(got, rows))
-    alone = [bool(verify(parse(r["answer"].rsplit("####", 1)[1]), parse(r["output"]))) for r in rows]
-    fn_alone = sum(r["desirable"] and not g for g, r in zip(alone, rows))
-    assert fp <= 0.01 * wrong, [r["id"] for g, r in zip(got, rows) if g and not r["desirable"]]
-    assert fn < fn_alone
+    rows = _cases("heldout")
+    assert len(rows) >= 300 and {r["format"] for r in rows} == set(FORMATS)
+    got = [judge(r["output"], r["answer"], fmt=r["format"], prompt=r["question"]).verdict for r in rows]
+    fp = [r["id"] for g, r in zip(got, rows) if g == "desirable" and r["expected"] != "desirable"]
+    fn = sum(g == "undesirable" and r["expected"] == "desirable" for g, r in zip(got, rows))
+    alone = sum(r["expected"] == "desirable" and not verify(parse(r["answer"]), parse(r["output"])) for r in rows)
+    committed = [(g, r) for g, r in zip(got, rows) if r["in_format"] and r["expected"] != "unsure"]
+    assert len(fp) <= 0.01 * sum(r["expected"] != "desirable" for r in rows), fp
+    assert fn < alone
+    assert sum(g == "unsure" for g, _ in committed) <= 0.10 * len(committed)
 
 
-def test_the_no_answer_kinds_on_the_held_out_set_get_their_reason():
-    rows = [r for r in _rows() if r["kind"] in ("hedge", "truncated", "expression", "none")]
-    counts = reason_counts(judge(r["output"], r["answer"]).reason for r in rows)
-    assert set(counts) == set(REASONS)
-    assert counts == reason_counts(r["kind"] for r in rows) and counts["correct"] == counts["wrong"] == 0
+def test_the_case_set_is_what_its_script_writes_and_its_split_is_by_content():
+    """The committed cases are benchmarks/math_verifier_cases.py's output (no row edited by hand to fit a rule),
+    and each row's part is the hash of its content."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("math_verifier_cases", CASES.parents[1] / "math_verifier_cases.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.build()
+    assert CASES.read_text(encoding="utf-8") == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    assert all(r["split"] == mod.split_of(r["format"], r["answer"], r["output"]) for r in rows)
 
 
-# one test per false-positive class of the rule before this one: each output is wrong, never desirable
-@pytest.mark.parametrize("output, reason", [
-    ("The answer is 24 + 48.", "expression"),          # the first number of an expression was taken
-    ("So the answer is \\boxed{24 + 48}", "expression"),
-    ("The answer is 24 + 48 = 72.", "wrong"),          # a stated result is the result, not the first term
-])
-def test_an_expression_is_not_read_as_its_first_number(output, reason):
-    v = judge(output, "#### 24")
-    assert not v.desirable and v.reason == reason
+def _v(output: str, answer: str, fmt: str = "hashes", prompt: str = ""):
+    return judge(output, answer, fmt=fmt, prompt=prompt)
 
 
+# one test per class: the right verdict, or unsure; never the wrong one
 @pytest.mark.parametrize("output", [
-    "She sold 72 clips.\n#### 72. Wait, I misread: she sold 72 each month for two months. The total is 144.",
-    "\\boxed{72} Actually, let me recheck: 48 + 48 = 96, so she sold 96.",
-    "Answer: 72. Hmm, wait. Each box holds 12, so 12 * 8 = 96.",
+    "There are 12 students.\n#### 12\nOn second thought, the bus driver came too, so 14.",
+    "#### 12\nScratch that - I forgot the two helpers: 14 in all.",
+    "#### 12\n\nRedoing it with the teacher: 13.\n#### 13",
 ])
-def test_a_later_correction_wins_over_an_earlier_marker(output):
-    assert not judge(output, "#### 72").desirable
-    assert judge(output, "#### 72").reason == "wrong"
+def test_a_correction_without_a_cue_word_is_never_read_as_the_first_answer(output):
+    v = _v(output, "12")
+    assert v.verdict == "unsure" and v.reason in ("revised", "two_answers")
 
 
-@pytest.mark.parametrize("output", [
-    "In May she sold 48 / 2", "Half of 48 is", "She earns 0.2 * 50 =", "Remaining: 120 - 36 = 84, and half of that is 84 /",
-])
-def test_a_truncated_output_is_not_evaluated_or_taken(output):
-    v = judge(output, "#### 24" if "48 / 2" in output or "Half" in output else "#### 84")
-    assert not v.desirable and v.reason == "truncated"
+@pytest.mark.parametrize("answer_text", ["12 (13 if you count the teacher)", "12\u201313", "12 \u00b1 1", "12-13",
+                                         "12 or 13", "about 12 to 13"])
+def test_a_hedge_without_a_hedge_word_abstains(answer_text):
+    for fmt, out in (("hashes", f"#### {answer_text}"), ("boxed", f"\\boxed{{{answer_text}}}"),
+                     ("answer_tag", f"<answer>{answer_text}</answer>"), ("json", json.dumps({"answer": answer_text}))):
+        v = _v(out, "12", fmt)
+        assert v.verdict == "unsure" and v.reason == "two_answers", (fmt, v)
 
 
-@pytest.mark.parametrize("output", [
-    "It is either 70 or 72.", "The answer is 70 or 72.", "\\boxed{70} or \\boxed{72}", "I'm not sure, maybe 72.",
-    "It could be 72, depending on the day.",
-])
-def test_a_hedge_never_commits_so_the_last_number_is_not_taken(output):
-    v = judge(output, "#### 72")
-    assert not v.desirable and v.reason == "hedge"
+def test_a_restated_quantity_is_not_the_answer():
+    q = "A farmer has 48 sheep and buys 24 more. How many sheep does he have?"
+    assert _v("He has 48 + 24 = 72 sheep. He started with 48 sheep.", "48", prompt=q).verdict == "undesirable"  # no ####
+    assert _v("48 + 24 = 72.\n#### 72\nHe started with 48 sheep and bought 24.", "72", prompt=q).verdict == "desirable"
+    assert _v("48 + 24 = 72.\n#### 72\nHe started with 48 sheep.", "48", prompt=q).verdict == "undesirable"
 
 
-@pytest.mark.parametrize("output, reference", [
-    ("\\boxed{\\text{72 clips}}", "72"), ("\\boxed{25\\%}", "25"), ("\\boxed{1{,}200}", "1200"),
-    ("The answer is \\textbf{48}.", "48"), ("$x = 72$", "72"), ("\\boxed{\\frac{6}{8}}", "3/4"),
-    ("The answer is 2 1/2.", "5/2"), ("\\boxed{2\\frac{1}{2}}", "5/2"), ("The answer is 60 km/h.", "60"),
-    ("\\boxed{48 \\text{ cm}^2}", "48"), ("The answer is 2.5 million.", "2500000"),
-    ("The answer is seventy-two.", "72"), ("The answer is \u22125.", "-5"), ("9", "9"),
-])
-def test_forms_math_verify_alone_misses_are_read(output, reference):
-    assert judge(output, f"#### {reference}").desirable
+def test_not_x_is_never_read_as_x():
+    assert _v("#### 70, not 72", "72").verdict == "unsure"
+    assert _v("The answer is 70, not 72.", "72").verdict == "undesirable"  # not in the format: no answer
+    assert _v("It is 70, not 72.\n#### 70", "70").verdict == "desirable"
 
 
-def test_close_numbers_are_not_equal():
-    assert not judge("\\boxed{0.33}", "#### 1/3").desirable and judge("\\boxed{0.75}", "#### 3/4").desirable
-    assert not judge("The answer is 2 1/3.", "#### 5/2").desirable
+def test_equals_x_but_then_y_reads_the_marked_answer_only():
+    out = "48 + 24 = 72 clips, but she gave 2 away, leaving 70."
+    assert _v(out + "\n#### 70", "70").verdict == "desirable"
+    assert _v(out + "\n#### 70", "72").verdict == "undesirable"
+    assert _v(out, "72").verdict == "undesirable" and _v(out, "72").reason == "none"
+    assert _v("#### = 72 clips, but she gave 2 away, leaving 70", "72").verdict == "unsure"
 
 
-def test_the_rule_gives_its_reason_and_a_text_reference_is_compared_as_text():
-    rule = get_rule("math_answer")
-    assert rule.explain("q", "It is either 70 or 72.", {"answer": "#### 72"}) == "hedge"
-    assert rule.fn("q", "The answer is 72.", {"answer": "#### 72"}) is True
-    assert get_rule("regex:x").explain("q", "x", {}) is None  # a rule with no reasons
-    from dllm_align.data.toy import prompt_text
+@pytest.mark.parametrize("text, answer", [("two and a half", "2.5"), ("seventy-two", "72"), ("three quarters", "0.75"),
+                                          ("one thousand two hundred", "1200"), ("\\text{twelve}", "12")])
+def test_number_words_are_read(text, answer):
+    assert _v(f"\\boxed{{{text}}}", answer, "boxed").verdict == "desirable"
+    assert _v(f"\\boxed{{{text}}}", str(float(answer) + 1), "boxed").verdict == "undesirable"
 
-    sort, q = get_rule("sort"), prompt_text("3142")
-    assert [sort.explain(q, c, {}) for c in ("1234", "4321", "1324", "1 234", "123")] == [
-        "correct", "descending", "unsorted", "malformed", "malformed"]
-    assert judge("The answer is Paris.", "#### paris").desirable and not judge("The answer is Rome.", "#### Paris").desirable
+
+def test_a_decimal_comma_is_a_decimal_mark():
+    assert _v("#### 12,5", "12.5").verdict == "desirable"
+    assert _v("#### 12,5", "125").verdict == "undesirable"
+    assert _v("\\boxed{3{,}75}", "3.75", "boxed").verdict == "desirable"
+
+
+def test_a_json_answer_field_is_read_in_any_position_and_type():
+    assert _v('{"reasoning": "48 + 24 = 72", "answer": 72}', "72", "json").verdict == "desirable"
+    assert _v('{"answer": 72, "reasoning": "48 + 24 = 72"}', "72", "json").verdict == "desirable"
+    assert _v('Result:\n```json\n{"answer": "72 clips"}\n```', "72", "json").verdict == "desirable"
+    assert _v('{"answer": 70}', "72", "json").verdict == "undesirable"
+    assert _v('{"answer": null}', "72", "json").reason == "none"
+    assert _v('{"answer": 72, "check": {"answer": 70}}', "72", "json").verdict == "unsure"
+    assert _v('{"final": 72}', "72", "json", ).reason == "none"
+    assert _v('{"final": 72}', "72", "json") == judge('{"final": 72}', "72", fmt="json", field="answer")
+    assert judge('{"final": 72}', "72", fmt="json", field="final").verdict == "desirable"
+
+
+@pytest.mark.parametrize("end", [" \U0001f389", "\n<|endoftext|>", "\n```", "\n\n| total | 72 |", ""])
+def test_a_complete_output_without_final_punctuation_is_not_truncated(end):
+    assert _v(f"48 + 24 = 72\n#### 72{end}", "72").verdict == "desirable"
+    assert _v(f"\\boxed{{72}}{end}", "72", "boxed").verdict == "desirable"
+    assert _v(f"<answer>72</answer>{end}", "72", "answer_tag").verdict == "desirable"
+
+
+@pytest.mark.parametrize("text, answer", [("1.234,5", "1234.5"), ("1,234.5", "1234.5"), ("1 234", "1234"),
+                                          ("1\u202f234", "1234"), ("1'234", "1234"), ("1\\,234", "1234"),
+                                          ("1,234,567", "1234567"), ("1.234.567", "1234567"), ("$1,200.00", "1200")])
+def test_locale_separators_are_read(text, answer):
+    assert _v(f"#### {text}", answer).verdict == "desirable"
+    assert _v(f"#### {text}", str(int(float(answer)) + 10)).verdict == "undesirable"
+
+
+def test_a_dot_before_three_digits_reads_either_way_and_abstains_only_when_that_decides():
+    assert _v("#### 1.234", "1234").verdict == "unsure" and _v("#### 1.234", "1234").reason == "ambiguous"
+    assert _v("#### 1.234", "1.234").verdict == "unsure"
+    assert _v("#### 1.234", "99").verdict == "undesirable"
+
+
+@pytest.mark.parametrize("text", ["1.2e3", "1.2E+03", "1.2 \u00d7 10^3", "1.2\\times 10^{3}", "1.2 \\cdot 10^3",
+                                  "1.2 \u00d7 10\u00b3", "12 x 10^2"])
+def test_scientific_notation_is_read(text):
+    assert _v(f"#### {text}", "1200").verdict == "desirable"
+    assert _v(f"#### {text}", "120").verdict == "undesirable"
+
+
+@pytest.mark.parametrize("text, answer", [("\\frac{5}{2}", "2.5"), ("2 1/2", "2.5"), ("2\\frac{1}{2}", "5/2"),
+                                          ("48 \\text{ cm}^2", "48"), ("25\\%", "25"), ("60 km/h", "60"),
+                                          ("\u221215", "-15"), ("\u20ac12.50", "12.5"), ("x = 72", "72")])
+def test_fractions_units_and_signs(text, answer):
+    assert _v(f"\\boxed{{{text}}}", answer, "boxed").verdict == "desirable"
+
+
+def test_only_the_recipe_format_is_read():
+    out = "48 + 24 = 72. The answer is \\boxed{72}."
+    assert _v(out, "72", "boxed").verdict == "desirable"
+    for fmt in ("hashes", "json", "answer_tag"):
+        assert _v(out, "72", fmt).verdict == "undesirable" and _v(out, "72", fmt).reason == "none"
+    assert judge(out, "72", fmt="hashes", no_answer="unsure").verdict == "unsure"
+    assert _v("so the answer is \\boxed{72", "72", "boxed").reason == "truncated"
+    assert _v("<answer>72", "72", "answer_tag").reason == "truncated"
+
+
+def test_an_expression_has_no_stated_value():
+    v = _v("#### 24 + 48", "72")
+    assert v.verdict == "unsure" and v.reason == "expression"
+    assert _v("#### 24 + 48 = 72", "72").verdict == "desirable"
+
+
+def test_a_reference_that_is_not_a_number_goes_to_math_verify():
+    assert _v("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", "boxed").verdict == "desirable"
+    assert _v("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{\\sqrt3}{2}", "boxed").verdict == "undesirable"
+
+
+def test_reasons_are_counted_with_every_key():
+    got = [_v(o, "72").reason for o in ("#### 72", "#### 7", "no answer", "#### 70 or 72")]
+    counts = reason_counts(got)
+    assert set(counts) == set(REASONS) and counts["correct"] == counts["wrong"] == counts["none"] == 1
+
+
+# ------------------------------------------------------------------ bounded work
+@pytest.mark.parametrize("fmt, unit", [("boxed", "\\boxed{"), ("answer_tag", "<answer>"), ("json", '{"answer": '),
+                                       ("hashes", "#### 12\nno, 13\n"), ("boxed", "\\boxed{12} then \\boxed{13} ")])
+def test_the_rule_is_linear_in_the_completion(fmt, unit):
+    """100 KB, then 1 MB of a degenerate repetition: ten times the text takes about ten times as long, not a
+    hundred (the bound, 40 times, leaves room for a busy machine; so does the 5 s ceiling at 1 MB)."""
+    def timed(text: str) -> tuple[float, str]:
+        t0 = time.perf_counter()
+        v = judge(text, "12", fmt=fmt)
+        return time.perf_counter() - t0, v.verdict
+
+    judge(unit * 10, "12", fmt=fmt)  # math-verify's first import is not the rule's time
+    small = min(timed(unit * (100_000 // len(unit)))[0] for _ in range(2))
+    big, verdict = timed(unit * (1_000_000 // len(unit)))
+    assert verdict != "desirable"
+    assert big < 5 and big < 40 * max(small, 0.005), (small, big)

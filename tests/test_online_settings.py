@@ -182,3 +182,52 @@ def test_a_finished_run_continues_with_more_rounds(tmp_path):
     assert more.code == 0 and "online.rounds" not in more.err, more.err
     assert "round 0: reusing" in more.err
     assert [t["round"] for t in json.loads((out / "rounds.json").read_text())["rounds"]] == [0, 1]
+
+
+def _scripted_heldout(monkeypatch, shares: dict):
+    """The held-out evaluation replaced by the greedy shares given per folder (heldout-initial, round-<r>)."""
+    from dllm_align.workflows import online
+
+    def fake(recipe, model, out, **kw):
+        share = shares[out.name if out.name == "heldout-initial" else out.parent.name]
+        one = {"share": share, "ci90": [share - 0.05, share + 0.05], "prompts": 4, "samples": 4, "unsure": 0}
+        return {"greedy": one, "sampled": one}
+
+    monkeypatch.setattr(online, "heldout_eval", fake)
+
+
+def test_a_round_that_falls_below_the_previous_interval_is_rolled_back_by_default(tmp_path, monkeypatch):
+    """--keep guard (the default): round 1's held-out greedy share falls below round 0's interval, so round 0's model
+    stays the final one, the loop stops before round 2, says so, and the table and rounds.json show it; a rerun
+    stops there again. --keep last keeps every round."""
+    _scripted_heldout(monkeypatch, {"heldout-initial": 0.5, "round-0": 0.6, "round-1": 0.2, "round-2": 0.9})
+    out = tmp_path / "run"
+    r = _online(out, "--no-greedy", rounds=3)
+    assert r.code == 0, r.err
+    rec = json.loads((out / "rounds.json").read_text())
+    assert [t["round"] for t in rec["rounds"]] == [0, 1] and rec["rolled_back_round"] == 1
+    assert rec["keep"] == "guard" and rec["final_model"] == rec["rounds"][0]["model"] and not (out / "round-2").exists()
+    assert "round 1: held-out greedy share 20.0% fell below the previous model's 60.0% [55.0, 65.0]" in r.err
+    assert "rolled back" in r.out.splitlines()[-1] and "rolled back" not in r.out.splitlines()[-2]
+    again = _online(out, "--no-greedy", rounds=3)
+    assert again.code == 0 and json.loads((out / "rounds.json").read_text())["rolled_back_round"] == 1
+    last = _online(tmp_path / "last", "--no-greedy", "--keep", "last", rounds=3)
+    assert last.code == 0, last.err
+    rec = json.loads((tmp_path / "last" / "rounds.json").read_text())
+    assert len(rec["rounds"]) == 3 and rec["rolled_back_round"] is None and rec["final_model"] == rec["rounds"][2]["model"]
+
+
+def test_a_change_let_through_once_is_remembered_per_round(tmp_path):
+    """online.json's history: after --allow-change train.lr continued the run with another lr, a rerun with that
+    same lr continues (the finished rounds reused) without the flag; another lr is refused again."""
+    out = tmp_path / "run"
+    assert _online(out, "--no-greedy", rounds=1).code == 0
+    changed = _online(out, "--no-greedy", "--set", "train.lr=5e-5", "--allow-change", "train.lr", rounds=2)
+    assert changed.code == 0, changed.err
+    rec = json.loads((out / "online.json").read_text())
+    assert rec["history"]["0"] == {"train.lr": 5e-5} and rec["train"]["lr"] == 5e-5
+    again = _online(out, "--no-greedy", "--set", "train.lr=5e-5", rounds=2)
+    assert again.code == 0, again.err
+    assert "round 0: reusing" in again.err and "reusing" in again.err.split("round 1")[-1]
+    other = _online(out, "--no-greedy", "--set", "train.lr=3e-5", rounds=2)
+    assert other.code == 2 and "train.lr" in other.err

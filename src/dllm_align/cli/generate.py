@@ -69,6 +69,7 @@ def generate(
 
     from dllm_align.core.console import result
     from dllm_align.config.recipe import load_recipe
+    from dllm_align.generate.rules import auto_rule
     from dllm_align.generate.run import run_generate
 
     from dllm_align.core.errors import UserError
@@ -86,17 +87,18 @@ def generate(
     }.items()}
     flags["model.name_or_path"] = ("--model", model)
     flags = given(flags)
-    rec = load_recipe(recipe, set_, output_dir, flags=flags)
+    rec = load_recipe(recipe, set_, output_dir, flags=flags, auto_rule=auto_rule)
     if fast:
         extra = {}
-        if cache is None and rec.generate.cache == "none":
-            from dllm_align.generate.rules import fast_cache
+        from dllm_align.generate.rules import resolved_rule, rule_fast_cache, rule_reads
 
-            extra["generate.cache"] = ("--fast", fast_cache(rec.model, rec.generate.sampler))
-        if threshold is None and rec.generate.threshold is None:
+        rule = resolved_rule(rec.model, rec.generate.sampler)
+        if cache is None and rec.generate.cache == "none":
+            extra["generate.cache"] = ("--fast", rule_fast_cache(rule))
+        if threshold is None and rec.generate.threshold is None and rule_reads(rule, "threshold"):
             extra["generate.threshold"] = ("--fast", FAST_THRESHOLD)
         if extra:
-            rec = load_recipe(recipe, set_, output_dir, flags={**flags, **extra})
+            rec = load_recipe(recipe, set_, output_dir, flags={**flags, **extra}, auto_rule=auto_rule)
     out = run_generate(rec, output=output, prompts=prompts, device=device, overwrite=overwrite, allow_long=allow_long)
     if int(os.environ.get("RANK", "0")) == 0:
         result(str(out))  # the output path on stdout, once

@@ -29,7 +29,7 @@ def online(
     answer_column: Annotated[str, typer.Option("--answer-column", metavar="NAME", help="The reference-answer column math_answer compares against.")] = "answer",
     heldout: Annotated[Optional[str], typer.Option("--heldout", metavar="FILE", help="Held-out prompts for the per-round evaluation (default: the recipe's data.test).")] = None,
     heldout_limit: Annotated[Optional[int], typer.Option("--heldout-limit", metavar="N", show_default=d("online.heldout_limit"), help="Only the first N held-out prompts.")] = None,
-    keep: Annotated[Optional[str], typer.Option("--keep", metavar="WHICH", show_default=d("online.keep"), help="The final model: last (the last round's) or best (the round with the highest held-out greedy share).")] = None,
+    keep: Annotated[Optional[str], typer.Option("--keep", metavar="WHICH", show_default=d("online.keep"), help="The final model: guard (the last round's, but a round whose held-out greedy share falls below the previous model's 90% interval is rolled back and the loop stops), last (the last round's, whatever it scored) or best (the round with the highest held-out greedy share).")] = None,
     batch: Annotated[bool, typer.Option("--batch", metavar="", help="With --rule judge:MODEL: ask the judge through the Batch API (as judge --batch); rerun to continue.")] = False,
     allow_change: Annotated[Optional[list[str]], typer.Option("--allow-change", metavar="KEY", help="Continue a run folder although this recorded setting differs (repeatable; 'all' for every key).")] = None,
     set_: SetOpt = None,

@@ -19,14 +19,15 @@ import platform
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from importlib.resources import files
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from dllm_align.core.errors import UserError
-from dllm_align.config.schema import KeyedError, Recipe
+from dllm_align.config.schema import KeyedError, Recipe, rule_problems
 from dllm_align.core.io import atomic_write_text, note_input
 from dllm_align.core.runfolder import recipe_record
 
@@ -35,8 +36,6 @@ from dllm_align.core.runfolder import recipe_record
 def bundled_dir() -> Path:
     """Folder of the recipes shipped with the package (falls back to the source tree)."""
     try:
-        from importlib.resources import files
-
         p = Path(str(files("dllm_align.recipes")))
         if p.is_dir() and any(p.glob("*.yaml")):
             return p
@@ -98,14 +97,15 @@ def _short(label: str, limit: int = 80) -> str:
     return label if len(label) <= limit else label[: limit - 3] + "..."
 
 
-def _blame(dotted: str, source: str, given: dict[str, str]) -> str:
+def _blame(dotted: str, source: str, given: dict[str, str], section: Optional[str] = None) -> str:
     """Who set the value an error is about: a flag or ``--set`` (``given``: dotted key ->
-    how the user gave it) rather than the recipe file, which may not even hold that key."""
+    how the user gave it) rather than the recipe file, which may not even hold that key. ``section``: the
+    section whose check found the problem, when it names one key (``dotted``) but looked at others too."""
     given = {key: _short(label) for key, label in given.items()}
     for key, label in given.items():
         if dotted == key or dotted.startswith(key + "."):
             return label
-    near = [label for key, label in given.items() if key.startswith(dotted + ".")]
+    near = [label for key, label in given.items() if key.startswith((section or dotted) + ".")]
     if near:  # a check across a section's fields, one of which came from the command line
         return f"{source} with {', '.join(near)}"
     return source
@@ -115,9 +115,12 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
+        section = None
         keyed = (e.get("ctx") or {}).get("error")
         if isinstance(keyed, KeyedError):
-            # a section's check about one key below it (a component's setting, a key it ignores): name that key
+            # a section's check about one key below it (a component's setting, a key it ignores): name that key,
+            # and blame whoever set a key of the section (the check may have read several, as a cross-key one does)
+            section = ".".join(str(x) for x in loc)
             loc = loc + tuple(keyed.key.split("."))
             e = {**e, "loc": loc, "msg": keyed.message}
             if keyed.message.startswith("unknown key"):
@@ -125,7 +128,7 @@ def format_errors(err: ValidationError, source: str, given: Optional[dict[str, s
                 lines.append(f"{_blame(dotted, source, given or {})}: {keyed.message.replace('unknown key', f'unknown key {dotted!r}', 1)}")
                 continue
         dotted = ".".join(str(x) for x in loc) or "(top level)"
-        where = _blame(dotted, source, given or {})
+        where = _blame(dotted, source, given or {}, section)
         if e["type"] == "extra_forbidden":
             known = _fields_at(Recipe, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
@@ -395,6 +398,7 @@ def load_recipe(
     overrides: list[str] | None = None,
     output_dir: str | None = None,
     flags: Optional[dict[str, tuple[str, Any]]] = None,
+    auto_rule: Optional[Callable[[Recipe], Optional[str]]] = None,
 ) -> Recipe:
     """Load, override and validate a recipe; every problem is reported at once (UserError, exit 2).
 
@@ -402,6 +406,8 @@ def load_recipe(
     ``{"generate.gen_length": ("--gen-length", 64)}``. Each value is set as it is (0, False, "" and None
     included: pass only the flags given), after the ``--set`` overrides, and validated with the recipe;
     its errors name the flag. Errors in ``--set`` overrides are named as ``--set key=value``.
+    ``auto_rule``: the decoding rule a recipe's ``sampler: auto`` stands for (None when none applies or the model
+    cannot be read, as ``generate.rules.auto_rule``): its checks run here too, so that their errors name the flags.
     """
     if name_or_path is None:
         raw, source = {}, "(defaults)"
@@ -424,10 +430,16 @@ def load_recipe(
     except ValidationError as e:
         problems += format_errors(e, source, given)
         recipe = None
+    hint = None
+    if recipe is not None and auto_rule is not None:
+        rule = auto_rule(recipe)
+        found = rule_problems(recipe.generate, rule) if rule is not None else []
+        problems += [f"{_blame(f'generate.{key}', source, given, 'generate')}: generate.{key}: {msg}" for key, msg in found[:1]]
+        hint = f"generate.sampler is auto: the model decodes with the {rule} rule" if found else None
     if problems:
         n = len(problems)
         head = f"{n} problem{'s' if n > 1 else ''} in recipe {source}:\n  " if n > 1 else ""
-        raise UserError(head + "\n  ".join(problems) if n > 1 else problems[0])
+        raise UserError(head + "\n  ".join(problems) if n > 1 else problems[0], hint=hint)
     return recipe
 
 

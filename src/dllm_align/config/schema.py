@@ -657,7 +657,14 @@ class OnlineSection(ComposedSection):
     heldout: Optional[str] = Field(None, description="Held-out prompts file for the per-round evaluation (default: data.test).")
     heldout_limit: Optional[int] = Field(None, ge=1, description="Only the first N held-out prompts.")
     heldout_n: int = Field(4, ge=1, le=1024, description="Samples per held-out prompt for the sampled held-out share (greedy: one).")
-    keep: Literal["last", "best"] = Field("last", description="The run's final model: the last round's, or the best round's by held-out greedy share.")
+    unsure_judge: Optional[str] = Field(
+        None, min_length=1, description="A judge model (served at judge.base_url; absolute mode, as --rule judge:MODEL) "
+        "that the verifier's unsure samples are sent to for a yes/no verdict; unset: they are left out of training "
+        "and counted.")
+    keep: Literal["guard", "last", "best"] = Field(
+        "guard", description="The run's final model. guard: the last round's, except that a round whose held-out greedy "
+        "share falls below the previous model's 90% interval is rolled back (the previous model is kept) and the loop "
+        "stops there; last: the last round's, whatever it scored; best: the round with the highest held-out greedy share.")
 
     @field_validator("rule")
     @classmethod

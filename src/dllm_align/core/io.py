@@ -42,7 +42,9 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush ``path``'s entries (a file renamed or made in it) to disk; best effort: a folder that cannot be
+    opened or synced is left as it is."""
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:
@@ -206,7 +208,7 @@ def atomic_path(target: str | Path, suffix: str = "") -> Iterator[Path]:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except OSError as e:
         # Only faults of this write are ours to name; another file's error (read inside
         # the block) passes through unchanged.
@@ -229,7 +231,7 @@ def fsync_tree(folder: str | Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
 
 def atomic_write_bytes(target: str | Path, data: bytes) -> None:

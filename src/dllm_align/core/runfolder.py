@@ -18,12 +18,22 @@ recorded settings with the new ones and names *every* key that differs
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
+import os
+import secrets
+import socket
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from dllm_align.core.errors import UserError
+import yaml
+
+from dllm_align.core.errors import DllmAlignError, RunFailure, UserError
+from dllm_align.core.io import DirLock
+
+# lazy imports: torch.distributed: core/ loads no torch, so that `--help` and `recipes check` start fast
 
 # Recipe keys that do not change a training run's numbers: where things are
 # written, how often, how progress is shown, how work is chunked (the chunking
@@ -134,8 +144,6 @@ def recorded_recipe(out_dir: str | Path, command: str) -> Optional[dict]:
     Folders written before per-command records have only ``recipe.resolved.yaml``,
     which any command may have rewritten last; it is not trusted as the run's record.
     """
-    import yaml
-
     for p in (recipe_record(out_dir, command),):
         if p.is_file():
             try:
@@ -215,12 +223,6 @@ def check_shared_folder(folder: str | Path, what: str = "run folder", *, settle_
     ranks refuse together. The probe is removed; nothing else is written. A no-op in one process.
     Without ``create``, a folder rank 0 does not have is not made and not checked (on every rank).
     """
-    import hashlib
-    import os
-    import secrets
-    import socket
-    import time
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -290,9 +292,6 @@ def wait_visible(path: str | Path, timeout_s: float) -> bool:
     On NFS a client caches a folder's entries for a few seconds (``actimeo``): listing the parent
     revalidates them before each look.
     """
-    import os
-    import time
-
     path = Path(path)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -312,8 +311,6 @@ def check_all_see(path: str | Path, what: str, timeout_s: float = 60.0) -> None:
     rank that still cannot see it makes every rank stop with one line (RunFailure), before any rank
     writes into a folder that is not there. A no-op in one process."""
     import torch.distributed as dist
-
-    from dllm_align.core.errors import RunFailure
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
@@ -335,8 +332,6 @@ def rank0_lock(folder: Path, message: str, rank: int, world: int):
     """``folder``'s :class:`~dllm_align.core.io.DirLock` (``message`` when another command holds it), taken by rank 0
     alone, which alone writes; when several processes run, whether it got the lock is said to every rank (a
     refusal is raised on every rank), so that no rank goes on while rank 0 has stopped."""
-    from dllm_align.core.io import DirLock
-
     lock = DirLock(folder, message) if rank == 0 else None
 
     def take() -> None:  # returns nothing: the result is broadcast, and the lock stays on rank 0
@@ -357,8 +352,6 @@ def from_rank0(fn):
     """``fn()`` run on rank 0 (the other ranks pass a function returning None), its result given to every
     rank, or its error raised on every rank: no rank waits for a rank 0 that has stopped."""
     import torch.distributed as dist
-
-    from dllm_align.core.errors import DllmAlignError, RunFailure
 
     box: list = [None]
     err = None

@@ -14,7 +14,8 @@ What is contained, and how:
 * **hanging**: the import and every call run under a wall-clock bound (:data:`IMPORT_SECONDS`,
   :func:`call_seconds`: ``DLLM_ALIGN_RULE_TIMEOUT`` seconds, 10 by default), enforced with ``SIGALRM``,
   which interrupts Python code, ``time.sleep`` and the ``re`` engine's backtracking alike; past it the
-  command stops with exit 1 naming the function. The bound needs the main thread of a POSIX process:
+  call raises :class:`OverTime`, which stops the command with exit 1 naming the function unless the caller
+  has an answer for a slow input (``label`` makes that row's verdict unsure). The bound needs the main thread of a POSIX process:
   elsewhere the code runs unbounded.
 
 May import: the standard library only.
@@ -145,15 +146,24 @@ def load_function(spec: str, label: str, *, args: Optional[tuple] = None, what: 
     return f, attr
 
 
+class OverTime(RunFailure):
+    """A call that did not return within its bound (:func:`call`): a run-time failure, which a caller that has
+    another answer for one slow input (a verifier's ``unsure``) may catch; ``seconds`` is the bound."""
+
+    def __init__(self, message: str, seconds: float, hint: Optional[str] = None):
+        super().__init__(message, hint=hint)
+        self.seconds = seconds
+
+
 def call(fn: Callable, args: tuple, label: str, where: str, *, seconds: Optional[float] = None) -> Any:
     """``fn(*args)`` with stdout sent to stderr, a ``sys.exit`` and a hang turned into one run-time failure
-    naming ``label`` and ``where``; exceptions are the caller's to describe."""
+    naming ``label`` and ``where`` (:class:`OverTime` for a hang); exceptions are the caller's to describe."""
     limit = call_seconds() if seconds is None else seconds
     try:
         with _stdout_to_stderr(), bounded(limit):
             return fn(*args)
     except TimedOut:
-        raise RunFailure(f"{label} did not return within {limit:g} s on {where}",
-                         hint="make it faster, or raise the bound with DLLM_ALIGN_RULE_TIMEOUT=SECONDS") from None
+        raise OverTime(f"{label} did not return within {limit:g} s on {where}", limit,
+                       hint="make it faster, or raise the bound with DLLM_ALIGN_RULE_TIMEOUT=SECONDS") from None
     except SystemExit as e:
         raise RunFailure(f"{label} called {_exit_code(e)} on {where}; a rule returns its verdict, it does not exit") from None

@@ -38,8 +38,8 @@ from dllm_align.generate.canvas import completion
 from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
-# transformers is imported where the block rule runs: transformers takes longer to import than torch, and the generator factory
-# (generate/backend.py) imports this module for every backend, served ones included.
+# lazy imports: transformers: imported where the block rule runs: it takes longer to import than torch, and the generator
+# factory (generate/backend.py) imports this module for every backend, served ones included
 
 
 def transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
@@ -111,7 +111,7 @@ def _mask(q: int, k: int, dtype) -> torch.Tensor:
     return torch.zeros(1, 1, q, k, dtype=dtype)
 
 
-def _cache_argument(model) -> str:
+def cache_argument(model) -> str:
     """The name the body's forward takes its KV cache under: ``cache`` from transformers 5.2x on (the old
     ``past_key_values`` still works there, with a deprecation warning at every call), else ``past_key_values``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -152,7 +152,7 @@ def block_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, b
     pos = torch.arange(total, device=dev)[None]
     prefill = (plen // block_length) * block_length
     cache = DynamicCache() if use_cache else None
-    kv = {_cache_argument(model): cache}
+    kv = {cache_argument(model): cache}
 
     def additive(allowed):
         out = torch.zeros(allowed.shape, dtype=dtype, device=dev)
@@ -254,6 +254,10 @@ def check_block_model(mp, settings: SamplerSettings) -> None:
     b = mp.block_size
     if b is None:
         raise UserError(f"generate.sampler: block needs a block-diffusion model ({mp.family.name} is not one)")
+    if mp.family.sampler != "block":  # a block family with a rule of its own (LLaDA2.1's token editing)
+        raise UserError(f"generate.sampler: block: {mp.family.name} models decode with their own rule, "
+                        f"{mp.family.sampler}; the block rule would decode them without it",
+                        hint="set generate.sampler: auto (the family's own rule)")
     if settings.block_length != b:
         raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
                         hint=f"set generate.block_length: {b} (the blocks it was trained with)")

@@ -6,7 +6,11 @@ a command first uses them.
 
 from __future__ import annotations
 
-from dllm_align.config.components import Component, register
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from dllm_align.config.components import Component, ComponentSettings, register
 
 # --------------------------------------------------------------------------- generation backends
 # A backend's traits, read without loading it (dllm_align.generate.backend):
@@ -54,3 +58,29 @@ register(Component(
     "rule", "diffusion_gemma", "dllm_align.generate.gemma:RULE",
     ignores=("cache", "threshold", "cfg", "top_p", "top_k", "remasking", "alg", "alg_temp"),
     summary="DiffusionGemma's published generate (reads gen_length and steps; its own temperature schedule)"))
+
+
+class Llada21Settings(ComponentSettings):
+    """LLaDA2.1's joint-threshold decoding (``generate.llada21.<key>``; the model card's modes, the published bound
+    on post-edit rounds)."""
+
+    mode: Literal["quality", "speed"] = Field(
+        "quality", description="The model card's modes: quality (mask-to-token threshold 0.7, editing threshold 0.5) "
+        "or speed (0.5, 0.0); threshold / edit_threshold set here override the mode's.")
+    threshold: Optional[float] = Field(
+        None, ge=0, le=1, description="Mask to token: unmask every masked position of the block whose confidence "
+        "exceeds this (at least the most confident one per round); null: the mode's.")
+    edit_threshold: Optional[float] = Field(
+        None, ge=0, le=1, description="Token to token: replace a decoded (non-prompt) token of the block whose new "
+        "draw differs and whose confidence exceeds this; null: the mode's.")
+    max_post_steps: int = Field(
+        16, ge=0, le=1024, description="Editing rounds once the block has no mask left (published default 16; the "
+        "block also ends at the first round that edits nothing).")
+
+
+register(Component(
+    "rule", "llada21", "dllm_align.generate.llada21:RULE", settings=Llada21Settings,
+    # its thresholds are its own (generate.llada21.*); the published generate never reads steps
+    ignores=("cfg", "remasking", "threshold", "steps", "alg", "alg_temp", "eps"),
+    summary="LLaDA2.1's published decoding: mask-to-token and token-to-token editing thresholds, block by block",
+    traits={"fast_cache": "prefix"}))

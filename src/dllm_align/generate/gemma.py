@@ -29,6 +29,10 @@ from dllm_align.core.errors import UserError
 from dllm_align.generate.canvas import completion
 from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
+from dllm_align.models.families.diffusion_gemma import PUBLISHED_GENERATION
+
+# lazy imports: transformers: imported where the DiffusionGemma generation config is built: it takes longer to
+# import than torch, and the generator factory (generate/backend.py) imports this module for every backend
 
 
 def generation_config(mp, settings: SamplerSettings):
@@ -37,8 +41,7 @@ def generation_config(mp, settings: SamplerSettings):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (DiffusionGemmaGenerationConfig,
                                                                                 EntropyBoundSamplerConfig)
 
-    from dllm_align.models.families.diffusion_gemma import PUBLISHED_GENERATION as pub
-
+    pub = PUBLISHED_GENERATION
     pad = getattr(mp.tokenizer, "pad_token_id", None) if mp.tokenizer is not None else None
     return DiffusionGemmaGenerationConfig(
         max_new_tokens=settings.gen_length, max_denoising_steps=settings.steps,

@@ -21,6 +21,9 @@ from dllm_align.config.schema import FAST_CACHE, rule_problems
 from dllm_align.core.errors import UserError
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
+# lazy imports: dllm_align.models: it loads torch, and the rules are declared and checked by `recipes check`, which stays
+# torch-free; only fast_cache reads a model's family
+
 # (mp, prompts, settings, seeds, stats, t0, stop_early) -> one Completion per prompt, in order
 DecodeBatch = Callable[
     [object, Sequence[Sequence[int]], SamplerSettings, Sequence[int], Optional[SamplerStats], float, bool], list[Completion]
@@ -53,20 +56,49 @@ def fast_cache(model, sampler: str) -> str:
     of the positions after the block), else ``dual`` (the LLaDA sampler's). Read from the model's config.json
     alone, before any weights load; a model that cannot be read gets ``dual`` here and its own error when it
     loads."""
-    name = sampler
-    if name == "auto":
-        try:
-            from dllm_align.models.families import family_for_config, get_family
-            from dllm_align.models.load import BUILTIN_SPECS, resolve_config_file
+    name = resolved_rule(model, sampler)
+    return rule_fast_cache(name) if name != "auto" else FAST_CACHE
 
-            if model.name_or_path in BUILTIN_SPECS:
-                name = get_family(BUILTIN_SPECS[model.name_or_path].family).sampler
-            else:
-                cfg = json.loads(Path(resolve_config_file(model.name_or_path, model.revision)).read_text(encoding="utf-8"))
-                name = family_for_config(cfg).sampler
-        except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
-            return FAST_CACHE
-    return rule_fast_cache(name)
+
+def auto_rule(recipe) -> Optional[str]:
+    """The decoding rule the recipe's ``sampler: auto`` stands for (its model family's), when its backend decodes
+    with the rules (``reads: rule``); else None. ``config.recipe.load_recipe`` checks the rule with it, so that
+    the rule's errors name the flags that set the keys."""
+    comp = components.find("backend", recipe.generate.backend)
+    if recipe.generate.sampler != "auto" or comp is None or "reads" not in comp.traits or comp.traits["reads"] != "rule":
+        return None
+    return family_rule(recipe.model)
+
+
+def family_rule(model) -> Optional[str]:
+    """The decoding rule of this model section's family, read from the model's config.json alone, before any
+    weights load; None for a model that cannot be read (loading it names what is wrong)."""
+    from dllm_align.models.families import family_for_config, get_family, with_folder_evidence
+    from dllm_align.models.load import BUILTIN_SPECS, resolve_config_file
+
+    try:
+        if model.name_or_path in BUILTIN_SPECS:
+            return get_family(BUILTIN_SPECS[model.name_or_path].family).sampler
+        path = Path(resolve_config_file(model.name_or_path, model.revision))
+        cfg = with_folder_evidence(json.loads(path.read_text(encoding="utf-8")), path.parent)
+        return family_for_config(cfg).sampler
+    except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
+        return None
+
+
+def rule_reads(name: str, key: str) -> bool:
+    """Whether decoding rule ``name`` reads the shared ``generate`` key ``key`` (it is not among its ``ignores``):
+    fast mode fills in ``threshold`` only for a rule that reads it (LLaDA2.1's has thresholds of its own)."""
+    comp = components.find("rule", name)
+    return comp is None or key not in comp.ignores
+
+
+def resolved_rule(model, sampler: str) -> str:
+    """``generate.sampler`` with ``auto`` resolved to the family's rule from the model's config.json alone (no
+    weights load); ``auto`` itself when the config cannot be read here (loading the model then says why)."""
+    if sampler != "auto":
+        return sampler
+    return family_rule(model) or "auto"
 
 
 def rule_fast_cache(name: str) -> str:

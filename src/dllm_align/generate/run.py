@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from accelerate import PartialState
 
 from dllm_align.config.recipe import write_run_info
 from dllm_align.core import console
@@ -67,8 +68,6 @@ class _Ranks:
     def start(cls, device: Optional[str]) -> "_Ranks":
         world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set WORLD_SIZE
         if world > 1:
-            from accelerate import PartialState
-
             state = PartialState(cpu=not torch.cuda.is_available() or (device or "").startswith("cpu"))
             return cls(state.process_index, state.num_processes, state.device, state)
         return cls(0, 1, _device(device))

@@ -83,8 +83,8 @@ from dllm_align.generate.canvas import canvas, completion, first_stop
 from dllm_align.generate.rules import DecodingRule, rule_for, settings_for, whole_sequence_model
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, length_batches, row_seed, transfer_schedule
 
-# transformers is imported where the fast mode builds its cache: transformers takes longer to import than torch, and the generator
-# factory (generate/backend.py) imports this module for every backend, served ones included.
+# lazy imports: transformers: imported where the fast mode builds its cache: it takes longer to import than torch, and the
+# generator factory (generate/backend.py) imports this module for every backend, served ones included
 
 
 # --------------------------------------------------------------------------- cached forward

@@ -31,7 +31,10 @@ register(Component("family", "llada2", "dllm_align.models.families.block:LLADA2"
     # LLaDA2.0's MoE layout (first layer dense, then 4 experts + a shared one, grouped top-2) at the tiny size,
     # with blocks of 8 (families/block.py's build_tiny_llada2)
     "builtin_models": {"builtin:tiny-llada2": {}}}))
-register(Component("family", "llada21", "dllm_align.models.families.block:LLADA21", summary="LLaDA2.1 (block diffusion)"))
+register(Component("family", "llada21", "dllm_align.models.families.llada21:LLADA21",
+                   summary="LLaDA2.1 (block diffusion, decoded with token editing)", traits={
+    # LLaDA2.0's tiny layout under LLaDA2.1's family (its decoder, its published identity)
+    "builtin_models": {"builtin:tiny-llada21": {}}}))
 register(Component("family", "diffusion_gemma", "dllm_align.models.families.diffusion_gemma:DIFFUSION_GEMMA",
                    summary="DiffusionGemma (uniform noise over canvases)", traits={
     "builtin_models": {

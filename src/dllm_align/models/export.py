@@ -19,9 +19,13 @@ built-in ones) gets the family's published fields from its record (``Family.publ
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
+
+from dllm_align.models.families import get_family
 
 
 # Keys dllm-align adds to a config for its own loading; the published code has no use for them.
@@ -48,8 +52,6 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
     ``trained``: the config the trained model carries (``config.to_dict()``); ``source``: the source checkpoint's
     own ``config.json`` (None for a model with no published source). Raises KeyError for an unknown family.
     """
-    from dllm_align.models.families import get_family
-
     fam = get_family(family)
     layout = fam.published
     if layout is None:
@@ -82,9 +84,6 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
 def remote_code_files(folder: Path, cfg: dict) -> list[Path]:
     """The Python files of ``folder`` a published config (and tokenizer config) points at through ``auto_map``,
     with the sibling modules they import from the same folder (``from .x import``), sorted."""
-    import json
-    import re
-
     modules = set()
     maps = [cfg.get("auto_map") or {}]
     tok_cfg = folder / "tokenizer_config.json"
@@ -117,8 +116,6 @@ def copy_remote_code(source: Path, dest: Path, cfg: dict) -> list[str]:
 
 def published_state(family: str, state: dict) -> dict:
     """The trained (native) state dict under the family's published weight names."""
-    from dllm_align.models.families import get_family
-
     inverse = get_family(family).published_state
     return inverse(state) if inverse else dict(state)
 
@@ -143,8 +140,6 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
     out: ``model_type`` and ``architectures`` (what the serving engines key on) stay, and the code can be added later
     together with the ``auto_map`` of the family's ``published`` layout. ``source_config``: the source's config.json
     as the caller read it already (a training run reads it once). Returns the written config."""
-    import json
-
     folder = Path(folder)
     trained = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     src_cfg = source_config

@@ -49,6 +49,7 @@ from dllm_align.models.families import (
     family_of,
     get_family,
     native_family,
+    with_folder_evidence,
 )
 from dllm_align.models.families.base import Family, WeightSources, empty_weights
 from dllm_align.models.precision import keep_fp32_buffers
@@ -58,8 +59,8 @@ if TYPE_CHECKING:
 from dllm_align.models.predictor import MaskPredictor
 from dllm_align.models.shards import empty_transformers_model
 
-# transformers and huggingface_hub are imported inside the functions that build a model or reach the
-# Hub: the memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch.
+# lazy imports: transformers, huggingface_hub: imported inside the functions that build a model or reach the Hub: the
+# memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch
 
 
 
@@ -368,6 +369,7 @@ def load_model(
         if trust_remote_code:
             warn(f"trust_remote_code is on: running Python code shipped with {name_or_path}")
 
+        cfg = with_folder_evidence(cfg, path)  # the hub's LLaDA2.1 says llada2_moe: its shipped code tells it apart
         family = family_for_config(cfg)
         if family.refuse_reason:
             raise UserError(f"{path}: {family.name} checkpoint: {family.refuse_reason}")
@@ -507,6 +509,7 @@ def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSour
         cfg = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(cfg, dict):
             return ModelSource(name_or_path, revision, None)
+        cfg = with_folder_evidence(cfg, path.parent)  # the hub's LLaDA2.1 says llada2_moe: its shipped code tells it apart
         return ModelSource(name_or_path, revision, family_for_config(cfg), cfg, path.parent)
     except (UserError, OSError, ValueError):
         return ModelSource(name_or_path, revision, None)

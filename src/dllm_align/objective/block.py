@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from dllm_align.data.batching import pack_rows
+from dllm_align.models import attention_memory as am
 from dllm_align.models.block_attention import Streams, use_streams_attention
 from dllm_align.models.predictor import MaskPredictor, packed_positions
 from dllm_align.objective.draws import AbsorbingMask
@@ -292,8 +293,6 @@ class BlockDiffusion(AbsorbingMask):
         # Per backend, the attention bytes as the kernel CUDA runs needs them (models.attention_memory). One
         # unit is one row of K noisy streams and the shared clean stream, N = (K + 1) x T tokens; packed rows
         # run under the same streams masks, so no dense packed mask is added.
-        from dllm_align.models import attention_memory as am
-
         k, T, cb = draws, length, compute_bytes
         N = (k + 1) * T
         notes = [f"block diffusion (block {shape.block_size}): {k} noisy streams and one shared clean stream, "

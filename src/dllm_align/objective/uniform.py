@@ -46,6 +46,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from dllm_align.core.errors import UserError
 from dllm_align.objective.components import UniformSettings
@@ -329,8 +330,6 @@ def _bound_terms(logits: torch.Tensor, x0: torch.Tensor, xt: torch.Tensor, t: to
     for s in range(0, logits.shape[0], rows):
         args = (logits[s:s + rows], x0[s:s + rows], xt[s:s + rows], t[s:s + rows], par, surrogate)
         if torch.is_grad_enabled() and logits.requires_grad:
-            from torch.utils.checkpoint import checkpoint
-
             out.append(checkpoint(_bound_chunk, *args, use_reentrant=False))
         else:
             out.append(_bound_chunk(*args))

@@ -22,11 +22,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dllm_align.core.errors import UserError
-from dllm_align.core.runfolder import from_rank0, run_folder
+import torch
+import torch.distributed as dist
+
+from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
+from dllm_align.core.console import info, progress, warn
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import atomic_write_json, atomic_write_text, check_not_input
+from dllm_align.core.runfolder import differing, from_rank0, refuse_changes, run_folder
+from dllm_align.data.layouts import as_messages
+from dllm_align.data.read import read_tables
+from dllm_align.data.rows import BadValue, content_hash
+from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
+from dllm_align.generate.rules import rule_fast_cache, rule_reads
+from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed
+from dllm_align.judge.client import FatalApiError, JudgementFailed
+from dllm_align.online.verifiers import Outcome, Rule, apply, get_rule
+from dllm_align.online.verifiers import recorded_settings as recorded_settings_of
 
 ROWS = "labelled.jsonl"
 SUMMARY = "label_summary.json"
+UNSURE = "unsure.jsonl"  # the rows the verifier was unsure of: counted, kept for a look, never trained on
 # Decoding keys that are the same for every sample of a run (the fast mode's): recorded once, in the summary.
 PER_RUN_KEYS = frozenset({"cache", "threshold"})
 
@@ -45,8 +61,6 @@ MAX_PROMPT_CHARS = 200_000
 
 
 def _prompt_id(d: dict, msgs: list, where: str) -> str:
-    from dllm_align.data.rows import content_hash
-
     for col in ("prompt_id", "id"):
         v = d.get(col)
         if v is None or v == "":
@@ -60,10 +74,6 @@ def _prompt_id(d: dict, msgs: list, where: str) -> str:
 def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifier=None) -> list[Prompt]:
     """Prompts of a file with their source rows, so that a verifier can read columns such as ``answer``; each
     prompt, its id and the columns the verifier reads checked here, naming the file and line."""
-    from dllm_align.data.layouts import as_messages
-    from dllm_align.data.read import read_tables
-    from dllm_align.data.rows import BadValue
-
     out: list[Prompt] = []
     seen: dict[str, str] = {}
     for t in read_tables(source, split, allow_txt=True):
@@ -104,29 +114,41 @@ def read_prompts(source: str, split: Optional[str], limit: Optional[int], verifi
     return out
 
 
+def with_instruction(p: Prompt, instruction: str) -> Prompt:
+    """``p`` with ``instruction`` appended to its last user message (its id and source row unchanged): how a
+    verifier's answer format is stated in the prompt."""
+    msgs = [dict(m) for m in p.messages]
+    users = [i for i, m in enumerate(msgs) if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    if not users:
+        return p
+    last = msgs[users[-1]]
+    last["content"] = f"{last['content'].rstrip()}\n\n{instruction}"
+    return Prompt(p.id, msgs, p.row, p.where)
+
+
 def prompt_fingerprint(source: str, split: Optional[str], limit: Optional[int]) -> str:
     """A hash of the prompts' content (ids, messages and source rows), whatever file or built-in holds them:
     what a resumed online run must still be labelling."""
-    from dllm_align.data.rows import content_hash
-
     return content_hash([[p.id, p.messages, p.row] for p in read_prompts(source, split, limit)], n=32)
 
 
 def _verdict(verifier, judge, p: "Prompt", completion: str, j: int):
-    """One sample's label: the verifier's True/False; None when an absolute judge could not decide."""
-    from dllm_align.core.errors import RunFailure
-    from dllm_align.judge.client import FatalApiError, JudgementFailed
-    from dllm_align.online.verifiers import apply
-
+    """One sample's :class:`~dllm_align.online.verifiers.Outcome` (an absolute judge that could not decide:
+    unsure, reason ``unjudgeable``)."""
     where = f"{p.where} (prompt {p.id!r}, sample {j})"
     if judge is None:
         return apply(verifier, _prompt_text(p.messages), completion, p.row, where)
     try:
-        return judge(_prompt_text(p.messages), completion, p.row)
+        return _judged(judge(_prompt_text(p.messages), completion, p.row))
     except FatalApiError as e:
         raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
     except JudgementFailed as e:
         raise RunFailure(f"judging {where} failed: {e}", hint="run the same command again: cached verdicts are kept") from None
+
+
+def _judged(v):
+    """An absolute judge's True / False / None as an outcome."""
+    return Outcome("unsure", "unjudgeable") if v is None else Outcome("desirable" if v else "undesirable")
 
 
 def _reason_counts(verifier, reasons: Counter) -> dict[str, int]:
@@ -141,11 +163,8 @@ def _labels(verifier, judge, items: list, flat: list, texts: list[str], section)
     """Every sample's label, in order: the verifier's, or the absolute judge's (live, or through the Batch API
     when ``judge.batch`` is set, as ``judge`` does)."""
     if judge is not None and section.batch:
-        from dllm_align.core.errors import RunFailure
-        from dllm_align.judge.client import FatalApiError, JudgementFailed
-
         try:
-            return judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])
+            return [_judged(v) for v in judge.batch([(_prompt_text(items[i].messages), t) for (i, _), t in zip(flat, texts)])]
         except FatalApiError as e:
             raise (UserError(str(e)) if e.user_error else RunFailure(str(e))) from None
         except JudgementFailed as e:
@@ -163,9 +182,6 @@ def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
     then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
     decoding as it is."""
-    from dllm_align.config.schema import FAST_CACHE, FAST_THRESHOLD
-    from dllm_align.generate.settings import SamplerSettings
-
     s = SamplerSettings.from_section(recipe.generate)
     upd = {}
     if temperature is not None:
@@ -182,9 +198,9 @@ def _for_model(gen, settings, fast: bool):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
     fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
     if fast:
-        from dllm_align.generate.rules import rule_fast_cache
-
-        settings = settings.replace(cache=rule_fast_cache(gen.settings_for(settings.replace(cache="none", threshold=None)).sampler))
+        rule = gen.settings_for(settings.replace(cache="none", threshold=None)).sampler
+        settings = settings.replace(cache=rule_fast_cache(rule),
+                                    threshold=settings.threshold if rule_reads(rule, "threshold") else None)
     return gen.settings_for(settings)
 
 
@@ -197,15 +213,11 @@ def check_temperature(temperature: Optional[float], n: int) -> None:
 
 def check_rule(rule: str, answer_column: str, recipe):
     """The verifier ``rule`` names, every check that needs no model done (a judge's key and URL included)."""
-    from dllm_align.online.verifiers import get_rule
-
     return get_rule(rule, answer_column=answer_column, recipe=recipe)
 
 
 def _refuse_relabel(summary_path: Path, settings: dict) -> None:
     """A folder labelled with other settings is not relabelled over: its rows would mix rules, models or samples."""
-    from dllm_align.core.runfolder import differing, refuse_changes
-
     if not summary_path.is_file():
         return
     try:
@@ -231,12 +243,6 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     settings, the model and its decoding rule, each prompt's length against the model's positions. The
     folder is then locked (:class:`dllm_align.core.io.DirLock`, by rank 0 when several processes sample)
     while samples are drawn and labelled."""
-    import torch
-
-    from dllm_align.core.io import check_not_input
-    from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
-    from dllm_align.generate.settings import encode_prompt, row_seed
-
     if n < 1:
         raise UserError(f"--n {n}: at least one sample per prompt")
     check_temperature(temperature, n)
@@ -248,17 +254,27 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     items = read_prompts(str(source), None if prompts else split, limit, verifier)
     if not items:
         raise UserError(f"{source}: no prompts")
+    if verifier.instruction:
+        items = [with_instruction(p, verifier.instruction) for p in items]
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: a file, not a folder", hint="name a folder for the labelled rows")
     rows_path, summary_path = out / ROWS, out / SUMMARY
-    for p in (rows_path, summary_path):
+    for p in (rows_path, summary_path, out / UNSURE):
         check_not_input(p)
     rank, world = _ranks()
     settings, filled = label_settings(recipe, temperature, fast)
     name = recipe.model.name_or_path if model is None else model
     record = {"--rule": rule, "--n": n, "--model": str(name), "--prompts": str(source), "--limit": limit,
               "--answer-column": answer_column, "generate": recorded_settings(settings)}
+    if verifier.instruction:  # recorded only where there is one: folders labelled without one keep their record
+        record["instruction"] = verifier.instruction
+    own = recorded_settings_of(rule, recipe)
+    if own is not None:  # how the verifier reads (math_answer's format): relabelling with another is refused
+        record["verifier_settings"] = own
+    second = _unsure_judge(recipe, rule)
+    if second is not None:
+        record["unsure_judge"] = second.name
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     gen = make_generator(recipe.generate, recipe.model, device=dev, name_or_path=name)
@@ -280,22 +296,29 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     with run_folder(out, f"{out}: another command is writing this folder; wait for it, or label into another (-o)",
                     rank=rank, world=world):
         return _label_locked(recipe, out, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_,
-                             record, rank, world)
+                             record, rank, world, second)
+
+
+def _unsure_judge(recipe, rule: str):
+    """The judge verifier ``online.unsure_judge`` names (its key and URL checked now), or None: unset, or the rule is
+    itself a judge."""
+    online = getattr(recipe, "online", None)
+    model = online.unsure_judge if online is not None else None
+    if model is None or rule.startswith("judge:"):
+        return None
+    return get_rule(f"judge:{model}", recipe=recipe)
 
 
 def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, verifier, rule, name, n, round_, record,
-                  rank: int, world: int) -> dict:
-    """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed."""
-    from dllm_align.core.console import info
-    from dllm_align.generate.backend import recorded_settings
-
+                  rank: int, world: int, second=None) -> dict:
+    """Sampling, labelling and writing, with the folder locked (on rank 0) and every check passed. ``second``: the
+    judge verifier the unsure samples go to (None: none)."""
     rows_path, summary_path = out / ROWS, out / SUMMARY
     judge = None
     if verifier.bind is not None and rank == 0:  # a verifier bound to the run folder (a judge's cache) lives on rank 0
-        from dllm_align.online.verifiers import Rule
-
         judge = verifier.bind(out)
         verifier = Rule(rule, judge)
+    second = second.bind(out) if second is not None and rank == 0 else None
     if rank == 0:
         fast = (f", cache {settings.cache}, threshold {settings.threshold}"
                 if PER_RUN_KEYS <= set(recorded_settings(settings)) else "")  # said only where the backend uses them
@@ -306,16 +329,14 @@ def _label_locked(recipe, out: Path, gen, items, ids, flat, seeds, settings, ver
     if world > 1:
         # rank 0 labels and writes; the others take its outcome (the same error on every rank)
         return from_rank0(lambda: _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_,
-                                                    rows_path, summary_path, recipe.judge, record, gen.serving())
+                                                    rows_path, summary_path, recipe.judge, record, gen.serving(), second)
                                  if rank == 0 else None)
     return _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                            recipe.judge, record, gen.serving())
+                            recipe.judge, record, gen.serving(), second)
 
 
 def _ranks() -> tuple[int, int]:
     """(rank, world size) of the process group a multi-process launch opened; (0, 1) alone."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -325,9 +346,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
     """Every sample's completion, the length-grouped batches dealt across the processes (batch j to rank
     j mod world, as ``generate`` deals them) and gathered: the same batches, hence the same samples, as one
     process draws."""
-    from dllm_align.core.console import progress
-    from dllm_align.generate.settings import length_batches
-
     batches = length_batches([len(p) for p in prompts], batch_size)
     mine = [b for j, b in enumerate(batches) if j % world == rank]
     got: list = []
@@ -337,8 +355,6 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
             got += list(zip(b, res))
             bar.advance(len(b))
     if world > 1:
-        import torch.distributed as dist
-
         parts: list = [None] * world
         dist.all_gather_object(parts, got)
         got = [x for part in parts for x in part]
@@ -348,34 +364,52 @@ def _sample(gen, prompts: list, settings, seeds: list, batch_size: int, rank: in
     return comps
 
 
-def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
-                     judge_section, record: dict, served: Optional[dict]) -> dict:
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-    from dllm_align.generate.backend import recorded_settings
+def _second_opinions(second, items, flat, comps, labels: list) -> set:
+    """The unsure samples' verdicts asked of the judge ``second`` (in place; its own no-verdict stays unsure, the
+    verifier's reason is kept); returns the indices it decided."""
+    decided = set()
+    for k, got in enumerate(labels):
+        if got.verdict != "unsure":
+            continue
+        i, j = flat[k]
+        again = _verdict(None, second, items[i], comps[k].text, j)
+        if again.verdict != "unsure":
+            labels[k] = Outcome(again.verdict, got.reason)
+            decided.add(k)
+    return decided
 
+
+def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, round_, rows_path, summary_path,
+                     judge_section, record: dict, served: Optional[dict], second=None) -> dict:
     # The run's decoding is recorded once, in the summary; each row keeps what tells its samples apart from
     # another run's, without the fast mode's cache and threshold (the same for every row of the run).
     sampler = recorded_settings(settings)
     row_sampler = {k: v for k, v in sampler.items() if k not in PER_RUN_KEYS}
     rows = []
+    judged: set = set()
     try:
         labels = _labels(verifier, judge, items, flat, [c.text for c in comps], judge_section)
+        if second is not None:
+            sent = sum(o.verdict == "unsure" for o in labels)
+            judged = _second_opinions(second, items, flat, comps, labels)
+            info(f"label: {sent} unsure sample(s) sent to the judge {second.model}: {len(judged)} decided")
     finally:
-        if judge is not None:
-            judge.close()
+        for j in (judge, second):
+            if j is not None:
+                j.close()
     reasons: Counter = Counter()
-    for ((i, j), c), ok in zip(zip(flat, comps), labels):
+    unsure = []
+    for k, (((i, j), c), got) in enumerate(zip(zip(flat, comps), labels)):
         p = items[i]
-        if ok is None:  # an absolute judge that gave no verdict even when asked for it alone
-            continue
-        row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": ok,
-               "round": round_, "model": name, "sampler": row_sampler, "labeller": verifier.name,
-               "verdict": "desirable" if ok else "undesirable"}
-        why = verifier.explain(_prompt_text(p.messages), c.text, p.row) if judge is None else None
-        if why is not None:
-            row["reason"] = why
-            reasons[why] += 1
-        rows.append(row)
+        row = {"id": f"{p.id}:s{j}", "prompt_id": p.id, "prompt": p.messages, "completion": c.text, "label": got.label,
+               "round": round_, "model": name, "sampler": row_sampler, "labeller": verifier.name, "verdict": got.verdict}
+        if k in judged:  # the verifier was unsure: the verdict is the judge's
+            row["judged_by"] = f"judge:{second.model}"
+        if got.reason is not None:
+            row["reason"] = got.reason
+            reasons[got.reason] += 1
+        # an unsure row is kept apart from the training rows, with its reason (an absolute judge's included)
+        (unsure if got.label is None else rows).append(row)
     per_prompt = Counter()
     good = Counter()
     for r in rows:
@@ -383,11 +417,15 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         good[r["prompt_id"]] += r["label"]
     n_good = sum(r["label"] for r in rows)
     if judge is not None and judge.unjudgeable:  # said before the error below, which refers to it
-        from dllm_align.core.console import warn
-
         warn(f"label: {judge.unjudgeable} sample(s) got no [[YES]]/[[NO]] verdict even when asked for it alone: left out")
+    if unsure:
+        why = Counter(r.get("reason", "no reason given") for r in unsure)
+        info(f"label: {len(unsure)} of {len(flat)} samples unsure ({100 * len(unsure) / len(flat):.1f}%), left out of "
+             f"training and written to {UNSURE}: " + ", ".join(f"{k} {v}" for k, v in why.most_common()))
     if not rows:
-        raise UserError("no sample got a verdict: nothing to write", hint="see the warning above")
+        raise UserError("no sample got a verdict of desirable or undesirable: nothing to write",
+                        hint="see the warning above" if judge is not None and judge.unjudgeable
+                        else "see the unsure samples counted above")
     summary = {
         "rows": len(rows), "prompts": len(items), "samples_per_prompt": n, "desirable": n_good,
         "undesirable": len(rows) - n_good, "desirable_share": n_good / len(rows),
@@ -395,9 +433,12 @@ def _label_and_write(verifier, judge, items, flat, comps, settings, name, n, rou
         "prompts_all_undesirable": sum(1 for k in per_prompt if good[k] == 0),
         "model": name, "labeller": verifier.name, "round": round_, "sampler": sampler, "rows_file": ROWS,
         "unjudgeable": judge.unjudgeable if judge is not None else 0,
+        "unsure": len(unsure), "unsure_share": len(unsure) / len(flat), "unsure_file": UNSURE,
+        "unsure_judged": len(judged),
         "reasons": _reason_counts(verifier, reasons) if reasons else None, "settings": record,
     }
     summary["served"] = served  # the model the backend says it served (None where it cannot tell)
     atomic_write_text(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(rows_path.parent / UNSURE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in unsure))
     atomic_write_json(summary_path, summary)
     return summary

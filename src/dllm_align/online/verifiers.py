@@ -1,4 +1,11 @@
-"""Verifiers: functions that label one completion desirable (True) or not, given its prompt and row.
+"""Verifiers: functions that label one completion, given its prompt and row: desirable, undesirable or unsure
+(:data:`VERDICTS`), each with its reason where the verifier gives one.
+
+What a verifier returns: ``True`` (desirable), ``False`` (undesirable), ``None`` (unsure: it abstains), or a
+verdict with its reason (an object with ``verdict`` and ``reason``, or a pair ``(verdict, reason)``);
+:func:`apply` turns each into an :class:`Outcome`. A call past its time bound is unsure too (reason
+``timeout``), so one pathological completion never stops a labelling run. ``label`` and ``online`` leave the
+unsure rows out of training and count them.
 
 A verifier is a component of kind ``verifier`` (``dllm_align.config.components``): declared torch-free with
 its name, the argument it takes after ':' and its own settings (``online.<name>``), the built-in ones in
@@ -9,17 +16,17 @@ Built in:
 
 * ``sort``: the toy task (``dllm_align.data.toy``): the completion is the prompt's digits in ascending order
   (reasons: ``correct``, ``descending``, ``unsorted``, ``malformed``: not the prompt's digits).
-* ``math_answer``: the completion's final committed answer equals the row's reference answer (column
-  ``answer`` by default, e.g. GSM8K's ``... #### 42``), compared by ``math-verify``. Only an answer the
-  output commits to counts (the last ``####``, ``\\boxed{}`` or "the answer is", a correction after it
-  replacing it, else the stated result of the last sentence); a hedge, a truncated output, an expression
-  with no stated result or no answer at all is undesirable, and :meth:`Rule.explain` says which. The full
-  rule is in :mod:`dllm_align.online.math_answer`.
+* ``math_answer``: the answer the completion gives in the recipe's answer format (``#### N`` by default,
+  ``\\boxed{}``, a JSON field or an ``<answer>`` tag) equals the row's reference answer (column ``answer``
+  by default, e.g. GSM8K's ``... #### 42``), compared by ``math-verify``; unsure when it commits to two
+  answers or revises itself, "no answer" (undesirable, or unsure as the recipe says) without the format.
+  The full rule is in :mod:`dllm_align.online.math_answer`.
 * ``regex:PATTERN``: the completion contains a match of PATTERN (Python ``re.search``; an empty pattern is
   refused, and each search is bounded in time like a user's function, so catastrophic backtracking stops).
 * ``judge:MODEL``: an LLM judge in absolute mode (:mod:`dllm_align.online.absolute`), bound to the run
   folder once it is taken (its verdict cache lives there).
-* ``package.module:function``: your function ``(prompt, completion, row) -> bool`` (``prompt`` is the last
+* ``package.module:function``: your function ``(prompt, completion, row)`` returning a verdict as above
+  (``prompt`` is the last
   user message's text, ``row`` the prompt's source row as a dict); like the judge's rule judges, running
   your code is announced on stderr. Its printing, exits and hangs are contained
   (:mod:`dllm_align.core.usercode`); its arity is checked before anything is sampled.
@@ -37,11 +44,25 @@ from pydantic import BaseModel
 
 from dllm_align.config.schema import split_verifier, verifier_problem
 from dllm_align.core.errors import DllmAlignError, UserError
-from dllm_align.core.usercode import call, load_function
+from dllm_align.core.usercode import OverTime, call, load_function
 from dllm_align.data.toy import desirable, digits_of, undesirable
-from dllm_align.online.math_answer import REASONS, judge, reference_answer
+from dllm_align.online.math_answer import REASONS, instruction, judge, reference_answer
 
-Verifier = Callable[[str, str, dict], bool]
+Verifier = Callable[[str, str, dict], Any]
+VERDICTS = ("desirable", "undesirable", "unsure")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One completion's verdict (one of :data:`VERDICTS`) and its reason (None when the verifier gives none)."""
+
+    verdict: str
+    reason: Optional[str] = None
+
+    @property
+    def label(self) -> Optional[bool]:
+        """The training label: True, False, or None for an unsure row (left out of training)."""
+        return None if self.verdict == "unsure" else self.verdict == "desirable"
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,9 @@ class Rule:
     # A verifier that works in the run folder (the absolute judge caches its verdicts there): called with the
     # folder once it is taken, it returns what labels instead of ``fn`` (with ``batch`` when it can ask in bulk).
     bind: Optional[Callable[[Path], Any]] = None
+    # What every prompt is told so that its answer comes in the form the verifier reads (math_answer's answer
+    # format), appended to the last user message; None: the prompts are sampled as they are.
+    instruction: Optional[str] = None
 
     def explain(self, prompt: str, completion: str, row: dict) -> Optional[str]:
         """The reason behind the verdict, or None for a rule that gives none."""
@@ -85,14 +109,13 @@ def _sort_why(prompt: str, completion: str, row: dict) -> str:
     return "unsorted" if sorted(got) == sorted(digits) else "malformed"
 
 
-def _math(column: str) -> tuple[Verifier, Callable[[str, str, dict], str]]:
-    def check(prompt: str, completion: str, row: dict) -> bool:
-        return judge(completion, str(row[column])).desirable
+def _math(column: str, fmt: str = "hashes", field: str = "answer", no_answer: str = "undesirable") -> Verifier:
+    """math_answer's verdict, with its reason, in one reading (:func:`dllm_align.online.math_answer.judge`)."""
 
-    def why(prompt: str, completion: str, row: dict) -> str:
-        return judge(completion, str(row[column])).reason
+    def check(prompt: str, completion: str, row: dict):
+        return judge(completion, str(row[column]), fmt=fmt, field=field, prompt=prompt, no_answer=no_answer)
 
-    return check, why
+    return check
 
 
 def _math_row(column: str) -> Callable[[dict], Optional[str]]:
@@ -126,13 +149,29 @@ def sort_rule(sel: Selection) -> Rule:
 
 
 def math_answer_rule(sel: Selection) -> Rule:
-    check, why = _math(sel.answer_column)
-    return Rule("math_answer", check, (sel.answer_column,), why, _math_row(sel.answer_column), REASONS)
+    """math_answer with its own settings (``online.math_answer``: the answer format, its JSON field, what no
+    answer is, the sentence that asks for the format)."""
+    own = sel.settings
+    check = _math(sel.answer_column, own.format, own.field, own.no_answer)
+    said = instruction(own.format, own.field) if own.instruction is None else own.instruction
+    return Rule("math_answer", check, (sel.answer_column,), None, _math_row(sel.answer_column), REASONS,
+                instruction=said or None)
 
 
 def regex_rule(sel: Selection) -> Rule:
     rx = re.compile(sel.argument or "")  # checked with the spec (verifier_problem)
     return Rule(sel.spec, lambda p, c, r: rx.search(c) is not None)
+
+
+def recorded_settings(spec: str, recipe) -> Optional[dict]:
+    """The own settings (``online.<name>``) of the registered verifier ``spec`` selects, as a run records them;
+    None for a verifier without settings (or a user's function)."""
+    comp, _ = split_verifier(spec) if isinstance(spec, str) else (None, None)
+    if comp is None or not comp.has_settings():
+        return None
+    online = getattr(recipe, "online", None)
+    own = online.own_settings(comp.name) if online is not None else comp.settings()
+    return own.model_dump(mode="json")
 
 
 def check_spec(spec: Any, label: str) -> None:
@@ -161,15 +200,39 @@ def get_rule(spec: str, *, answer_column: str = "answer", recipe=None) -> Rule:
     return rule
 
 
-def apply(rule: Rule, prompt: str, completion: str, row: dict, where: str) -> bool:
-    """Run a verifier on one completion (printing, exiting and hanging contained: :mod:`dllm_align.core.usercode`);
-    an exception or a non-boolean answer is one error naming the rule and the row."""
+def apply(rule: Rule, prompt: str, completion: str, row: dict, where: str) -> Outcome:
+    """Run a verifier on one completion (printing, exiting and hanging contained: :mod:`dllm_align.core.usercode`)
+    and read its verdict (module docstring); a call past its bound is unsure (reason ``timeout``). An exception
+    or an answer that is no verdict is one error naming the rule and the row."""
     try:
         v: Any = call(rule.fn, (prompt, completion, row), f"--rule {rule.name}", where)
+    except OverTime:
+        return Outcome("unsure", "timeout")
     except DllmAlignError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's function failed: say where, not a traceback
         raise UserError(f"--rule {rule.name} failed on {where}: {type(e).__name__}: {e}"[:400]) from None
-    if not isinstance(v, bool):
-        raise UserError(f"--rule {rule.name} returned {v!r}"[:200] + f" on {where}; a verifier returns True or False")
-    return v
+    got = outcome_of(v)
+    if got is None:
+        raise UserError(f"--rule {rule.name} returned {v!r}"[:200] + f" on {where}; a verifier returns True, False, "
+                        "None (unsure) or (verdict, reason) with a verdict of " + ", ".join(VERDICTS))
+    if got.reason is None and rule.why is not None and got.verdict != "unsure":
+        got = Outcome(got.verdict, rule.explain(prompt, completion, row))
+    return got
+
+
+def outcome_of(v: Any) -> Optional[Outcome]:
+    """A verifier's answer as an :class:`Outcome`, or None when it is no verdict."""
+    if isinstance(v, bool):
+        return Outcome("desirable" if v else "undesirable")
+    if v is None:
+        return Outcome("unsure")
+    if isinstance(v, tuple) and len(v) == 2:
+        verdict, reason = v
+    elif hasattr(v, "verdict") and hasattr(v, "reason"):
+        verdict, reason = v.verdict, v.reason
+    else:
+        return None
+    if verdict not in VERDICTS or not (reason is None or isinstance(reason, str)):
+        return None
+    return Outcome(verdict, reason)

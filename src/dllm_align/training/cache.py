@@ -406,7 +406,8 @@ def cache_dir(recipe) -> Path:
 
 
 
-def _refuse_other_settings(out: Path, diffs: list) -> None:
+def refuse_other_settings(out: Path, diffs: list) -> None:
+    """Refuse (exit 2) to replace the cache in ``out`` when ``diffs`` (key, cached, now) is not empty, naming each key."""
     if diffs:
         refuse_changes(
             f"reference cache {out} was made with other settings, and would be replaced",
@@ -416,7 +417,8 @@ def _refuse_other_settings(out: Path, diffs: list) -> None:
         )
 
 
-def _read_manifest(folder: Path) -> Optional[dict]:
+def read_manifest(folder: Path) -> Optional[dict]:
+    """The cache manifest in ``folder``, or None when there is none."""
     p = folder / MANIFEST
     if not p.exists():
         return None
@@ -451,7 +453,7 @@ class ReferenceCache:
     def open(cls, folder: Path) -> "ReferenceCache":
         """Read every shard, checking each file's sha256 against the manifest and its own checksum."""
         folder = Path(folder)
-        m = _read_manifest(folder)
+        m = read_manifest(folder)
         if m is None:
             some = folder.exists() and any(folder.glob("shard-*.safetensors"))
             if some:

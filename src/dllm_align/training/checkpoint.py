@@ -34,12 +34,15 @@ from dllm_align.config.schema import LoraSection
 from dllm_align.core import faults
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
-from dllm_align.core.io import _fsync_dir, disk_errors, fsync_tree, verify_checksums, write_checksums
+from dllm_align.core.io import disk_errors, fsync_dir, fsync_tree, verify_checksums, write_checksums
+from dllm_align.core.runfolder import check_all_see
+from dllm_align.models.export import published_state, write_published_layout
+from dllm_align.models.families import family_for_config
 from dllm_align.training.monitor import MarginWatch
 
-# Imported where used: peft (an optional extra: only LoRA runs save adapters), torch.distributed.tensor
-# (public from torch 2.5, pyproject allows 2.4; only FSDP2 states hold DTensors) and the FSDP1 names of
-# torch.distributed.fsdp (only an FSDP1 run needs them).
+# lazy imports: peft: an optional extra; only LoRA runs save adapters
+# lazy imports: torch.distributed.tensor: public from torch 2.5 (pyproject allows 2.4); only FSDP2 states hold DTensors
+# lazy imports: torch.distributed.fsdp: the FSDP1 names, which only an FSDP1 run needs
 
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
@@ -132,8 +135,6 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
     sd = dict(state_dict)
     if getattr(config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied: the loader re-ties it
-    from dllm_align.models.families import family_for_config
-
     skips = family_for_config(config).export_skips
     if skips is not None:
         sd = {k: v for k, v in sd.items() if not skips(k)}
@@ -306,9 +307,6 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
         return adapter
-    from dllm_align.models.export import published_state, write_published_layout
-    from dllm_align.models.families import family_for_config
-
     fam = family_for_config(config)
     family = fam.name
     if fam.published is None:  # no published layout to write
@@ -349,8 +347,6 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
     acc.wait_for_everyone()
     # every rank writes into the folder rank 0 just made (its RNG state, its optimizer shard): on a network
     # filesystem the other nodes may see it late, so they wait for it (bounded) before writing
-    from dllm_align.core.runfolder import check_all_see
-
     check_all_see(tmp, "checkpoint folder")
     if lora.enabled:
         # what trains: the adapters (with the optimiser's state below), never the frozen base, which resuming
@@ -408,7 +404,7 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         kept = sorted(
             (p for p in root.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()),
             key=lambda p: int(p.name[5:]),
@@ -549,13 +545,15 @@ def _finish_interrupted_export(out: Path) -> None:
             complete = False
     if complete:
         os.replace(tmp, out / FINAL)
-        _fsync_dir(out)
+        fsync_dir(out)
         info(f"train: finished the final export that an interrupted run had written ({out / FINAL})")
     else:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _clear_previous(out: Path) -> None:
+def clear_previous(out: Path) -> None:
+    """Remove what an earlier run left in ``out`` that a fresh run makes again: its checkpoints (partial ones
+    too), its final export (finished or not) and its metrics."""
     _remove_partial_checkpoints(out)
     if (out / TMP_FINAL).exists():
         shutil.rmtree(out / TMP_FINAL)

@@ -16,8 +16,8 @@ from dllm_align.core.console import warn
 from dllm_align.models.families.base import Family
 from dllm_align.models.precision import accelerator_kwargs, resolve_mixed_precision
 
-# checkpoint_wrapper is imported where FSDP activation checkpointing is set up: its path is private
-# (torch.distributed.algorithms._checkpoint) and only an FSDP run with gradient checkpointing needs it.
+# lazy imports: torch.distributed.algorithms: checkpoint_wrapper's path is private (torch.distributed.algorithms._checkpoint)
+# and only an FSDP run with gradient checkpointing needs it
 
 
 
@@ -89,7 +89,8 @@ def preserve_checkpoint_rng(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def _seeded_rng(key: tuple, device):
+def seeded_rng(key: tuple, device):
+    """The torch random state seeded from ``key`` (a hash of it) for the block, the caller's own state restored after."""
     seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
     devices = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

@@ -65,8 +65,8 @@ from dllm_align.training.host import HostRam, host_loading
 from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
 from dllm_align.training.train import setup_run
 
-# Imported where used: resource (POSIX only; the peak-memory line) and torch.nn.attention (probed
-# inside a try: the report says whether this torch has FlexAttention).
+# lazy imports: resource: POSIX only; the peak-memory line
+# lazy imports: torch.nn.attention: probed inside a try (the report says whether this torch has FlexAttention)
 
 H100_BYTES = 81559 * 1024**2  # what torch reports for an 80 GB H100
 

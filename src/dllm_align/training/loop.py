@@ -34,7 +34,7 @@ from dllm_align.data.examples import load_training_examples, make_collate, step_
 from dllm_align.objective.base import StepInputs
 from dllm_align.objective.elbo import elbo_draws
 from dllm_align.training.checkpoint import RunRecord, Saver, TrainState
-from dllm_align.training.distributed import _seeded_rng
+from dllm_align.training.distributed import seeded_rng
 from dllm_align.training.optim import clip_global_grad_norm, lr_at
 from dllm_align.training.plan import TrainPlan
 from dllm_align.training.policy import Trainable
@@ -186,7 +186,7 @@ class Run:
         lora = self.train.lora
         if not (lora.enabled and lora.dropout > 0):
             return contextlib.nullcontext()
-        return _seeded_rng((self.train.seed, self.state.step, self.plan.rank, micro), self.plan.device)
+        return seeded_rng((self.train.seed, self.state.step, self.plan.rank, micro), self.plan.device)
 
     def sync(self, last: bool):
         """Gradient synchronisation of one micro-batch's backward.

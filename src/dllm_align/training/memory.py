@@ -84,6 +84,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.config.recipe import load_yaml_file
+from dllm_align.core.errors import UserError
+from dllm_align.models.families import family_for_config, with_folder_evidence
+from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_config_file
 from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import get_likelihood
 
@@ -205,8 +209,6 @@ _MAX_SIZE = 2**31
 
 def _whole(cfg: dict, key: str, value, *, low: int = 1, source: str = "") -> int:
     """A config size as an int, refused by name when it is not a whole number in [low, 2^31)."""
-    from dllm_align.core.errors import UserError
-
     ok = isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
     if not ok or not low <= int(value) < _MAX_SIZE:
         raise UserError(f"{source or 'config.json'}: {key} must be a whole number >= {low}, got {value!r}")
@@ -217,8 +219,6 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
     """Read a Llama-style or LLaDA-style ``config.json`` (both spellings of each field), refusing by name
     a field that is not a positive whole number or a shape that cannot exist (heads not dividing the width,
     more experts per token than experts)."""
-    from dllm_align.core.errors import UserError
-
     if not isinstance(cfg, dict):
         raise UserError(f"{source or 'config.json'}: expected a JSON object of model settings, got {type(cfg).__name__}")
 
@@ -229,8 +229,6 @@ def shape_from_config(cfg: dict, source: str = "") -> ModelShape:
         if default is not None:
             return default
         raise UserError(f"{source or 'config.json'}: no {keys[0]} (or {', '.join(keys[1:]) or 'equivalent'}): cannot size the model")
-
-    from dllm_align.models.families import family_for_config
 
     fam = family_for_config(cfg)
     if fam.tied_text_stack and isinstance(cfg.get("text_config"), dict):
@@ -320,9 +318,6 @@ def _tied_text_stack_shape(cfg: dict, source: str, likelihood: str) -> ModelShap
 
 def model_shape(recipe) -> ModelShape:
     """The recipe model's shape from its config.json only (built-in models: from their spec)."""
-    from dllm_align.core.errors import UserError
-    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, resolve_config_file
-
     name = recipe.model.name_or_path
     if name in BUILTIN_SPECS:
         # Built (tiny, milliseconds) rather than read off the spec: each family's tiny model
@@ -330,7 +325,7 @@ def model_shape(recipe) -> ModelShape:
         return shape_from_config(build_tiny_model(spec=BUILTIN_SPECS[name]).config.to_dict(), name)
     path = resolve_config_file(name, recipe.model.revision)
     try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
+        cfg = with_folder_evidence(json.loads(Path(path).read_text(encoding="utf-8")), Path(path).parent)
         return shape_from_config(cfg, str(path))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path}: cannot read the model shape ({type(e).__name__}: {e})") from None
@@ -363,9 +358,6 @@ _DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED", "MULTI_XPU"
 
 
 def read_launch(path: Optional[str]) -> Launch:
-    from dllm_align.config.recipe import load_yaml_file
-    from dllm_align.core.errors import UserError
-
     if path is None:
         return Launch()
     p = Path(path)

@@ -1,4 +1,4 @@
-"""What a run reports: the margin watch, the run's result record, the trackers' flat config, the fault hook.
+"""What a run reports: the margin watch, the run's result record, the trackers' flat config.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-
-from dllm_align.core import faults
 
 
 @dataclass
@@ -74,16 +72,13 @@ class TrainResult:
         return self.examples / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _fault(kind: str, step: Optional[int] = None) -> None:
-    faults.at(kind, step)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_config(d: dict, prefix: str = "") -> dict:
+    """``d`` flattened to dotted keys of scalars for the trackers (None as "null", anything else as JSON)."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
+            out.update(flat_config(v, key + "."))
         elif isinstance(v, (int, float, str, bool)) or v is None:
             out[key] = v if v is not None else "null"
         else:

@@ -25,7 +25,8 @@ from dllm_align.training.checkpoint import ADAPTER
 from dllm_align.training.optim import build_optimizer
 from dllm_align.training.plan import TrainPlan
 
-# peft is imported where LoRA is applied: it is an optional extra (`pip install 'dllm-align[lora]'`).
+# lazy imports: peft: an optional extra (`pip install 'dllm-align[lora]'`), imported where LoRA is applied
+# lazy imports: torch.distributed.fsdp: fully_shard is public from torch 2.6 (pyproject allows 2.4); only FSDP2 runs use it
 
 
 class PolicyScorer(torch.nn.Module):

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from dllm_align.config.recipe import write_run_info
 from dllm_align.core.console import info, progress, warn
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.core.io import atomic_write_json
+from dllm_align.core.io import atomic_write_json, sha256_file
 from dllm_align.core.runfolder import run_folder
 from dllm_align.data.batching import pack_length_of, plan_batches
 from dllm_align.data.examples import load_training_examples, make_collate, planned_batches
@@ -48,16 +48,15 @@ from dllm_align.training.cache import (
     STRICT_FIELDS,
     ReferenceCache,
     ShardError,
-    _read_manifest,
-    _refuse_other_settings,
-    _sha256_file,
     cache_dir,
     composition_global_batch,
     elbo_range_problem,
     example_digest,
     fingerprint,
+    read_manifest,
     read_shard,
     reference_name,
+    refuse_other_settings,
     write_shard,
 )
 
@@ -325,11 +324,11 @@ def precompute(
         elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
             ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
-        old = _read_manifest(out)
+        old = read_manifest(out)
         layout = shard_layout(recipe, examples, ref_mp, device, old)
         if old is not None and not overwrite:
             was, now = old["fingerprint"], layout.fingerprint.fields
-            _refuse_other_settings(out, [(k, was.get(k), now.get(k)) for k in (*STRICT_FIELDS, *OPTIONAL_FIELDS, "dataset")
+            refuse_other_settings(out, [(k, was.get(k), now.get(k)) for k in (*STRICT_FIELDS, *OPTIONAL_FIELDS, "dataset")
                                          if was.get(k) != now.get(k)])
         todo, reused = shards_to_compute(out, layout, overwrite, rank, world)
         if rank == 0 and old is not None:
@@ -406,7 +405,7 @@ def shards_to_compute(out: Path, layout: ShardLayout, overwrite: bool, rank: int
                     reused += 1
                     continue
                 if not overwrite:
-                    _refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
+                    refuse_other_settings(out, [(p.name, "other settings or rows", "this run's")])
             except ShardError as e:
                 if rank == 0:
                     warn(f"reference cache: {e}; computing it again")
@@ -480,7 +479,7 @@ def write_manifest(out: Path, layout: ShardLayout) -> None:
             raise RunFailure(f"reference cache {out}: shard {s} missing or damaged after precompute ({e})")
         if not _shard_matches(layout, s, sids, sdig, sfp):
             raise RunFailure(f"reference cache {out}: shard {s} was written by another run")
-        shards.append({"file": p.name, "n": hi - lo, "sha256": _sha256_file(p)})
+        shards.append({"file": p.name, "n": hi - lo, "sha256": sha256_file(p)})
     fp = layout.fingerprint
     manifest = {
         "format_version": FORMAT_VERSION,

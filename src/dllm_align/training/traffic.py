@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import math
 
+from dllm_align.core.errors import UserError
 from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import get_likelihood
 from dllm_align.training.memory import Launch, ModelShape
+from dllm_align.training.plan import grad_accum_for
 
 GB = 1e9
 # What one node of 8 H100s usually has towards the other nodes: 8 x 400 Gb/s InfiniBand / RoCE NICs.
@@ -39,9 +41,6 @@ def _gb(n: float) -> str:
 
 def traffic(shape: ModelShape, recipe, launch: Launch) -> dict:
     """Bytes per optimiser step over the inter-node link of each node, with the arithmetic (module docstring)."""
-    from dllm_align.core.errors import UserError
-    from dllm_align.training.plan import grad_accum_for
-
     t = recipe.train
     N, M, G = launch.processes, launch.machines, launch.per_machine
     P = shape.params

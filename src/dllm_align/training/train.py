@@ -24,14 +24,15 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.config.recipe import write_run_info
+from dllm_align.core import faults
 from dllm_align.core.console import info, progress, progress_enabled, warn
 from dllm_align.core.io import (
     DirLock,
     JsonlAppender,
-    _fsync_dir,
     atomic_write_json,
     atomic_write_text,
     disk_errors,
+    fsync_dir,
     fsync_tree,
     recover_jsonl,
     write_checksums,
@@ -45,8 +46,8 @@ from dllm_align.training.checkpoint import (
     TMP_FINAL,
     RunRecord,
     TrainState,
-    _clear_previous,
     adapter_state,
+    clear_previous,
     export,
     load_state,
     prepare_output,
@@ -57,7 +58,7 @@ from dllm_align.training.checkpoint import (
 )
 from dllm_align.training.distributed import make_accelerator
 from dllm_align.training.loop import Run, load_data
-from dllm_align.training.monitor import MarginWatch, TrainResult, _fault, _flat, status_line
+from dllm_align.training.monitor import MarginWatch, TrainResult, flat_config, status_line
 from dllm_align.training.plan import TrainPlan, plan_run
 from dllm_align.training.policy import load_policy, wrap_policy
 from dllm_align.training.reference import open_reference
@@ -223,7 +224,7 @@ def start_log(run: Run, recipe, out: Path, *, clear: bool, changes) -> StepLog:
     log = StepLog(acc)
     if run.plan.main:
         if clear:
-            _clear_previous(out)
+            clear_previous(out)
         for k, was, now in changes:  # let through on purpose (--allow-change): said now, and kept in the run's record
             warn(f"train: {k} changed on resume ({was!r} then, {now!r} now)")
         write_run_info(recipe, out, "train", changes=[{"key": k, "was": a, "now": b, "at_step": state.step} for k, a, b in changes])
@@ -235,7 +236,7 @@ def start_log(run: Run, recipe, out: Path, *, clear: bool, changes) -> StepLog:
         log.history = keep
         log.appender = JsonlAppender(metrics_path)
     if acc.log_with:
-        acc.init_trackers(recipe.name, config=_flat(recipe.model_dump(mode="json")))
+        acc.init_trackers(recipe.name, config=flat_config(recipe.model_dump(mode="json")))
     return log
 
 
@@ -305,7 +306,7 @@ def one_step(run: Run, log: StepLog, bar, step_examples: int, last_ckpt: Optiona
         msg = state.margin_watch.add(state.step, objective.watched_margin(m))
         if msg:
             warn(msg)
-        _fault("kill_after_step", state.step)
+        faults.at("kill_after_step", state.step)
 
 
 def export_final(run: Run, out: Path, summary: dict) -> None:
@@ -337,11 +338,11 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
     atomic_write_json(tmp / "training_summary.json", summary)
     write_checksums(tmp)
     fsync_tree(tmp)
-    _fault("kill_in_final")
+    faults.at("kill_in_final")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(out)
+    fsync_dir(out)
 
 
 def _source_folder(run: Run) -> Optional[Path]:

@@ -20,10 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.config.schema import Recipe
 from dllm_align.core import console
+from dllm_align.core.io import atomic_path, atomic_write_json, atomic_write_text
+from dllm_align.data.imbalance import balance_weights, class_counts
+from dllm_align.data.load import rows_from_section
 from dllm_align.objective.base import objective_for
-
 from dllm_align.workflows import pipeline
+
+# lazy imports: matplotlib: an optional extra (pip install dllm-align[plot]); without it the ablation skips its plots
 
 
 @dataclass
@@ -54,9 +59,6 @@ def baseline_settings(recipe) -> list[Setting]:
 
 
 def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
-    from dllm_align.data.imbalance import balance_weights, class_counts
-    from dllm_align.data.load import rows_from_section
-
     a = recipe.ablate
     out = []
     for side in sides:
@@ -86,8 +88,6 @@ def imbalance_settings(recipe, sides: list[str]) -> list[Setting]:
 
 
 def _setting_recipe(recipe, setting: Setting, folder: Path, cache: Path):
-    from dllm_align.config.schema import Recipe
-
     raw = recipe.model_dump(mode="python")
     for dotted, value in setting.overrides.items():
         sec, key = dotted.split(".")
@@ -99,8 +99,6 @@ def _setting_recipe(recipe, setting: Setting, folder: Path, cache: Path):
 
 def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list[dict]:
     """Run every setting (skipping finished ones); returns one row per setting."""
-    from dllm_align.core.io import atomic_write_json
-
     out_dir.mkdir(parents=True, exist_ok=True)
     shared = recipe.model_copy(deep=True)
     shared.output_dir = str(out_dir)
@@ -152,8 +150,6 @@ def run_sweep(recipe, kind: str, settings: list[Setting], out_dir: Path) -> list
 
 
 def write_tables(rows: list[dict], out_dir: Path) -> None:
-    from dllm_align.core.io import atomic_write_text
-
     cols = list(rows[0].keys()) if rows else []
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=cols)
@@ -194,7 +190,6 @@ def plot_imbalance(rows: list[dict], path: Path) -> Optional[Path]:
     plt = _pyplot()
     if plt is None:
         return None
-    from dllm_align.core.io import atomic_path
 
     sides = [s for s in ("desirable", "undesirable") if any(r["subsampled"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(sides), figsize=(4.2 * len(sides), 3.4), sharey=True, squeeze=False)
@@ -224,7 +219,6 @@ def plot_baseline(rows: list[dict], path: Path) -> Optional[Path]:
     plt = _pyplot()
     if plt is None:
         return None
-    from dllm_align.core.io import atomic_path
 
     keys = []
     for r in rows:

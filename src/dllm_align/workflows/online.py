@@ -21,31 +21,48 @@ Round r (folder ``DIR/round-<r>``):
 
 Sampling seeds (:func:`dllm_align.online.label.label`'s ``round_``), mask seeds and the batch order
 are drawn afresh each round (round 0 keeps the recipe's, so round 0 is what ``label`` + ``train`` give); the held-out samples use the same seeds every
-round, so that rounds differ only by their model. ``--keep best`` makes the round with the highest
-held-out greedy share (then sampled share, then the earlier round) the run's final model; ``last`` (the
-default) the last round's.
+round, so that rounds differ only by their model. ``--keep guard`` (the default) never ends worse than it
+began without saying so: a round whose held-out greedy share falls below the 90% interval of the model it
+started from is rolled back (that model stays the final one), the loop stops there, says so, and the table
+and ``rounds.json`` (``rolled_back_round``) show it; without held-out prompts it cannot check and warns.
+``--keep last`` keeps the last round's model whatever it scored; ``--keep best`` makes the round with the
+highest held-out greedy share (then sampled share, then the earlier round) the final model.
 
 Every stage is the resumable library call the other commands use: a killed run continues at the
 stage it reached (finished labels, caches and models are reused). ``DIR/online.json`` records what
 defines a round (model, the prompts' content fingerprint whatever their source, rule, n, temperature,
 reference, seeds, train and generate settings); a rerun that differs is refused by name unless let
 through with ``--allow-change KEY``, and so is asking for fewer rounds than the folder finished.
-Recipe keys that online sets itself for each round are refused when given (:data:`SET_BY_ONLINE`).
+A change let through is remembered per round (``online.json``'s ``history``): a rerun with the same settings
+continues without repeating the flag. Recipe keys that online sets itself for each round are refused when given
+(:data:`SET_BY_ONLINE`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+
 from dllm_align.core import console
 from dllm_align.core.errors import UserError
-from dllm_align.core.io import atomic_write_json
-from dllm_align.core.runfolder import from_rank0, rank0_lock
-from dllm_align.generate.backend import run_record
-from dllm_align.online.label import ROWS, SUMMARY, label, label_settings, prompt_fingerprint
+from dllm_align.core.io import atomic_path, atomic_write_json, atomic_write_text
+from dllm_align.core.runfolder import (TRAIN_NEUTRAL, check_shared_folder, differing, flatten, from_rank0, rank0_lock,
+                                      recorded_recipe, refuse_changes)
+from dllm_align.generate.backend import check_serves_each_round, run_record
+from dllm_align.generate.settings import row_seed
+from dllm_align.online.label import (ROWS, SUMMARY, UNSURE, check_rule, check_temperature, label, label_settings,
+                                     prompt_fingerprint, read_prompts)
+from dllm_align.online.verifiers import recorded_settings as verifier_settings
 from dllm_align.workflows import pipeline
+
+# lazy imports: matplotlib: an optional extra (pip install dllm-align[plot]); without it the run skips its plot
 
 RECORD = "online.json"
 ROUNDS = "rounds.json"
@@ -80,8 +97,6 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
     ``--allow-change`` are warned about). A record with no finished stage behind it (no labelled samples yet,
     of a round or a held-out evaluation) binds nothing: a first run refused or stopped before it labelled
     anything leaves nothing that blocks the corrected rerun. Rank 0 alone writes (``main``)."""
-    from dllm_align.core.runfolder import differing, refuse_changes
-
     path = out / RECORD
     if path.exists():
         try:
@@ -94,7 +109,7 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
         if any(out.glob(f"*/{SUMMARY}")):
             # a run recorded before rounds labelled their greedy decodes trained on its samples alone
             old.setdefault("greedy", False)
-            diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source"))
+            diffs = differing(old, settings, neutral=("rounds", "keep", "prompts_source", "heldout_source", "history"))
             allowed = refuse_changes(f"cannot continue the online run in {out}", diffs, allow=allow)
             for k, a, b in allowed:
                 console.warn(f"online: {k} differs from the recorded run ({a!r} -> {b!r}): let through by --allow-change")
@@ -104,8 +119,6 @@ def _check_settings(out: Path, settings: dict, allow=(), main: bool = True) -> N
 
 
 def _is_key(key: str, tree: dict) -> bool:
-    from dllm_align.core.runfolder import flatten
-
     keys = set(flatten(tree))
     return key in keys or any(k.startswith(key + ".") for k in keys)
 
@@ -135,7 +148,6 @@ def round_seed(seed: int, r: int) -> int:
     """The seed of round ``r``: the recipe's in round 0, then a hash of it and the round (31 bits)."""
     if r == 0:
         return seed
-    from dllm_align.generate.settings import row_seed
 
     return row_seed(seed, f"online-round-{r}") & 0x7FFFFFFF
 
@@ -162,8 +174,6 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
     (lambda_D n_D = lambda_U n_U, the larger 1) times the recipe's lambda_D, lambda_U. The greedy decodes
     (``greedy_path``) join the samples with ids of their own (``<prompt>:greedy``): a row's id seeds its
     masks, and the greedy decode of a prompt is not its sample 0."""
-    from dllm_align.core.io import atomic_write_json, atomic_write_text
-
     rows = _read_rows(rows_path)
     greedy_rows = []
     if greedy_path is not None:
@@ -194,18 +204,19 @@ def _round_rows(rows_path: Path, keep_uniform: bool, out: Path, lambdas: tuple[f
 
 def _share_ci(rows: list[dict]) -> dict:
     """The desirable share of labelled rows with a 90% interval over prompts (the samples of one prompt are
-    not independent: the standard error is that of the per-prompt means)."""
-    import math
-
+    not independent: the standard error is that of the per-prompt means). An unsure row (label None) counts
+    as not desirable, so that a model cannot raise its share by answering so that the verifier abstains;
+    ``unsure`` says how many there were."""
     per: dict[str, list[bool]] = {}
     for r in rows:
-        per.setdefault(r["prompt_id"], []).append(bool(r["label"]))
+        per.setdefault(r["prompt_id"], []).append(r["label"] is True)
     means = [sum(v) / len(v) for v in per.values()]
     p = len(means)
     m = sum(means) / p
     sd = math.sqrt(sum((x - m) ** 2 for x in means) / (p - 1)) if p > 1 else 0.0
     h = 1.6448536269514722 * sd / math.sqrt(p)
-    return {"share": m, "ci90": [max(0.0, m - h), min(1.0, m + h)], "prompts": p, "samples": len(rows)}
+    return {"share": m, "ci90": [max(0.0, m - h), min(1.0, m + h)], "prompts": p, "samples": len(rows),
+            "unsure": sum(r["label"] is None for r in rows)}
 
 
 def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Optional[float], answer_column: str,
@@ -228,7 +239,8 @@ def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Op
                 rec.data.train = recipe.data.test
                 label(rec, d, rule=rule, n=k, split="test", model=str(model), limit=limit, temperature=t,
                       answer_column=answer_column, round_=0, fast=fast)
-        rows = [json.loads(x) for x in (d / ROWS).read_text(encoding="utf-8").splitlines() if x.strip()]
+        rows = [json.loads(x) for name in (ROWS, UNSURE) if (d / name).exists()
+                for x in (d / name).read_text(encoding="utf-8").splitlines() if x.strip()]
         res[kind] = _share_ci(rows)
     return res
 
@@ -236,18 +248,15 @@ def heldout_eval(recipe, model, out: Path, *, rule: str, n: int, temperature: Op
 def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, limit: Optional[int] = None,
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer", heldout: Optional[str] = None,
-               heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "last",
+               heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "guard",
                greedy: bool = True, allow_changes=()) -> list[dict]:
     """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
-    from dllm_align.generate.backend import check_serves_each_round
-    from dllm_align.online.label import check_rule, check_temperature, read_prompts
-
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
     if reference not in ("initial", "previous"):
         raise UserError(f"--reference {reference}: initial or previous")
-    if keep not in ("last", "best"):
-        raise UserError(f"--keep {keep}: last or best")
+    if keep not in ("guard", "last", "best"):
+        raise UserError(f"--keep {keep}: guard, last or best")
     check_temperature(temperature, n)
     # each round samples the policy the round before trained: a backend that cannot be handed that folder
     # would sample another model (and the held-out share would measure it), so it is refused before round 0
@@ -274,8 +283,6 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     rank, world = _process_group()
     if world > 1:
         # rank 0 writes the run's records and labelled rows, every rank reads them back
-        from dllm_align.core.runfolder import check_shared_folder
-
         check_shared_folder(out, "online run folder")
     # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
     with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world):
@@ -300,6 +307,7 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
     recipe_keys = recipe.model_dump(mode="json")
     _check_allow(allow_changes, settings, recipe_keys)
     main = rank == 0
+    history = settings["history"] = _history(out)
     _check_settings(out, settings, allow_changes, main)
     _barrier(world)
     lambdas = (recipe.train.lambda_desirable, recipe.train.lambda_undesirable)
@@ -308,7 +316,10 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
     held_args = dict(rule=rule, n=heldout_n, temperature=temperature, answer_column=answer_column, heldout=heldout,
                      limit=heldout_limit)
     initial = heldout_eval(recipe, base, out / "heldout-initial", **held_args)
-    policy, table = base, []
+    if keep == "guard" and initial is None and main:
+        console.warn("online: --keep guard has no held-out prompts to check the rounds by: every round is kept "
+                     "(set data.test, or --heldout FILE)")
+    policy, table, rolled_back = base, [], None
     for r in range(rounds):
         rd = out / f"round-{r}"
         rec = recipe.model_copy(deep=True)
@@ -318,9 +329,25 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
         train_rows, counts = _train_rows(rd, r, keep_uniform, lambdas, greedy_rows, world, main)
         _round_recipe(rec, recipe, rd, r, policy, base, reference, train_rows)
         pipeline.reference(rec)
-        final = pipeline.trained_model(rec, allow_changes=allow_round)
+        let_through = _let_through(rd, rec, history.get(str(r), {}))
+        final = pipeline.trained_model(rec, allow_changes=allow_round + tuple(let_through))
+        changed = _changed(rd, rec)
+        if changed:
+            # what this round's training was continued (or reused) under, so that a rerun with the same settings
+            # continues without repeating --allow-change
+            history[str(r)] = changed
+            if main:
+                atomic_write_json(out / RECORD, settings)
         held = heldout_eval(recipe, final, rd / "heldout", **held_args)
         table.append(_round_row(r, policy, summary, counts, held, final))
+        fell = _fell(table[-2]["heldout"] if r else initial, held)
+        if keep == "guard" and fell:
+            table[-1]["rolled_back"] = True
+            rolled_back = r
+            if main:
+                console.warn(f"online: round {r}: held-out greedy share {fell}: rolled back to {policy}, which stays "
+                             "the final model, and the loop stops here (--keep last keeps every round)")
+            break
         policy = str(final)
     best = None
     if keep == "best":
@@ -331,10 +358,49 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
                      f"{100 * table[best]['heldout']['greedy']['share']:.1f}%) is the final model")
     if main:
         atomic_write_json(out / ROUNDS, {"rounds": table, "initial_heldout": initial, "keep": keep, "best_round": best,
-                                         "final_model": policy})
+                                         "rolled_back_round": rolled_back, "final_model": policy})
         _plot(out, table, initial)
     _barrier(world)
     return table
+
+
+def _history(out: Path) -> dict:
+    """online.json's ``history``: per round, the recipe keys (with their values) in which the settings it was last
+    continued or reused with differ from its training record, each let through once by --allow-change."""
+    path = out / RECORD
+    try:
+        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}  # _check_settings refuses the damaged record by name
+    got = old.get("history") if isinstance(old, dict) else None
+    return got if isinstance(got, dict) else {}
+
+
+def _changed(rd: Path, rec) -> dict:
+    """The keys (and the values asked for now) in which ``rec`` differs from the training record of round folder
+    ``rd``, apart from the round's own paths (online sets those); empty without a record."""
+    old = recorded_recipe(rd, "train")
+    if old is None:
+        return {}
+    return {k: b for k, _, b in differing(old, rec.model_dump(mode="json"), TRAIN_NEUTRAL) if k not in ROUND_PATHS}
+
+
+def _let_through(rd: Path, rec, earlier: dict) -> list[str]:
+    """The keys a rerun need not let through again for round folder ``rd``: those whose value now is the one an
+    earlier --allow-change let through for this round (``earlier``, from online.json's history)."""
+    return [k for k, v in _changed(rd, rec).items() if k in earlier and earlier[k] == v]
+
+
+def _fell(before: Optional[dict], after: Optional[dict]) -> Optional[str]:
+    """How the held-out greedy share fell below the 90% interval of the model before (a sentence), or None when it
+    did not (or there is nothing to compare)."""
+    if not before or not after:
+        return None
+    b, a = before["greedy"], after["greedy"]
+    if a["share"] >= b["ci90"][0]:
+        return None
+    return (f"{100 * a['share']:.1f}% fell below the previous model's {100 * b['share']:.1f}% "
+            f"[{100 * b['ci90'][0]:.1f}, {100 * b['ci90'][1]:.1f}]")
 
 
 def _run_settings(recipe, *, rule, n, limit, prompts, source, reference, keep_uniform, answer_column, temperature,
@@ -353,6 +419,8 @@ def _run_settings(recipe, *, rule, n, limit, prompts, source, reference, keep_un
                   "train": recipe.train.seed},
         "train": recipe.train.model_dump(mode="json"), "generate": run_record(recipe.generate),
         "rounds": rounds, "keep": keep,
+        # how the verifier reads and where its unsure samples go (a record without them is not compared on them)
+        "verifier_settings": verifier_settings(rule, recipe), "unsure_judge": recipe.online.unsure_judge,
     }
 
 
@@ -410,6 +478,8 @@ def _round_row(r: int, policy, summary: dict, counts: dict, held, final: Path) -
     """The round's line of the table (rounds.json), with the model the backend served for its samples."""
     metrics = json.loads((final / "training_summary.json").read_text(encoding="utf-8")).get("last_metrics") or {}
     return {"round": r, "policy": str(policy), "rows": summary["rows"], "desirable_share": summary["desirable_share"],
+            # a folder labelled before verdicts could be unsure has none
+            "unsure": summary.get("unsure", 0), "unsure_share": summary.get("unsure_share", 0.0),
             "prompts_all_desirable": summary["prompts_all_desirable"],
             "prompts_all_undesirable": summary["prompts_all_undesirable"], **counts,
             "reasons": summary.get("reasons"), "heldout": held,
@@ -420,12 +490,8 @@ def _round_row(r: int, policy, summary: dict, counts: dict, held, final: Path) -
 def _process_group() -> tuple[int, int]:
     """(rank, world size) of a torchrun / accelerate launch, its process group opened (as `generate` opens it);
     (0, 1) in one process. Sampling is dealt across the ranks; rank 0 alone writes."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return 0, 1
-    import torch
-    from accelerate import PartialState
 
     state = PartialState(cpu=not torch.cuda.is_available())
     return state.process_index, state.num_processes
@@ -433,8 +499,6 @@ def _process_group() -> tuple[int, int]:
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
@@ -442,7 +506,6 @@ def _agreed(value, world: int):
     """Rank 0's ``value`` on every rank."""
     if world < 2:
         return value
-    import torch.distributed as dist
 
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -459,7 +522,6 @@ def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    from dllm_align.core.io import atomic_path
 
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     ax.plot([t["round"] for t in table], [100 * t["desirable_share"] for t in table], marker="o", label="round's samples (policy entering it)")
@@ -487,16 +549,17 @@ def _plot(out: Path, table: list[dict], initial: Optional[dict] = None) -> None:
 def markdown_table(table: list[dict]) -> str:
     """The per-round table: the round's samples (and greedy decodes, when labelled) and weights, then the held-out
     shares of the model it trained."""
-    head = ("| round | samples | desirable % | greedy desirable % | all-good prompts | all-bad prompts | lambda_D | lambda_U "
-            "| reward D | reward U | not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| round | samples | desirable % | unsure % | greedy desirable % | all-good prompts | all-bad prompts | lambda_D "
+            "| lambda_U | reward D | reward U | not desirable, by reason | held-out greedy % [90% CI] | held-out sampled % [90% CI] |")
+    lines = [head, "|" + "---|" * 14]
 
     def f(v):
         return "-" if v is None else f"{v:+.3f}"
 
     def h(t, kind):
         x = (t.get("heldout") or {}).get(kind)
-        return "-" if not x else f"{100 * x['share']:.1f} [{100 * x['ci90'][0]:.1f}, {100 * x['ci90'][1]:.1f}]"
+        back = " **rolled back**" if kind == "greedy" and t.get("rolled_back") else ""
+        return "-" if not x else f"{100 * x['share']:.1f} [{100 * x['ci90'][0]:.1f}, {100 * x['ci90'][1]:.1f}]{back}"
 
     def why(t):
         reasons = {k: v for k, v in (t.get("reasons") or {}).items() if k != "correct" and v}
@@ -505,7 +568,7 @@ def markdown_table(table: list[dict]) -> str:
     for t in table:
         g = t.get("greedy_desirable_share")
         gs = "-" if g is None else f"{100 * g:.1f}"
-        lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {gs} | "
+        lines.append(f"| {t['round']} | {t['rows']} | {100 * t['desirable_share']:.1f} | {100 * t.get('unsure_share', 0.0):.1f} | {gs} | "
                      f"{t['prompts_all_desirable']} | "
                      f"{t['prompts_all_undesirable']} | {t['lambda_desirable']:.2f} | {t['lambda_undesirable']:.2f} | "
                      f"{f(t['reward_desirable'])} | {f(t['reward_undesirable'])} | {why(t)} | {h(t, 'greedy')} | {h(t, 'sampled')} |")

@@ -2,9 +2,10 @@
 
 ``family_for_config`` picks the family of a checkpoint from everything its config.json says: the
 ``dllm_align_family`` field that dllm-align writes into every folder it saves; else the class names
-(``architectures`` and the classes ``auto_map`` points at); else the ``model_type``, with each
+(``architectures`` and the classes ``auto_map`` points at); else the ``model_type``, with ``dllm_align_family`` or each
 family's signature fields settling a type two families share (LLaDA-MoE's hub config says
-``model_type: llada``, like LLaDA-8B's). A config that two families claim is one error naming what
+``model_type: llada``, like LLaDA-8B's; the hub's LLaDA2.1 says ``llada2_moe``, like LLaDA2.0's, and
+``with_folder_evidence`` reads what its folder ships to say so). A config that two families claim is one error naming what
 was read. ``family_of`` does the same for a loaded model. Checkpoints no family claims get the LLaDA
 manners (no logit shift, LLaDA's sampler), which is what a transformers model with a bidirectional
 config and a mask token behaves like.
@@ -13,6 +14,7 @@ config and a mask token behaves like.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Optional
 
 from dllm_align.config import components as registry
@@ -61,6 +63,10 @@ def matching_families(cfg: dict | Any) -> list[Family]:
         return by_class
     by_type = [f for f in FAMILIES.values() if cfg.get("model_type") in f.model_types]
     if len(by_type) > 1:
+        # a type two families share (LLaDA2.0 and the hub's LLaDA2.1): the one dllm_align_family names, if it is one
+        named = [f for f in by_type if f.name == cfg.get("dllm_align_family")]
+        if named:
+            return named
         signed = [f for f in by_type if f.signature and all(k in cfg for k in f.signature)]
         # no signature either: the family whose own name for itself this is (a family's first model_type)
         return signed or [f for f in by_type if f.model_types[0] == cfg.get("model_type")] or by_type
@@ -99,6 +105,18 @@ def family_of(model) -> Family:
     return family_for_config(getattr(model, "config", None) or {})
 
 
+def with_folder_evidence(cfg: dict, folder: Path | str) -> dict:
+    """``cfg`` (a folder's config.json) with ``dllm_align_family`` set, in memory, when the folder itself says which
+    family it is and the config.json alone does not (``Family.folder_claim``: the hub's LLaDA2.1, whose config.json
+    is LLaDA2.0's, by its shipped modeling file). A config that names its family already is returned as it is."""
+    if not isinstance(cfg, dict) or cfg.get("dllm_align_family"):
+        return cfg
+    for fam in FAMILIES.values():
+        if fam.folder_claim is not None and cfg.get("model_type") in fam.model_types and fam.folder_claim(Path(folder), cfg):
+            return {**cfg, "dllm_align_family": fam.name}
+    return cfg
+
+
 def native_family(cfg: dict) -> Optional[Family]:
     """The family whose native loader reads this config.json (None: let transformers load it)."""
     fam = detect_family(cfg)
@@ -111,4 +129,4 @@ def describe_config(cfg: dict) -> str:
 
 
 __all__ = ["Family", "FAMILIES", "describe_config", "detect_family", "family_for_config", "family_of", "get_family",
-           "matching_families", "native_family"]
+           "matching_families", "native_family", "with_folder_evidence"]

@@ -23,8 +23,8 @@ from safetensors import safe_open
 
 from dllm_align.core.errors import UserError
 
-# tokenizers and transformers are imported inside the builders: the family records are read (which family
-# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+# lazy imports: tokenizers, transformers: imported inside the builders: the family records are read (which family
+# claims a config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 Loader = Callable[[Path, dict, torch.dtype], torch.nn.Module]
 
@@ -59,6 +59,10 @@ class Family:
     # config.json keys only this family's configs hold: they settle a ``model_type`` shared by two
     # families when the folder names no class (LLaDA: ``d_model``; LLaDA-MoE: ``num_experts``).
     signature: tuple[str, ...] = ()
+    # Evidence beside config.json for a folder its config.json alone does not tell from another family's:
+    # (folder, config.json dict) -> True when the folder is this family's (LLaDA2.1: its shipped modeling file,
+    # read as text). Read by ``families.with_folder_evidence``, which records the answer as ``dllm_align_family``.
+    folder_claim: Optional[Callable[[Path, dict], bool]] = None
     # Which output scores position j: j - logit_shift (Dream: 1, "shifted logits";
     # position 0 then reuses its own output, as the published code does).
     logit_shift: int = 0
@@ -163,8 +167,6 @@ class Family:
             return None
         problem = self.block_size_problem(config)
         if problem:
-            from dllm_align.core.errors import UserError
-
             raise UserError(f"the model's config: {problem}")
         value = config.get("block_size") if isinstance(config, dict) else getattr(config, "block_size", None)
         return int(value or self.block_size)

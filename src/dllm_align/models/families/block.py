@@ -1,10 +1,10 @@
 """Block-diffusion families: SDAR (JetLM), LLaDA2.0 and LLaDA2.1 (inclusionAI).
 
-SDAR and LLaDA2.0 are trained, scored and sampled by every command: the block ELBO
-(``dllm_align.objective.block``) runs the K noisy streams and one shared clean stream through the
-streams attention (``dllm_align.models.block_attention``), which every block family is loaded with; the
-sampler is ``dllm_align.generate.block`` with each family's published rule. LLaDA2.1 is recognised and
-refused with its reason (docs/block_diffusion.md).
+SDAR and LLaDA2.0 (and LLaDA2.1, whose record is ``families/llada21.py``) are trained, scored and sampled by
+every command: the block ELBO (``dllm_align.objective.block``) runs the K noisy streams and one shared clean
+stream through the streams attention (``dllm_align.models.block_attention``), which every block family is loaded
+with; the sampler is ``dllm_align.generate.block`` with each family's published rule (LLaDA2.1's token editing:
+``dllm_align.generate.llada21``).
 
 * **SDAR** (``architectures: [SDARForCausalLM]``, ``model_type: sdar``; the published config.json of
   SDAR-1.7B-Chat): a Qwen3 body (per-head RMSNorm on queries and keys, GQA, SwiGLU, RMSNorm pre-norm,
@@ -17,10 +17,9 @@ refused with its reason (docs/block_diffusion.md).
   bias, grouped top-k over ``n_group`` / ``topk_group`` groups, ``routed_scaling_factor``, shared
   experts), so dllm-align carries its own (``families/llada2_body.py``) and loads the checkpoint into
   it with the published weight names; block 32, mask id 156895.
-* **LLaDA2.1** (``model_type: llada21_moe``, the same class name): adds token editing (already decoded
-  tokens can be replaced), which is not an absorbing-mask likelihood: refused by name.
 
-The LLaDA2 families are told apart by ``model_type`` only, since both publish ``LLaDA2MoeModelLM``.
+LLaDA2.1 publishes the same class and ``model_type`` as LLaDA2.0: ``families/llada21.py`` says how the two are told
+apart.
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ from dllm_align.models.families.base import (Family, PublishedLayout, build_seed
 from dllm_align.models.families.dream import build_dream_tokenizer
 from dllm_align.models.families.llada import build_llada_tokenizer
 
-# transformers, and llada2_body (which subclasses transformers' classes), are imported inside the builders:
-# the family records are read (which family claims a config, the memory estimate) without building
-# anything, and transformers takes longer to import than torch.
+# lazy imports: transformers, dllm_align.models.families.llada2_body: imported inside the builders (llada2_body
+# subclasses transformers' classes): the family records are read (which family claims a config, the memory
+# estimate) without building anything, and transformers takes longer to import than torch
 
 
 def sdar_config_to_qwen3(cfg: dict):
@@ -79,10 +78,12 @@ def build_sdar_model(tokenizer, hidden_size: int, layers: int, heads: int, inter
 
 
 # --------------------------------------------------------------------------- LLaDA2.0
-def llada2_config(cfg: dict):
+def llada2_config(cfg: dict, family: str = "llada2", label: str = "LLaDA2.0"):
     """A LLaDA2.0 ``config.json`` as the native body's config (every option it does not reproduce named).
 
     Fields a config.json omits take the published configuration class's defaults, as its own code would.
+    ``family`` / ``label``: the family the config is tagged with and the name refusals use (LLaDA2.1 reads the
+    same fields: ``families/llada21.py``).
     """
     from dllm_align.models.families.llada2_body import Llada2MoeConfig, check_shapes
 
@@ -109,7 +110,7 @@ def llada2_config(cfg: dict):
     fields = {k: cfg[k] for k in published if k in cfg and k not in ("rope_scaling", "pad_token_id")}
     ids = {**special_ids(cfg), "pad_token_id": cfg.get("pad_token_id", 126081)}
     if no:
-        refuse("LLaDA2.0", no)
+        refuse(label, no)
     config = Llada2MoeConfig(**fields, **ids)
     if cfg.get("rotary_dim") is not None and cfg["rotary_dim"] != config.rope_dim:
         no.append(f"rotary_dim={cfg['rotary_dim']} (the published code rotates int(head_dim * "
@@ -117,9 +118,9 @@ def llada2_config(cfg: dict):
     pad = config.pad_token_id
     if pad is not None and not 0 <= pad < config.vocab_size:
         no.append(f"pad_token_id={pad} outside the vocabulary ({config.vocab_size}; the embedding's padding row)")
-    refuse("LLaDA2.0", no + check_shapes(config))
+    refuse(label, no + check_shapes(config))
     config.block_size = int(cfg.get("block_size", 32))
-    return tag_config(config, cfg, "llada2", 156895)
+    return tag_config(config, cfg, family, 156895)
 
 
 def load_llada2_native(folder: Path, cfg: dict, dtype: torch.dtype):
@@ -133,11 +134,13 @@ def build_llada2_model(tokenizer, hidden_size: int, layers: int, heads: int, int
                        max_position_embeddings: int, seed: int, num_experts: int = 4,
                        num_key_value_heads: Optional[int] = None, num_experts_per_tok: int = 2,
                        n_group: int = 2, topk_group: int = 1, moe_intermediate_size: Optional[int] = None,
-                       num_shared_experts: int = 1, first_k_dense_replace: int = 1, block_size: int = 32):
+                       num_shared_experts: int = 1, first_k_dense_replace: int = 1, block_size: int = 32,
+                       translate=llada2_config):
     """A random tiny LLaDA2.0 model (the published layout: first layer dense, then MoE layers with a
-    shared expert; GQA, partial rotary 0.5, base 600000), deterministic by seed."""
+    shared expert; GQA, partial rotary 0.5, base 600000), deterministic by seed. ``translate``: the family's
+    config.json reading (LLaDA2.1's for its built-in models)."""
     kv = num_key_value_heads or next(k for k in (heads // 4, heads // 2, heads, 1) if k and heads % k == 0)
-    config = llada2_config({
+    config = translate({
         "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": intermediate_size,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "head_dim": hidden_size // heads, "max_position_embeddings": max_position_embeddings,
@@ -202,18 +205,5 @@ LLADA2 = Family(
         "llada2_moe", ("LLaDA2MoeModelLM",),
         {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig", "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
          "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}),
-    qk_norm=lambda cfg, experts: cfg.get("use_qk_norm", True) is not False,
-)
-
-LLADA21 = Family(
-    name="llada21",
-    model_types=("llada21_moe",),
-    mask_token_id=156895,
-    sampler="block",
-    likelihood="block",
-    block_rule="llada2",
-    block_size=32,
-    refuse_reason=("LLaDA2.1 decodes with token editing (tokens already decoded can be replaced), which is not "
-                   "an absorbing-mask likelihood: dllm-align's ELBO would train it wrongly, so it is refused"),
     qk_norm=lambda cfg, experts: cfg.get("use_qk_norm", True) is not False,
 )

@@ -31,9 +31,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from packaging.version import Version
 
 from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.models.families.base import Family, build_seeded, byte_level_tokenizer
+
+# lazy imports: transformers: imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 # The first release that ships the classes (``DiffusionGemmaForBlockDiffusion``).
 MIN_TRANSFORMERS = "5.11"
@@ -62,7 +66,6 @@ PUBLISHED_GENERATION = {
 def require_classes() -> None:
     """Refuse a transformers release without the DiffusionGemma classes, by name."""
     import transformers
-    from packaging.version import Version
 
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         raise UserError(f"DiffusionGemma needs transformers >= {MIN_TRANSFORMERS} (its DiffusionGemmaForBlockDiffusion "

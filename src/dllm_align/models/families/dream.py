@@ -34,8 +34,8 @@ from dllm_align.models.families.base import (
     transformers_key,
 )
 
-# transformers is imported inside the builders: the family records are read (which family claims a
-# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+# lazy imports: transformers: imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 # Specials of the built-in Dream-format tokenizer, named as in Dream's (Qwen2.5) tokenizer.
 DREAM_EOS = "<|endoftext|>"

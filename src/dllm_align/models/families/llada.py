@@ -26,8 +26,8 @@ from dllm_align.models.families.base import (
     tag_config,
 )
 
-# transformers is imported inside the builders: the family records are read (which family claims a
-# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+# lazy imports: transformers: imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 # Special tokens of the built-in tokenizer, named as in LLaDA's tokenizer.
 BOS = "<|startoftext|>"

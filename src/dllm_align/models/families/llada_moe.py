@@ -41,8 +41,8 @@ from dllm_align.models.families.base import (
     transformers_key,
 )
 
-# transformers is imported inside the builders: the family records are read (which family claims a
-# config, the memory estimate) without building anything, and transformers takes longer to import than torch.
+# lazy imports: transformers: imported inside the builders: the family records are read (which family claims a
+# config, the memory estimate) without building anything, and transformers takes longer to import than torch
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
