@@ -165,8 +165,6 @@ def save_model_shards(folder: Path, saver: Saver) -> None:
     config = module.model.config
     sd = module.state_dict()
     name = {k: k.replace("_checkpoint_wrapped_module.", "").removeprefix("model.") for k in sd}
-    from dllm_align.models.families import family_for_config
-
     skips = family_for_config(config).export_skips
     tied = getattr(config, "tie_word_embeddings", False)
     keys = [k for k in sd if not (tied and name[k] == "lm_head.weight") and not (skips is not None and skips(name[k]))]
