@@ -1,6 +1,6 @@
 """A counting stand-in for the Hugging Face Hub on 127.0.0.1 (used by tests/test_multinode.py): serves one model
 repository from a folder, as ``huggingface_hub``'s ``snapshot_download`` asks for it, and counts each file's
-downloads (GET of its content) in ``counts.json`` beside the folder.
+downloads (GET of its content), the API requests (``api``) and the HEAD requests in ``counts.json`` beside the folder.
 
     python tests/hub_server.py FOLDER REPO_ID PORT_FILE
 """
@@ -19,6 +19,12 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 COUNTS: dict = {}
 LOCK = threading.Lock()
 FILES = {p.name: p.read_bytes() for p in FOLDER.iterdir() if p.is_file()}
+
+
+def count(key: str) -> None:
+    with LOCK:
+        COUNTS[key] = COUNTS.get(key, 0) + 1
+        (FOLDER.parent / "counts.json").write_text(json.dumps(COUNTS))
 
 
 class Hub(BaseHTTPRequestHandler):
@@ -40,6 +46,7 @@ class Hub(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_HEAD(self):
+        count("HEAD")
         name = self._file()
         if name not in FILES:
             self.send_error(404)
@@ -47,6 +54,8 @@ class Hub(BaseHTTPRequestHandler):
         self._headers(name, FILES[name])
 
     def do_GET(self):
+        if self.path.startswith("/api/"):
+            count("api")
         if self.path.split("?")[0] in (f"/api/models/{REPO}/revision/main", f"/api/models/{REPO}"):
             body = json.dumps({"id": REPO, "modelId": REPO, "sha": SHA,
                                "siblings": [{"rfilename": n} for n in sorted(FILES)]}).encode()
@@ -69,9 +78,7 @@ class Hub(BaseHTTPRequestHandler):
         if name not in FILES:
             self.send_error(404)
             return
-        with LOCK:
-            COUNTS[name] = COUNTS.get(name, 0) + 1
-            (FOLDER.parent / "counts.json").write_text(json.dumps(COUNTS))
+        count(name)
         self._headers(name, FILES[name])
         self.wfile.write(FILES[name])
 
