@@ -67,12 +67,12 @@ import torch
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.load import load_prompts
-from dllm_align.training.cache import cache_dir, composition, dataset_digest
-from dllm_align.training.distributed import make_accelerator
-from dllm_align.training.loop import invariant_margins, invariant_values
 from dllm_align.models.families import family_for_config
 from dllm_align.models.load import BUILTIN_SPECS
+from dllm_align.training.cache import cache_dir, composition, dataset_digest
+from dllm_align.training.distributed import make_accelerator
 from dllm_align.training.host import HostRam, host_loading
+from dllm_align.training.loop import invariant_margins, invariant_values
 from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
 from dllm_align.training.train import setup_run
 
