@@ -95,6 +95,15 @@ BENCHMARKS = [
      lambda v, r: v <= 300.0,
      lambda r: f"{r['demo_seconds']:.0f} s, peak {_get(r, 'demo_figures', 'peak_memory_mb'):,} MB, "
      f"AWR {_get(r, 'demo_figures', 'awr'):.3f}"),
+    ("serving", "serve_concurrency_speedup", "the same 64 requests to `serve` one at a time", ">= 3x (2 cores)",
+     lambda v, r: v >= 3.0,
+     lambda r: _pair(_get(r, "serving_figures", "together_s"), _get(r, "serving_figures", "one_at_a_time_s"), ".2f", "s")),
+    ("serving", "serve_client_overhead_ms", "in-process generate at batch 1 (ms a prompt costs more through HTTP)",
+     "reported", None,
+     lambda r: _pair(_get(r, "serving_figures", "client_s"), _get(r, "serving_figures", "in_process_batch1_s"), ".2f", "s")),
+    ("serving", "serve_hostile_ok", "hostile requests: each a 4xx or a bounded refusal, the server alive after", "== 1",
+     lambda v, r: v == 1.0,
+     lambda r: ", ".join(f"{k}: {v}" for k, v in (_get(r, "serving_figures", "hostile", "thousand_codes") or {}).items())),
     ("variance", "variance_ratio_shared", "independent masks for policy and reference", "reported", None,
      lambda r: _pair(r.get("variance_shared"), r.get("variance_independent"), ".3g", "")),
     ("variance", "variance_ratio_stratified", "independent masks for policy and reference", "reported", None,
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write the ratios, settings and machine as JSON")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--only", nargs="*", metavar="NAME",
-                    help="run only these modules (memory padding throughput packing generation block_stream cli_startup demo variance)")
+                    help="run only these modules (memory padding throughput packing generation block_stream cli_startup demo serving variance)")
     ap.add_argument("--no-assert", action="store_true",
                     help="exit 0 even if a target is missed (a failing benchmark still exits 1)")
     ap.add_argument("--threads", type=int, metavar="N",

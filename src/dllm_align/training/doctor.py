@@ -328,6 +328,23 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
+def _smoke_recipe(recipe, tmp: Path):
+    """The recipe the smoke runs: into ``tmp``, no checkpoints or trackers, against the online reference when no
+    cache is built yet. Returns (recipe, reference mode, a note or None)."""
+    cache = cache_dir(recipe)
+    mode = recipe.reference.mode
+    note = None
+    if mode == "cached" and not (cache / "manifest.json").exists():
+        mode, note = "online", f"no reference cache at {cache} yet: checked against the online reference"
+    sets = {"output_dir": str(tmp)}
+    rec = recipe.model_copy(update=sets)
+    rec = rec.model_copy(update={
+        "reference": recipe.reference.model_copy(update={"mode": mode, "cache": str(cache)}),
+        "train": recipe.train.model_copy(update={"save_every": None, "trackers": []}),
+    })
+    return rec, mode, note
+
+
 def smoke(recipe, steps: int, launch: Launch) -> dict:
     """N real optimiser steps in a temporary folder; the step-0 invariant; timings and extrapolations."""
     _remove_stale_smoke_folders()
@@ -338,17 +355,7 @@ def smoke(recipe, steps: int, launch: Launch) -> dict:
     if previous is not None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        cache = cache_dir(recipe)
-        mode = recipe.reference.mode
-        note = None
-        if mode == "cached" and not (cache / "manifest.json").exists():
-            mode, note = "online", f"no reference cache at {cache} yet: checked against the online reference"
-        sets = {"output_dir": str(tmp)}
-        rec = recipe.model_copy(update=sets)
-        rec = rec.model_copy(update={
-            "reference": recipe.reference.model_copy(update={"mode": mode, "cache": str(cache)}),
-            "train": recipe.train.model_copy(update={"save_every": None, "trackers": []}),
-        })
+        rec, mode, note = _smoke_recipe(recipe, tmp)
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
