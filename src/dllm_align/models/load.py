@@ -387,41 +387,7 @@ def load_model(
             except Exception as e:  # a truncated or damaged safetensors file
                 raise UserError(f"{path}: could not read the model weights ({_one_line(e)})") from e
         else:
-            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-            # use_safetensors: never unpickle a .bin checkpoint, even with weights_only.
-            kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
-            if attn_implementation:
-                kw["attn_implementation"] = attn_implementation
-            try:
-                conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-            except ValueError as e:
-                raise UserError(
-                    f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
-                    f"does not know it ({str(e).splitlines()[0][:120]})",
-                    hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
-                         "model.trust_remote_code: true",
-                ) from None
-            try:
-                model = None
-                if empty and not trust_remote_code:
-                    model, sources = empty_transformers_model(path, AutoModelForCausalLM, conf, kw)
-                if model is None:
-                    try:
-                        model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
-                    except ValueError:
-                        if not trust_remote_code:
-                            raise
-                        model = AutoModel.from_pretrained(str(path), config=conf, **kw)
-            except Exception as e:
-                # A truncated safetensors file, a .bin-only folder, weights of another shape
-                # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
-                if not any(path.glob("*.safetensors")):
-                    raise UserError(
-                        f"{path}: no safetensors weights found",
-                        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
-                    ) from None
-                raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
+            model, sources = _load_transformers(path, cfg, torch_dtype, trust_remote_code, attn_implementation, empty)
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
 
     if family_of(model).block_size:
@@ -435,6 +401,49 @@ def load_model(
     mp = MaskPredictor(model, tok, mask_token_id=mask_token_id)
     mp.weight_sources = sources
     return mp
+
+
+def _load_transformers(path: Path, cfg: dict, torch_dtype, trust_remote_code: bool, attn_implementation: Optional[str],
+                       empty: bool) -> tuple[Any, Optional[WeightSources]]:
+    """A model no family reads natively, through transformers (``from_pretrained``; with ``empty``, its weights left
+    to :func:`dllm_align.models.shards.read_weight_shards` where the files name them in its layout)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    sources = None
+    # use_safetensors: never unpickle a .bin checkpoint, even with weights_only.
+    kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    try:
+        conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserError(
+            f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
+            f"does not know it ({str(e).splitlines()[0][:120]})",
+            hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
+                 "model.trust_remote_code: true",
+        ) from None
+    try:
+        model = None
+        if empty and not trust_remote_code:
+            model, sources = empty_transformers_model(path, AutoModelForCausalLM, conf, kw)
+        if model is None:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
+            except ValueError:
+                if not trust_remote_code:
+                    raise
+                model = AutoModel.from_pretrained(str(path), config=conf, **kw)
+    except Exception as e:
+        # A truncated safetensors file, a .bin-only folder, weights of another shape
+        # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
+        if not any(path.glob("*.safetensors")):
+            raise UserError(
+                f"{path}: no safetensors weights found",
+                hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+            ) from None
+        raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
+    return model, sources
 
 
 def _read_config(folder: Path) -> Any:
