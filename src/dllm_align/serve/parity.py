@@ -25,7 +25,7 @@ import json
 import random
 import statistics
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from dllm_align.core.console import info, warn
 from dllm_align.core.errors import UserError
@@ -137,19 +137,7 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     if p_len < alpha:
         reasons.append(f"lengths: the completion lengths differ (means {statistics.fmean(la):.2f} vs "
                        f"{statistics.fmean(lb):.2f}, permutation p = {p_len:.4f} < {alpha:g})")
-    passes: dict[str, Any] = {}
-    if verifier is not None:
-        def verdicts(comps):
-            # an unsure verdict counts as not passing (as online's held-out share counts it)
-            return [float(apply(verifier, _prompt_text(items[i // samples].messages), c.text, items[i // samples].row,
-                                f"prompt {items[i // samples].id!r}").label is True) for i, c in enumerate(comps)]
-
-        va, vb = verdicts(sa), verdicts(sb)
-        p_pass = permutation_p(va, vb)
-        passes = {"rule": rule, "reference": statistics.fmean(va), "backend": statistics.fmean(vb), "p_value": p_pass}
-        if p_pass < alpha:
-            reasons.append(f"verifier: pass rates {passes['reference']:.3f} vs {passes['backend']:.3f} differ "
-                           f"(permutation p = {p_pass:.4f} < {alpha:g})")
+    passes = _verifier_passes(verifier, rule, items, samples, sa, sb, alpha, reasons)
 
     record = {
         "backend": gen_section.backend,
@@ -167,13 +155,32 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / RECORD, record)
-    for g in (cand,):
-        close = getattr(g, "close", None)
-        if close is not None:
-            close()
+    close = getattr(cand, "close", None)
+    if close is not None:
+        close()
     info(f"parity: greedy match {match:.3f}, distinct samples {statistics.fmean(db):.2f} (reference "
          f"{statistics.fmean(da):.2f}), lengths p = {p_len:.4f}: " + ("passed" if not reasons else "; ".join(reasons)))
     return record
+
+
+def _verifier_passes(verifier, rule, items, samples: int, sa, sb, alpha: float, reasons: list) -> dict:
+    """Both sides' verifier pass rates on the sampled completions and their permutation p-value (a reason is
+    added when they differ); empty without a verifier. An unsure verdict counts as not passing, as online's
+    held-out share counts it."""
+    if verifier is None:
+        return {}
+
+    def verdicts(comps):
+        return [float(apply(verifier, _prompt_text(items[i // samples].messages), c.text, items[i // samples].row,
+                            f"prompt {items[i // samples].id!r}").label is True) for i, c in enumerate(comps)]
+
+    va, vb = verdicts(sa), verdicts(sb)
+    p_pass = permutation_p(va, vb)
+    passes = {"rule": rule, "reference": statistics.fmean(va), "backend": statistics.fmean(vb), "p_value": p_pass}
+    if p_pass < alpha:
+        reasons.append(f"verifier: pass rates {passes['reference']:.3f} vs {passes['backend']:.3f} differ "
+                       f"(permutation p = {p_pass:.4f} < {alpha:g})")
+    return passes
 
 
 def check_record(path: str | Path, recipe) -> dict:
