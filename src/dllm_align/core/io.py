@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -535,3 +536,36 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextmanager
+def waiting_lock(path: str | Path, timeout_s: float, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed), waiting at most ``timeout_s`` seconds for the
+    process that holds it (one download per node: the others wait, then find the files in place). Waiting longer
+    is a :class:`RunFailure` naming ``what``. Best effort where ``flock`` is unavailable: no lock."""
+    path = Path(path)
+    if fcntl is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(path), os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RunFailure(f"waited {timeout_s:.0f} s for another process's {what} to finish",
+                                     hint=f"if no other process is running, remove {path}") from None
+                time.sleep(0.2)
+            except OSError:  # no locks on this filesystem
+                break
+        yield
+    finally:
+        os.close(fd)

@@ -11,6 +11,8 @@ is made. The rest of dllm-align asks the family; it never branches on a family's
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 from dataclasses import dataclass, field
@@ -134,6 +136,10 @@ class Family:
     # (DiffusionGemma), which the estimate sizes instead of the top-level fields.
     qk_norm: Optional[Callable[[dict, int], bool]] = None
     tied_text_stack: bool = False
+    # Whether its native loader reads each weight by name as stored (``load_mapped`` without ``combine``): then an
+    # FSDP2 launch reads each process's shard of each weight only (``models.load.read_weight_shards``); otherwise
+    # every process reads the whole model first (what ``doctor``'s host-RAM line counts).
+    reads_by_name: bool = True
     published: Optional[PublishedLayout] = None  # None: no published layout to export into (the native one is kept)
     published_fields: Optional[Callable[[dict], dict]] = None
     published_state: Optional[Callable[[dict], dict]] = None
@@ -323,6 +329,26 @@ def check_finite(model, folder) -> None:
                                 hint="the weights were damaged or modified; use an earlier checkpoint")
 
 
+# Where each weight of a model loaded with empty weights lies in its folder: native name -> (file, key).
+WeightSources = dict[str, tuple[Path, str]]
+_EMPTY: contextvars.ContextVar[Optional[WeightSources]] = contextvars.ContextVar("dllm_align_empty_weights", default=None)
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Within it, :func:`load_mapped` reads no weight: the model comes back with empty host storage (allocated, never
+    written, so no page of it is resident) and the yielded dict says where each weight lies in the folder, for
+    :func:`dllm_align.models.load.read_weight_shards` to read each process's shard only. A family whose weights are
+    transformed as they load (``combine``: stacked experts) or that loads without :func:`load_mapped` leaves the
+    dict empty and loads its weights as usual."""
+    sources: WeightSources = {}
+    token = _EMPTY.set(sources)
+    try:
+        yield sources
+    finally:
+        _EMPTY.reset(token)
+
+
 def load_mapped(
     folder: Path,
     model_cls,
@@ -341,12 +367,15 @@ def load_mapped(
     the family does not have). Every expected weight must be present: a missing or unknown one
     is named, so a silent numerical difference is impossible. Rotary
     frequencies are not weights: they are rebuilt in fp32 from the config
-    (never trusted from a file, never left on the meta device).
+    (never trusted from a file, never left on the meta device). Each tensor is read in its stored dtype and cast
+    on its own, so loading holds one full copy at ``dtype``; within :func:`empty_weights` none (the names are
+    checked all the same).
     """
     with torch.device("meta"):
         model = model_cls(config)
     if prepare is not None:
         prepare(model)
+    sources = _EMPTY.get() if combine is None else None
     state: dict[str, torch.Tensor] = {}
     unknown = []
     for f in safetensors_files(folder):
@@ -356,7 +385,11 @@ def load_mapped(
                 if nk is None:
                     unknown.append(k)
                     continue
-                state[nk] = sf.get_tensor(k).to(dtype)
+                if sources is not None:
+                    state[nk] = torch.empty(sf.get_slice(k).get_shape(), dtype=dtype, device="meta")
+                    sources[nk] = (f, k)
+                else:
+                    state[nk] = sf.get_tensor(k).to(dtype)
     if unknown:
         raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(unknown)}")
     if combine is not None:
@@ -376,6 +409,10 @@ def load_mapped(
             raise UserError(f"{folder}: weight {k!r} has shape {tuple(v.shape)}, the config gives {shapes[k]}",
                             hint="the weights do not match config.json (modified, or from another model)")
     model.load_state_dict(state, assign=True, strict=True)
+    if sources is not None:
+        model.to_empty(device="cpu")  # storage allocated, never written: read later, shard by shard
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
     rebuild_rotary(model)
     return model.eval()
 

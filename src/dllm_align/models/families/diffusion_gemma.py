@@ -345,6 +345,7 @@ def decoder_layer_class(model) -> Optional[type]:
 
 DIFFUSION_GEMMA = Family(
     name="diffusion_gemma",
+    reads_by_name=False,  # its own loader reads the checkpoint whole
     model_types=("diffusion_gemma",),
     architectures=("DiffusionGemmaForBlockDiffusion",),
     mask_token_id=4,
