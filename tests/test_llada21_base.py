@@ -88,3 +88,17 @@ def test_demo_llada21_aligns_the_editing_base(tmp_path):
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["reward_desirable"] == 0.0 and metrics[0]["reward_undesirable"] == 0.0  # policy = reference
     assert json.loads((out / "gen.aligned.settings.json").read_text())["sampler"]["sampler"] == "llada21"
+
+
+def test_an_export_from_a_saved_llada21_folder_still_reads_as_llada21():
+    """The demo's aligned final/ comes from the packaged base, a folder dllm-align saved (LLaDA2.0's published
+    identity plus ``dllm_align_family``, no remote code): the export keeps the key, or it would load as LLaDA2.0.
+    LLaDA2.0 itself, which needs no such evidence, still drops it."""
+    from dllm_align.models.export import published_config
+
+    source = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "dllm_align_family": "llada21",
+              "is_causal": False, "block_size": 8, "mask_token_id": 261}
+    trained = {"dtype": "float32"}
+    out = published_config("llada21", trained, source)
+    assert out["dllm_align_family"] == "llada21" and "is_causal" not in out
+    assert "dllm_align_family" not in published_config("llada2", trained, {**source, "dllm_align_family": "llada2"})

@@ -58,6 +58,10 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
         raise KeyError(family)
     if source is not None and (source.get("architectures") or source.get("auto_map")):
         out = {k: v for k, v in source.items() if k not in _OWN_KEYS}
+        if fam.folder_claim is not None and "dllm_align_family" in source:
+            # a family told from another sharing its model_type by evidence (LLaDA2.1: the key or its remote code)
+            # keeps the source's key, so that a folder without that code still reads back as this family
+            out["dllm_align_family"] = source["dllm_align_family"]
         for key in ("torch_dtype", "dtype"):
             if key in trained:
                 out["torch_dtype"] = str(trained[key]).replace("torch.", "")
