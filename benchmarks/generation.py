@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired.py, when run as a script
 
 PROMPT = (
     "Translate to Turkish:\n\nWith the recession, the purchase price for recycled plastic waste has "
@@ -69,14 +74,19 @@ def _tiny(device):
 
 
 SETTINGS = {"full": (256, 32), "quick": (64, 16), "smoke": (16, 8)}  # size -> (gen_length, block_length)
+REPEATS = {"full": 5, "quick": 3, "smoke": 3}  # paired measurements; each gives one ratio (benchmarks/paired.py)
 
 
-def run(device: str = "cpu", size: str = "full", repeats: int = 1, threads: int | None = None) -> dict:
+def run(device: str = "cpu", size: str = "full", repeats: int | None = None, threads: int | None = None) -> dict:
     """Measure the samplers at batch 1; returns a JSON-able dict of figures and settings.
 
-    ``threads``: torch CPU threads (None: leave as is). On a shared or busy CPU,
-    1 thread gives steadier figures for a model this small.
+    Each repeat times every sampler once, in turn (straightforward, exact, the fast ones), and gives one
+    exact/straightforward and one fast/exact ratio; the headline ratios are their medians, with the spread under
+    ``<key>_spread``. ``threads``: torch CPU threads (None: leave as is). On a shared or busy CPU, 1 thread
+    gives steadier figures for a model this small.
     """
+    from paired import spread
+
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible")
     if threads is not None:
@@ -85,6 +95,7 @@ def run(device: str = "cpu", size: str = "full", repeats: int = 1, threads: int 
     from dllm_align.generate.settings import SamplerSettings, SamplerStats, encode_prompt
     from dllm_align.generate.sampler import generate_batch
 
+    repeats = repeats or REPEATS[size]
     mp, spec = _tiny(device)
     prompt = encode_prompt(mp.tokenizer, [{"role": "user", "content": PROMPT}])
     gen, block = SETTINGS[size]
@@ -92,54 +103,60 @@ def run(device: str = "cpu", size: str = "full", repeats: int = 1, threads: int 
     base = SamplerSettings(gen_length=gen, block_length=block, steps=steps)
     # Warm-up (allocator, kernels), not timed.
     generate_batch(mp, [prompt], SamplerSettings(gen_length=block, block_length=block, steps=2), stop_early=False)
-
-    def timed(fn):
-        best, out = None, None
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = fn()
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-        return out, best
-
-    (ref_tokens, ref_pos), t_ref = timed(lambda: straightforward(mp, prompt, gen, block, steps))
-    figures = {
-        "straightforward": {"tokens_per_s": gen / t_ref, "positions_per_token": ref_pos / gen, "seconds": t_ref}
+    variants = {
+        "exact": base,
+        "fast_prefix": SamplerSettings(**{**base.to_dict(), "cache": "prefix"}),
+        "fast_dual": SamplerSettings(**{**base.to_dict(), "cache": "dual"}),
+        "fast": SamplerSettings(**{**base.to_dict(), "cache": FAST_CACHE, "threshold": FAST_THRESHOLD}),
     }
+    seconds = {name: [] for name in ["straightforward", *variants]}
+    tokens, counts = {}, {}
 
-    def sampler(name, settings):
-        stats = SamplerStats()
-        res, dt = timed(lambda: generate_batch(mp, [prompt], settings, stop_early=False, stats=stats))
-        figures[name] = {
-            "tokens_per_s": gen / dt,
-            "positions_per_token": stats.positions / repeats / gen,
-            "forwards": stats.forwards // repeats,
-            "seconds": dt,
-        }
-        return res[0].raw
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
 
-    exact = sampler("exact", base)
+    for _ in range(repeats):  # interleaved: each repeat runs every sampler once
+        sync()
+        t0 = time.perf_counter()
+        tokens["straightforward"], ref_pos = straightforward(mp, prompt, gen, block, steps)
+        sync()
+        seconds["straightforward"].append(time.perf_counter() - t0)
+        for name, st in variants.items():
+            stats = SamplerStats()
+            sync()
+            t0 = time.perf_counter()
+            res = generate_batch(mp, [prompt], st, stop_early=False, stats=stats)
+            sync()
+            seconds[name].append(time.perf_counter() - t0)
+            tokens[name], counts[name] = res[0].raw, stats
+    figures = {"straightforward": {"positions_per_token": ref_pos / gen}}
+    for name, st in counts.items():
+        figures[name] = {"positions_per_token": st.positions / gen, "forwards": st.forwards}
+    for name, t in seconds.items():
+        med = statistics.median(t)
+        figures[name].update(tokens_per_s=gen / med, seconds=med, seconds_each=t)
+    exact, ref_tokens = tokens["exact"], tokens["straightforward"]
     figures["exact"]["identical_to_straightforward"] = exact == ref_tokens
     if exact != ref_tokens and next(mp.model.parameters()).dtype == torch.float32:
         # in fp32 exact mode is the same computation; bf16 may flip near-ties, so there it is only reported
         raise RuntimeError("exact mode and the straightforward sampler decoded different tokens (fp32): "
                            f"{sum(x != y for x, y in zip(exact, ref_tokens))} of {gen} differ")
-    variants = {
-        "fast_prefix": SamplerSettings(**{**base.to_dict(), "cache": "prefix"}),
-        "fast_dual": SamplerSettings(**{**base.to_dict(), "cache": "dual"}),
-        "fast": SamplerSettings(**{**base.to_dict(), "cache": FAST_CACHE, "threshold": FAST_THRESHOLD}),
-    }
-    for name, st in variants.items():
-        toks = sampler(name, st)
-        figures[name]["agreement_with_exact"] = sum(a == b for a, b in zip(toks, exact)) / gen
-        figures[name]["speedup_vs_exact"] = figures[name]["tokens_per_s"] / figures["exact"]["tokens_per_s"]
-    figures["exact"]["speedup_vs_straightforward"] = figures["exact"]["tokens_per_s"] / figures["straightforward"]["tokens_per_s"]
+    ratios = {name: spread([e / f for e, f in zip(seconds["exact"], seconds[name])]) for name in variants if name != "exact"}
+    for name, sp in ratios.items():
+        figures[name]["agreement_with_exact"] = sum(a == b for a, b in zip(tokens[name], exact)) / gen
+        figures[name]["speedup_vs_exact"] = sp["median"]
+        figures[name]["speedup_vs_exact_spread"] = sp
+    exact_sp = spread([s / e for s, e in zip(seconds["straightforward"], seconds["exact"])])
+    figures["exact"]["speedup_vs_straightforward"] = exact_sp["median"]
     figures["exact"]["agreement_with_straightforward"] = sum(a == b for a, b in zip(exact, ref_tokens)) / gen
     return {
         # the figures benchmarks/run.py tabulates
-        "generate_exact_speedup": figures["exact"]["speedup_vs_straightforward"],
+        "generate_exact_speedup": exact_sp["median"],
+        "generate_exact_speedup_spread": exact_sp,
         "generate_exact_identical": figures["exact"]["identical_to_straightforward"],
-        "generate_fast_speedup": figures["fast"]["speedup_vs_exact"],
+        "generate_fast_speedup": ratios["fast"]["median"],
+        "generate_fast_speedup_spread": ratios["fast"],
         "generation_settings": {
             "device": device,
             "dtype": str(next(mp.model.parameters()).dtype).removeprefix("torch."),
@@ -155,6 +172,8 @@ def run(device: str = "cpu", size: str = "full", repeats: int = 1, threads: int 
             "fast": f"cache={FAST_CACHE}, threshold={FAST_THRESHOLD}",
             "torch_threads": torch.get_num_threads(),
             "repeats": repeats,
+            "timing": "each repeat times every sampler once, in turn; tokens/s from the median seconds; "
+                      "ratios: the median of the per-repeat ratios",
         },
         "generation_figures": figures,
     }
@@ -165,7 +184,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--size", default="full", choices=list(SETTINGS),
                     help="gen_length / block_length: full 256 / 32, quick 64 / 16, smoke 16 / 8")
-    ap.add_argument("--repeats", type=int, default=1, help="time each sampler this many times, keep the best")
+    ap.add_argument("--repeats", type=int, default=None, help="paired measurements (default: 5 full, 3 quick and smoke)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true", help="print the raw JSON")
     args = ap.parse_args()

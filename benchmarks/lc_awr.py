@@ -6,8 +6,14 @@ baseline gpt4_1106_preview) against its published LC figures. DIR holds ``<model
 tatsu-lab/alpaca_eval (kept outside this repository); the published LC figures are read from the same
 checkout's leaderboard CSV (``--leaderboard``). The preference (1 = baseline, 2 = model, fractional) is
 fitted as it is: y = preference - 1, d = len(model) - len(baseline) in characters. Each model is fitted
-without anchors, and with the instruction-difficulty term taken from a second model's preferences on
-the same prompts (``2 y - 1``).
+without anchors, once with no difficulty term and once with AlpacaEval's per-instruction difficulty, looked
+up by instruction text (:func:`dllm_align.judge.stats.difficulty_lookup`): AlpacaEval's own
+``instruction_difficulty.csv`` (``--difficulty``; it lives on the HF Hub, tatsu-lab/alpaca_eval) or, where
+that cannot be fetched, the difficulty re-estimated from the published GLM weights (``--weights``) and the
+tune split's annotations. The models are split in two by a hash of the name, fixed before the giving rule
+was chosen; ``--search`` prints the grid the rule was chosen from (tune split only), the default run the
+figures under the library's rule for both splits: share given, error against the published LC (mean and
+worst), and how often the 90% interval holds it.
 
 ``simulate``: data sets with a known length-free truth. Each prompt has a quality gap q_i ~ N(mu, 1) and a
 length difference d_i; the judge's two-order outcome is a win with probability
@@ -16,7 +22,7 @@ tie otherwise; the truth is the AWR the same judge gives at d = 0 (computed exac
 a large draw of q). Anchors are B rewritten longer and shorter, q = 0, judged by the same judge. Reports
 coverage of the 90% interval, how often the figure is withheld, and the RMSE, per scenario.
 
-    python benchmarks/lc_awr.py alpacaeval /tmp/ae --leaderboard /tmp/alpaca_eval_leaderboard.csv
+    python benchmarks/lc_awr.py alpacaeval /tmp/ae --leaderboard /tmp/leaderboard.csv --weights /tmp/weights.csv
     python benchmarks/lc_awr.py simulate --sets 40 --resamples 400
     python benchmarks/lc_awr.py simulate --sets 200 --resamples 300 --only "balanced, length-loving, anchors"
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -44,33 +51,164 @@ def _load(path: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
     return ids, np.clip(y, 0.0, 1.0), d
 
 
+BASELINE = "gpt4_1106_preview"
+W_LEN, W_DIFF, W_BIAS = "np.tanh(std_delta_len)", "instruction_difficulty", "not_gamed_baseline.astype(float)"
+
+
+def split_of(model: str) -> str:
+    """The fixed split, made before the giving rule was chosen: the first byte of sha256(name), even -> tune."""
+    return "tune" if hashlib.sha256(model.encode()).digest()[0] % 2 == 0 else "held-out"
+
+
+def _difficulty_from_weights(data: dict, models: list[str], weights: dict, order: list[str]) -> np.ndarray:
+    """AlpacaEval's per-instruction difficulty re-estimated from its published GLM weights: with each model's
+    published (bias, length slope, difficulty slope) held fixed, g_i maximises the likelihood of those models'
+    preferences on instruction i (a one-dimensional fit per instruction; ridge 0.1 keeps an instruction every
+    model wins or loses finite). The models are the tune split only, so held-out figures do not use their
+    own annotations twice."""
+    pos = {k: i for i, k in enumerate(order)}
+    idx, y, off, slope = [], [], [], []
+    for m in models:
+        ins, ym, dm = data[m]
+        bias, phi, psi = weights[m]
+        x = np.tanh(-dm / dm.std(ddof=1))  # AlpacaEval's delta is len(baseline) - len(model)
+        idx.append(np.array([pos[k] for k in ins]))
+        y.append(ym)
+        off.append(bias + phi * x)
+        slope.append(np.full(ym.size, psi))
+    idx, y, off, slope = map(np.concatenate, (idx, y, off, slope))
+    g, n = np.zeros(len(order)), len(order)
+    for _ in range(100):
+        p = 1.0 / (1.0 + np.exp(-(off + slope * g[idx])))
+        grad = np.bincount(idx, slope * (y - p), n) - 0.1 * g
+        hess = np.bincount(idx, slope * slope * p * (1 - p), n) + 0.1
+        step = np.clip(grad / hess, -2, 2)
+        g += step
+        if np.abs(step).max() < 1e-9:
+            break
+    return g
+
+
+def _read_difficulty(args, data: dict, tune: list[str]) -> tuple[dict, str]:
+    """``instruction_key -> difficulty`` and where it came from."""
+    order = next(data[m][0] for m in sorted(data) if len(data[m][0]) == 805)  # every full file has this order
+    if args.difficulty:
+        with open(args.difficulty) as f:
+            vals = {int(r["index"]): float(r["instruction_difficulty"]) for r in csv.DictReader(f)}
+        g = np.array([vals[i] for i in range(len(order))])
+        source = f"AlpacaEval's instruction_difficulty.csv ({args.difficulty})"
+    else:
+        weights = {}
+        with open(args.weights) as f:
+            for r in csv.DictReader(f):
+                weights[r[""]] = (float(r[W_BIAS]), float(r[W_LEN]), float(r[W_DIFF]))
+        fit = [m for m in tune if m in weights and m != BASELINE]
+        g = _difficulty_from_weights(data, fit, weights, order)
+        source = f"re-estimated from AlpacaEval's published GLM weights and the {len(fit)} tune models' annotations"
+    table = {stats.instruction_key(k): float(v) for k, v in zip(order, g)}
+    if args.weights:
+        source += "; " + _fidelity(args, g)
+    return table, source
+
+
+def _fidelity(args, g: np.ndarray) -> str:
+    """How near a difficulty vector comes to the published one: AlpacaEval's LC of every leaderboard model
+    with published weights is mean_i sigmoid(bias + psi g_i); recomputed with ``g`` against the published LC."""
+    with open(args.weights) as f:
+        weights = {r[""]: (float(r[W_BIAS]), float(r[W_DIFF])) for r in csv.DictReader(f)}
+    with open(args.leaderboard) as f:
+        lc = {r[""]: float(r["length_controlled_winrate"]) for r in csv.DictReader(f) if r["length_controlled_winrate"]}
+    out = []
+    for part in ("tune", "held-out"):
+        err = np.abs([100 * np.mean(1 / (1 + np.exp(-(b + psi * g)))) - lc[m] for m, (b, psi) in weights.items()
+                      if m in lc and m != BASELINE and split_of(m) == part])
+        out.append(f"{part}: {err.size} leaderboard models, mean |error| {err.mean():.2f}, worst {err.max():.2f}")
+    return "AlpacaEval's own LC recomputed with this difficulty and the published weights: " + "; ".join(out)
+
+
+def _row_estimate(d, y, g, resamples):
+    est = stats.lc_from_preferences(d, y, difficulty=g, published_difficulty=g is not None, n_resamples=resamples, seed=0)
+    return {k: est[k] for k in ("lc_awr", "ci90", "vif", "withheld")}
+
+
+def _summary(rows: list[dict], key: str) -> str:
+    given = [r for r in rows if r[key]["lc_awr"] is not None]
+    if not given:
+        return f"0/{len(rows)} given"
+    err = np.array([100 * r[key]["lc_awr"] - r["published_lc"] for r in given])
+    cov = sum(100 * r[key]["ci90"][0] <= r["published_lc"] <= 100 * r[key]["ci90"][1] for r in given)
+    return (f"{len(given)}/{len(rows)} given ({100 * len(given) / len(rows):.0f}%), MAE {np.abs(err).mean():.1f}, "
+            f"worst {np.abs(err).max():.1f}, within 5 points {int((np.abs(err) <= 5).sum())}/{len(given)}, "
+            f"90% interval holds the published LC {cov}/{len(given)} ({100 * cov / len(given):.0f}%)")
+
+
+def _search(rows: list[dict]) -> None:
+    """The grid the giving rule was chosen from, on the tune split only (fits made with no bounds)."""
+    print("| fit | VIF at most | interval at most (points) | given | worst error | interval holds the published LC | meets the targets |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for key in ("difficulty", "plain"):
+        for v in (4, 6, 8, 10, 15, float("inf")):
+            for w in (5, 7.5, 10, 12.5, 15, 17.5, 20, float("inf")):
+                g = [r for r in rows if r[key]["vif"] <= v and 100 * (r[key]["ci90"][1] - r[key]["ci90"][0]) <= w]
+                if not g:
+                    continue
+                err = np.abs([100 * r[key]["lc_awr"] - r["published_lc"] for r in g])
+                cov = sum(100 * r[key]["ci90"][0] <= r["published_lc"] <= 100 * r[key]["ci90"][1] for r in g)
+                ok = err.max() <= 5 and cov >= 0.85 * len(g)
+                print(f"| {key} | {v:g} | {w:g} | {len(g)}/{len(rows)} | {err.max():.1f} | {cov}/{len(g)} | {'yes' if ok else 'no'} |")
+
+
 def alpacaeval(args) -> None:
     published = {}
     with open(args.leaderboard) as f:
         for r in csv.DictReader(f):
-            published[r[""]] = (float(r["win_rate"]), float(r["length_controlled_winrate"] or "nan"))
-    files = sorted(Path(args.dir).glob("*.json"))
-    data = {p.stem: _load(p) for p in files}
-    print("| model | prompts | model longer | AlpacaEval win rate | AlpacaEval LC | ours: win rate | ours: LC, no anchors [90% CI] "
-          "| VIF | ours: LC + difficulty (from) [90% CI] |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---|")
-    names = sorted(data)
+            if r["length_controlled_winrate"]:
+                published[r[""]] = (float(r["win_rate"]), float(r["length_controlled_winrate"]))
+    data = {p.stem: _load(p) for p in sorted(Path(args.dir).glob("*.json"))}
+    names = [m for m in sorted(data) if m in published and m != BASELINE]
+    tune = [m for m in names if split_of(m) == "tune"]
+    table, source = _read_difficulty(args, data, tune)
+    print(f"difficulty: {source}\n")
+    if args.write_table:  # the table `dllm-align judge --difficulty-table` reads (kept outside the repository)
+        with open(args.write_table, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["instruction_sha256", "difficulty"])
+            w.writerows(sorted(table.items()))
+    if args.search:  # every fit given, so the grid sees them all
+        stats.LC_MAX_VIF = stats.LC_DIFFICULTY_MAX_VIF = stats.LC_MAX_CI_WIDTH = float("inf")
+    rows = []
     for m in names:
         ids, y, d = data[m]
-        other = args.second if args.second != m else args.second_alt
-        est = stats.lc_from_preferences(d, y, n_resamples=args.resamples, seed=0)
-        pos = {k: i for i, k in enumerate(data[other][0])}
-        g = np.array([2 * data[other][1][pos[k]] - 1 if k in pos else 0.0 for k in ids])
-        est_g = stats.lc_from_preferences(d, y, difficulty=g, n_resamples=args.resamples, seed=0)
-        wr, lc = published.get(m, (float("nan"), float("nan")))
+        g, matched = stats.difficulty_lookup(ids, table)
+        plain = _row_estimate(d, y, None, args.resamples)
+        with_g = _row_estimate(d, y, g, args.resamples)
+        rows.append({"model": m, "split": split_of(m), "prompts": int(d.size), "longer": int((d > 0).sum()),
+                     "win_rate": published[m][0], "published_lc": published[m][1], "ours_wr": 100 * float(y.mean()),
+                     "plain": plain, "difficulty": with_g, "matched": matched})
+        print(f"{m}: {with_g}", file=sys.stderr, flush=True)
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(rows, indent=1))
+    if args.search:
+        _search([r for r in rows if r["split"] == "tune"])
+        return
 
-        def fmt(e):
-            if e["lc_awr"] is None:
-                return "withheld"
-            return f"{100 * e['lc_awr']:.1f} [{100 * e['ci90'][0]:.1f}, {100 * e['ci90'][1]:.1f}]"
+    def fmt(e):
+        if e["lc_awr"] is None:
+            return "withheld"
+        return f"{100 * e['lc_awr']:.1f} [{100 * e['ci90'][0]:.1f}, {100 * e['ci90'][1]:.1f}]"
 
-        print(f"| {m} | {d.size} | {int((d > 0).sum())} | {wr:.1f} | {lc:.1f} | {100 * y.mean():.1f} | {fmt(est)} "
-              f"| {est['vif']:.3g} | {fmt(est_g)} ({other}) |")
+    print("| model | split | model longer | AlpacaEval win rate | AlpacaEval LC | ours: win rate | ours: LC, plain [90% CI] "
+          "| ours: LC + AlpacaEval difficulty, rule [90% CI] | VIF |")
+    print("|---|---|---:|---:|---:|---:|---|---|---:|")
+    for r in sorted(rows, key=lambda r: (r["split"] != "tune", r["model"])):
+        e = r["difficulty"]
+        print(f"| {r['model']} | {r['split']} | {r['longer']}/{r['prompts']} | {r['win_rate']:.1f} | {r['published_lc']:.1f} "
+              f"| {r['ours_wr']:.1f} | {fmt(r['plain'])} | {fmt(e)} | {e['vif']:.3g} |")
+    print()
+    for part in ("tune", "held-out"):
+        sub = [r for r in rows if r["split"] == part]
+        print(f"- {part} ({len(sub)} models), plain fit: {_summary(sub, 'plain')}")
+        print(f"- {part} ({len(sub)} models), with the difficulty term and the giving rule: {_summary(sub, 'difficulty')}")
 
 
 # --------------------------------------------------------------------------- simulation
@@ -158,9 +296,13 @@ def main() -> None:
     a = sub.add_parser("alpacaeval")
     a.add_argument("dir")
     a.add_argument("--leaderboard", required=True)
-    a.add_argument("--second", default="gpt-3.5-turbo-1106", help="the model whose preferences give the difficulty term")
-    a.add_argument("--second-alt", default="claude-2.1", help="the second model for --second itself")
+    a.add_argument("--weights", help="AlpacaEval's published GLM weights (metrics/weights/weighted_alpaca_eval_gpt4_turbo/"
+                   "length_controlled_v1/baseline_gpt4_1106_preview.csv): the difficulty is re-estimated from them")
+    a.add_argument("--difficulty", help="AlpacaEval's instruction_difficulty.csv (index, instruction_difficulty), used as it is")
     a.add_argument("--resamples", type=int, default=1000)
+    a.add_argument("--dump", help="write the per-model figures here (JSON)")
+    a.add_argument("--write-table", metavar="CSV", help="write the difficulty table (instruction_sha256, difficulty) for judge --difficulty-table")
+    a.add_argument("--search", action="store_true", help="print the grid the giving rule was chosen from (tune split)")
     s = sub.add_parser("simulate")
     s.add_argument("--sets", type=int, default=40)
     s.add_argument("--n", type=int, default=400)
@@ -170,6 +312,8 @@ def main() -> None:
     unknown = [x for x in (getattr(args, "only", None) or []) if x not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(map(repr, unknown))}; choose from {'; '.join(SCENARIOS)}")
+    if args.what == "alpacaeval" and not (args.weights or args.difficulty):
+        ap.error("alpacaeval needs --difficulty or --weights")
     alpacaeval(args) if args.what == "alpacaeval" else simulate(args)
 
 

@@ -27,8 +27,10 @@ LLaDA-token length), K = 8, micro-batches of 4, scale 1/24 (``--quick``: 1/32,
 
 Figures: positions fed to the body (K copies x padded or packed width, summed
 over the forward calls of the training plan) against the real tokens (K x the
-rows' lengths); training examples per second (the loop's per-step log, each
-step its fastest of the repeats); precompute examples per second. Before
+rows' lengths); training examples per second (the loop's per-step log, each layout's
+rate the median over the repeats); precompute examples per second. Each repeat runs every layout in turn and
+gives one ratio per pair compared; the headline ratios are their medians, with the spread under
+``<key>_spread`` (``benchmarks/paired.py``). Before
 timing, the packed and padded precomputes are checked to give the same value for
 every row and draw. Targets: ``packed_uniform`` feeds <= 1.05x the real tokens
 and trains at >= 0.9x the speed of ``grouped``.
@@ -42,12 +44,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 
 import throughput as tp
+from paired import spread
 
-SETTINGS = {"full": (32, 1 / 24, 4, 2), "quick": (16, 1 / 32, 4, 1), "smoke": (8, 1 / 64, 4, 1)}  # size -> (rows, scale, batch, repeats)
+# size -> (rows, scale, batch, paired repeats: one ratio each, benchmarks/paired.py)
+SETTINGS = {"full": (32, 1 / 24, 4, 3), "quick": (16, 1 / 32, 4, 2), "smoke": (8, 1 / 64, 4, 1)}
 CONFIGS = {  # name -> (padding, group_by_length)
     "packed_uniform": ("packed", False),
     "padded_uniform": ("none", False),
@@ -150,10 +155,14 @@ def run(device: str = "cpu", size: str = "full") -> dict:
     if rel > tol:
         raise RuntimeError(f"packed and padded precomputes differ: max relative difference {rel:.3g}")
 
-    def fastest(runs):
-        return sum(min(step) for step in zip(*runs))
-
     n = len(examples)
+
+    def rate(m, name, what):  # the median over the repeats of this layout's examples per second
+        return statistics.median(n / sum(r) for r in times[m, name][what])
+
+    def ratio(m, a, b, what):  # a over b, one ratio per paired repeat (both ran in the same repeat)
+        return spread([sum(y) / sum(x) for x, y in zip(times[m, a][what], times[m, b][what])])
+
     out: dict = {}
     real = tp.K * sum(lengths[i] for b in plan_batches(lengths, batch, 0, 0, False, drop_last=True) for i in b)
     for name, (padding, grouped) in CONFIGS.items():
@@ -161,18 +170,20 @@ def run(device: str = "cpu", size: str = "full") -> dict:
         fed = tokens_fed(lengths, micro_batches(plan, batch), padding, max_length, k=tp.K)
         out[name] = {"positions_fed": fed, "real_tokens": tp.K * sum(lengths[i] for b in plan for i in b)}
         for m in models:
-            out[name][f"train_ex_per_s_{m}"] = n / fastest(times[m, name]["train"])
-            out[name][f"precompute_ex_per_s_{m}"] = n / fastest(times[m, name]["pre"])
+            out[name][f"train_ex_per_s_{m}"] = rate(m, name, "train")
+            out[name][f"precompute_ex_per_s_{m}"] = rate(m, name, "pre")
     pu, gr, un = out["packed_uniform"], out["grouped"], out["padded_uniform"]
+    ratios = {"packing_train_vs_grouped": ratio("body", "packed_uniform", "grouped", "train"),
+              "packing_train_vs_grouped_head": ratio("head", "packed_uniform", "grouped", "train"),
+              "packing_train_vs_padded": ratio("body", "packed_uniform", "padded_uniform", "train"),
+              "packing_precompute_vs_padded": ratio("body", "packed_uniform", "padded_uniform", "pre"),
+              "packing_precompute_vs_padded_head": ratio("head", "packed_uniform", "padded_uniform", "pre")}
     return {
         "packing_positions_ratio": pu["positions_fed"] / pu["real_tokens"],
-        "packing_train_vs_grouped": pu["train_ex_per_s_body"] / gr["train_ex_per_s_body"],
-        "packing_train_vs_grouped_head": pu["train_ex_per_s_head"] / gr["train_ex_per_s_head"],
-        "packing_train_vs_padded": pu["train_ex_per_s_body"] / un["train_ex_per_s_body"],
         "packing_padded_uniform_positions_ratio": un["positions_fed"] / un["real_tokens"],
         "packing_grouped_positions_ratio": gr["positions_fed"] / gr["real_tokens"],
-        "packing_precompute_vs_padded": pu["precompute_ex_per_s_body"] / un["precompute_ex_per_s_body"],
-        "packing_precompute_vs_padded_head": pu["precompute_ex_per_s_head"] / un["precompute_ex_per_s_head"],
+        **{k: sp["median"] for k, sp in ratios.items()},
+        **{f"{k}_spread": sp for k, sp in ratios.items()},
         "packing_figures": out,
         "packing_check": {"precompute_values_max_rel_diff": rel, "tolerance": tol, "real_tokens_all": real},
         "packing_settings": {

@@ -40,9 +40,10 @@ Straightforward: written here (:func:`straightforward_draws`)
     to its longest row with hidden pads; the same masks (``elbo.draw_masks``),
     batch size, loss, clipping and optimiser.
 
-Timing: wall clock. Each side runs twice (``--quick``, ``--smoke``: once), the two sides
-interleaved, and each step counts with its faster run, so a burst of load from
-other jobs on a shared machine does not land on one side only.
+Timing: wall clock. Each repeat runs both sides, interleaved, and gives one ratio (ours / straightforward
+examples per second, training and precompute apart); the headline ratios are the medians over the repeats
+(3; ``--quick`` 2, ``--smoke`` 1) with their spread under ``<key>_spread`` (``benchmarks/paired.py``), the
+absolute rates the medians of each side's.
 
 Equal work is checked before timing: on one batch both sides give the same
 per-draw ELBOs, loss and gradient (float tolerance), and the two precomputes
@@ -55,9 +56,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from paired import spread
 
 VOCAB = 126_464
 K = 8
@@ -65,9 +69,9 @@ CHARS_PER_TOKEN = 4.0
 MAX_LENGTH = 4096
 BETA = 0.1
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = {  # size -> (rows, scale, batch, repeats)
-    "full": (32, 1 / 24, 4, 2),
-    "quick": (16, 1 / 32, 4, 1),
+SETTINGS = {  # size -> (rows, scale, batch, paired repeats: one ratio each, benchmarks/paired.py)
+    "full": (32, 1 / 24, 4, 3),
+    "quick": (16, 1 / 32, 4, 2),
     "smoke": (8, 1 / 64, 4, 1),  # the equal-work checks and every figure, in seconds
 }
 
@@ -350,8 +354,8 @@ def run(device: str = "cpu", size: str = "full") -> dict:
         check = check_equal(mp, examples, collate, cfg, batch, device)  # also warms up both paths
         del mp
 
-        # Each side runs `repeats` times, interleaved; a step's time is its fastest run, so a
-        # burst of load from other jobs on a shared machine does not land on one side only.
+        # Each repeat runs both sides, interleaved, and gives one ratio, so a burst of load from other
+        # jobs on a shared machine moves one repeat's ratio, not the median.
         ours_pre, ours_train, sf_pre, sf_train = [], [], [], []
         for rep_i in range(repeats):
             # -- ours: the reference precompute and the training loop, as `precompute-ref` and `train` run them
@@ -386,16 +390,12 @@ def run(device: str = "cpu", size: str = "full") -> dict:
                 f"{len(examples) / sum(sf_pre[-1]):.2f} ex/s (ours vs straightforward)"
             )
 
-    def fastest(runs):
-        return sum(min(step) for step in zip(*runs))
-
     n = len(examples)
-    rates = {
-        "train_ours": n / fastest(ours_train),
-        "train_straightforward": n / fastest(sf_train),
-        "precompute_ours": n / fastest(ours_pre),
-        "precompute_straightforward": n / fastest(sf_pre),
-    }
+    per_run = {"train_ours": ours_train, "train_straightforward": sf_train, "precompute_ours": ours_pre,
+               "precompute_straightforward": sf_pre}
+    rates = {k: statistics.median(n / sum(r) for r in runs) for k, runs in per_run.items()}
+    train_sp = spread([sum(b) / sum(a) for a, b in zip(ours_train, sf_train)])
+    pre_sp = spread([sum(b) / sum(a) for a, b in zip(ours_pre, sf_pre)])
     lengths = [e.length for e in examples]
     grouped = plan_batches(lengths, batch, 0, 0, group_by_length=True, drop_last=True)
     order = sorted(range(len(examples)), key=lambda i: -lengths[i])
@@ -403,8 +403,10 @@ def run(device: str = "cpu", size: str = "full") -> dict:
     random_plan = plan_batches(lengths, batch, 0, 0, group_by_length=False, drop_last=True)
 
     return {
-        "train_speedup": rates["train_ours"] / rates["train_straightforward"],
-        "precompute_speedup": rates["precompute_ours"] / rates["precompute_straightforward"],
+        "train_speedup": train_sp["median"],
+        "train_speedup_spread": train_sp,
+        "precompute_speedup": pre_sp["median"],
+        "precompute_speedup_spread": pre_sp,
         **{f"throughput_{k}_ex_per_s": v for k, v in rates.items()},
         "throughput_check": {**check, "precompute_values_max_rel_diff": pre_rel},
         "throughput_positions": {
@@ -427,7 +429,7 @@ def run(device: str = "cpu", size: str = "full") -> dict:
             "body": "Llama 2 layers x 64, bidirectional",
             "train_steps": len(grouped),
             "repeats": repeats,
-            "timing": "wall clock; per step the fastest of the repeats (ours: the loop's own per-step log)",
+            "timing": "wall clock; one ratio per paired repeat, the median reported (ours: the loop's own per-step log)",
             "torch_threads": torch.get_num_threads(),
         },
     }

@@ -262,3 +262,88 @@ def test_the_demo_part_runs_the_quick_start_command(bench_path, monkeypatch, tmp
     seen["fail"] = True
     with pytest.raises(RuntimeError, match="exited 2.*Error: boom"):
         bench_demo.run(size="smoke")
+
+
+def test_paired_spread_and_a_target_judged_on_the_median(bench_path, monkeypatch, capsys):
+    """A speed ratio is the median of its repeats; a spread reaching both sides of the target says straddles (and
+    counts as missed only when the median misses), a spread wholly on one side says yes or NO."""
+    import paired
+    import run
+
+    sp = paired.spread([1.2, 3.5, 2.0, 4.0, 2.5])
+    assert sp["median"] == 2.5 and (sp["min"], sp["max"]) == (1.2, 4.0) and sp["repeats"] == 5 and sp["q1"] == 2.0
+    at_least_3 = lambda v, r: v >= 3.0  # noqa: E731
+    assert paired.verdict(at_least_3, 2.5, sp, {}) == "straddles (median misses)"
+    assert paired.verdict(at_least_3, 3.2, {**sp, "min": 2.9}, {}) == "yes, spread straddles"
+    assert paired.verdict(at_least_3, 3.2, {**sp, "min": 3.1}, {}) == "yes"
+    assert paired.verdict(at_least_3, 2.5, {**sp, "max": 2.9}, {}) == "NO"
+    assert paired.verdict(at_least_3, 3.2, {**sp, "min": 2.0, "repeats": 1}, {}) == "yes"
+
+    fake = types.ModuleType("generation")
+    fake.run = lambda device, size: {"generate_fast_speedup": 2.5, "generate_fast_speedup_spread": sp,
+                                     "generation_figures": {"fast": {"tokens_per_s": 25.0}, "exact": {"tokens_per_s": 10.0}},
+                                     "generate_exact_speedup": 1.1, "generate_exact_identical": True}
+    monkeypatch.setitem(sys.modules, "generation", fake)
+    assert run.main(["--only", "generation"]) == 1  # judged on the median: missed
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| generate_fast_speedup |"))
+    assert "| 2.500 (1.20-4.00, 5 repeats) |" in row and row.rstrip().endswith("| straddles (median misses) |")
+
+
+def test_gpu_bench_model_flops_per_token_by_hand(bench_path):
+    """The MFU's numerator (docs/benchmarks.md#full-size-gpu-benchmarks): LLaDA-8B's shape, by hand."""
+    import gpu_bench
+
+    dims = dict(hidden_size=4096, layers=32, heads=32, intermediate_size=12288)
+    n_body = 32 * (4 * 4096**2 + 3 * 4096 * 12288)  # 6.98e9
+    full = gpu_bench.flops_per_token(dims, 126_464, False, attn_len=800, scored_share=0.25)
+    assert full["n_body"] == n_body and full["n_head"] == 126_464 * 4096
+    assert full["per_token"] == 6 * n_body + 12 * 32 * 4096 * 800 + 6 * 126_464 * 4096 * 0.25
+    lora = gpu_bench.flops_per_token(dims, 126_464, True, attn_len=800, scored_share=0.25)
+    n_lora = 32 * 4 * 8 * 2 * 4096
+    assert lora["per_token"] == 4 * n_body + 6 * n_lora + 12 * 32 * 4096 * 800 + 4 * 126_464 * 4096 * 0.25
+    assert 0.66 < lora["per_token"] / full["per_token"] < 0.7
+
+
+def test_gpu_bench_parts_dry_run_on_cpu(bench_path, monkeypatch, fresh_accelerate):
+    """Every part of the GPU benchmark script at its small CPU size, in this process: ours and the straightforward
+    method both measured, the samplers and the streams paired and repeated."""
+    import gpu_bench
+    from dllm_align.config import components
+    from dllm_align.models import load
+
+    monkeypatch.setattr(load, "build_tiny_model", load.build_tiny_model)  # the script wraps it: undone after
+    llada = components.get("family", "llada")  # the script adds its shapes to the family's built-in models
+    try:
+        _gpu_bench_parts(gpu_bench)
+    finally:
+        components.redeclare(llada)
+    assert "builtin:bench-train-1b" not in load.BUILTIN_SPECS
+
+
+def _gpu_bench_parts(gpu_bench):
+    for part in ("train-1b", "train-8b-lora"):
+        r = gpu_bench.PARTS[part]("cpu", True)
+        assert r["ours"]["tokens_per_s"] > 0 and r["straightforward"]["tokens_per_s"] > 0 and r["speedup"] > 0, part
+        assert r["ours"]["mfu"] is None and r["draws"] == 8 and r["flops_per_token"]["per_token"] > 0
+        assert len(r["ours"]["step_seconds"]) == len(r["straightforward"]["step_seconds"]) == 4 // r["rows_per_step"]
+    assert "LoRA" in r["training"] and "checkpointing" in r["training"]
+    s = gpu_bench.PARTS["sampler-b16"]("cpu", True)
+    assert s["batch"] == 16 and s["fast_over_exact"]["repeats"] == 2 and 0 <= s["agreement_with_exact"] <= 1
+    b = gpu_bench.PARTS["stream"]("cpu", True)
+    assert b["block_stream_speedup_spread"]["repeats"] == 2 and b["block_stream_settings"]["K"] == 8
+
+
+def test_gpu_bench_on_the_cpu_writes_nothing_into_the_repository(tmp_path):
+    """The dry run prints its JSON; only --out (or a CUDA run) writes a file; --device cuda without CUDA is one error."""
+    latest = (BENCH / "gpu-latest.json").read_bytes()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py"), "--device", "cpu", "--only", "stream", "--profile"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(p.stdout)
+    assert rec["parts"]["stream"]["status"] == "ok" and rec["environment"]["device"] == "cpu"
+    assert any("aten::" in line for line in rec["parts"]["stream"]["profile"]["top"])  # the operators that took the time
+    assert (BENCH / "gpu-latest.json").read_bytes() == latest and list(tmp_path.iterdir()) == []
+    if not torch.cuda.is_available():
+        p = subprocess.run([sys.executable, str(BENCH / "gpu_bench.py")], capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 2 and p.stderr.startswith("Error: --device cuda, but torch sees no CUDA device")

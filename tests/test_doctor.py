@@ -114,12 +114,13 @@ def test_failed_invariant_exits_1(monkeypatch, tmp_path):
 
     def fake_smoke(recipe, steps, launch):
         return {"steps": steps, "processes": 1, "invariant": {"rows": 4, "max_abs_margin": 0.1, "tolerance": 0.0,
+                "worst_row": {"id": "r3", "margin": -0.1, "tolerance": 0.0},
                 "reference": "cached", "ok": False, "note": None}, "peak_memory_bytes": 1, "peak_memory_kind": "rss",
                 "seconds_per_step": 1.0, "step_seconds": [1.0], "extrapolated": {}}
 
     monkeypatch.setattr(d, "smoke", fake_smoke)
     res = runner.invoke(app, ["doctor", "demo", "--smoke", "1", "--json", "-o", str(tmp_path / "r")])
-    assert res.exit_code == 1 and "step-0 invariant: max |margin| 0.1 > tolerance 0" in res.stderr
+    assert res.exit_code == 1 and "step-0 invariant: row r3's |margin| 0.1 > its tolerance 0 (max |margin| 0.1)" in res.stderr
 
 
 # --------------------------------------------------------------------------- families
@@ -261,7 +262,7 @@ def test_invariant_tolerance_is_zero_only_when_the_cache_was_made_in_the_runs_mi
     from dllm_align.data.tokenize import Example
     from dllm_align.models.load import load_model
     from dllm_align.training.cache import composition, dataset_digest
-    from dllm_align.training.doctor import _same_composition, invariant_tolerance
+    from dllm_align.training.doctor import _same_composition, row_tolerance
 
     rec = load_recipe("demo", ["train.batch_size=4"])
     exs = [Example(f"e{i}", [1, 2], [3, 4, 5], True) for i in range(4)]
@@ -272,9 +273,11 @@ def test_invariant_tolerance_is_zero_only_when_the_cache_was_made_in_the_runs_mi
     same, note = _same_composition(load_recipe("demo", ["train.batch_size=2"]), exs, cache, "cached")
     assert not same and "other micro-batches" in note
     assert _same_composition(rec, exs[:3], cache, "cached")[0] is False
-    mp = load_model("builtin:tiny")
-    assert invariant_tolerance(mp, [100], True) == 0.0
-    assert invariant_tolerance(mp, [100], False) == pytest.approx(8 * 2.0**-23 * 10)  # fp32: 8 eps sqrt(L)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert row_tolerance(cpu, True, -1000.0, 100) == 0.0
+    assert row_tolerance(cuda, True, -1000.0, 100) == pytest.approx(8 * 2.0**-24 * 10 * 1000)  # fp32 sums: 8 u sqrt(n) |B|
+    assert row_tolerance(cpu, False, -1000.0, 100) == pytest.approx(8 * 2.0**-24 * 10 * 1000)
+    assert row_tolerance(cpu, False, -1000.0, 100, composition_spread=0.01) == pytest.approx(0.04)  # 4x the measured spread
 
 
 def test_smoke_leaves_no_temporary_folder_after_sigterm_or_sigkill(tmp_path):

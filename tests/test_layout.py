@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from dllm_align.config import components as registry
 from dllm_align.generate import sampler  # noqa: F401  (registers the decoding rules, whose names AMBIGUOUS reads)
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "dllm_align"
-STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "workflows")
+STAGES = ("core", "config", "data", "models", "objective", "training", "generate", "judge", "evaluate", "online", "serve",
+          "workflows")
 MAX_LINES = 600
 
 
@@ -444,6 +446,47 @@ def test_the_narration_guard_catches_what_it_is_for(tmp_path):
     (tmp_path / "tests" / "test_x.py").write_text('"""Issue ' + '22, item 8"""\n# tests/dist.py SPEC.json\n')
     assert [b.split(":")[0:2] for b in narrations(tmp_path)] == [
         ["recipes/r.yaml", "1"], ["docs/p.md", "2"], ["tests/test_x.py", "1"]]
+
+
+
+# --------------------------------------------------------------------------- function length
+# A function a reader cannot take in at once is split into named steps (canvas setup, one step, the commit rule).
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(qualified name, lines from ``def`` to its last line) of every function or method longer than ``limit``;
+    a nested function counts in its parent too."""
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef) and child.end_lineno - child.lineno + 1 > limit:
+                    out.append((name, child.end_lineno - child.lineno + 1))
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def test_no_function_past_100_lines():
+    bad = [f"{p.relative_to(PKG)}: {name} ({n} lines)" for p in sorted(PKG.rglob("*.py"))
+           for name, n in long_functions(p.read_text())]
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(bad)
+
+
+def test_the_function_length_guard_catches_what_it_is_for():
+    body = "".join(f"x{i} = {i}\n" for i in range(99))
+    assert long_functions("def f():\n" + textwrap.indent(body, "    ")) == []  # 100 lines: the limit itself passes
+    body += "return 1\n"
+    assert long_functions("def f():\n" + textwrap.indent(body, "    ")) == [("f", 101)]
+    assert long_functions("class C:\n    async def m(self):\n" + textwrap.indent(body, "        ")) == [("C.m", 101)]
+    assert long_functions("def outer():\n    def inner():\n" + textwrap.indent(body, "        ")) == [
+        ("outer", 102), ("outer.inner", 101)]
 
 
 if __name__ == "__main__":  # python tests/test_layout.py: the figures above, per rule

@@ -102,6 +102,58 @@ def test_the_difficulty_term_averages_over_prompts():
         stats.lc_estimate(o, la, lb, difficulty=g[:-1], n_resamples=1)
 
 
+def test_a_published_difficulty_table_is_matched_by_the_instruction_text():
+    prompts = ["Name three rivers.", "  Why is the sky blue?\n", "Write a haiku."]
+    table = {stats.instruction_key(p.strip()): v for p, v in zip(prompts, (0.5, -1.25, 2.0))}
+    table[stats.instruction_key("another prompt")] = 9.0
+    g, matched = stats.difficulty_lookup(prompts[::-1], table)  # the data set's order, not the table's
+    assert matched == 3 and g.tolist() == [2.0, -1.25, 0.5]
+    assert stats.instruction_key("a b") != stats.instruction_key("a  b")  # only the ends are stripped
+    # one prompt outside the table: no term at all (a mix would read as easy and hard prompts)
+    g, matched = stats.difficulty_lookup([*prompts, "a prompt of our own"], table)
+    assert g is None and matched == 3
+    assert stats.difficulty_lookup([], table) == (None, 0)
+
+
+def _with_difficulty(seed: int, n: int, a_longer_share: float):
+    """A judge that sees quality and instruction difficulty, and likes length a little; A longer on the given share."""
+    rng = np.random.default_rng(seed)
+    g = rng.normal(0.0, 1.0, n)
+    lb = rng.integers(400, 900, n).astype(float)
+    mag = rng.integers(50, 400, n)
+    la = lb + np.where(rng.random(n) < a_longer_share, mag, -mag)
+    z = -0.3 + 1.5 * g + 0.5 * np.tanh((la - lb) / 300)
+    p = 1 / (1 + np.exp(-z))
+    a1, a2 = rng.random(n) < p, rng.random(n) < p
+    return np.where(a1 & a2, 1, np.where(~a1 & ~a2, -1, 0)), la, lb, g
+
+
+def test_the_giving_rule_with_a_published_difficulty_table():
+    # lengths lopsided (A longer on 4%): VIF between LC_MAX_VIF and LC_DIFFICULTY_MAX_VIF; withheld by the
+    # rule without a published table, given with one
+    o, la, lb, g = _with_difficulty(0, 800, 0.04)
+    with_table = stats.lc_estimate(o, la, lb, difficulty=g, published_difficulty=True, n_resamples=200)
+    second_model = stats.lc_estimate(o, la, lb, difficulty=g, n_resamples=200)
+    assert stats.LC_MAX_VIF < with_table["vif"] <= stats.LC_DIFFICULTY_MAX_VIF
+    assert with_table["lc_awr"] is not None and with_table["withheld"] is None
+    assert with_table["ci90"][1] - with_table["ci90"][0] <= stats.LC_MAX_CI_WIDTH
+    assert second_model["lc_awr"] is None and "variance inflation" in second_model["withheld"]
+    # every prompt on one side: not identified, whatever the table
+    o, la, lb, g = _with_difficulty(1, 800, 1.0)
+    e = stats.lc_estimate(o, la, lb, difficulty=g, published_difficulty=True, n_resamples=50)
+    assert e["lc_awr"] is None and e["vif"] > stats.LC_DIFFICULTY_MAX_VIF
+    # balanced but few prompts: the interval is wider than LC_MAX_CI_WIDTH, so the figure is withheld
+    o, la, lb, g = _with_difficulty(2, 24, 0.5)
+    e = stats.lc_estimate(o, la, lb, difficulty=g, published_difficulty=True, n_resamples=200)
+    assert e["vif"] <= stats.LC_DIFFICULTY_MAX_VIF and e["lc_awr"] is None and "points wide" in e["withheld"]
+    wide = stats.lc_estimate(o, la, lb, difficulty=g, n_resamples=200)  # a second model's outcomes: no width bound
+    assert wide["lc_awr"] is not None and wide["ci90"][1] - wide["ci90"][0] > stats.LC_MAX_CI_WIDTH
+    with pytest.raises(ValueError, match="finite"):
+        stats.lc_estimate(o, la, lb, difficulty=np.full(len(o), np.nan), n_resamples=1)
+    with pytest.raises(ValueError, match="needs the difficulty"):
+        stats.lc_estimate(o, la, lb, published_difficulty=True, n_resamples=1)
+
+
 def _gen(path, answers):
     import json
 
@@ -158,3 +210,50 @@ def test_judge_with_length_anchors_and_difficulty_end_to_end(tmp_path, monkeypat
     assert d["lc_difficulty_missing"] == 0 and d["lc_awr"] is not None
     bad = run_cli(["judge", fa, fb, "--judge", "rule:sort", "-o", tmp_path / "r", "--length-anchors"])
     assert bad.code == 2 and "--anchors-model" in bad.err
+
+
+def test_judge_with_a_difficulty_table_end_to_end(tmp_path, monkeypatch):
+    """`judge --difficulty-table`: the table enters the LC fit when every prompt is in it (matched by text),
+    and results.json records where the term came from; a table missing a prompt leaves the term out, said so."""
+    import json
+    import re
+
+    from reliability import run_cli
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    rng = np.random.default_rng(3)
+    n = 80
+    b = ["b" * int(k) for k in rng.integers(20, 60, n)]
+    a = ["a" * int(k) for k in rng.integers(10, 90, n)]
+    hard = {i for i in range(n) if i % 3 == 0}
+
+    def reply(content: str, n_messages: int) -> str:  # B wins the hard prompts, length decides the rest
+        i = int(re.search(r"question (\d+)", content).group(1))
+        first = re.search(r"<answer_a>\n(.*?)\n</answer_a>", content, re.S).group(1)
+        second = re.search(r"<answer_b>\n(.*?)\n</answer_b>", content, re.S).group(1)
+        if i in hard:
+            return "[[A]]" if first.startswith("b") else "[[B]]"
+        return "[[A]]" if len(first) > len(second) else "[[B]]" if len(second) > len(first) else "[[C]]"
+
+    full, partial = tmp_path / "difficulty.csv", tmp_path / "partial.csv"
+    full.write_text("instruction,difficulty\n" + "".join(f"question {i},{-2.0 if i in hard else 0.5}\n" for i in range(n)))
+    partial.write_text("instruction_sha256,difficulty\n"
+                       + "".join(f"{stats.instruction_key(f'question {i}')},0.0\n" for i in range(n - 1)))
+    fa, fb = _gen(tmp_path / "a.jsonl", a), _gen(tmp_path / "b.jsonl", b)
+    with JudgeServer(KEY) as srv:
+        srv.absolute = reply
+        base = ["judge", fa, fb, "--judge", "j1", "--base-url", srv.url, "--bootstrap", "200", "--json"]
+        r = run_cli([*base, "-o", tmp_path / "full", "--difficulty-table", full])
+        assert r.code == 0, r.err
+        p = run_cli([*base, "-o", tmp_path / "partial", "--difficulty-table", partial])
+        assert p.code == 0, p.err
+        both = run_cli([*base, "-o", tmp_path / "both", "--difficulty-table", full, "--difficulty-from", tmp_path / "full"])
+    res = json.loads(r.out)
+    note = res["lc_difficulty"]
+    assert note["used"] and note["matched"] == n and note["instructions"] == n and len(note["sha256"]) == 64
+    assert res["settings"]["difficulty_table"] == str(full)
+    assert res["judges"]["j1"]["lc_vif"] is not None
+    res_p = json.loads(p.out)
+    assert not res_p["lc_difficulty"]["used"] and res_p["lc_difficulty"]["matched"] == n - 1
+    assert "79 of 80 prompts" in p.err
+    assert both.code == 2 and "difficulty_table" in both.err

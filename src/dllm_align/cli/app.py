@@ -191,6 +191,8 @@ from dllm_align.cli import ablate as _ablate  # noqa: E402,F401
 from dllm_align.cli import doctor as _doctor  # noqa: E402,F401
 from dllm_align.cli import label as _label  # noqa: E402,F401
 from dllm_align.cli import online as _online  # noqa: E402,F401
+from dllm_align.cli import serve as _serve  # noqa: E402,F401
+from dllm_align.cli import parity as _parity  # noqa: E402,F401
 
 
 def _usage_error(e: Exception) -> Optional[int]:

@@ -81,6 +81,7 @@ def judge(
     length_anchors: Annotated[bool, typer.Option("--length-anchors", help="LC-AWR length anchors: B's answers rewritten verbose and concise by the judge model (or --anchors-model), each judged against B, enter the LC fit at weight 0.1; rewrites and verdicts are cached in DIR/anchors.", metavar="")] = False,
     anchors_model: Annotated[Optional[str], typer.Option("--anchors-model", metavar="MODEL", show_default=_shown("length_anchors_model"), help="The model that rewrites B's answers for --length-anchors (default: the first API judge).")] = None,
     difficulty_from: Annotated[Optional[Path], typer.Option("--difficulty-from", metavar="RESULTS", help="A second model's judge run against the same B (its folder or outcomes.jsonl): its per-prompt outcomes enter the LC fit as instruction difficulty.")] = None,
+    difficulty_table: Annotated[Optional[Path], typer.Option("--difficulty-table", metavar="CSV", help="A published per-instruction difficulty table (AlpacaEval's for its 805 prompts; columns instruction or instruction_sha256, difficulty): the LC fit's difficulty term when every prompt is in it, matched by text.")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Refuse to run when an id is in only one of the files.", metavar="")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print results.json to stdout instead of the table.", metavar="")] = False,
 ) -> None:
@@ -91,7 +92,7 @@ def judge(
     LC-AWR is the AWR predicted at zero length difference between the answers; it is withheld, with
     the reason, when the data cannot tell length from quality. --length-anchors pins the length slope
     with B's own answers made verbose and concise (as AlpacaEval does); --difficulty-from adds the
-    instruction-difficulty term from a second model's results.
+    instruction-difficulty term from a second model's results, --difficulty-table from a published table.
 
     Finished judgements are cached in the output folder: rerunning the same command
     resumes without repeating a request, and retries the ones that failed; with
@@ -111,7 +112,7 @@ def judge(
         max_tokens=max_tokens, max_completion_tokens=max_completion_tokens, no_temperature=no_temperature,
         batch=batch, batch_poll=batch_poll, batch_failed=batch_failed, price=price, length_threshold=length_threshold,
         allow_plain_http=allow_plain_http, env_proxy=env_proxy, length_anchors=length_anchors,
-        anchors_model=anchors_model, difficulty_from=difficulty_from,
+        anchors_model=anchors_model, difficulty_from=difficulty_from, difficulty_table=difficulty_table,
     )
     rec = load_recipe(recipe, flags=flags)
     settings = rec.judge
@@ -129,7 +130,7 @@ def judge(
 def _recipe_flags(*, judges, base_url, api_key_env, template, concurrency, timeout, max_retries, retry_delay,
                   retry_after_max, max_parse_retries, bootstrap, seed, temperature, max_tokens, max_completion_tokens,
                   no_temperature, batch, batch_poll, batch_failed, price, length_threshold, allow_plain_http, env_proxy,
-                  length_anchors, anchors_model, difficulty_from) -> dict:
+                  length_anchors, anchors_model, difficulty_from, difficulty_table=None) -> dict:
     """The recipe keys the given flags set (``given`` drops the ones left out)."""
     flags = given({
         "judge.judges": ("--judge", judges or None),
@@ -157,6 +158,7 @@ def _recipe_flags(*, judges, base_url, api_key_env, template, concurrency, timeo
         "judge.length_anchors": ("--length-anchors", True if length_anchors else None),
         "judge.length_anchors_model": ("--anchors-model", anchors_model),
         "judge.difficulty_from": ("--difficulty-from", str(difficulty_from) if difficulty_from is not None else None),
+        "judge.difficulty_table": ("--difficulty-table", str(difficulty_table) if difficulty_table is not None else None),
     })
     if no_temperature:
         flags["judge.temperature"] = ("--no-temperature", None)  # sent as no temperature at all

@@ -32,6 +32,8 @@ def online(
     keep: Annotated[Optional[str], typer.Option("--keep", metavar="WHICH", show_default=d("online.keep"), help="The final model: guard (the last round's, but a round whose held-out greedy share falls below the previous model's 90% interval is rolled back and the loop stops), last (the last round's, whatever it scored) or best (the round with the highest held-out greedy share).")] = None,
     batch: Annotated[bool, typer.Option("--batch", metavar="", help="With --rule judge:MODEL: ask the judge through the Batch API (as judge --batch); rerun to continue.")] = False,
     allow_change: Annotated[Optional[list[str]], typer.Option("--allow-change", metavar="KEY", help="Continue a run folder although this recorded setting differs (repeatable; 'all' for every key).")] = None,
+    parity: Annotated[Optional[str], typer.Option("--parity", metavar="FILE", help="A passing parity record (dllm-align parity) for the served backend of generate.backend; a served backend needs one.")] = None,
+    skip_parity: Annotated[bool, typer.Option("--skip-parity", metavar="", help="Run a served backend without a parity record (recorded in online.json).")] = False,
     set_: SetOpt = None,
 ) -> None:
     """Align a model from its own samples: label them with a verifier, then ELBO-KTO on them, in rounds.
@@ -71,5 +73,6 @@ def online(
     table = run_online(rec, rec.output_dir, rounds=o.rounds, rule=o.rule, n=o.n, limit=o.limit, prompts=prompts,
                        reference=o.reference, keep_uniform=o.keep_uniform, temperature=o.temperature,
                        answer_column=answer_column, heldout=o.heldout, heldout_limit=o.heldout_limit,
-                       heldout_n=o.heldout_n, keep=o.keep, greedy=o.greedy, allow_changes=allow_change or ())
+                       heldout_n=o.heldout_n, keep=o.keep, greedy=o.greedy, allow_changes=allow_change or (),
+                       parity=parity, skip_parity=skip_parity)
     result(markdown_table(table))

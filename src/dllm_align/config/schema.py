@@ -497,6 +497,11 @@ class JudgeSection(Section):
         None, description="A second model's judge results against the same B (its outcomes.jsonl or run folder): "
         "its per-prompt outcomes are the LC fit's instruction-difficulty term."
     )
+    difficulty_table: Optional[str] = Field(
+        None, description="A published per-instruction difficulty table (AlpacaEval's, for its 805 prompts; a CSV "
+        "with instruction or instruction_sha256 and difficulty): the LC fit's difficulty term when every judged "
+        "prompt is in it (matched by text), recorded in results.json."
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> "JudgeSection":
@@ -505,6 +510,8 @@ class JudgeSection(Section):
         bad = [k for k, (p_in, p_out) in self.prices.items() if not (0 <= p_in < float("inf") and 0 <= p_out < float("inf"))]
         if bad:
             raise ValueError(f"prices: {bad[0]}: prices are finite numbers >= 0 (USD per million tokens)")
+        if self.difficulty_from and self.difficulty_table:
+            raise ValueError("difficulty_table: one difficulty term at a time (difficulty_from is set too)")
         return self
 
 

@@ -11,7 +11,9 @@ which say without loading it
   (it serves one model and cannot change it: ``online``, which samples each round's new policy, refuses it);
 - ``reads``: the keys of the ``generate`` section that decide its tokens (``"rule"``: every key the decoding
   rule reads); records and resume checks hold these and nothing else;
-- ``loads_here``: it loads the weights in this process, at ``model.dtype`` (then the dtype is recorded).
+- ``loads_here``: it loads the weights in this process, at ``model.dtype`` (then the dtype is recorded);
+- ``records`` (optional): the keys of its own settings that decide its tokens (the others, say a server's
+  address, are left out of records, so a rerun against the same server elsewhere resumes).
 
 ``in_process`` (:mod:`dllm_align.generate.in_process`, the samplers of this package on a model loaded here) is
 declared in :mod:`dllm_align.generate.components`. Torch-free: ``recipes check`` and every command's first
@@ -99,9 +101,12 @@ def _trait(comp: registry.Component, key: str) -> Any:
     return comp.traits[key] if key in comp.traits else None
 
 
-def serves(name: str) -> Optional[str]:
-    """How a new model reaches backend ``name`` (a key of :data:`SERVES`; None when it does not say)."""
-    return _trait(backend_component(name), "serves")
+def serves(name: str, own: Optional[BaseModel] = None) -> Optional[str]:
+    """How a new model reaches backend ``name`` (a key of :data:`SERVES`; None when it does not say). A backend
+    whose answer depends on its own settings (a client of several engines) declares a function of them, asked
+    with ``own`` (None when the caller has none: then it does not say)."""
+    how = _trait(backend_component(name), "serves")
+    return how(own) if callable(how) else how
 
 
 def loads_here(name: str) -> bool:
@@ -109,10 +114,10 @@ def loads_here(name: str) -> bool:
     return bool(_trait(backend_component(name), "loads_here"))
 
 
-def check_serves_each_round(name: str, what: str = "online") -> None:
+def check_serves_each_round(name: str, what: str = "online", own: Optional[BaseModel] = None) -> None:
     """Refuse a backend that cannot be handed a freshly trained folder (``online`` samples each round's policy:
-    a backend that keeps serving another model would measure the wrong one)."""
-    how = serves(name)
+    a backend that keeps serving another model would measure the wrong one); ``own``: its settings."""
+    how = serves(name, own)
     if how in ("load", "reload"):
         return
     reason = SERVES[how] if how in SERVES else f"declares no way to serve a new model (traits['serves'] is {how!r})"
@@ -129,11 +134,21 @@ def recorded_settings(settings: SamplerSettings) -> dict:
     reads = _trait(comp, "reads")
     full = settings.to_dict()
     if reads is None or reads == "rule":
-        return full
+        return _own_recorded(comp, full, settings, "python")
     out = {k: full[k] for k in reads if k in full}
     if comp.has_settings():
         out[comp.name] = settings.own_settings(comp.name).model_dump()
-    return out
+    return _own_recorded(comp, out, settings, "python")
+
+
+def _own_recorded(comp: registry.Component, out: dict, section, mode: str) -> dict:
+    """``out`` with the backend's own settings cut to its ``records`` trait (the own keys that decide tokens:
+    a server's address or its timeouts do not, and a run resumes against the same server on another port)."""
+    keep = _trait(comp, "records")
+    if keep is None or not comp.has_settings():
+        return out
+    own = section.own_settings(comp.name).model_dump(mode=mode)
+    return {**out, comp.name: {k: own[k] for k in keep}}
 
 
 def run_record(generate) -> dict:
@@ -143,12 +158,12 @@ def run_record(generate) -> dict:
     reads = _trait(comp, "reads")
     full = generate.model_dump(mode="json")
     if reads is None or reads == "rule":
-        return full
+        return _own_recorded(comp, full, generate, "json")
     keep = set(reads) | RUN_KEYS | ({comp.name} if comp.has_settings() else set())
     out = {k: v for k, v in full.items() if k in keep}
     if comp.has_settings() and comp.name not in out:
         out[comp.name] = generate.own_settings(comp.name).model_dump(mode="json")
-    return out
+    return _own_recorded(comp, out, generate, "json")
 
 
 def make_generator(generate, model=None, *, device=None, name_or_path: Optional[str] = None, predictor=None) -> Generator:

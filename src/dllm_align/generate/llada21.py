@@ -43,6 +43,7 @@ rounding). ``dual`` has nothing to cache (the positions after the block are not 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -79,6 +80,73 @@ def joint_draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     return draw(logits, temperature, top_k, top_p, generator)
 
 
+@dataclass
+class _Tally:
+    """What a decode counts: forwards, blocks stopped by the round cap, edited positions, fallback rounds."""
+
+    calls: int = 0
+    capped: int = 0
+    edits: int = 0
+    fallbacks: int = 0
+
+
+@dataclass(frozen=True)
+class _JointRule:
+    """The joint-threshold rule's settings for one decode."""
+
+    mask_id: int
+    temperature: float
+    top_k: int
+    top_p: float
+    threshold: float
+    edit_threshold: float
+    max_post_steps: int
+    cap: int  # rounds after which a block is finished regardless
+    generator: Optional[torch.Generator]
+
+
+class _BlockForward:
+    """The model over the block-causal canvas ``x``: the whole prefix recomputed at every call, or (``use_cache``)
+    the finished blocks kept as keys and values. Every forward is counted in ``tally.calls``."""
+
+    def __init__(self, model, x: torch.Tensor, block_length: int, use_cache: bool, tally: _Tally):
+        from transformers import DynamicCache
+
+        self.model, self.x, self.block_length, self.use_cache, self.tally = model, x, block_length, use_cache, tally
+        self.dtype = next(model.parameters()).dtype
+        dev = x.device
+        total = x.shape[1]
+        blk = torch.arange(total, device=dev) // block_length
+        self.causal = blk[:, None] >= blk[None, :]
+        self.pos = torch.arange(total, device=dev)[None]
+        self.cache = DynamicCache() if use_cache else None
+        self.kv = {cache_argument(model): self.cache}
+
+    def additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(allowed.shape, dtype=self.dtype, device=self.x.device)
+        return out.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+    def prefill(self, n: int) -> None:
+        """Cache the prompt's full blocks (never decoded), with the cache on and such blocks there."""
+        if self.use_cache and n:
+            self.model(input_ids=self.x[:, :n], position_ids=self.pos[:, :n],
+                       attention_mask=self.additive(self.causal[:n, :n]), **self.kv, use_cache=True)
+            self.tally.calls += 1
+
+    def block_logits(self, lo: int, hi: int, store: bool) -> torch.Tensor:
+        """The block [lo, hi)'s logits; ``store``: the block is final, keep its keys and values."""
+        self.tally.calls += 1
+        x, pos, causal = self.x, self.pos, self.causal
+        if self.use_cache:
+            out = self.model(input_ids=x[:, lo:hi], position_ids=pos[:, lo:hi], attention_mask=self.additive(causal[lo:hi, :hi]),
+                             **self.kv, use_cache=True).logits
+            if not store:
+                self.cache.crop(-self.block_length)  # the block was appended: drop it again (not final yet)
+            return out
+        return self.model(input_ids=x[:, :hi], position_ids=pos[:, :hi], attention_mask=self.additive(causal[:hi, :hi]),
+                          use_cache=False).logits[:, lo:hi]
+
+
 @torch.no_grad()
 def llada21_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int, block_length: int = 32,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, threshold: float = 0.7,
@@ -91,98 +159,83 @@ def llada21_generate(model, prompt: torch.Tensor, mask_id: int, gen_length: int,
     ``calls`` / ``capped``: lists the number of forwards and of blocks stopped by the round cap are appended to;
     ``counts``: a dict whose ``edits`` (positions replaced by token-to-token) and ``fallbacks`` (rounds where no masked
     position cleared the threshold) are added to."""
-    from transformers import DynamicCache
-
-    dtype = next(model.parameters()).dtype
     dev = prompt.device
     plen = prompt.shape[0]
     n_blocks = -(-(plen + gen_length) // block_length)
-    total = n_blocks * block_length
-    blk = torch.arange(total, device=dev) // block_length
-    causal = blk[:, None] >= blk[None, :]
-    x = torch.full((1, total), mask_id, dtype=torch.long, device=dev)
+    x = torch.full((1, n_blocks * block_length), mask_id, dtype=torch.long, device=dev)
     x[0, :plen] = prompt
-    pos = torch.arange(total, device=dev)[None]
-    prefill = (plen // block_length) * block_length
-    cache = DynamicCache() if use_cache else None
-    kv = {cache_argument(model): cache}
-    cap = round_cap(block_length, max_post_steps)
+    tally = _Tally()
+    fwd = _BlockForward(model, x, block_length, use_cache, tally)
+    rule = _JointRule(mask_id, temperature, top_k, top_p, threshold, edit_threshold, max_post_steps,
+                      round_cap(block_length, max_post_steps), generator)
     stops = torch.tensor(list(stop_ids or []), dtype=torch.long, device=dev)
-
-    def additive(allowed):
-        out = torch.zeros(allowed.shape, dtype=dtype, device=dev)
-        return out.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-
-    def block_logits(lo: int, hi: int, store: bool) -> torch.Tensor:
-        if use_cache:
-            out = model(input_ids=x[:, lo:hi], position_ids=pos[:, lo:hi], attention_mask=additive(causal[lo:hi, :hi]),
-                        **kv, use_cache=True).logits
-            if not store:
-                cache.crop(-block_length)  # the block was appended: drop it again (not final yet)
-            return out
-        return model(input_ids=x[:, :hi], position_ids=pos[:, :hi], attention_mask=additive(causal[:hi, :hi]),
-                     use_cache=False).logits[:, lo:hi]
-
-    n_calls = n_capped = n_edits = n_fallbacks = 0
-    if use_cache and prefill:
-        model(input_ids=x[:, :prefill], position_ids=pos[:, :prefill], attention_mask=additive(causal[:prefill, :prefill]),
-              **kv, use_cache=True)
-        n_calls += 1
+    fwd.prefill((plen // block_length) * block_length)
     for b in range(plen // block_length, n_blocks):
         lo, hi = b * block_length, (b + 1) * block_length
-        prompt_here = torch.arange(lo, hi, device=dev) < plen
-        post = rounds = 0
-        while True:
-            old = x[0, lo:hi].clone()
-            active = old == mask_id
-            if not active.any():
-                post += 1
-                if post > max_post_steps:
-                    break
-            if rounds >= cap:
-                n_capped += 1
-                if active.any():  # fill what the mask draws left, the mask token excluded
-                    logits = block_logits(lo, hi, False).float()
-                    n_calls += 1
-                    tok = logits.index_fill(-1, torch.tensor([mask_id], device=dev), -torch.inf)[0].argmax(-1)
-                    x[0, lo:hi] = torch.where(active, tok, old)
-                break
-            logits = block_logits(lo, hi, False)
-            n_calls += 1
-            rounds += 1
-            tok, p = joint_draw(logits, temperature, top_k, top_p, generator)
-            tok, p = tok[0], p[0]
-            unmask = torch.zeros_like(active)
-            if active.any():
-                conf = torch.where(active, p, torch.full_like(p, -torch.inf))
-                high = (conf > threshold) & active
-                if int(high.sum()) >= 1:
-                    unmask = high
-                else:
-                    unmask[torch.topk(conf, k=1).indices] = True
-                    n_fallbacks += 1
-            editable = ~active & ~prompt_here
-            edit = editable & (torch.where(editable, p, torch.full_like(p, -torch.inf)) > edit_threshold) & (tok != old)
-            n_edits += int(edit.sum())
-            write = unmask | edit
-            if write.any():
-                x[0, lo:hi] = torch.where(write, tok, old)
-            if not active.any() and not edit.any():
-                break
+        _decode_block(fwd, rule, lo, hi, plen, tally)
         if use_cache:  # the block is final: store its keys and values
-            block_logits(lo, hi, True)
-            n_calls += 1
+            fwd.block_logits(lo, hi, True)
         gen = x[0, plen:hi]
         if len(stops) and not (gen == mask_id).any() and torch.isin(gen, stops).any():
             break
     if calls is not None:
-        calls.append(n_calls)
+        calls.append(tally.calls)
     if capped is not None:
-        capped.append(n_capped)
+        capped.append(tally.capped)
     if counts is not None:
-        counts["edits"] = counts.get("edits", 0) + n_edits
-        counts["fallbacks"] = counts.get("fallbacks", 0) + n_fallbacks
+        counts["edits"] = counts.get("edits", 0) + tally.edits
+        counts["fallbacks"] = counts.get("fallbacks", 0) + tally.fallbacks
     return x
+
+
+def _decode_block(fwd: _BlockForward, rule: _JointRule, lo: int, hi: int, plen: int, tally: _Tally) -> None:
+    """Block [lo, hi)'s rounds, until a post-edit round edits nothing, the post-edit rounds run out or the cap is
+    reached (module docstring, steps 1 and 5)."""
+    x, mask_id = fwd.x, rule.mask_id
+    prompt_here = torch.arange(lo, hi, device=x.device) < plen
+    post = rounds = 0
+    while True:
+        old = x[0, lo:hi].clone()
+        active = old == mask_id
+        if not active.any():
+            post += 1
+            if post > rule.max_post_steps:
+                break
+        if rounds >= rule.cap:
+            tally.capped += 1
+            if active.any():  # fill what the mask draws left, the mask token excluded
+                logits = fwd.block_logits(lo, hi, False).float()
+                tok = logits.index_fill(-1, torch.tensor([mask_id], device=x.device), -torch.inf)[0].argmax(-1)
+                x[0, lo:hi] = torch.where(active, tok, old)
+            break
+        logits = fwd.block_logits(lo, hi, False)
+        rounds += 1
+        tok, p = joint_draw(logits, rule.temperature, rule.top_k, rule.top_p, rule.generator)
+        tok, p = tok[0], p[0]
+        write, edit = _round_writes(tok, p, old, active, prompt_here, rule, tally)
+        if write.any():
+            x[0, lo:hi] = torch.where(write, tok, old)
+        if not active.any() and not edit.any():
+            break
+
+
+def _round_writes(tok: torch.Tensor, p: torch.Tensor, old: torch.Tensor, active: torch.Tensor,
+                  prompt_here: torch.Tensor, rule: _JointRule, tally: _Tally) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round's writes (module docstring, steps 3 and 4): mask to token over the active positions, token to
+    token over the decoded ones. Returns (every position written, the edited ones)."""
+    unmask = torch.zeros_like(active)
+    if active.any():
+        conf = torch.where(active, p, torch.full_like(p, -torch.inf))
+        high = (conf > rule.threshold) & active
+        if int(high.sum()) >= 1:
+            unmask = high
+        else:
+            unmask[torch.topk(conf, k=1).indices] = True
+            tally.fallbacks += 1
+    editable = ~active & ~prompt_here
+    edit = editable & (torch.where(editable, p, torch.full_like(p, -torch.inf)) > rule.edit_threshold) & (tok != old)
+    tally.edits += int(edit.sum())
+    return unmask | edit, edit
 
 
 def decode_batch(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:

@@ -73,7 +73,8 @@ Settings, results and prompt encoding are in :mod:`dllm_align.generate.settings`
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -188,181 +189,258 @@ def _kv_forward_for(mp) -> Optional[_KVForward]:
 
 
 # --------------------------------------------------------------------------- the sampler
+@dataclass
+class _Batch:
+    """One batch under LLaDA's rule: what stays fixed while it decodes, and the rows still decoding (``x`` to
+    ``rows``, narrowed as rows stop early)."""
+
+    mp: Any
+    settings: SamplerSettings
+    P: int  # the prompt width (the longest prompt; the others are left-padded to it)
+    kvf: Optional[_KVForward]  # the cached forward of fast mode, None to recompute the whole sequence
+    stops: torch.Tensor
+    col: torch.Tensor  # 0 .. P + gen_length - 1, to compare positions against
+    x: torch.Tensor
+    attn: torch.Tensor
+    is_prompt: torch.Tensor
+    pos: torch.Tensor
+    gens: list[torch.Generator]
+    rows: list[int]  # original index of each live row
+    forwards: torch.Tensor  # forwards each original row took part in
+    results: list[Optional[Completion]]
+    local: SamplerStats
+
+    @classmethod
+    def start(cls, mp, prompts, settings: SamplerSettings, seeds) -> "_Batch":
+        """The canvas: prompts left-padded, then ``gen_length`` masks; one random stream per row."""
+        B = len(prompts)
+        dev = mp.device
+        P = max(len(p) for p in prompts)
+        x, attn = canvas(mp, prompts, settings.gen_length)
+        is_prompt = attn.bool().clone()
+        is_prompt[:, P:] = False
+        return cls(
+            mp=mp, settings=settings, P=P,
+            kvf=_kv_forward_for(mp) if settings.cache != "none" else None,
+            stops=torch.tensor(mp.stop_token_ids or [-1], device=dev),
+            col=torch.arange(P + settings.gen_length, device=dev),
+            x=x, attn=attn, is_prompt=is_prompt, pos=mp.position_ids(attn, x.shape, dev),
+            gens=[torch.Generator(device=dev).manual_seed(int(s)) for s in seeds],
+            rows=list(range(B)),
+            forwards=torch.zeros(B, dtype=torch.long),
+            results=[None] * B,
+            local=SamplerStats(prompts=B),
+        )
+
+    def finish(self, j: int) -> None:
+        """Live row ``j``'s completion, into its original slot."""
+        r = self.rows[j]
+        self.results[r] = completion(self.mp, self.x[j, self.P:], self.stops, int(self.forwards[r]), self.local)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mp.device)
+        self.x, self.attn, self.is_prompt, self.pos = self.x[idx], self.attn[idx], self.is_prompt[idx], self.pos[idx]
+        self.gens = [self.gens[j] for j in keep]
+        self.rows = [self.rows[j] for j in keep]
+
+    def retire_finished(self) -> None:
+        """Early stop, at a block boundary: finish the rows whose text can no longer change (a committed stop token
+        with nothing masked before it) and drop them from the batch."""
+        G = self.settings.gen_length
+        has, first = first_stop(self.x[:, self.P:], self.stops)
+        before = (self.x[:, self.P:] == self.mp.mask_token_id) & (self.col[:G].unsqueeze(0) < first.unsqueeze(1))
+        done = (has & ~before.any(dim=1)).tolist()
+        if any(done):
+            for j, d in enumerate(done):
+                if d:
+                    self.finish(j)
+            self.keep_rows([j for j, d in enumerate(done) if not d])
+
+
 @torch.no_grad()
 def _generate_batch_llada(mp, prompts, settings: SamplerSettings, seeds, stats, t0: float, stop_early: bool) -> list[Completion]:
     """One batch under LLaDA's rule, exact or fast (the module docstring)."""
-    B = len(prompts)
-    dev = mp.device
-    mask_id = mp.mask_token_id
-    P = max(len(p) for p in prompts)
-    G, L = settings.gen_length, settings.block_length
-    T = P + G
-    s_blk = settings.steps_per_block
-    thr = settings.threshold
-    temp = float(settings.temperature)
-    cfg = float(settings.cfg)
-    random_remask = settings.remasking == "random"
-    kvf = _kv_forward_for(mp) if settings.cache != "none" else None
-    stops = torch.tensor(mp.stop_token_ids or [-1], device=dev)
-    # A shifted family (Dream) scores position j with output j - shift: ``sp`` maps scored
-    # positions to the outputs read, and a cached window starts ``shift`` early so that
-    # the output scoring the block's first position is recomputed too.
+    b = _Batch.start(mp, prompts, settings, seeds)
+    for blk in range(settings.num_blocks):
+        if stop_early and blk > 0:
+            b.retire_finished()
+            if not b.rows:
+                break
+        _decode_block(b, blk)
+    for j in range(len(b.rows)):
+        b.finish(j)
+    b.local.seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.add(b.local)
+    return b.results  # type: ignore[return-value]
+
+
+def _decode_block(b: _Batch, blk: int) -> None:
+    """Block ``blk``'s steps: the schedule's (exact mode), or until the block holds no mask (a threshold)."""
+    s = b.settings
+    mask_id = b.mp.mask_token_id
+    bs, be = b.P + blk * s.block_length, b.P + (blk + 1) * s.block_length
+    in_block = (b.col >= bs) & (b.col < be)
+    if s.threshold is None:
+        n = (b.x[:, bs:be] == mask_id).sum(dim=1).tolist()
+        sched = torch.tensor([transfer_schedule(int(v), s.steps_per_block) for v in n], device=b.mp.device)  # [R, s]
+    kept = None  # (per-layer k/v, key mask) kept for this block
+    k_now = None  # tokens each row commits at this step (None: the threshold decides)
+    step = 0
+    while True:
+        if s.threshold is None:
+            if step == s.steps_per_block:
+                break
+            k_now = sched[:, step]
+            if not bool(k_now.any()):
+                step += 1
+                continue
+        elif not bool((b.x[:, bs:be] == mask_id).any()):
+            break
+        kept = _step(b, bs, be, in_block, k_now, kept)
+        step += 1
+
+
+def _step(b: _Batch, bs: int, be: int, in_block: torch.Tensor, k_now: Optional[torch.Tensor], kept):
+    """One denoising step of the block [bs, be): pick the candidates, run the model, propose, commit. Returns the
+    block's kept keys/values (set by its first cached forward)."""
+    mp, s = b.mp, b.settings
     shift = mp.family.logit_shift
-    sp = mp.family.source_positions
+    # A shifted family (Dream) scores position j with output j - shift: a cached window starts ``shift`` early so
+    # that the output scoring the block's first position is recomputed too.
+    ws = bs - shift  # where a cached window starts
+    # The window of positions whose outputs this forward computes.
+    if b.kvf is None or kept is None:
+        lo, hi = 0, len(b.col)
+    elif s.cache == "prefix":
+        lo, hi = ws, len(b.col)
+    else:
+        lo, hi = ws, be
+    cand = (b.x == mp.mask_token_id) & (b.col >= max(b.P, lo + shift)) & (b.col < min(be, hi))
+    if k_now is None:
+        cand &= in_block
+    else:
+        cand &= (k_now > 0).unsqueeze(1)
+    if not bool(cand.any()):
+        return kept
+    rr, cc = cand.nonzero(as_tuple=True)  # row-major: by row, then position
+    get, kept = _forward(b, lo, hi, ws, be, kept)
+    logits = _candidate_logits(b, get, rr, cc)
+    counts = torch.bincount(rr, minlength=len(b.rows)).tolist()
+    x0, conf = _propose(b, logits, counts)
+    _commit(b, rr, cc, x0, conf, counts, k_now)
+    return kept
 
-    x, attn = canvas(mp, prompts, G)
-    is_prompt = attn.bool().clone()
-    is_prompt[:, P:] = False
-    pos = mp.position_ids(attn, x.shape, dev)
-    gens = [torch.Generator(device=dev).manual_seed(int(s)) for s in seeds]
-    rows = list(range(B))  # original index of each live row
-    forwards = torch.zeros(B, dtype=torch.long)
-    results: list[Optional[Completion]] = [None] * B
-    local = SamplerStats(prompts=B)
-    col = torch.arange(T, device=dev)
 
-    def finish(j: int) -> None:
-        results[rows[j]] = completion(mp, x[j, P:], stops, int(forwards[rows[j]]), local)
-
-    def keep_rows(keep: list[int]) -> None:
-        nonlocal x, attn, is_prompt, pos, gens, rows
-        idx = torch.tensor(keep, dtype=torch.long, device=dev)
-        x, attn, is_prompt, pos = x[idx], attn[idx], is_prompt[idx], pos[idx]
-        gens = [gens[j] for j in keep]
-        rows = [rows[j] for j in keep]
+def _forward(b: _Batch, lo: int, hi: int, ws: int, be: int, kept):
+    """Run the model over the window [lo, hi) (the whole sequence when nothing is cached), with the unconditional
+    copies under CFG. Returns ``get(rows, positions)``, the logits scoring those positions, and the kept
+    keys/values (refreshed by the first cached forward of a block)."""
+    mp, s = b.mp, b.settings
+    mask_id = mp.mask_token_id
+    cfg = float(s.cfg)
+    sp = mp.family.source_positions  # maps scored positions to the outputs read (shifted families)
 
     def doubled(t: torch.Tensor, un: Optional[torch.Tensor] = None) -> torch.Tensor:
         # CFG: the unconditional copies follow the conditional rows in one forward.
         return torch.cat([t, t if un is None else un], dim=0) if cfg > 0 else t
 
-    for blk in range(settings.num_blocks):
-        if stop_early and blk > 0:
-            has, first = first_stop(x[:, P:], stops)
-            before = (x[:, P:] == mask_id) & (col[: G].unsqueeze(0) < first.unsqueeze(1))
-            done = (has & ~before.any(dim=1)).tolist()
-            if any(done):
-                for j, d in enumerate(done):
-                    if d:
-                        finish(j)
-                keep_rows([j for j, d in enumerate(done) if not d])
-            if not rows:
-                break
-        R = len(rows)
-        bs, be = P + blk * L, P + (blk + 1) * L
-        in_block = (col >= bs) & (col < be)
-        if thr is None:
-            n = (x[:, bs:be] == mask_id).sum(dim=1).tolist()
-            sched = torch.tensor([transfer_schedule(int(v), s_blk) for v in n], device=dev)  # [R, s]
-        kept = None  # (per-layer k/v, key mask) kept for this block
-        step = 0
-        while True:
-            if thr is None:
-                if step == s_blk:
-                    break
-                k_now = sched[:, step]
-                if not bool(k_now.any()):
-                    step += 1
-                    continue
-            elif not bool((x[:, bs:be] == mask_id).any()):
-                break
-            # The window of positions whose outputs this forward computes.
-            ws = bs - shift  # where a cached window starts
-            if kvf is None or kept is None:
-                lo, hi = 0, T
-            elif settings.cache == "prefix":
-                lo, hi = ws, T
-            else:
-                lo, hi = ws, be
-            cand = (x == mask_id) & (col >= max(P, lo + shift)) & (col < min(be, hi))
-            if thr is not None:
-                cand &= in_block
-            else:
-                cand &= (k_now > 0).unsqueeze(1)
-            if not bool(cand.any()):
-                step += 1
-                continue
-            rr, cc = cand.nonzero(as_tuple=True)  # row-major: by row, then position
+    un_x = b.x.masked_fill(b.is_prompt, mask_id) if cfg > 0 else None
+    xx, aa, pp = doubled(b.x, un_x), doubled(b.attn), doubled(b.pos)
+    if b.kvf is None:
+        h = mp.hidden(xx, aa) if mp.separable else None
+        if h is None:
+            full = mp.logits(xx, aa)
+            get = lambda r, c: full[r, c]  # noqa: E731
+        else:
+            get = lambda r, c: mp.head(h[r, sp(c)])  # noqa: E731
+    elif kept is None:
+        h, kvs = b.kvf(xx, pp, aa, want_kv=True)
+        kept = _kept_keys_values(kvs, aa, ws, be, prefix=s.cache == "prefix")
+        get = lambda r, c: mp.head(h[r, sp(c)])  # noqa: E731
+    else:
+        past, km = kept
+        h, _ = b.kvf(xx[:, lo:hi], pp[:, lo:hi], torch.cat([km, aa[:, lo:hi]], dim=1), past=past)
+        get = lambda r, c: mp.head(h[r, sp(c) - lo])  # noqa: E731
+    b.local.forwards += 1
+    b.local.positions += xx.shape[0] * (hi - lo)
+    b.forwards[torch.tensor(b.rows)] += 1
+    return get, kept
 
-            un_x = x.masked_fill(is_prompt, mask_id) if cfg > 0 else None
-            xx, aa, pp = doubled(x, un_x), doubled(attn), doubled(pos)
-            if kvf is None:
-                h = mp.hidden(xx, aa) if mp.separable else None
-                if h is None:
-                    full = mp.logits(xx, aa)
-                    get = lambda r, c: full[r, c]  # noqa: E731
-                else:
-                    get = lambda r, c: mp.head(h[r, sp(c)])  # noqa: E731
-            elif kept is None:
-                h, kvs = kvf(xx, pp, aa, want_kv=True)
-                if settings.cache == "prefix":
-                    past = [(k[:, :, :ws], v[:, :, :ws]) for k, v in kvs]
-                    km = aa[:, :ws]
-                else:
-                    past = [(torch.cat([k[:, :, :ws], k[:, :, be:]], 2), torch.cat([v[:, :, :ws], v[:, :, be:]], 2)) for k, v in kvs]
-                    km = torch.cat([aa[:, :ws], aa[:, be:]], dim=1)
-                kept = (past, km)
-                get = lambda r, c: mp.head(h[r, sp(c)])  # noqa: E731
-            else:
-                past, km = kept
-                h, _ = kvf(xx[:, lo:hi], pp[:, lo:hi], torch.cat([km, aa[:, lo:hi]], dim=1), past=past)
-                get = lambda r, c: mp.head(h[r, sp(c) - lo])  # noqa: E731
-            local.forwards += 1
-            local.positions += xx.shape[0] * (hi - lo)
-            forwards[torch.tensor(rows)] += 1
 
-            logits = get(rr, cc).float()
-            if cfg > 0:
-                un = get(rr + R, cc).float()
-                logits = un + (cfg + 1) * (logits - un)
-            if thr is not None:
-                logits[:, mask_id] = -float("inf")
+def _kept_keys_values(kvs, aa: torch.Tensor, ws: int, be: int, prefix: bool):
+    """The fast cache's refresh at a block's first forward: the keys/values (and key mask) of the positions left of
+    the window, and with ``dual`` also of those right of the block."""
+    if prefix:
+        return [(k[:, :, :ws], v[:, :, :ws]) for k, v in kvs], aa[:, :ws]
+    past = [(torch.cat([k[:, :, :ws], k[:, :, be:]], 2), torch.cat([v[:, :, :ws], v[:, :, be:]], 2)) for k, v in kvs]
+    return past, torch.cat([aa[:, :ws], aa[:, be:]], dim=1)
 
-            counts = torch.bincount(rr, minlength=R).tolist()
-            N, V = logits.shape
-            if temp > 0 or random_remask:
-                u = torch.empty((N, V), dtype=torch.float64, device=dev) if temp > 0 else None
-                rnd = torch.empty(N, dtype=torch.float64, device=dev) if random_remask else None
-                start = 0
-                for j, c in enumerate(counts):
-                    if c:
-                        if u is not None:
-                            u[start : start + c] = torch.rand((c, V), dtype=torch.float64, device=dev, generator=gens[j])
-                        if rnd is not None:
-                            rnd[start : start + c] = torch.rand((c,), dtype=torch.float64, device=dev, generator=gens[j])
-                    start += c
-            if temp > 0:
-                x0 = (logits.double().exp() / (-torch.log(u)) ** temp).argmax(dim=-1)
-            else:
-                x0 = logits.argmax(dim=-1)
-            if random_remask:
-                conf = rnd
-            else:
-                conf = torch.softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).double()
 
-            # Rank the candidates within each row: highest score first, ties to the left.
-            counts_t = torch.tensor(counts, device=dev)
-            starts = torch.cumsum(counts_t, 0) - counts_t
-            slot = torch.arange(N, device=dev) - starts[rr]
-            C = int(max(counts))
-            table = torch.full((R, C), -float("inf"), dtype=torch.float64, device=dev)
-            table[rr, slot] = conf
-            order = torch.sort(table, dim=1, descending=True, stable=True).indices
-            rank_t = torch.empty_like(order)
-            rank_t.scatter_(1, order, torch.arange(C, device=dev).expand(R, C).contiguous())
-            rank = rank_t[rr, slot]
-            if thr is None:
-                take = rank < k_now[rr]
-            else:
-                take = (rank == 0) | (conf > thr)
-            x[rr[take], cc[take]] = x0[take]
-            step += 1
+def _candidate_logits(b: _Batch, get, rr: torch.Tensor, cc: torch.Tensor) -> torch.Tensor:
+    """The candidates' logits in float32, guided under CFG; the mask token barred under a threshold."""
+    cfg = float(b.settings.cfg)
+    logits = get(rr, cc).float()
+    if cfg > 0:
+        un = get(rr + len(b.rows), cc).float()
+        logits = un + (cfg + 1) * (logits - un)
+    if b.settings.threshold is not None:
+        logits[:, b.mp.mask_token_id] = -float("inf")
+    return logits
 
-    for j in range(len(rows)):
-        finish(j)
-    local.seconds = time.perf_counter() - t0
-    if stats is not None:
-        stats.add(local)
-    return results  # type: ignore[return-value]
+
+def _propose(b: _Batch, logits: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token and a score per candidate: argmax or Gumbel-max, scored by its probability or a uniform number; each
+    row draws from its own stream, Gumbel uniforms first."""
+    s = b.settings
+    dev = b.mp.device
+    temp = float(s.temperature)
+    random_remask = s.remasking == "random"
+    N, V = logits.shape
+    if temp > 0 or random_remask:
+        u = torch.empty((N, V), dtype=torch.float64, device=dev) if temp > 0 else None
+        rnd = torch.empty(N, dtype=torch.float64, device=dev) if random_remask else None
+        start = 0
+        for j, c in enumerate(counts):
+            if c:
+                if u is not None:
+                    u[start : start + c] = torch.rand((c, V), dtype=torch.float64, device=dev, generator=b.gens[j])
+                if rnd is not None:
+                    rnd[start : start + c] = torch.rand((c,), dtype=torch.float64, device=dev, generator=b.gens[j])
+            start += c
+    if temp > 0:
+        x0 = (logits.double().exp() / (-torch.log(u)) ** temp).argmax(dim=-1)
+    else:
+        x0 = logits.argmax(dim=-1)
+    if random_remask:
+        conf = rnd
+    else:
+        conf = torch.softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).double()
+    return x0, conf
+
+
+def _commit(b: _Batch, rr: torch.Tensor, cc: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, counts: list[int],
+            k_now: Optional[torch.Tensor]) -> None:
+    """The transfer rule: each row commits its ``k_now`` best candidates (exact mode), or every candidate above the
+    threshold and at least its best one."""
+    dev = b.mp.device
+    R, N = len(b.rows), len(rr)
+    # Rank the candidates within each row: highest score first, ties to the left.
+    counts_t = torch.tensor(counts, device=dev)
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    slot = torch.arange(N, device=dev) - starts[rr]
+    C = int(max(counts))
+    table = torch.full((R, C), -float("inf"), dtype=torch.float64, device=dev)
+    table[rr, slot] = conf
+    order = torch.sort(table, dim=1, descending=True, stable=True).indices
+    rank_t = torch.empty_like(order)
+    rank_t.scatter_(1, order, torch.arange(C, device=dev).expand(R, C).contiguous())
+    rank = rank_t[rr, slot]
+    if k_now is None:
+        take = (rank == 0) | (conf > b.settings.threshold)
+    else:
+        take = rank < k_now[rr]
+    b.x[rr[take], cc[take]] = x0[take]
 
 
 RULE = DecodingRule("llada", _generate_batch_llada, whole_sequence_model)

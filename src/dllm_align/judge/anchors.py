@@ -11,6 +11,7 @@ twice. The instruction-difficulty term is a second model's per-prompt outcome ag
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from pathlib import Path
@@ -101,7 +102,7 @@ def length_anchors(pairs: list[Pair], out: Path, s: dict, environ, judges: list[
     finally:
         if client is not None:
             client.close()
-    sub_settings = {**s, "length_anchors": False, "difficulty_from": None}
+    sub_settings = {**s, "length_anchors": False, "difficulty_from": None, "difficulty_table": None}
     anchors: dict[str, list] = {j: [] for j in judges}
     for style, rewritten in texts.items():
         sub = [Pair(p.id, p.prompt, t, p.b, p.reference) for p, t in zip(pairs, rewritten) if t]
@@ -151,3 +152,36 @@ def difficulty_from(source: str, pairs: list[Pair], judges: list[str]) -> dict[s
                             hint="judge the second model against the same B, on the same prompts, with the same judge")
         out[j] = vals
     return out
+
+
+def difficulty_table(source: str, pairs: list[Pair]) -> tuple[Optional[list[float]], dict]:
+    """A published per-instruction difficulty table (AlpacaEval's, for its 805 prompts), matched by the
+    prompt's text: a CSV with a ``difficulty`` column and an ``instruction`` or ``instruction_sha256`` column
+    (:func:`dllm_align.judge.stats.instruction_key`). Returns the per-pair values, or None when some prompt is
+    not in the table (the term is then left out), and the provenance recorded in results.json."""
+    path = Path(source)
+    if not path.is_file():
+        raise UserError(f"--difficulty-table {source}: no such file (a CSV: instruction or instruction_sha256, difficulty)")
+    note_input(path, "input")
+    raw = path.read_bytes()
+    table: dict[str, float] = {}
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        cols = set(reader.fieldnames or ())
+        if "difficulty" not in cols or not cols & {"instruction", "instruction_sha256"}:
+            raise UserError(f"{path}: a difficulty table has the columns difficulty and instruction (or instruction_sha256)")
+        for n, r in enumerate(reader, 2):
+            key = r["instruction_sha256"] if "instruction_sha256" in cols else stats.instruction_key(r["instruction"])
+            try:
+                table[key] = float(r["difficulty"])
+            except ValueError:
+                raise UserError(f"{path}:{n}: difficulty {r['difficulty']!r} is not a number") from None
+    values, matched = stats.difficulty_lookup([p.prompt for p in pairs], table)
+    note = {"source": "table", "path": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "instructions": len(table),
+            "matched": matched, "prompts": len(pairs), "used": values is not None}
+    if values is None:
+        warn(f"--difficulty-table {path}: {matched} of {len(pairs)} prompts are in the table; the LC fit goes "
+             "without the difficulty term (it is used only when every prompt is)")
+    else:
+        info(f"LC-AWR: instruction difficulty from {path} ({matched} prompts matched)")
+    return (None if values is None else [float(v) for v in values]), note

@@ -20,7 +20,7 @@ LENGTH_UNIT = "characters"
 
 def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths: Optional[tuple[Sequence[int], Sequence[int]]] = None,
                        bootstrap: int = 5000, seed: int = 0, anchors: Optional[Mapping[str, list]] = None,
-                       difficulty: Optional[Mapping[str, list]] = None) -> dict:
+                       difficulty: Optional[Mapping[str, list]] = None, published_difficulty: bool = False) -> dict:
     """Statistics of per-prompt outcomes (+1 / 0 / -1, ``None`` for a prompt the judge
     could not finish), one list per judge, all lists in the same prompt order.
 
@@ -32,7 +32,8 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
     (same ``seed``) when the prompt counts agree. ``anchors`` (per judge: a list of
     ``(outcomes, lengths)`` of B's rewrites judged against B, one entry per prompt,
     None where missing) and ``difficulty`` (per judge: a second model's outcome per
-    prompt, None where missing, counted as a tie) enter the LC fit
+    prompt, None where missing, counted as a tie; or a published table's values, ``published_difficulty``)
+    enter the LC fit
     (:func:`dllm_align.judge.stats.lc_estimate`).
     """
     la = np.asarray(lengths[0], dtype=np.float64) if lengths is not None else None
@@ -46,7 +47,9 @@ def summarize_outcomes(per_judge: Mapping[str, list[Optional[int]]], *, lengths:
                 anc = [([o[i] for i in idx], [n[i] for i in idx]) for o, n in (anchors or {}).get(judge, ())] or None
                 g = (difficulty or {}).get(judge)
                 g = [0 if g[i] is None else g[i] for i in idx] if g is not None else None
-                e = stats.lc_estimate(outcomes, la[keep], lb[keep], anchors=anc, difficulty=g, n_resamples=bootstrap, seed=seed)
+                e = stats.lc_estimate(outcomes, la[keep], lb[keep], anchors=anc, difficulty=g,
+                                      published_difficulty=published_difficulty and g is not None,
+                                      n_resamples=bootstrap, seed=seed)
                 if anc is not None:
                     s["lc_anchor_rows"] = int(sum(o is not None for a, _ in anc for o in a))
                 if g is not None:

@@ -55,7 +55,7 @@ from dllm_align.core.errors import RunFailure, UserError
 from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
 from dllm_align.core.usercode import load_function
 from dllm_align.judge import stats
-from dllm_align.judge.anchors import difficulty_from, length_anchors
+from dllm_align.judge.anchors import difficulty_from, difficulty_table, length_anchors
 from dllm_align.judge.batch import BatchRunner, pending_batches
 from dllm_align.judge.cache import CacheWriter, Task, add_usage, judgement_key, load_cache
 # The transport, the cache, the batch flow and the report live in their own modules; the names the library's
@@ -262,9 +262,12 @@ def judge_pairs(
     """
     s = _settings_dict(settings)
     judges, template, rules, api_judges = _judges_of(s)
-    difficulty = None
+    difficulty, difficulty_note = None, None
     if s["difficulty_from"]:
         difficulty = difficulty_from(s["difficulty_from"], pairs, judges)
+    elif s["difficulty_table"]:
+        values, difficulty_note = difficulty_table(s["difficulty_table"], pairs)
+        difficulty = None if values is None else {j: values for j in judges}
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} exists and is not a folder")
@@ -301,7 +304,10 @@ def judge_pairs(
         if s["length_anchors"]:
             anchors = length_anchors(pairs, out, s, environ, judges, judge_pairs=judge_pairs, params=params, answer_length=answer_length)
         results.update(summarize_outcomes(per_judge, lengths=(len_a, len_b), bootstrap=s["bootstrap"], seed=s["seed"],
-                                          anchors=anchors, difficulty=difficulty))
+                                          anchors=anchors, difficulty=difficulty,
+                                          published_difficulty=difficulty_note is not None))
+        if difficulty_note is not None:
+            results["lc_difficulty"] = difficulty_note
         results["lengths"] = length_report(len_a, len_b, s["length_threshold"])
         if len(judges) == 2:
             j1, j2 = judges
@@ -451,6 +457,7 @@ def _recorded_settings(s: dict, template: str, token_param: str, api_judges: lis
                           "weighted equally; LC-AWR = prediction at zero difference, withheld when the slope is not identified",
         "length_anchors": (s["length_anchors_model"] or api_judges[0]) if s["length_anchors"] else None,
         "difficulty_from": s["difficulty_from"],
+        "difficulty_table": s["difficulty_table"],
         "length_unit": "characters",
         "failures": "excluded: a prompt counts for a judge only when both orders were judged",
     }

@@ -24,7 +24,8 @@ The protocol:
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Sequence
+import hashlib
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -276,8 +277,9 @@ def summarize(outcomes: Sequence[int] | np.ndarray, n_resamples: int = 5000, see
 #   judge model and judged against B. A rewrite has B's quality, so its rows enter with no theta
 #   (logit = phi x + psi g) at weight ANCHOR_WEIGHT each (AlpacaEval: 0.2 split over its two rewrites);
 #   they pin the length slope from answers whose quality is known.
-# * Instruction difficulty: where a second model's verdicts against the same B on the same prompts are
-#   available, g_i = its outcome on prompt i (-1 / 0 / +1), as AlpacaEval's per-instruction term.
+# * Instruction difficulty: AlpacaEval's published per-instruction value when the judged prompts are its
+#   805 (matched by the instruction's text, :func:`difficulty_lookup`), or where a second model's verdicts
+#   against the same B on the same prompts are available, g_i = its outcome on prompt i (-1 / 0 / +1).
 # * Balancing weights on the model's rows: the prompts where A is longer and those where B is longer get
 #   the same total weight (equal lengths keep weight 1). Without them a judge that only prefers the
 #   longer answer makes the two groups separable and theta is set by the ratio of the group sizes (on 200
@@ -299,6 +301,14 @@ def summarize(outcomes: Sequence[int] | np.ndarray, n_resamples: int = 5000, see
 LC_RIDGE = 1.0
 ANCHOR_WEIGHT = 0.1
 LC_MAX_VIF = 4.0
+# With a published instruction-difficulty table (AlpacaEval's) the figure is given when VIF <= LC_DIFFICULTY_MAX_VIF (anchors lift
+# it as above) and the 90% interval is at most LC_MAX_CI_WIDTH wide. Chosen on a fixed half of AlpacaEval 2's
+# published annotations (the most models given with every error within 5 points and the interval holding
+# the published LC for at least 85% of them; the smallest VIF bound doing so, the middle of the widths doing
+# so) and reported on the other half: docs/judging.md. A fit whose interval is that wide is one whose slope
+# and intercept trade off on these data (the gamed model there: 21 points wide, 42 points off).
+LC_DIFFICULTY_MAX_VIF = 10.0
+LC_MAX_CI_WIDTH = 0.15
 _LC_ITERS = 60
 
 
@@ -410,15 +420,16 @@ def _anchor_inputs(anchors, len_b: np.ndarray) -> list[tuple[np.ndarray, np.ndar
     return out
 
 
-def lc_estimate(outcomes, len_a, len_b, *, anchors=None, difficulty=None, n_resamples: int = 5000, seed: int = 0,
-                level: float = 0.90, chunk: int = 250) -> dict:
+def lc_estimate(outcomes, len_a, len_b, *, anchors=None, difficulty=None, published_difficulty: bool = False,
+                n_resamples: int = 5000, seed: int = 0, level: float = 0.90, chunk: int = 250) -> dict:
     """The length-controlled AWR, its bootstrap interval and whether it is given (comment above).
 
     ``anchors``: optional list of ``(outcomes, lengths)``, B's answers rewritten (verbose, concise) and
-    judged against B, per prompt (``None`` where missing); ``difficulty``: optional per-prompt outcomes
-    (-1 / 0 / +1) of a second model against the same B. Returns ``{"lc_awr", "ci90", "withheld", "vif",
-    "anchors", "difficulty"}``; ``lc_awr`` and ``ci90`` are None and ``withheld`` says why when the length
-    slope is not identified."""
+    judged against B, per prompt (``None`` where missing); ``difficulty``: optional per-prompt values, a
+    second model's outcomes (-1 / 0 / +1) against the same B or a published table's
+    (:func:`difficulty_lookup`; ``published_difficulty`` then selects the giving rule measured with it).
+    Returns ``{"lc_awr", "ci90", "withheld", "vif", "anchors", "difficulty"}``; ``lc_awr`` and ``ci90`` are
+    None and ``withheld`` says why when the figure is not given."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     d, y = _lc_inputs(outcomes, len_a, len_b)
@@ -428,21 +439,27 @@ def lc_estimate(outcomes, len_a, len_b, *, anchors=None, difficulty=None, n_resa
     anc = _anchor_inputs(anchors, lb)
     g = None
     if difficulty is not None:
-        g = as_outcomes(difficulty).astype(np.float64)
+        g = np.asarray(difficulty, dtype=np.float64)
         if g.shape != d.shape:
             raise ValueError(f"one difficulty outcome per prompt ({d.size} prompts, {g.size} given)")
-    return lc_from_preferences(d, y, anchors=anc, difficulty=g, n_resamples=n_resamples, seed=seed, level=level,
-                               chunk=chunk)
+        if not np.isfinite(g).all():
+            raise ValueError("the difficulty term must be finite on every prompt")
+    return lc_from_preferences(d, y, anchors=anc, difficulty=g, published_difficulty=published_difficulty,
+                               n_resamples=n_resamples, seed=seed, level=level, chunk=chunk)
 
 
-def lc_from_preferences(d: np.ndarray, y: np.ndarray, *, anchors=(), difficulty=None, n_resamples: int = 5000,
-                        seed: int = 0, level: float = 0.90, chunk: int = 250) -> dict:
+def lc_from_preferences(d: np.ndarray, y: np.ndarray, *, anchors=(), difficulty=None, published_difficulty: bool = False,
+                        n_resamples: int = 5000, seed: int = 0, level: float = 0.90, chunk: int = 250) -> dict:
     """:func:`lc_estimate` on arrays: length differences ``d`` (A minus B), preferences ``y`` in [0, 1]
     (fractional: AlpacaEval's per-prompt preferences fit as they are), anchors as ``(d_anchor, y_anchor,
-    present)`` arrays, ``difficulty`` per prompt in [-1, 1]."""
+    present)`` arrays, ``difficulty`` per prompt (a second model's outcomes in [-1, 1], or a published
+    table's values with ``published_difficulty``)."""
+    if published_difficulty and difficulty is None:
+        raise ValueError("published_difficulty needs the difficulty values")
     anc, g = list(anchors), difficulty
     d, y = np.asarray(d, dtype=np.float64), np.asarray(y, dtype=np.float64)
     base = {"anchors": len(anc), "difficulty": g is not None}
+    # the bounds measured with a published table; a second model's outcomes keep LC_MAX_VIF (not measured so)
     if not (d != 0).any():
         a = float(y.mean())  # every pair equally long: nothing to control, the AWR is the answer
         vals = [float(y[ix].mean()) for ix in bootstrap_indices(d.size, n_resamples, seed)]
@@ -450,8 +467,9 @@ def lc_from_preferences(d: np.ndarray, y: np.ndarray, *, anchors=(), difficulty=
         return {**base, "lc_awr": a, "ci90": ci, "withheld": None, "vif": 1.0}
     lc, vif = _lc_fit(d[None], y[None], [tuple(v[None] for v in a) for a in anc], None if g is None else g[None])
     vif0 = float(vif[0])
-    if not anc and not vif0 <= LC_MAX_VIF:
-        why = (f"the length slope is not identified from these data (variance inflation {vif0:.3g} > {LC_MAX_VIF:g}; "
+    max_vif = LC_DIFFICULTY_MAX_VIF if published_difficulty else LC_MAX_VIF
+    if not anc and not vif0 <= max_vif:
+        why = (f"the length slope is not identified from these data (variance inflation {vif0:.3g} > {max_vif:g}; "
                f"A longer on {int((d > 0).sum())} of {d.size} prompts, B longer on {int((d < 0).sum())}): "
                "add length anchors to measure it")
         return {**base, "lc_awr": None, "ci90": None, "withheld": why, "vif": vif0}
@@ -470,6 +488,10 @@ def lc_from_preferences(d: np.ndarray, y: np.ndarray, *, anchors=(), difficulty=
     if idx:
         flush()
     low, high = np.percentile(np.concatenate(values), [50 - 50 * level, 50 + 50 * level])
+    if published_difficulty and not high - low <= LC_MAX_CI_WIDTH:
+        why = (f"the fit is unstable on these data: its 90% interval is {100 * (high - low):.1f} points wide "
+               f"(> {100 * LC_MAX_CI_WIDTH:g}; variance inflation {vif0:.3g})")
+        return {**base, "lc_awr": None, "ci90": None, "withheld": why, "vif": vif0}
     return {**base, "lc_awr": float(lc[0]), "ci90": [float(low), float(high)], "withheld": None, "vif": vif0}
 
 
@@ -478,9 +500,29 @@ def lc_awr(outcomes, len_a, len_b, *, anchors=None, difficulty=None) -> Optional
     return lc_estimate(outcomes, len_a, len_b, anchors=anchors, difficulty=difficulty, n_resamples=1)["lc_awr"]
 
 
+def instruction_key(text: str) -> str:
+    """The key a per-instruction table is matched by: sha256 of the instruction with surrounding whitespace
+    stripped (the text itself, so a table of AlpacaEval's 805 prompts matches whatever ids a data set gives)."""
+    return hashlib.sha256(text.strip().encode("utf-8")).hexdigest()
+
+
+def difficulty_lookup(prompts: Sequence[str], table: Mapping[str, float]) -> tuple[Optional[np.ndarray], int]:
+    """Per-prompt difficulty from a published per-instruction table (``instruction_key -> value``), and how
+    many prompts it matched. The values are used only when every prompt is in the table (the judged prompts
+    are the table's, or a subset): a partial match would mix prompts with a term and prompts without,
+    which the fit cannot tell from easy and hard ones; then the first element is None."""
+    keys = [instruction_key(p) for p in prompts]
+    hit = [k in table for k in keys]
+    n = int(sum(hit))
+    if not keys or n < len(keys):
+        return None, n
+    return np.array([float(table[k]) for k in keys], dtype=np.float64), n
+
+
 def length_summary(lengths: Sequence[float]) -> dict:
     """``{"mean", "median"}`` of answer lengths (characters)."""
     arr = np.asarray(lengths, dtype=np.float64)
     if arr.size == 0:
         return {"mean": None, "median": None}
     return {"mean": float(arr.mean()), "median": float(np.median(arr))}
+

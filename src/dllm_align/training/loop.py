@@ -286,10 +286,18 @@ def invariant_margins(run: Run, steps: int = 1) -> dict[str, float]:
     autocast (tests/test_invariants.py derives it). Both sides go through the
     training path (the wrapped policy module; the cache or the online reference).
     """
-    out: dict[str, float] = {}
+    return {rid: pol - ref for rid, (pol, ref, _) in invariant_values(run, steps).items()}
+
+
+@torch.no_grad()
+def invariant_values(run: Run, steps: int = 1) -> dict[str, tuple[float, float, int]]:
+    """(B_policy, B_ref, completion tokens) per row of this process's rows in global steps 0..steps-1: what
+    :func:`invariant_margins` subtracts, with what the step-0 check's tolerance reads (``training.doctor``)."""
+    out: dict[str, tuple[float, float, int]] = {}
     for step in range(steps):
         for units in run.data.micro_batches(step, run.plan):
             b = run.to_device(run.collate_units(units))
-            m = run.policy_elbo(b).float() - run.reference_elbo(b)
-            out.update(zip(b["ids"], m.tolist()))
+            pol, ref = run.policy_elbo(b).float(), run.reference_elbo(b)
+            n = b["completion_mask"].sum(dim=1).tolist()
+            out.update(zip(b["ids"], zip(pol.tolist(), ref.tolist(), n)))
     return out

@@ -56,7 +56,8 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     """Run (or finish) the demo in ``output_dir``; returns the content of results.json."""
     rec = load_recipe(recipe_name, overrides, output_dir)
     if rec.online is not None:
-        check_serves_each_round(rec.generate.backend, "the online demo")  # before its folder is made
+        # before its folder is made
+        check_serves_each_round(rec.generate.backend, "the online demo", rec.generate.own_settings(rec.generate.backend))
     out = Path(rec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base_model = rec.model.name_or_path

@@ -60,6 +60,7 @@ from dllm_align.generate.settings import row_seed
 from dllm_align.online.label import (ROWS, SUMMARY, UNSURE, check_rule, check_temperature, label, label_settings,
                                      prompt_fingerprint, read_prompts)
 from dllm_align.online.verifiers import recorded_settings as verifier_settings
+from dllm_align.serve.parity import online_gate
 from dllm_align.workflows import pipeline
 
 # lazy imports: matplotlib: an optional extra (pip install dllm-align[plot]); without it the run skips its plot
@@ -249,8 +250,9 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
                prompts: Optional[str] = None, reference: str = "initial", keep_uniform: bool = True,
                temperature: Optional[float] = None, answer_column: str = "answer", heldout: Optional[str] = None,
                heldout_limit: Optional[int] = None, heldout_n: int = 4, keep: str = "guard",
-               greedy: bool = True, allow_changes=()) -> list[dict]:
-    """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring)."""
+               greedy: bool = True, allow_changes=(), parity: Optional[str] = None, skip_parity: bool = False) -> list[dict]:
+    """Run (or continue) ``rounds`` rounds; returns one row per round for the table (module docstring).
+    ``parity``: a passing parity record, which a served backend needs (``skip_parity``: go without, recorded)."""
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: at least one round")
     if reference not in ("initial", "previous"):
@@ -260,7 +262,8 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
     check_temperature(temperature, n)
     # each round samples the policy the round before trained: a backend that cannot be handed that folder
     # would sample another model (and the held-out share would measure it), so it is refused before round 0
-    check_serves_each_round(recipe.generate.backend)
+    check_serves_each_round(recipe.generate.backend, own=recipe.generate.own_settings(recipe.generate.backend))
+    gate = online_gate(recipe, parity, skip_parity)
     if keep == "best" and heldout is None and recipe.data.test is None:
         raise UserError("--keep best: no held-out prompts to rank the rounds by",
                         hint="set data.test in the recipe, or online.heldout (--heldout FILE)")
@@ -289,13 +292,13 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         return _run_rounds(recipe, out, rank=rank, world=world, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts,
                            reference=reference, keep_uniform=keep_uniform, temperature=temperature,
                            answer_column=answer_column, heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n,
-                           keep=keep, greedy=greedy, allow_changes=allow_changes)
+                           keep=keep, greedy=greedy, allow_changes=allow_changes, gate=gate)
 
 
 def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: str, n: int, limit: Optional[int],
                 prompts: Optional[str], reference: str, keep_uniform: bool, temperature: Optional[float],
                 answer_column: str, heldout: Optional[str], heldout_limit: Optional[int], heldout_n: int, keep: str,
-                greedy: bool, allow_changes) -> list[dict]:
+                greedy: bool, allow_changes, gate: Optional[dict] = None) -> list[dict]:
     base = recipe.model.name_or_path
     source = prompts or recipe.data.train
     if source is None:
@@ -304,6 +307,8 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
                              keep_uniform=keep_uniform, answer_column=answer_column, temperature=temperature,
                              heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n, greedy=greedy,
                              rounds=rounds, keep=keep)
+    if gate is not None:  # a served backend: the parity record it was trusted on, or the skip
+        settings["parity"] = gate
     recipe_keys = recipe.model_dump(mode="json")
     _check_allow(allow_changes, settings, recipe_keys)
     main = rank == 0
