@@ -90,15 +90,19 @@ def test_demo_llada21_aligns_the_editing_base(tmp_path):
     assert json.loads((out / "gen.aligned.settings.json").read_text())["sampler"]["sampler"] == "llada21"
 
 
-def test_an_export_from_a_saved_llada21_folder_still_reads_as_llada21():
+def test_an_export_from_a_saved_llada21_folder_still_reads_as_llada21(tmp_path):
     """The demo's aligned final/ comes from the packaged base, a folder dllm-align saved (LLaDA2.0's published
     identity plus ``dllm_align_family``, no remote code): the export keeps the key, or it would load as LLaDA2.0.
     LLaDA2.0 itself, which needs no such evidence, still drops it."""
-    from dllm_align.models.export import published_config
+    from dllm_align.models.export import write_published_layout
 
-    source = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "dllm_align_family": "llada21",
-              "is_causal": False, "block_size": 8, "mask_token_id": 261}
-    trained = {"dtype": "float32"}
-    out = published_config("llada21", trained, source)
-    assert out["dllm_align_family"] == "llada21" and "is_causal" not in out
-    assert "dllm_align_family" not in published_config("llada2", trained, {**source, "dllm_align_family": "llada2"})
+    asset = Path(__file__).resolve().parents[1] / "src" / "dllm_align" / "assets" / "toy_sort_base_llada21"
+    source = json.loads((asset / "config.json").read_text())
+    assert source["dllm_align_family"] == "llada21" and not list(asset.glob("*.py"))
+    for family, kept in (("llada21", True), ("llada2", False)):
+        out = tmp_path / family
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({**source, "dllm_align_family": family}))
+        cfg = write_published_layout(out, family, asset)
+        assert ("dllm_align_family" in cfg) == kept, cfg
+        assert json.loads((out / "config.json").read_text()) == cfg
