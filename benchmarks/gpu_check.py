@@ -551,8 +551,40 @@ def run_part(a) -> int:
         return 1
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's manners: a refusal is one ``Error:`` line and exit 2."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"Error: {message}\nHint: see '{self.prog} --help'\n")
+        sys.exit(2)
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """The flags checked before anything runs or is written (UsageError): --out names a folder (an empty name
+    would be the working folder, often this repository), the device is there, --measure-lengths is a folder."""
+    if a.measure_lengths is not None:
+        if not a.measure_lengths.is_dir():
+            raise UsageError(f"--measure-lengths {a.measure_lengths}: not a folder (the kto-mix-14k test split's, with "
+                             "chosen.jsonl and rejected.jsonl)")
+        for name in ("chosen.jsonl", "rejected.jsonl"):
+            if not (a.measure_lengths / name).is_file():
+                raise UsageError(f"--measure-lengths {a.measure_lengths}: no {name} in it")
+        return
+    if a.out is None:
+        raise UsageError("--out is required")
+    if not str(a.out).strip() or str(a.out) in (".", "./"):
+        raise UsageError(f"--out {str(a.out)!r}: name a folder for the results (not the working folder)")
+    if not math.isfinite(a.budget) or a.budget <= 0:
+        raise UsageError(f"--budget must be a positive number of seconds, got {a.budget:g}")
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda, but torch sees no CUDA device (use --device cpu --tiny for the CPU run)")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="folder for gpu_check.json, gpu_check.log and benchmarks.json")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="built-in tiny shapes: the whole command in about a minute on a CPU")
@@ -571,13 +603,10 @@ def main(argv=None) -> int:
     if a.part:
         return run_part(a)
     try:
+        check_args(a)
         if a.measure_lengths:
             LENGTHS.write_text(json.dumps(measure_lengths(a.measure_lengths), separators=(",", ":")), encoding="utf-8")
             return 0
-        if a.out is None:
-            raise UsageError("--out is required")
-        if not math.isfinite(a.budget) or a.budget <= 0:
-            raise UsageError(f"--budget must be a positive number of seconds, got {a.budget:g}")
         names = [n for n in PARTS if not a.only or n in a.only]
         limits = part_limits(a.budget, names)
         _check_out(a.out)

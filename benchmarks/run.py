@@ -129,8 +129,35 @@ def machine() -> dict:
     return info
 
 
+MAX_THREADS = 1024  # far past any machine's cores; a larger count makes OpenMP allocate until it crashes
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's manners: a refusal is one ``Error:`` line and exit 2."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"Error: {message}\nHint: see '{self.prog} --help'\n")
+        sys.exit(2)
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag checked before any benchmark runs or anything is written."""
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        ap.error(f"--threads {args.threads}: a number of threads from 1 to {MAX_THREADS}")
+    if args.only is not None and not args.only:
+        ap.error("--only needs at least one benchmark name")
+    if args.json is not None:
+        out = Path(args.json)
+        if not args.json or out.is_dir() or args.json.endswith(os.sep):
+            ap.error(f"--json {args.json!r}: a file to write, not a folder")
+        if not out.parent.is_dir():
+            ap.error(f"--json {args.json}: the folder {out.parent} does not exist")
+        if not os.access(out.parent, os.W_OK):
+            ap.error(f"--json {args.json}: the folder {out.parent} is not writable")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="small settings: a short run; a missed target does not fail it")
@@ -145,6 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, metavar="N",
                     help="torch / OpenMP threads here and in child processes (1 is steadier on a busy machine)")
     args = ap.parse_args(argv)
+    check_args(ap, args)
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     known = {m for m, *_ in BENCHMARKS}
     unknown = sorted(set(args.only or []) - known)

@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node 2 tests/dist_invariants.py SPEC.json
 
 SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
-"margins": [[launch, mixed_precision, reference_mode, lora], ...],
-"train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir], ...],
+"margins": [[launch, mixed_precision, reference_mode, lora], ...], "loading": [[model folder, lora], ...],
+"train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir(, extra sets...)], ...],
 "raw_fsdp1_default_policy": bool}
 
 launch is ddp, fsdp1 or fsdp2. accelerate turns FSDP on only for GPU
@@ -193,6 +193,14 @@ def grad_storage_probe(run) -> dict:
     return out
 
 
+def status_kib(field: str) -> int:
+    """A /proc/self/status figure in KiB (VmRSS: resident now; VmHWM: the peak since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def main() -> None:
     from dllm_align.data.examples import load_training_examples
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, build_tiny_tokenizer
@@ -220,10 +228,11 @@ def main() -> None:
         torch.distributed.all_gather_object(gathered, local)
         allm = {k: v for d in gathered for k, v in d.items()}
         key = f"{launch}/{mp}/{mode}/lora={lora}" + "".join(f"/{x}" for x in sets)
-        if lora and mp == "no" and mode == "online":
+        if lora and mp == "no" and mode == "online" and not sets:
             results.setdefault("grad_norms", {})[launch] = grad_norm_probe(run)
         results["margins"][key] = {
             "fsdp": run.plan.fsdp,
+            "sharded_read": run.mp.weight_sources is not None,
             "module": type(run.policy.module).__name__,
             "mixed_precision": acc.mixed_precision,
             "rows": len(allm),
@@ -275,20 +284,45 @@ def main() -> None:
         results["train"][key] = {"dir": run_dir, "metrics": res.last_metrics}
         acc.free_memory()
 
-    for launch, run_dir in spec.get("resume", []):
+    for launch, run_dir, *sets in spec.get("resume", []):
         # 3 steps with a checkpoint at step 2; final/ removed; resumed: the same weights as without the stop
         import shutil
 
         acc = make_accelerator(launch, "no")
-        rec = recipe(spec, "no", "cached", False, run_dir, "train.max_steps=3", "train.save_every=2", f"train.max_grad_norm={spec['clip']}")
-        train(rec, examples=exs, accelerator=acc)
+        rec = recipe(spec, "no", "cached", False, run_dir, "train.max_steps=3", "train.save_every=2", f"train.max_grad_norm={spec['clip']}", *sets)
+        family = BUILTIN_SPECS.get(rec.model.name_or_path, BUILTIN_SPECS["builtin:tiny"]).family
+        rows = exs if family == "llada" else load_training_examples(rec, build_tiny_tokenizer(family), quiet=True)
+        train(rec, examples=rows, accelerator=acc)
         if torch.distributed.get_rank() == 0:
             shutil.copytree(Path(run_dir) / "final", Path(run_dir + "-uninterrupted"))
             shutil.rmtree(Path(run_dir) / "final")
         torch.distributed.barrier()
         acc = make_accelerator(launch, "no")
-        train(rec, examples=exs, accelerator=acc, resume=True)
-        results.setdefault("resume", {})[launch] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
+        train(rec, examples=rows, accelerator=acc, resume=True)
+        key = launch + "".join(f"/{x.split('=', 1)[1]}" for x in sets[:1])
+        results.setdefault("resume", {})[key] = {"dir": run_dir, "uninterrupted": run_dir + "-uninterrupted"}
+
+    for folder, lora in spec.get("loading", []):
+        # FSDP2 loading from bf16 safetensors shards: what each process holds at its peak while loading
+        from dllm_align.training.plan import plan_run
+        from dllm_align.training.policy import load_policy, wrap_policy
+
+        acc = make_accelerator("fsdp2", "no")
+        rec = recipe(spec, "no", "cached", lora, str(out / f"l-{lora}"), f"model.name_or_path={folder}")
+        rec, plan = plan_run(rec, acc)
+        torch.manual_seed(rec.train.seed)
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the resident size
+        before = status_kib("VmRSS")
+        mp = load_policy(rec.model, rec.train.lora, rec.data.max_length, plan, None)
+        held = wrap_policy(mp, rec.train, plan, acc)
+        peak = status_kib("VmHWM")
+        gathered = [None] * acc.num_processes
+        local = {"before": before * 1024, "peak": peak * 1024, "sharded_read": mp.weight_sources is not None,
+                 "shard_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in held.module.parameters())}
+        torch.distributed.all_gather_object(gathered, local)
+        results.setdefault("loading", {})[f"lora={lora}"] = gathered
+        del held, mp
+        acc.free_memory()
 
     if spec.get("raw_fsdp1_default_policy"):
         # The defect as accelerate's default FSDP policy produces it: buffers cast to bf16.

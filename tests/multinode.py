@@ -13,7 +13,9 @@ backends, so the accelerator ``train`` makes is switched to FSDP after creation 
 tests/dist_invariants.py does (the plugin from the shipped recipes/accelerate/fsdp_8gpu.yaml).
 ``"die"`` in SPEC makes one global rank kill (SIGKILL: a crashed node, its sockets closed by the kernel)
 or freeze (SIGSTOP: a node that stops answering) its whole node, agent included, just before a given
-training step; the time of that moment goes to ``die.stamp``.
+training step (or, with ``"during": "sampling"`` / ``"precompute"``, as it samples its first batch of an online
+round / scores its first micro-batch group of the reference); ``"how": "raise"`` raises an error there instead,
+its process left to report it; the time of that moment goes to ``die.stamp``.
 
 Note: torchrun ignores ``--node_rank`` with the c10d rendezvous (it says so); ranks follow the sorted
 (host, agent pid) of the nodes. The node started first gets rank 0 here, and the reports say which.
@@ -185,19 +187,46 @@ def _patch(spec: dict, current: dict) -> None:
 
     die = spec.get("die")
     if die and int(os.environ.get("RANK", "-1")) == die["rank"]:
-        from dllm_align.training.loop import Run
+        def dying() -> None:
+            Path(die["stamp"]).write_text(json.dumps({"time": time.time(), "how": die["how"]}))
+            if die["how"] == "raise":  # a failure that this rank reports itself
+                raise RuntimeError(f"injected failure on rank {die['rank']}")
+            sig = signal.SIGKILL if die["how"] == "kill" else signal.SIGSTOP
+            os.kill(os.getppid(), sig)  # the node's torchrun agent
+            os.kill(os.getpid(), sig)
 
-        step_once = Run.step_once
+        where = die.get("during", "training")
+        if where == "training":
+            from dllm_align.training.loop import Run
 
-        def dying_step(self, *a, **kw):
-            if self.state.step + 1 == die["before_step"]:
-                Path(die["stamp"]).write_text(json.dumps({"time": time.time(), "how": die["how"]}))
-                sig = signal.SIGKILL if die["how"] == "kill" else signal.SIGSTOP
-                os.kill(os.getppid(), sig)  # the node's torchrun agent
-                os.kill(os.getpid(), sig)
-            return step_once(self, *a, **kw)
+            step_once = Run.step_once
 
-        Run.step_once = dying_step
+            def dying_step(self, *a, **kw):
+                if self.state.step + 1 == die["before_step"]:
+                    dying()
+                return step_once(self, *a, **kw)
+
+            Run.step_once = dying_step
+        elif where == "sampling":  # the first batch an online round samples on this rank
+            from dllm_align.generate import in_process
+
+            generate = in_process.InProcessGenerator.generate
+
+            def dying_generate(self, *a, **kw):
+                dying()
+                return generate(self, *a, **kw)
+
+            in_process.InProcessGenerator.generate = dying_generate
+        elif where == "precompute":  # the first micro-batch group precompute-ref scores on this rank
+            from dllm_align.training import reference
+
+            group_values = reference.group_values
+
+            def dying_group(*a, **kw):
+                dying()
+                return group_values(*a, **kw)
+
+            reference.group_values = dying_group
 
 
 def _check_shared(folder: str) -> int:

@@ -59,6 +59,9 @@ def test_a_flag_given_as_zero_reaches_the_schema(tmp_path, argv, named):
 
 
 def test_a_flag_given_as_zero_is_applied(tmp_path):
-    r = runner.invoke(app, ["generate", "demo", "-o", str(tmp_path), "--limit", "1", "--set", "generate.seed=5", "--seed", "0"])
+    # over the recipe's value (a --set of the same key beside the flag is refused: tests/test_reliability_round5.py)
+    recipe = tmp_path / "seed5.yaml"
+    recipe.write_text("extends: demo\ngenerate:\n  seed: 5\n")
+    r = runner.invoke(app, ["generate", str(recipe), "-o", str(tmp_path), "--limit", "1", "--seed", "0"])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load((tmp_path / "recipe.generate.yaml").read_text())["generate"]["seed"] == 0

@@ -721,3 +721,30 @@ def test_estimate_matches_the_measured_peak_of_a_lora_run_with_an_online_referen
         d.smoke(rec, 2, Launch())
     ratio = live.peak / (est.total - RESERVE)
     assert 0.85 <= ratio <= 1.15, (peak, live.peak, est.total - RESERVE, est.lines)
+
+
+def test_doctor_host_ram_and_disk_per_node_for_the_100b_and_26b_lora_recipes(tmp_path):
+    """The LoRA recipes on a node of 8 GPUs: FSDP2 reads each process's shard of LLaDA2.0-flash's weights (no process
+    holds the model on the host), DDP reads DiffusionGemma's whole per process in bf16; checkpoints hold the adapters
+    and their AdamW state. Both under 1 TB of host RAM and 200 GB of disk per node, each line saying how."""
+    res = _doctor_flash(tmp_path, "fsdp_8gpu.yaml", "--json")
+    assert res.exit_code == 0, res.output
+    env = json.loads(res.stdout)["environment"]
+    params, _, lora = _flash_params()
+    ram, disk = env["host_ram"], env["disk"]
+    assert ram["sharded_read"] and ram["needed_bytes"] < 1e12 and ram["needed_bytes"] < params * 2  # not one bf16 copy
+    assert "sharded read" in ram["why"] and "x 8 process(es) per node" in ram["why"]
+    assert disk["needed_bytes"] == 3 * lora * 12 + lora * 4 and disk["needed_bytes"] < 200e9
+    assert "T x 4" in disk["why"] and "no merged model" in disk["why"]
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text((REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json").read_text())
+    res = runner.invoke(app, ["doctor", str(REPO / "recipes" / "diffusiongemma_kto_mix_14k.yaml"), "--config",
+                              str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), "--gpu-memory", "80", "--set",
+                              f"model.name_or_path={folder}", "-o", str(tmp_path / "run-g"), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    ram, disk, P = rep["environment"]["host_ram"], rep["environment"]["disk"], rep["memory"]["model"]["params"]
+    assert not ram["sharded_read"] and ram["per_process_bytes"] >= P * 2 and ram["needed_bytes"] == 8 * ram["per_process_bytes"]
+    assert ram["needed_bytes"] < 1e12 and "whole model" in ram["why"] and "(P x 2)" in ram["why"]
+    assert disk["needed_bytes"] < 200e9 and "merged model" in disk["why"]

@@ -32,12 +32,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm_align.models.load import TinySpec
 from fixtures.runs import reset_accelerate
 from fixtures.sort_toy import write_pairs
 
 HERE = Path(__file__).resolve().parent
 LAUNCHES = ("ddp", "fsdp1", "fsdp2")
 CLIP = 0.05  # below every step's gradient norm here (~0.2-0.25): clipping is active
+
+
+# ~155M parameters: 310 MB of bf16 files, 620 MB as one fp32 copy
+BIG = TinySpec(hidden_size=1024, layers=12, heads=8, intermediate_size=2816)
+
+
+def save_bf16(folder: Path, spec, shard: str) -> Path:
+    """The built-in model of ``spec`` written as a published checkpoint is: bf16 safetensors in shards of ``shard``."""
+    from dllm_align.models.load import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    build_tiny_model(tok, spec).to(torch.bfloat16).save_pretrained(folder, max_shard_size=shard)
+    tok.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +105,16 @@ def launched(tmp_path_factory, shared_data):
     spec["real_margins"] = [["ddp", "bf16", "cached"], ["fsdp2", "bf16", "cached"], ["fsdp2", "no", "cached"],
                             ["fsdp2", "bf16", "online"]]
     spec["resume"] = [[launch, str(root / f"resume-{launch}")] for launch in ("fsdp1", "fsdp2")]
+    # DiffusionGemma (its tied layer pairs as FSDP2 units, activation checkpointing off as the family needs): its
+    # tiny vocabulary's rows do not divide by the 2 processes, so the shards are uneven
+    spec["resume"] += [["fsdp2-noac", str(root / "resume-gemma"), "model.name_or_path=builtin:tiny-diffusiongemma",
+                        "data.max_length=160", "reference.mode=online"]]
+    # checkpoints as published (bf16 safetensors shards): FSDP2 reads each process's shard of each weight
+    small = save_bf16(root / "bf16-small", TinySpec(), "40KB")
+    spec["margins"] += [["fsdp2", "no", "online", lora, f"model.name_or_path={small}"] for lora in (False, True)]
+    spec["train"] += [["fsdp2", False, str(root / "train-fsdp2-bf16-files"), "no", f"model.name_or_path={small}",
+                       "reference.mode=online"]]
+    spec["loading"] = [[str(save_bf16(root / "bf16-big", BIG, "60MB")), lora] for lora in (True, False)]
     (root / "out").mkdir()
     (root / "spec.json").write_text(json.dumps(spec))
 
@@ -101,6 +126,12 @@ def launched(tmp_path_factory, shared_data):
                    f"train.max_grad_norm={CLIP}", "model.name_or_path=builtin:tiny-llada2")
     train(rec, examples=exs)
     single["llada2"] = rec.output_dir
+    reset_accelerate()
+    torch.manual_seed(0)
+    rec = d.recipe(spec, "no", "online", False, str(root / "train-single-bf16-files"), "train.max_steps=3",
+                   f"train.max_grad_norm={CLIP}", f"model.name_or_path={small}")
+    train(rec, examples=exs)
+    single["bf16-files"] = rec.output_dir
     for lora in (False, True):
         reset_accelerate()
         torch.manual_seed(0)
@@ -120,8 +151,9 @@ def launched(tmp_path_factory, shared_data):
 
 def test_step0_margins_are_zero_on_every_launch(launched):
     res = launched["results"]["margins"]
-    # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 6 block-diffusion runs
-    assert len(res) == 20
+    # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 6 block-diffusion runs,
+    # + FSDP2 reading bf16 files shard by shard (LoRA off, on)
+    assert len(res) == 22
     assert sum("tiny-sdar" in key for key in res) == 4 and sum("tiny-llada2" in key for key in res) == 2
     for key, r in res.items():
         launch = key.split("/")[0]
@@ -190,15 +222,20 @@ def test_ddp_trains_the_llada2_moe_body_like_one_process(launched):
         torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("launch", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("launch", ["fsdp1", "fsdp2", "fsdp2-noac/builtin:tiny-diffusiongemma"])
 def test_fsdp_resume_continues_exactly(launched, launch):
-    """3 steps with a checkpoint at step 2, final/ removed, resumed: the same weights (per-rank optimiser shards)."""
+    """3 steps with a checkpoint at step 2, final/ removed, resumed: the same weights (per-rank optimiser shards,
+    uneven ones included: their moments keep their parameter's global shape)."""
     from safetensors.torch import load_file
 
     r = launched["results"]["resume"][launch]
     assert (Path(r["dir"]) / "checkpoints" / "step-2").is_dir()
+    if launch.startswith("fsdp2"):  # written by both processes, one file each, in save_pretrained's sharded layout
+        names = sorted(p.name for p in (Path(r["dir"]) / "checkpoints" / "step-2").glob("model*.safetensors"))
+        assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], names
     a = load_file(str(Path(r["dir"]) / "final" / "model.safetensors"))
     b = load_file(str(Path(r["uninterrupted"]) / "model.safetensors"))
+    assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), (launch, k)
 
@@ -258,3 +295,46 @@ def test_step0_margins_exact_on_real_rows_ddp_and_fsdp2(launched):
         assert r["rows"] == 16 and r["min_tokens"] >= 150, key
         assert r["fsdp"] == key.startswith("fsdp"), key
         assert r["max_abs_margin"] == 0.0, (key, r["max_abs_margin"])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp2_reads_bf16_shards_with_step0_margins_exact(launched, lora):
+    """A checkpoint as published (bf16 safetensors shards) under FSDP2: each process reads its own rows of each
+    weight into its fp32 shard, the reference reads the files whole; the step-0 margins stay exactly 0."""
+    key = next(k for k in launched["results"]["margins"] if "bf16-small" in k and f"lora={lora}" in k)
+    r = launched["results"]["margins"][key]
+    assert r["sharded_read"] and r["max_abs_margin"] == 0.0, r
+
+
+def test_fsdp2_from_bf16_shards_trains_like_one_process(launched):
+    from safetensors.torch import load_file
+
+    want = load_file(str(Path(launched["single"]["bf16-files"]) / "final" / "model.safetensors"))
+    d = next(v for k, v in launched["results"]["train"].items() if k.startswith("fsdp2/lora=False/no/") and "bf16-small" in k)
+    got = load_file(str(Path(d["dir"]) / "final" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_fsdp2_loading_peak_is_what_doctor_predicts(launched, lora):
+    """Each process's peak resident memory while loading (VmHWM, reset before loading, less the resident size then)
+    is within 10% of doctor's host-RAM figure per process, and below one fp32 copy of the model."""
+    from dllm_align.training.doctor import host_ram_needed
+    from dllm_align.training.memory import Launch, model_shape
+
+    sys.path.insert(0, str(HERE))
+    import dist_invariants as d
+
+    folder = launched["root"] / "bf16-big"
+    spec = json.loads((launched["root"] / "spec.json").read_text())
+    rec = d.recipe(spec, "no", "cached", lora, str(launched["root"] / "doctor"), f"model.name_or_path={folder}")
+    shape = model_shape(rec)
+    ram = host_ram_needed(rec, Launch(distributed_type="FSDP", processes=2, fsdp_version=2), shape)
+    assert ram.sharded_read
+    for rank in launched["results"]["loading"][f"lora={lora}"]:
+        added = rank["peak"] - rank["before"]
+        assert rank["sharded_read"] and rank["shard_bytes"] >= shape.params * 4 // 2
+        assert added < shape.params * 4, (added, shape.params * 4)
+        assert added == pytest.approx(ram.per_process, rel=0.10), (added, ram.per_process, ram.why)

@@ -305,3 +305,87 @@ def test_node0_exits_within_the_timeout_when_node1_stops_answering(shared):
     errors = [x for x in n0.stderr.splitlines() if x.startswith("Error:")]
     assert n0.rc not in (0, None) and len(errors) == 1, n0.stderr[-3000:]
     print(f"node 0 exited {n0.ended - died:.1f} s after node 1 froze (timeout 15 s): {errors[0]}")
+
+
+def test_each_node_downloads_a_hub_model_once(tmp_path, tiny_dir):
+    """Two nodes of two processes each (every node its own Hugging Face cache), all asking for the same hub model
+    at once from a counting stand-in of the Hub on 127.0.0.1: each file is downloaded once per node, and every
+    process reads the one local copy of its node."""
+    import os
+    import subprocess
+    import time
+
+    repo = tmp_path / "hub" / "repo"
+    repo.mkdir(parents=True)
+    for p in tiny_dir.iterdir():
+        if p.is_file():
+            (repo / p.name).write_bytes(p.read_bytes())
+    port_file = tmp_path / "port"
+    server = subprocess.Popen([sys.executable, str(HERE / "hub_server.py"), str(repo), "org/tiny", str(port_file)])
+    try:
+        for _ in range(100):
+            if port_file.exists() and port_file.read_text():
+                break
+            time.sleep(0.1)
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{port_file.read_text()}"
+        code = "from dllm_align.models.load import resolve_model_path; print(resolve_model_path('org/tiny'))"
+        procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "HF_HOME": str(tmp_path / f"node{n}")},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n in (0, 1) for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        server.kill()
+        server.wait()
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    paths = [o[0].strip() for o in outs]
+    assert paths[0] == paths[1] and paths[2] == paths[3] and paths[0] != paths[2]
+    counts = json.loads((tmp_path / "hub" / "counts.json").read_text())
+    files = [n for n in counts if n not in ("api", "HEAD")]
+    assert any(n.endswith(".safetensors") for n in files) and all(counts[n] == 2 for n in files), counts  # once per node
+    # and only one process per node asks the Hub about them (huggingface_hub's own file locks already keep each
+    # file's content to one GET per cache, but without the node's lock every process asks for every file: 18 here)
+    assert counts["HEAD"] == 2 * len(files), counts
+
+
+@pytest.mark.parametrize("during,argv", [
+    ("sampling", ["online", "demo", *ONLINE]),
+    ("precompute", ["precompute-ref", "demo", *_sets()]),
+])
+def test_a_rank_killed_while_sampling_or_precomputing_ends_the_launch_within_30_s(tmp_path, during, argv):
+    """Node 1 killed (SIGKILL, agent included) as it samples an online round's first batch / scores its first
+    reference group: node 0, waiting for it in the gather, exits within 30 s with one error line naming rank 1."""
+    run = tmp_path / "run"
+    stamp = tmp_path / "died.stamp"
+    cmd = [argv[0], argv[1], "-o", str(run), *argv[2:]]
+    spec = {"steps": [{"name": during, "argv": cmd}], "die": {"rank": 1, "how": "kill", "during": during, "stamp": str(stamp)}}
+    nodes = mn.two_nodes(spec, [tmp_path / "n0", tmp_path / "n1"], tmp_path / "spec.json", timeout=300)
+    n0 = _node0(nodes)
+    died = json.loads(stamp.read_text())["time"]
+    errors = [x for x in n0.stderr.splitlines() if x.startswith("Error:")]
+    assert n0.rc not in (0, None) and len(errors) == 1, n0.stderr[-3000:]
+    assert errors[0].startswith("Error: another node or process of this launch stopped (rank 1; this is rank 0 of 2)"), errors
+    print(f"{during}: node 0 exited {n0.ended - died:.1f} s after node 1 was killed")
+    assert n0.ended - died < 30
+
+
+@pytest.mark.parametrize("during,argv", [
+    ("sampling", ["online", "demo", *ONLINE]),
+    ("precompute", ["precompute-ref", "demo", *_sets()]),
+])
+def test_a_rank_that_fails_while_sampling_or_precomputing_ends_the_launch_with_its_error(tmp_path, during, argv):
+    """Node 1 raises as it samples / scores: it exits with its own error line, and node 0, waiting for it in the
+    gather, exits within 30 s with one line naming rank 1."""
+    stamp = tmp_path / "failed.stamp"
+    spec = {"steps": [{"name": during, "argv": [argv[0], argv[1], "-o", str(tmp_path / "run"), *argv[2:]]}],
+            "die": {"rank": 1, "how": "raise", "during": during, "stamp": str(stamp)}}
+    nodes = mn.two_nodes(spec, [tmp_path / "n0", tmp_path / "n1"], tmp_path / "spec.json", timeout=300)
+    n0 = _node0(nodes)
+    n1 = next(n for n in nodes if n.node_rank != n0.node_rank)
+    failed = json.loads(stamp.read_text())["time"]
+    assert "Error: RuntimeError: injected failure on rank 1" in n1.stderr, n1.stderr[-3000:]
+    errors = [x for x in n0.stderr.splitlines() if x.startswith("Error:")]
+    assert n0.rc not in (0, None) and len(errors) == 1, n0.stderr[-3000:]
+    assert "rank 1" in errors[0], errors
+    print(f"{during}: node 0 exited {n0.ended - failed:.1f} s after rank 1 failed: {errors[0][:120]}")
+    assert n0.ended - failed < 30

@@ -221,7 +221,9 @@ def test_nothing_in_src_unpickles_or_evaluates_user_data():
             dynamic_imports.add(str(path.relative_to(SRC)))
     assert problems == []
     # Code named at run time is imported in one place: core/usercode.py (verifiers and rule judges named as
-    # module:function, announced on stderr: test below); judge/run.py imports only its registered rule modules.
+    # module:function, announced on stderr: test below; config/components.py loads DLLM_ALIGN_PLUGINS modules and
+    # its declarations' targets through usercode.load_module); judge/run.py imports only its registered
+    # rule modules.
     assert dynamic_imports == {"core/usercode.py", "judge/run.py"}
 
 

@@ -273,6 +273,23 @@ def test_lora_trains_adapter_only_and_exports_merged(toy):
     assert changed and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "attn_out")) for k in changed)
     ck = Path(rec.output_dir) / "checkpoints" / "step-2"
     assert (ck / "adapter.safetensors").exists()
+    # the checkpoint holds what trains: the adapters, their AdamW state and the run's state, not the base
+    from safetensors.torch import load_file
+
+    adapters = load_file(str(ck / "adapter.safetensors"))
+    a_bytes = sum(v.numel() * v.element_size() for v in adapters.values())
+    size = sum(p.stat().st_size for p in ck.rglob("*") if p.is_file())
+    assert not list(ck.glob("model*.safetensors")) and size < 2 * (a_bytes + 2 * a_bytes), (size, a_bytes)
+    # final/: the merged model and the adapters, which peft applies to the base to the same numbers
+    from peft import PeftModel
+
+    from dllm_align.models.load import load_model
+
+    peft_model = PeftModel.from_pretrained(build_tiny_model(), str(Path(rec.output_dir) / "final" / "adapter"))
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        want = peft_model(input_ids=x).logits
+    torch.testing.assert_close(load_model(str(Path(rec.output_dir) / "final")).logits(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(toy):

@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import SetOpt, app, command, given
+from dllm_align.cli.app import Group, SetOpt, app, command, given
 
-group = typer.Typer(help="The paper's studies as resumable sweeps: baseline (Table 3) and class imbalance (Figure 1).",
+group = typer.Typer(cls=Group, help="The paper's studies as resumable sweeps: baseline (Table 3) and class imbalance (Figure 1).",
                     no_args_is_help=True)
 app.add_typer(group, name="ablate")
 

@@ -22,11 +22,36 @@ import typing
 from typing import Annotated, Any, Callable, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from dllm_align import __version__
 from dllm_align.config.schema import Recipe
 
+def _flags_without_a_value(params: list) -> list:
+    # An on/off flag takes no value: Typer would show it as `<bool>` (--help, --install-completion, ...) unless
+    # its metavar is empty, as the project's own flags set it.
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A command whose help shows flags without a value as flags (see :func:`_flags_without_a_value`)."""
+
+    def get_params(self, ctx):
+        return _flags_without_a_value(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """A command group whose help shows flags without a value as flags."""
+
+    def get_params(self, ctx):
+        return _flags_without_a_value(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=Group,
     name="dllm-align",
     help="Align masked diffusion LMs (LLaDA, ...) with unpaired thumbs-up / thumbs-down feedback (ELBO-KTO).",
     no_args_is_help=True,
@@ -69,12 +94,32 @@ def _debug() -> bool:
     return os.environ.get("DLLM_ALIGN_DEBUG", "") not in ("", "0", "false", "False")
 
 
+# An error line names what is wrong; a value the user gave may be any length (a 20,000-character name), so a run
+# of characters past LONG_RUN without a space is shown by its head and tail.
+LONG_RUN = 120
+
+
+def _bounded(text: str) -> str:
+    def word(w: str) -> str:
+        return w if len(w) <= LONG_RUN else f"{w[:60]}...({len(w):,} characters)...{w[-20:]}"
+
+    return "\n".join(" ".join(map(word, line.split(" "))) for line in text.split("\n"))
+
+
 def _error_line(msg: str, hint: str | None = None) -> None:
-    # Plain writes (no rich markup) so that file names with brackets print as they are.
-    sys.stderr.write(f"Error: {msg}\n")
+    # Plain writes (no rich markup) so that file names with brackets print as they are; one line each.
+    sys.stderr.write(f"Error: {_bounded(msg)}\n")
     if hint:
-        sys.stderr.write(f"Hint: {hint}\n")
+        sys.stderr.write(f"Hint: {_bounded(hint)}\n")
     sys.stderr.flush()
+
+
+def check_environment() -> None:
+    """The environment settings a command may read late (after the model loaded and every prompt was sampled),
+    read and checked before it starts: a bad value is refused (exit 2) before any work or any folder."""
+    from dllm_align.core.usercode import call_seconds
+
+    call_seconds()
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -87,6 +132,7 @@ def handle_errors(fn: Callable) -> Callable:
 
         forget_inputs()  # each command guards its own inputs (io.check_not_input)
         try:
+            check_environment()
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
@@ -151,6 +197,7 @@ def command(name: str | None = None, *, group: typer.Typer | None = None, **kwar
 
     def deco(fn: Callable) -> Callable:
         kwargs.setdefault("help", reflow(fn.__doc__ or ""))
+        kwargs.setdefault("cls", Command)
         (group or app).command(name, **kwargs)(handle_errors(fn))
         return fn
 

@@ -10,10 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from dllm_align.cli.app import app, command
+from dllm_align.cli.app import Group, app, command
 from dllm_align.cli.convert import FormatChoice, FormatOpt, InputArg, LabelOpt, SkipOpt, SplitOpt, label_value
 
-group = typer.Typer(help="Inspect preference data: validation, class counts, token lengths, padding cost.", no_args_is_help=True)
+group = typer.Typer(cls=Group, help="Inspect preference data: validation, class counts, token lengths, padding cost.", no_args_is_help=True)
 app.add_typer(group, name="data")
 
 

@@ -103,7 +103,7 @@ def render(report: dict) -> str:
     disk = env["disk"]
     lines.append(f"  disk {disk['output_dir']}: {fmt_bytes(disk['free_bytes'])} free, needs ~{fmt_bytes(disk['needed_bytes'])} ({disk['why']})")
     ram = env["host_ram"]
-    lines.append(f"  host RAM: {fmt_bytes(ram['available_bytes'])} available, loading needs ~{fmt_bytes(ram['needed_bytes'])} ({ram['why']})")
+    lines.append(f"  host RAM: {fmt_bytes(ram['available_bytes'])} available, needs ~{fmt_bytes(ram['needed_bytes'])} ({ram['why']})")
     for p in env["problems"]:
         lines.append(f"  ! {p}")
     m = mem["model"]

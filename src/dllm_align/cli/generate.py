@@ -35,7 +35,7 @@ def generate(
     block_length: Annotated[Optional[int], typer.Option("--block-length", show_default=d("generate.block_length"), help="Semi-autoregressive block length (paper: 32).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", show_default=d("generate.steps"), help="Total denoising steps (paper: 512).")] = None,
     remasking: Annotated[Optional[str], typer.Option("--remasking", show_default=d("generate.remasking"), help="low_confidence (paper) or random.")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", show_default=d("generate.temperature"), help="0 = greedy (paper).")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", show_default=d("generate.temperature"), help="0 = greedy (paper). DiffusionGemma: only 0, its published schedule (tokens depend on the seed).")] = None,
     cfg: Annotated[Optional[float], typer.Option("--cfg", show_default=d("generate.cfg"), help="Classifier-free guidance scale (0 = off, paper).")] = None,
     fast: Annotated[bool, typer.Option("--fast", help=f"Fast decoding: a key/value cache ({FAST_CACHE}; prefix for the block rule) and confidence threshold {FAST_THRESHOLD} (unless set otherwise).", metavar="")] = False,
     cache: Annotated[Optional[str], typer.Option("--cache", show_default=d("generate.cache"), help="Key/value reuse within a block: none, prefix or dual.")] = None,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import typer
 
-from dllm_align.cli.app import app, RecipeArg, SetOpt, command
+from dllm_align.cli.app import Group, RecipeArg, SetOpt, app, command
 
-group = typer.Typer(help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
+group = typer.Typer(cls=Group, help="List, show and check recipes (bundled by name, or your own YAML).", no_args_is_help=True)
 app.add_typer(group, name="recipes")
 
 
@@ -50,4 +50,10 @@ def check(recipe: RecipeArg, set_: SetOpt = None) -> None:
     from dllm_align.config.recipe import load_recipe, to_yaml
     from dllm_align.core.console import result
 
-    result(to_yaml(load_recipe(recipe, set_)))
+    rec = load_recipe(recipe, set_)
+    if rec.model is not None:
+        # the settings of the components the model decides (its family, its likelihood), as train checks them
+        from dllm_align.training.plan import check_for_model
+
+        check_for_model(rec)
+    result(to_yaml(rec))

@@ -28,7 +28,6 @@ key never shadows a recipe key.
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any, Callable, Optional
 from pydantic import BaseModel, ConfigDict
 
 from dllm_align.core.errors import UserError
+from dllm_align.core.usercode import load_module
 
 
 class NoSettings(BaseModel):
@@ -97,13 +97,13 @@ class Component:
     def load(self) -> Any:
         """The implementing object (imported now, cached by Python's module cache)."""
         module, _, attr = self.target.partition(":")
+        where = f"{KINDS[self.kind].section}.{self.name}"
+        obj = load_module(module, f"{where}: the {self.kind} {self.name!r}")
         try:
-            obj = importlib.import_module(module)
             for part in attr.split(".") if attr else ():
                 obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"{KINDS[self.kind].section}.{self.name}: the {self.kind} {self.name!r} cannot be loaded "
-                            f"from {self.target} ({type(e).__name__}: {e})") from None
+        except AttributeError as e:
+            raise UserError(f"{where}: the {self.kind} {self.name!r} cannot be loaded from {self.target} ({e})") from None
         return obj
 
     def has_settings(self) -> bool:
@@ -135,12 +135,14 @@ def _load_catalogs() -> None:
         if mod in _loaded:
             continue
         _loaded.add(mod)
+        builtin = mod in BUILTIN_CATALOGS
         try:
-            importlib.import_module(mod)
-        except Exception as e:  # a plugin that fails to import is a user error naming it, not a traceback
+            # a plugin is the user's code, named in their own environment (not by a recipe someone may hand them):
+            # imported under usercode's bounds (prints, exits, hangs, exceptions contained), without a notice
+            load_module(mod, "a built-in catalog" if builtin else PLUGINS_ENV)
+        except BaseException:
             _loaded.discard(mod)
-            source = "a built-in catalog" if mod in BUILTIN_CATALOGS else f"{PLUGINS_ENV}"
-            raise UserError(f"{source}: module {mod!r} could not be imported ({type(e).__name__}: {e})") from None
+            raise
 
 
 def register(component: Component) -> Component:
@@ -225,7 +227,7 @@ def flat_fields(section: str, catalog: str) -> dict[str, tuple]:
         raise ValueError(f"{catalog!r} is not a built-in catalog")
     if catalog not in _loaded:
         _loaded.add(catalog)
-        importlib.import_module(catalog)
+        load_module(catalog, "a built-in catalog")
     out: dict[str, tuple] = {}
     for kind, table in _REGISTRY.items():
         for comp in table.values():

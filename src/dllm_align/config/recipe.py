@@ -340,6 +340,30 @@ for _tag in ("binary", "set", "omap", "pairs"):
     _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
 
 
+class TooManyDigits:
+    """An integer written with more digits than Python converts (``sys.get_int_max_str_digits``): kept as this
+    value, which no setting accepts, so the schema refuses it naming the key instead of the parser failing with
+    Python's own conversion message."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __str__(self) -> str:
+        return f"an integer of {self.digits:,} digits"
+
+    __repr__ = __str__
+
+
+def _construct_int(loader, node):
+    try:
+        return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+    except ValueError:
+        return TooManyDigits(sum(c.isdigit() for c in str(node.value)))
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def load_yaml_file(path: Path, what: str = "recipe") -> Any:
     """A YAML file (a recipe, an accelerate config) read with bounded work: its size, its nesting and its
     aliases are limited; every problem is one UserError naming the file (and the line)."""
@@ -420,9 +444,13 @@ def load_recipe(
         key = ov.partition("=")[0]
         given[".".join(p for p in key.strip().split(".") if p)] = f"--set {ov}"
     for key, (flag, value) in (flags or {}).items():
+        if key in given:  # the flag would silently win over the --set of the same key
+            problems.append(f"{_short(given[key])} and {_short(_shown(flag, value))} both set {key}: give one")
         _set_path(raw, key.split("."), value)
         given[key] = _shown(flag, value)
     if output_dir is not None:
+        if "output_dir" in given:
+            problems.append(f"{_short(given['output_dir'])} and -o {_short(str(output_dir))} both set output_dir: give one")
         raw["output_dir"] = output_dir
         given["output_dir"] = f"-o {output_dir}"
     try:

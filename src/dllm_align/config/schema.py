@@ -320,7 +320,7 @@ class TrainSection(ComposedSection):
     )
     seed: int = 0
     process_group_timeout_minutes: float = Field(
-        60.0, gt=0,
+        60.0, gt=0, le=7 * 24 * 60,  # a week at most: beyond any checkpoint write, and within what timedelta holds
         description="How long a process waits for the others in a collective (NCCL/gloo) before the run fails. "
         "torch's NCCL default is 10; rank 0 alone gathers, writes and hashes a checkpoint (an 8B model: minutes).",
     )
@@ -379,7 +379,9 @@ class GenerateSection(ComposedSection):
         "low_confidence", description="LLaDA rule: which candidates a step commits, the most probable ones or random ones "
         "(the block rule commits by confidence, statically or above generate.threshold; not recorded for it)."
     )
-    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise.")
+    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise. "
+                               "DiffusionGemma's rule reads none (its own schedule over random canvases: tokens depend on the seed); "
+                               "only 0 is accepted there.")
     cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
     batch_size: int = Field(8, ge=1, description="Prompts per forward pass (length-grouped, left-padded).")
     seed: int = Field(0, description="Seed for temperature / random remasking; each prompt hashes it with its id.")

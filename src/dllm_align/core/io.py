@@ -18,10 +18,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -242,8 +244,31 @@ def atomic_write_text(target: str | Path, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
 
 
+def finite_json(obj: Any, path: str = "") -> tuple[Any, dict[str, str]]:
+    """``obj`` with every float that JSON cannot hold (NaN, +-Infinity) replaced by None, and where each was
+    (dotted path -> ``nan``, ``inf`` or ``-inf``): strict JSON for every reader, the reason kept beside it."""
+    found: dict[str, str] = {}
+
+    def walk(o: Any, where: str) -> Any:
+        if isinstance(o, float) and not math.isfinite(o):
+            found[where or "(top level)"] = "nan" if o != o else ("inf" if o > 0 else "-inf")
+            return None
+        if isinstance(o, dict):
+            return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(o)]
+        return o
+
+    return walk(obj, path), found
+
+
+def strict_json(obj: Any, **kw) -> str:
+    """``json.dumps`` that never writes NaN or Infinity (they become null, :func:`finite_json`)."""
+    return json.dumps(finite_json(obj)[0], allow_nan=False, **kw)
+
+
 def atomic_write_json(target: str | Path, obj: Any) -> None:
-    atomic_write_text(target, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(target, strict_json(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def _parse_line(line: bytes) -> Any:
@@ -511,3 +536,36 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextmanager
+def waiting_lock(path: str | Path, timeout_s: float, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed), waiting at most ``timeout_s`` seconds for the
+    process that holds it (one download per node: the others wait, then find the files in place). Waiting longer
+    is a :class:`RunFailure` naming ``what``. Best effort where ``flock`` is unavailable: no lock."""
+    path = Path(path)
+    if fcntl is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(path), os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RunFailure(f"waited {timeout_s:.0f} s for another process's {what} to finish",
+                                     hint=f"if no other process is running, remove {path}") from None
+                time.sleep(0.2)
+            except OSError:  # no locks on this filesystem
+                break
+        yield
+    finally:
+        os.close(fd)

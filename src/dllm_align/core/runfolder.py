@@ -31,7 +31,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from dllm_align.core.errors import DllmAlignError, RunFailure, UserError
-from dllm_align.core.io import DirLock
+from dllm_align.core.io import DirLock, atomic_write_bytes
 
 # lazy imports: torch.distributed: core/ loads no torch, so that `--help` and `recipes check` start fast
 
@@ -412,4 +412,37 @@ def run_folder(folder: str | Path, message: str, *, rank: int = 0, world: int = 
     except BaseException:
         if made and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+        raise
+
+
+# The records a run keeps beside its outputs (settings, manifests, round recipes): small JSON and YAML files.
+RECORD_SUFFIXES = (".json", ".yaml")
+RECORD_MAX_BYTES = 1 << 20
+
+
+@contextmanager
+def records_kept_on_refusal(folder: str | Path, depth: int = 3, main: bool = True):
+    """A command that is refused (``UserError``) part-way leaves the records it found as it found them: the
+    ``*.json`` / ``*.yaml`` files up to ``depth`` folders below ``folder`` are read first, and any a refused run
+    changed are written back byte for byte (a rerun refused for a changed prompts file must not have rewritten
+    the run's settings, a cache manifest or a round's recipe on its way to the refusal). Records it created are
+    left: they describe the refused attempt and bind nothing until a stage behind them finished. ``main``: the
+    process that writes the records (the others keep nothing)."""
+    folder = Path(folder)
+    found: dict[Path, bytes] = {}
+    if main and folder.is_dir():
+        for p in folder.rglob("*"):
+            if (p.suffix in RECORD_SUFFIXES and len(p.relative_to(folder).parts) <= depth + 1 and p.is_file()
+                    and not p.is_symlink() and p.stat().st_size <= RECORD_MAX_BYTES):
+                found[p] = p.read_bytes()
+    try:
+        yield
+    except UserError:
+        for p, data in found.items():
+            try:
+                same = p.is_file() and p.read_bytes() == data
+            except OSError:
+                same = False
+            if not same:
+                atomic_write_bytes(p, data)
         raise

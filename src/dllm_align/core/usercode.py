@@ -115,10 +115,10 @@ def check_spec(spec: Any, label: str) -> tuple[str, str]:
     return mod, attr
 
 
-def load_function(spec: str, label: str, *, args: Optional[tuple] = None, what: str = "") -> tuple[Callable, str]:
-    """The function ``spec`` names, imported under the bounds above, announced on stderr. ``args``: a sample
-    call it must accept (its arity, checked before it ever runs; ``what`` says what it must take)."""
-    mod_name, attr = check_spec(spec, label)
+def load_module(mod_name: str, label: str, *, announce: bool = False) -> Any:
+    """Module ``mod_name`` imported under the bounds above (its prints to stderr, a hang, an exit or an exception
+    one error naming ``label`` and the module); ``announce``: say on stderr whose code this is (a user's module
+    named by a setting, e.g. ``DLLM_ALIGN_PLUGINS``). The one place code named at run time is imported."""
     try:
         with _stdout_to_stderr(), bounded(IMPORT_SECONDS):
             mod = importlib.import_module(mod_name)
@@ -128,9 +128,19 @@ def load_function(spec: str, label: str, *, args: Optional[tuple] = None, what: 
         raise UserError(f"{label}: cannot import module {mod_name!r} ({e})") from None
     except SystemExit as e:
         raise UserError(f"{label}: module {mod_name!r} called {_exit_code(e)} while being imported",
-                        hint="a rule module defines functions; it does not exit") from None
+                        hint="a module of rules or components defines them; it does not exit") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed to import (SyntaxError included): say which
         raise UserError(f"{label}: importing module {mod_name!r} failed: {type(e).__name__}: {e}"[:400]) from None
+    if announce:
+        warn(f"{label}: importing your module {mod_name} from {getattr(mod, '__file__', None) or mod_name}")
+    return mod
+
+
+def load_function(spec: str, label: str, *, args: Optional[tuple] = None, what: str = "") -> tuple[Callable, str]:
+    """The function ``spec`` names, imported under the bounds above, announced on stderr. ``args``: a sample
+    call it must accept (its arity, checked before it ever runs; ``what`` says what it must take)."""
+    mod_name, attr = check_spec(spec, label)
+    mod = load_module(mod_name, label)
     f = getattr(mod, attr, None)
     if not callable(f):
         raise UserError(f"{label}: module {mod_name!r} has no function {attr!r}")
@@ -167,3 +177,14 @@ def call(fn: Callable, args: tuple, label: str, where: str, *, seconds: Optional
                        hint="make it faster, or raise the bound with DLLM_ALIGN_RULE_TIMEOUT=SECONDS") from None
     except SystemExit as e:
         raise RunFailure(f"{label} called {_exit_code(e)} on {where}; a rule returns its verdict, it does not exit") from None
+
+
+def call_named(fn: Callable, args: tuple, label: str, name: str, where: str) -> Any:
+    """:func:`call`, with an exception the function raised turned into one error naming ``label``, the function
+    (``name``) and ``where`` instead of a bare ``ZeroDivisionError`` line."""
+    try:
+        return call(fn, args, label, where)
+    except (RunFailure, UserError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function failed: say whose, not a traceback
+        raise UserError(f"{label}: {name}() raised {type(e).__name__} on {where}: {e}"[:400]) from None

@@ -67,7 +67,8 @@ register(Component(
 # shared ``generate`` keys it never reads (refused when set away from their defaults); its ``check`` receives
 # the ``generate`` section (the samplers' settings carry no recipe) and returns (key, message) problems. Both
 # run when the recipe names the rule and again once ``sampler: auto`` is resolved to the model family's rule
-# (``config.schema.rule_problems``).
+# (``config.schema.rule_problems``). Its ``decodes`` trait names the likelihoods (noise processes) of the models it
+# can decode: a model of another is refused by name before any prompt is decoded (``generate.rules.settings_for``).
 
 
 def block_shapes(generate) -> list[tuple[str, str]]:
@@ -82,17 +83,22 @@ def block_shapes(generate) -> list[tuple[str, str]]:
 
 register(Component(
     "rule", "llada", "dllm_align.generate.sampler:RULE", ignores=("top_p", "top_k"), check=block_shapes,
+    traits={"decodes": ("masked",)},
     summary="LLaDA's semi-autoregressive block sampler (low-confidence or random remasking, cfg, fast mode)"))
 register(Component(
     "rule", "dream", "dllm_align.generate.dream:RULE", ignores=("cache", "threshold", "cfg"),
+    traits={"decodes": ("masked",)},
     summary="Dream's diffusion_generate over one canvas (alg, alg_temp, top_p, top_k, eps)"))
 register(Component(
     "rule", "block", "dllm_align.generate.block:RULE", ignores=("cfg",), check=block_shapes,
     summary="block diffusion's rule (SDAR, LLaDA2): block by block with a cache of the finished blocks",
-    traits={"fast_cache": "prefix"}))
+    traits={"fast_cache": "prefix", "decodes": ("block",)}))
 register(Component(
     "rule", "diffusion_gemma", "dllm_align.generate.gemma:RULE",
-    ignores=("cache", "threshold", "cfg", "top_p", "top_k", "remasking", "alg", "alg_temp"),
+    # temperature: the published sampler anneals its own (t_max 0.8 -> t_min 0.4) over canvases of random tokens,
+    # so its tokens depend on the seed at any setting; 0 (the default) means that schedule, any other is refused
+    ignores=("cache", "threshold", "cfg", "top_p", "top_k", "remasking", "alg", "alg_temp", "temperature"),
+    traits={"decodes": ("uniform",)},
     summary="DiffusionGemma's published generate (reads gen_length and steps; its own temperature schedule)"))
 
 

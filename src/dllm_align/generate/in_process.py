@@ -38,7 +38,10 @@ class InProcessGenerator:
 
     @property
     def max_positions(self) -> Optional[int]:
-        return getattr(self.mp.model.config, "max_position_embeddings", None)
+        # a composite config (DiffusionGemma's: text and vision) keeps the positions in its text config
+        config = self.mp.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
 
     def settings_for(self, settings: SamplerSettings) -> SamplerSettings:
         return settings_for(self.mp, settings)

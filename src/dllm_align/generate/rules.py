@@ -115,6 +115,20 @@ def rule_for(name: str) -> DecodingRule:
     return rule
 
 
+def refuse_other_noise(mp, name: str) -> None:
+    """A rule decodes the noise processes its declaration names (``decodes``): a model trained with another (a
+    masked-diffusion rule on DiffusionGemma's uniform noise, whose vocabulary has no mask token) is refused by
+    name here, before its first forward, instead of failing inside the rule. Asked after the rule's own
+    ``check_model``, whose message for a block-diffusion model names its block size."""
+    decodes = components.get("rule", name, key="generate.sampler").traits.get("decodes")
+    lik = mp.family.likelihood
+    if decodes is None or lik in decodes:
+        return
+    raise UserError(f"generate.sampler: {name}: {mp.family.name} models use the {lik} likelihood; the {name} rule "
+                    f"decodes {' or '.join(decodes)} diffusion",
+                    hint=f"set generate.sampler: {mp.family.sampler} (or auto, the family's own rule)")
+
+
 def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
     """``settings`` for this model: ``sampler: auto`` resolved to its family's rule and checked for it as a
     recipe naming that rule is (:func:`dllm_align.config.schema.rule_problems`), then the rule's needs of the model
@@ -132,4 +146,5 @@ def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:
     rule = rule_for(settings.sampler)
     if rule.check_model is not None:
         rule.check_model(mp, settings)
+    refuse_other_noise(mp, settings.sampler)
     return settings

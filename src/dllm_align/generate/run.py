@@ -33,6 +33,7 @@ from dllm_align.generate.settings import (
     length_batches,
     model_fingerprint,
     row_seed,
+    unused_by_rule,
 )
 from dllm_align.models.load import pick_dtype
 
@@ -134,6 +135,8 @@ def run_generate(
         check_shared_folder(files.out.parent, "output folder")
 
     # -- one writer per output file (rank 0 holds it for the whole run)
+    made = not files.out.parent.exists()
+    fresh = not files.out.exists()
     lock = FileLock(files.out, f"another `dllm-align generate` is writing to {files.out}") if ranks.rank == 0 else None
     if lock is not None:
         lock.__enter__()
@@ -142,9 +145,26 @@ def run_generate(
             rec, files, rows, source, settings, record, ranks, overwrite, allow_long,
             make=lambda: early or make_generator(g, rec.model, device=ranks.device),
         )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+            lock = None
+            _leave_nothing(files, made, fresh)
+        raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _leave_nothing(files: _Output, made: bool, fresh: bool) -> None:
+    """After a refusal before the first row (the prompts against the model's positions, the rule's needs): the
+    empty output file the lock made, and the folder this run made, are taken away again."""
+    out = files.out
+    if fresh and out.is_file() and out.stat().st_size == 0 and not files.sidecar.exists():
+        out.unlink()
+    folder = out.parent
+    if made and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def _prompt_source(rec, prompts: Optional[str]) -> tuple[str, str]:
@@ -228,9 +248,11 @@ def _resume_or_refuse(files: _Output, record: dict, ranks: _Ranks, overwrite: bo
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{sidecar}: not valid JSON", hint="delete it (and the output) or pass --overwrite") from None
         if existing and isinstance(old, dict):
+            # a key the rule never reads is not recorded (older records hold it): not a difference
+            unread = tuple(f"sampler.{k}" for k in unused_by_rule(record["sampler"].get("sampler", "auto")))
             refuse_changes(
                 f"{out} was made with other settings; refusing to mix them",
-                differing(old, record),
+                differing(old, record, neutral=unread),
                 hint="choose another --output, or pass --overwrite to start afresh",
             )
     elif existing:

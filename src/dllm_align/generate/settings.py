@@ -12,12 +12,20 @@ from typing import Optional, Sequence
 from pydantic import ConfigDict, ValidationError
 
 from dllm_align.config.schema import GenerateSection
+from dllm_align.config import components
 from dllm_align.core.errors import UserError
 
 # Keys of the generate section that say how a run is organised, not which tokens a prompt gets.
 RUN_KEYS = frozenset({"backend", "batch_size", "split", "limit"})
 # Keys a named rule never reads (not recorded for it: a record names what decided the tokens).
 UNUSED_BY_RULE = {"block": frozenset({"remasking"})}
+
+
+def unused_by_rule(sampler: str) -> frozenset:
+    """The keys decoding rule ``sampler`` never reads: those it leaves to their defaults (its declaration's
+    ``ignores``, DiffusionGemma's temperature among them) and :data:`UNUSED_BY_RULE`; none for ``auto``."""
+    comp = components.find("rule", sampler) if sampler != "auto" else None
+    return UNUSED_BY_RULE.get(sampler, frozenset()) | frozenset(comp.ignores if comp is not None else ())
 
 
 # --------------------------------------------------------------------------- settings
@@ -64,7 +72,7 @@ class SamplerSettings(GenerateSection):
     def to_dict(self) -> dict:
         """The settings that decide the tokens (what a run records beside its outputs); with ``sampler: auto``
         every key, since the rule is the model's."""
-        return self.model_dump(exclude=RUN_KEYS | UNUSED_BY_RULE.get(self.sampler, frozenset()))
+        return self.model_dump(exclude=RUN_KEYS | unused_by_rule(self.sampler))
 
 
 def _problems(err: ValidationError) -> list[str]:

@@ -73,7 +73,8 @@ def length_anchors(pairs: list[Pair], out: Path, s: dict, environ, judges: list[
     folder = out / "anchors"
     folder.mkdir(parents=True, exist_ok=True)
     cache_path = folder / "rewrites.jsonl"
-    cache = {r["key"]: r for r in recover_jsonl(cache_path) if isinstance(r.get("text"), str) and "key" in r}
+    cache = {r["key"]: r for r in recover_jsonl(cache_path)
+             if isinstance(r.get("text"), str) and isinstance(r.get("key"), str)}
     texts: dict[str, list[Optional[str]]] = {}
     client = None
     try:
@@ -133,19 +134,28 @@ def difficulty_from(source: str, pairs: list[Pair], judges: list[str]) -> dict[s
         raise UserError(f"--difficulty-from {source}: no such file (a judge run's outcomes.jsonl or its folder)")
     note_input(path, "input")
     rows: dict[str, dict] = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
-            rows[str(r["id"])] = r.get("judges") or {}
-        except (ValueError, KeyError, TypeError):
-            raise UserError(f"{path}:{n}: not an outcomes row (id, judges)") from None
+        except (ValueError, RecursionError):
+            r = None
+        judged = r.get("judges") if isinstance(r, dict) else None
+        if not isinstance(r, dict) or not isinstance(r.get("id"), (str, int)) or not isinstance(judged or {}, dict) \
+                or not all(isinstance(v, dict) and isinstance(v.get("outcome"), (str, type(None)))
+                           for v in (judged or {}).values()):
+            raise UserError(f"{path}:{n}: not an outcomes row (an object with id and judges: "
+                            "{judge: {outcome: a name}}), as judge writes them")
+        rows[str(r["id"])] = judged or {}
     out = {}
     for j in judges:
         vals = []
         for p in pairs:
             name = ((rows.get(p.id) or {}).get(j) or {}).get("outcome")
+            if name and name not in stats.OUTCOME_CODES:
+                raise UserError(f"{path}: id {p.id!r}: outcome {name[:40]!r} of judge {j} is not one judge writes "
+                                f"({', '.join(stats.OUTCOME_CODES)})")
             vals.append(stats.OUTCOME_CODES.get(name) if name else None)
         if all(v is None for v in vals):
             raise UserError(f"{path}: no outcome of judge {j} for these prompts",

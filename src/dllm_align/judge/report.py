@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dllm_align.core.io import finite_json
 from dllm_align.judge import stats
 
 LENGTH_UNIT = "characters"
@@ -238,3 +239,13 @@ def print_table(results: dict, file=None) -> None:
     ln = length_line(results)
     if ln:
         con.print(Text(ln))
+
+
+def strict_results(results: dict) -> dict:
+    """results.json as strict JSON: a number these data leave undefined (an interval over one prompt, the odds when
+    one side wins every judgement) is null, and ``undefined`` says which and why."""
+    results, found = finite_json(results)
+    if found:
+        results["undefined"] = {where: f"{what}: not defined for these data (too few prompts, or one side won or lost "
+                                       f"every judgement)" for where, what in found.items()}
+    return results

@@ -51,9 +51,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from dllm_align.config.schema import JudgeSection
 from dllm_align.core.console import info, progress, progress_enabled, warn
-from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.errors import DllmAlignError, RunFailure, UserError
 from dllm_align.core.io import DirLock, atomic_write_json, atomic_write_text
-from dllm_align.core.usercode import load_function
+from dllm_align.core.usercode import call_named, load_function
 from dllm_align.judge import stats
 from dllm_align.judge.anchors import difficulty_from, difficulty_table, length_anchors
 from dllm_align.judge.batch import BatchRunner, pending_batches
@@ -79,7 +79,7 @@ from dllm_align.judge.inputs import (  # noqa: F401
     render,
 )
 from dllm_align.judge.report import (  # noqa: F401
-    length_report, print_table, results_markdown, summarize_outcomes, table_rows, usage_lines, usage_report,
+    length_report, print_table, results_markdown, strict_results, summarize_outcomes, table_rows, usage_lines, usage_report,
 )
 
 # =========================================================================== rule judges
@@ -168,7 +168,8 @@ def get_rule(name: str) -> RuleFn:
             ) from None
         except ValueError:  # no signature to read (some builtins): its first call will tell
             pass
-        return lambda p, a, b, ref: f(p, a, b)
+        # contained as label contains a verifier: printing, exiting, hanging, and an exception named by the function
+        return lambda p, a, b, ref: call_named(f, (p, a, b), f"rule:{name}", attr, "a pair")
     if name not in _RULES:
         _load_rule_modules()
     if name not in _RULES:
@@ -324,6 +325,7 @@ def judge_pairs(
             for line in usage_lines(results):
                 info(line)
         results["settings"] = _recorded_settings(s, template, token_param, api_judges)
+        results = strict_results(results)
         # results.json last: it is the run's "done" record, so a full disk can leave the per-prompt
         # outcomes without the results, never results that point at outcomes that are not there.
         atomic_write_text(out / "outcomes.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in outcome_rows))
@@ -367,8 +369,8 @@ def _rule_verdicts(rules: dict[str, RuleFn], pairs: list[Pair]) -> dict[tuple[st
                 first, second = _shown(p, order)
                 try:
                     v = rule(p.prompt, first, second, p.reference)
-                except UserError as e:
-                    raise UserError(f"{e.message} (id {p.id!r})", e.hint)
+                except DllmAlignError as e:
+                    raise type(e)(f"{e.message} (id {p.id!r})", e.hint) from None
                 if v not in ("A", "B", "C"):
                     raise RunFailure(f"{j} returned {v!r} for id {p.id!r}; a rule must return 'A', 'B' or 'C'")
                 verdicts[(j, i, order)] = v

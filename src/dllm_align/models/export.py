@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
+import stat
 from pathlib import Path
 from typing import Optional
 
+from dllm_align.core.errors import UserError
 from dllm_align.models.families import get_family
 
 
@@ -81,35 +82,100 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
     return out
 
 
-def remote_code_files(folder: Path, cfg: dict) -> list[Path]:
-    """The Python files of ``folder`` a published config (and tokenizer config) points at through ``auto_map``,
-    with the sibling modules they import from the same folder (``from .x import``), sorted."""
+def _module_names(maps: list) -> set[str]:
+    """The module names ``auto_map`` entries point at (``modeling_sdar`` for ``modeling_sdar.SDARForCausalLM``, the
+    part after ``--`` for a hub reference)."""
     modules = set()
-    maps = [cfg.get("auto_map") or {}]
-    tok_cfg = folder / "tokenizer_config.json"
-    if tok_cfg.exists():
-        maps.append(json.loads(tok_cfg.read_text()).get("auto_map") or {})
     for m in maps:
-        for ref in m.values():
+        for ref in (m.values() if isinstance(m, dict) else ()):
             for r in ref if isinstance(ref, (list, tuple)) else [ref]:
                 if isinstance(r, str) and "." in r:
                     modules.add(r.rsplit(".", 1)[0].split("--")[-1])
+    return modules
+
+
+def _tokenizer_auto_map(folder: Path) -> dict:
+    """The ``auto_map`` of ``folder``'s tokenizer_config.json ({} without one); a file that is not a JSON object is
+    refused naming it (it would be read only at export, after training)."""
+    tok_cfg = folder / "tokenizer_config.json"
+    if not tok_cfg.exists() and not tok_cfg.is_symlink():
+        return {}
+    text = _regular_text(folder, tok_cfg)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{tok_cfg}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{tok_cfg}: not a JSON object")
+    return data.get("auto_map") or {}
+
+
+def _regular_text(folder: Path, path: Path) -> str:
+    """The UTF-8 text of ``path``, a regular file inside ``folder`` (a link may point only inside it): anything
+    else (a link out of the folder, a folder, a FIFO, undecodable bytes) is refused naming the file."""
+    try:
+        real, root = path.resolve(strict=True), folder.resolve(strict=True)
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    if root != real.parent and root not in real.parents:
+        raise UserError(f"{path}: a link out of its folder (to {real}); the export copies files from inside {folder} only")
+    if not stat.S_ISREG(real.stat().st_mode):
+        raise UserError(f"{path}: not a regular file; the export copies regular files only")
+    try:
+        return real.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def remote_code_files(folder: Path, cfg: dict) -> list[Path]:
+    """The Python files of ``folder`` a published config (and tokenizer config) points at through ``auto_map``,
+    with the sibling modules they import from the same folder (``from .x import``), sorted. Only regular UTF-8
+    files inside ``folder`` under plain module names are taken; anything else is refused naming it
+    (:func:`check_remote_code` runs this before training, so a refusal never comes after the work)."""
+    folder = Path(folder)
+    modules = _module_names([cfg.get("auto_map") or {}, _tokenizer_auto_map(folder)])
     found: set[Path] = set()
     todo = sorted(modules)
     while todo:
-        path = folder / f"{todo.pop()}.py"
-        if path in found or not path.exists():
+        name = todo.pop()
+        if not name.isidentifier():
+            raise UserError(f"{folder}: auto_map names the module {name[:80]!r}, not a module of this folder "
+                            "(a plain name, no '..' or '/')")
+        path = folder / f"{name}.py"
+        if path in found or not (path.exists() or path.is_symlink()):
             continue
+        text = _regular_text(folder, path)
         found.add(path)
-        todo += re.findall(r"^\s*from \.(\w+) import", path.read_text(), flags=re.M)
+        todo += re.findall(r"^\s*from \.(\w+) import", text, flags=re.M)
     return sorted(found)
+
+
+def check_remote_code(folder: Optional[Path], cfg: Optional[dict], family: Optional[str] = None) -> None:
+    """Refuse, before the first step, what an export of a model from ``folder`` (its config ``cfg``; the
+    family's published ``auto_map`` too) would copy but cannot: the remote-code files and
+    generation_config.json (:func:`remote_code_files`). None: no folder, nothing to check."""
+    if folder is None or not Path(folder).is_dir():
+        return
+    folder = Path(folder)
+    maps = dict((cfg or {}).get("auto_map") or {})
+    if family is not None:
+
+        layout = get_family(family).published
+        if layout is not None:
+            maps.update(layout.auto_map)
+    remote_code_files(folder, {"auto_map": maps})
+    gen = folder / "generation_config.json"
+    if gen.exists() or gen.is_symlink():
+        _regular_text(folder, gen)
 
 
 def copy_remote_code(source: Path, dest: Path, cfg: dict) -> list[str]:
     """Copy the remote-code files of ``source`` (:func:`remote_code_files`) into ``dest``; their names."""
     names = []
     for path in remote_code_files(source, cfg):
-        shutil.copyfile(path, dest / path.name)
+        (dest / path.name).write_text(_regular_text(Path(source), path), encoding="utf-8")
         names.append(path.name)
     return names
 
@@ -149,8 +215,8 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
     if source is not None and Path(source).is_dir():
         copy_remote_code(Path(source), folder, cfg)
         gen = Path(source) / "generation_config.json"
-        if gen.is_file():
-            shutil.copyfile(gen, folder / gen.name)
+        if gen.exists() or gen.is_symlink():
+            (folder / gen.name).write_text(_regular_text(Path(source), gen), encoding="utf-8")
     if code is not None and missing_remote_code(folder, cfg):
         copy_remote_code(Path(code), folder, cfg)
     if missing_remote_code(folder, cfg):

@@ -22,6 +22,7 @@ The interface every stage calls is :class:`dllm_align.models.predictor.MaskPredi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,8 +38,8 @@ from packaging.version import Version
 
 from dllm_align.config import components as registry
 from dllm_align.core.console import warn
-from dllm_align.core.errors import UserError
-from dllm_align.core.io import fsync_tree, verify_checksums
+from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.core.io import fsync_tree, verify_checksums, waiting_lock
 from dllm_align.data.read import hub_reachable
 from dllm_align.models.block_attention import VARIANTS, use_streams_attention
 from dllm_align.models.families import (
@@ -50,12 +51,14 @@ from dllm_align.models.families import (
     native_family,
     with_folder_evidence,
 )
-from dllm_align.models.families.base import Family
+from dllm_align.models.families.base import (Family, WeightSources, check_finite, check_weight_files, empty_weights,
+                                             from_pretrained_checked, refuse_oversized)
 from dllm_align.models.precision import keep_fp32_buffers
 
 if TYPE_CHECKING:
     pass
 from dllm_align.models.predictor import MaskPredictor
+from dllm_align.models.shards import empty_transformers_model
 
 # lazy imports: transformers, huggingface_hub: imported inside the functions that build a model or reach the Hub: the
 # memory estimate (`doctor`) imports this module to read a config.json only, and transformers takes longer to import than torch
@@ -63,6 +66,9 @@ from dllm_align.models.predictor import MaskPredictor
 
 
 BUILTIN_TINY = "builtin:tiny"
+
+# How long a process waits for another process of its node to download a model (the largest take hours).
+DOWNLOAD_WAIT_S = 4 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,7 @@ def save_tiny(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
 def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
     """Download (or find in the local cache) a hub repo's config, tokenizer and safetensors."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py"]
     try:
@@ -211,8 +218,18 @@ def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
     if not hub_reachable():
         raise UserError(f"model '{repo_id}' is not in the local Hugging Face cache and the Hugging Face Hub cannot be reached",
                         hint="pass a local folder (model.name_or_path: /path/to/model), or run where the hub is reachable")
+    # One process per node downloads (the node's processes share its Hugging Face cache): the first to take the
+    # lock fetches the files, the others wait for it (bounded) and then read them from the cache.
+    lock = Path(HF_HUB_CACHE) / ".locks" / "dllm-align" / f"{repo_id.replace('/', '--')}@{revision or 'main'}.lock"
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=10))
+        with waiting_lock(lock, DOWNLOAD_WAIT_S, f"download of '{repo_id}'"):
+            try:
+                return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_files_only=True))
+            except Exception:
+                pass  # not there yet: this process downloads
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, etag_timeout=10))
+    except RunFailure:
+        raise
     except Exception as e:  # network down, no such repo, gated repo
         reason = type(e).__name__
         raise UserError(
@@ -328,13 +345,17 @@ def load_model(
     attn_implementation: Optional[str] = None,
     tokenizer: Optional[str] = None,
     config: Optional[dict] = None,
+    empty: bool = False,
 ) -> "MaskPredictor":
     """Load a model and its tokenizer and wrap them as a :class:`MaskPredictor`. ``config``: the folder's
-    config.json as the caller read it already (:func:`model_source`), so that a run reads it once."""
+    config.json as the caller read it already (:func:`model_source`), so that a run reads it once. ``empty``: read no
+    weight where the folder's names say where each lies (``mp.weight_sources``, for :func:`read_weight_shards`;
+    None where the weights were read as usual: a built-in model, remote code, a family that transforms them)."""
     _ready_transformers()
     path = resolve_model_path(name_or_path, revision)
     torch_dtype = pick_dtype(dtype, device)
     family = native = None
+    sources: Optional[WeightSources] = None
     if isinstance(path, str) and path in BUILTIN_SPECS:
         tok = build_tiny_tokenizer(BUILTIN_SPECS[path].family)
         model = build_tiny_model(tok, BUILTIN_SPECS[path]).to(torch_dtype)
@@ -359,45 +380,20 @@ def load_model(
             raise UserError(f"{path / 'config.json'}: {block_problem}", hint="the block size the model was trained with")
         native = None if trust_remote_code else native_family(cfg)
         if native is not None:
+            check_weight_files(path, cfg)  # each file opens and holds weights, before any loader reads them
             try:
-                model = native.load_native(path, cfg, torch_dtype)
+                with empty_weights() if empty else contextlib.nullcontext() as found:
+                    model = native.load_native(path, cfg, torch_dtype)
+                sources = found or None
             except UserError:
                 raise
             except Exception as e:  # a truncated or damaged safetensors file
                 raise UserError(f"{path}: could not read the model weights ({_one_line(e)})") from e
         else:
-            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-            # use_safetensors: never unpickle a .bin checkpoint, even with weights_only.
-            kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
-            if attn_implementation:
-                kw["attn_implementation"] = attn_implementation
-            try:
-                conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-            except ValueError as e:
-                raise UserError(
-                    f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
-                    f"does not know it ({str(e).splitlines()[0][:120]})",
-                    hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
-                         "model.trust_remote_code: true",
-                ) from None
-            try:
-                try:
-                    model = AutoModelForCausalLM.from_pretrained(str(path), config=conf, **kw)
-                except ValueError:
-                    if not trust_remote_code:
-                        raise
-                    model = AutoModel.from_pretrained(str(path), config=conf, **kw)
-            except Exception as e:
-                # A truncated safetensors file, a .bin-only folder, weights of another shape
-                # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
-                if not any(path.glob("*.safetensors")):
-                    raise UserError(
-                        f"{path}: no safetensors weights found",
-                        hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
-                    ) from None
-                raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
+            model, sources = _load_transformers(path, cfg, torch_dtype, trust_remote_code, attn_implementation, empty)
         tok = load_tokenizer(tokenizer or path, trust_remote_code, family)
+        if not sources:  # empty storage is read shard by shard later (each shard's values checked there)
+            check_finite(model, path)
 
     if family_of(model).block_size:
         _block_attention(model, attn_implementation)
@@ -407,7 +403,58 @@ def load_model(
 
     keep_fp32_buffers(model)  # a bf16 load rounds the rotary frequencies: rebuild them in fp32
     model.eval()
-    return MaskPredictor(model, tok, mask_token_id=mask_token_id)
+    mp = MaskPredictor(model, tok, mask_token_id=mask_token_id)
+    mp.weight_sources = sources
+    return mp
+
+
+def _load_transformers(path: Path, cfg: dict, torch_dtype, trust_remote_code: bool, attn_implementation: Optional[str],
+                       empty: bool) -> tuple[Any, Optional[WeightSources]]:
+    """A model no family reads natively, through transformers (``from_pretrained``; with ``empty``, its weights left
+    to :func:`dllm_align.models.shards.read_weight_shards` where the files name them in its layout)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    sources = None
+    # use_safetensors: never unpickle a .bin checkpoint, even with weights_only.
+    kw: dict[str, Any] = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    try:
+        conf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserError(
+            f"{path}: no model family claims this config.json ({describe_config(cfg)}) and transformers "
+            f"does not know it ({str(e).splitlines()[0][:120]})",
+            hint=f"families read natively: {', '.join(FAMILIES)}; if the model ships its own code, set "
+                 "model.trust_remote_code: true",
+        ) from None
+    if any(path.glob("*.safetensors")) and not trust_remote_code:
+        elements = check_weight_files(path, cfg)
+        refuse_oversized(path, elements, lambda: AutoModelForCausalLM.from_config(conf))
+    try:
+        model = None
+        if empty and not trust_remote_code:
+            model, sources = empty_transformers_model(path, AutoModelForCausalLM, conf, kw)
+        if model is None:
+            try:
+                model = from_pretrained_checked(AutoModelForCausalLM.from_pretrained, path, family_for_config(cfg).name,
+                                                config=conf, **kw)
+            except ValueError:
+                if not trust_remote_code:
+                    raise
+                model = from_pretrained_checked(AutoModel.from_pretrained, path, family_for_config(cfg).name, config=conf, **kw)
+    except UserError:
+        raise
+    except Exception as e:
+        # A truncated safetensors file, a .bin-only folder, weights of another shape
+        # (the cause stays chained for DLLM_ALIGN_DEBUG=1).
+        if not any(path.glob("*.safetensors")):
+            raise UserError(
+                f"{path}: no safetensors weights found",
+                hint="dllm-align never unpickles .bin checkpoints; convert them to safetensors first",
+            ) from None
+        raise UserError(f"{path}: could not load the model weights ({_one_line(e)})") from e
+    return model, sources
 
 
 def _read_config(folder: Path) -> Any:
@@ -489,8 +536,9 @@ def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSour
 
 
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None,
-                      config: Optional[dict] = None) -> "MaskPredictor":
-    """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read)."""
+                      config: Optional[dict] = None, empty: bool = False) -> "MaskPredictor":
+    """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read;
+    ``empty``: :func:`load_model`'s)."""
     mp = load_model(
         name_or_path or section.name_or_path,
         revision=section.revision,
@@ -501,6 +549,7 @@ def load_from_section(section, device: str | torch.device = "cpu", name_or_path:
         attn_implementation=section.attn_implementation,
         tokenizer=section.tokenizer,
         config=config,
+        empty=empty,
     )
     if section.gradient_checkpointing:
         mp.enable_gradient_checkpointing()

@@ -44,6 +44,7 @@ class MaskPredictor:
     def __init__(self, model, tokenizer, mask_token_id: Optional[int] = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.weight_sources = None  # set by a load with empty weights (models.load.read_weight_shards reads them)
         self.family = family_of(model)
         cfg = getattr(model, "config", None)
         mid = mask_token_id

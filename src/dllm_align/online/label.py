@@ -34,8 +34,8 @@ from dllm_align.data.layouts import as_messages
 from dllm_align.data.read import read_tables
 from dllm_align.data.rows import BadValue, content_hash
 from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
-from dllm_align.generate.rules import rule_fast_cache, rule_reads
-from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed
+from dllm_align.generate.rules import rule_fast_cache
+from dllm_align.generate.settings import SamplerSettings, encode_prompt, length_batches, row_seed, unused_by_rule
 from dllm_align.judge.client import FatalApiError, JudgementFailed
 from dllm_align.online.verifiers import Outcome, Rule, apply, get_rule
 from dllm_align.online.verifiers import recorded_settings as recorded_settings_of
@@ -181,26 +181,46 @@ def _prompt_text(messages: list) -> str:
 def label_settings(recipe, temperature: Optional[float], fast: bool = True):
     """The sampler settings of a labelling run, and whether the fast defaults were filled in (their cache is
     then chosen for the model's rule once it is known: :func:`_for_model`). ``fast`` False keeps the recipe's
-    decoding as it is."""
+    decoding as it is. Nothing is filled in that the recipe's named rule does not read (DiffusionGemma's rule
+    reads no temperature and has no cache); a ``temperature`` the user gives it is refused by name."""
     s = SamplerSettings.from_section(recipe.generate)
+    unread = unused_by_rule(s.sampler)
+    if temperature is not None:
+        _refuse_unread_temperature(s.sampler, temperature, unread)
     upd = {}
     if temperature is not None:
         upd["temperature"] = temperature
-    elif s.temperature == 0:
+    elif s.temperature == 0 and "temperature" not in unread:
         upd["temperature"] = 1.0  # greedy samples of one prompt would all be the same completion
-    filled = fast and s.cache == "none" and s.threshold is None
+    filled = fast and s.cache == "none" and s.threshold is None and "cache" not in unread
     if filled:
         upd.update(cache=FAST_CACHE, threshold=FAST_THRESHOLD)
     return s.replace(**upd), filled
 
 
-def _for_model(gen, settings, fast: bool):
+def _refuse_unread_temperature(rule: str, temperature: float, unread) -> None:
+    if "temperature" in unread and temperature != 0:
+        raise UserError(f"--temperature {temperature:g}: the {rule} rule samples with its own temperature schedule and "
+                        "reads no temperature", hint="leave --temperature out: its samples differ by seed")
+
+
+def _for_model(gen, settings, fast: bool, chosen_temperature: bool = True):
     """``settings`` as the model decodes them, refused by its rule's checks before anything is written. The
-    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix)."""
-    if fast:
-        rule = gen.settings_for(settings.replace(cache="none", threshold=None)).sampler
-        settings = settings.replace(cache=rule_fast_cache(rule),
-                                    threshold=settings.threshold if rule_reads(rule, "threshold") else None)
+    fast cache filled in for the user is the rule's own: the block rule keeps finished blocks only (prefix); a
+    rule with no cache (DiffusionGemma's) gets none. A rule with its own temperature schedule (DiffusionGemma's;
+    its draws differ by seed at any temperature) takes none: the 1.0 filled in for sampling is dropped, one the
+    user chose (``chosen_temperature``) refused by name."""
+    rule = gen.settings_for(settings.replace(cache="none", threshold=None, temperature=0.0)).sampler
+    unread = unused_by_rule(rule)
+    if chosen_temperature:
+        _refuse_unread_temperature(rule, settings.temperature, unread)
+    if "temperature" in unread:
+        settings = settings.replace(temperature=0.0)
+    if fast and "cache" in unread:
+        settings = settings.replace(cache="none", threshold=None)
+    elif fast:
+        # threshold only for a rule that reads it (LLaDA2.1's has thresholds of its own)
+        settings = settings.replace(cache=rule_fast_cache(rule), threshold=None if "threshold" in unread else settings.threshold)
     return gen.settings_for(settings)
 
 
@@ -278,7 +298,7 @@ def label(recipe, out_dir: str | Path, *, rule: str, n: int, prompts: Optional[s
     _refuse_relabel(summary_path, record)
     dev = device or (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     gen = make_generator(recipe.generate, recipe.model, device=dev, name_or_path=name)
-    settings = _for_model(gen, settings, filled)
+    settings = _for_model(gen, settings, filled, temperature is not None or recipe.generate.temperature != 0)
     ids = [encode_prompt(gen.tokenizer, p.messages) for p in items]
     max_pos = gen.max_positions
     for p, x in zip(items, ids):

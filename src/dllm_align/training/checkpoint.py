@@ -1,7 +1,8 @@
 """Checkpoints and exports of a training run: save, verify, resume, export.
 
-``checkpoints/step-N/`` holds the model in ``save_pretrained`` layout (safetensors,
-config, tokenizer; LoRA merged, plus the adapter itself), the optimiser state
+``checkpoints/step-N/`` holds what trains: a full fine-tune's model in ``save_pretrained`` layout (safetensors,
+config, tokenizer; under FSDP2 one file per process, each written by its process: :func:`save_model_shards`), a LoRA run's adapters alone (``adapter.safetensors``: the frozen base is read again from the
+model the recipe names, and never gathered), the optimiser state
 (plain tensors, read back with ``weights_only=True``), the RNG state
 (safetensors), ``trainer_state.json`` (the run's record, the step, the data
 position and what the margin watch needs to continue) and ``checksums.json``
@@ -49,6 +50,8 @@ METRICS = "metrics.jsonl"
 STATE = "trainer_state.json"
 STATE_VERSION = 2
 TMP_FINAL = ".tmp-final"
+ADAPTER = "adapter.safetensors"  # a LoRA checkpoint's adapters, as resuming reads them
+ADAPTER_DIR = "adapter"  # final/'s PEFT adapter folder beside a merged model
 
 
 @dataclass
@@ -151,6 +154,42 @@ def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_sha
     tokenizer.save_pretrained(str(folder))
 
 
+def save_model_shards(folder: Path, saver: Saver) -> None:
+    """A full fine-tune's checkpoint under FSDP2, in ``save_pretrained``'s sharded layout, written by every process:
+    each weight is gathered alone (every process calls this: the gathers are matched) and kept by the process that
+    owns it (weight i: process i mod N), which writes its own ``model-0000r-of-0000N.safetensors``; the main process
+    writes the index, config and tokenizer. A process holds one gathered weight and its own part (about 1/N of the
+    model), never the whole."""
+    acc = saver.accelerator
+    module = acc.unwrap_model(saver.module)
+    config = module.model.config
+    sd = module.state_dict()
+    name = {k: k.replace("_checkpoint_wrapped_module.", "").removeprefix("model.") for k in sd}
+    skips = family_for_config(config).export_skips
+    tied = getattr(config, "tie_word_embeddings", False)
+    keys = [k for k in sd if not (tied and name[k] == "lm_head.weight") and not (skips is not None and skips(name[k]))]
+    world = acc.num_processes
+    files = [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
+    mine = {}
+    for i, k in enumerate(keys):
+        v = sd[k]
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if i % world == saver.rank:
+            mine[name[k]] = full.detach().cpu().contiguous()
+        del full
+    save_file(mine, str(folder / files[saver.rank]), metadata={"format": "pt"})
+    if saver.main:
+        index = {"metadata": {"total_size": sum(sd[k].numel() * sd[k].element_size() for k in keys)},
+                 "weight_map": {name[k]: files[i % world] for i, k in enumerate(keys)}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg = copy.deepcopy(config)
+        dtypes = {sd[k].dtype for k in keys}
+        if len(dtypes) == 1:
+            cfg.dtype = next(iter(dtypes))
+        cfg.save_pretrained(str(folder))
+        saver.tokenizer.save_pretrained(str(folder))
+
+
 def save_peft_adapter(folder: Path, adapter: dict, lora, base_model: str, tokenizer) -> None:
     """A PEFT adapter folder (``PeftModel.from_pretrained(base, folder)`` loads it)."""
     from peft import LoraConfig
@@ -200,7 +239,11 @@ def _reshard_optimizer_state(optimizer) -> None:
 
         for k, v in list(st.items()):
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False)
+                # the parameter's global shape, said: inferred from the local shard it is wrong wherever a
+                # parameter's rows do not divide by the processes (each rank's moments then had another global
+                # shape, and the first step after resuming failed: why DiffusionGemma's FSDP2 runs could not resume)
+                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
 
 
 def state_dict_of(saver: Saver) -> dict:
@@ -222,6 +265,24 @@ def state_dict_of(saver: Saver) -> dict:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
 
+def adapter_state(saver: Saver) -> dict:
+    """The LoRA adapters by their names in the model (``...q_proj.lora_A.default.weight``), whole on every process:
+    each sharded one is gathered alone (every process calls this: the gathers are matched), so no process gathers
+    the frozen base. An FSDP1 module's flat parameters are gathered through its full state dict."""
+    if saver.fsdp and not getattr(saver.accelerator, "is_fsdp2", False):
+        return _adapters_of(state_dict_of(saver))
+    out = {}
+    for name, p in saver.accelerator.unwrap_model(saver.module).named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+    return _adapters_of(out)
+
+
+def _adapters_of(sd: dict) -> dict:
+    return {k.replace("_checkpoint_wrapped_module.", "").removeprefix("model."): v
+            for k, v in sd.items() if ".lora_A." in k or ".lora_B." in k}
+
+
 def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False,
            source: Optional[Path] = None, code: Optional[Path] = None, source_config: Optional[dict] = None) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA).
@@ -236,6 +297,10 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
         return adapter
+    if final and lora.enabled:
+        # the adapters beside the merged model, in a folder of their own: an adapter_config.json at the top would
+        # make transformers read final/ as an adapter of the base rather than as the merged model
+        save_peft_adapter(folder / ADAPTER_DIR, adapter, lora, base_model, saver.tokenizer)
     config = saver.accelerator.unwrap_model(saver.module).model.config
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
@@ -281,12 +346,19 @@ def _save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, stat
     # every rank writes into the folder rank 0 just made (its RNG state, its optimizer shard): on a network
     # filesystem the other nodes may see it late, so they wait for it (bounded) before writing
     check_all_see(tmp, "checkpoint folder")
-    sd = state_dict_of(saver)
-    if main:
-        adapter = export(saver, tmp, sd, lora, record.model)
-        if adapter:
-            save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / "adapter.safetensors"))
+    if lora.enabled:
+        # what trains: the adapters (with the optimiser's state below), never the frozen base, which resuming
+        # reads from the model the recipe names
+        adapter = adapter_state(saver)
+        if main:
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER))
             (tmp / "adapter_config.json").write_text(json.dumps(lora.model_dump(), indent=2))
+    elif saver.fsdp and getattr(acc, "is_fsdp2", False):
+        save_model_shards(tmp, saver)  # every process writes its part: none gathers the whole model
+    else:
+        sd = state_dict_of(saver)
+        if main:
+            export(saver, tmp, sd, lora, record.model)
     if main:
         faults.at("kill_in_checkpoint", state.step)
     opt_sd = _local_tensors(optimizer.state_dict())

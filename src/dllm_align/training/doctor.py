@@ -67,8 +67,11 @@ import torch
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.load import load_prompts
+from dllm_align.models.families import family_for_config
+from dllm_align.models.load import BUILTIN_SPECS
 from dllm_align.training.cache import cache_dir, composition, dataset_digest
 from dllm_align.training.distributed import make_accelerator
+from dllm_align.training.host import HostRam, host_loading
 from dllm_align.training.loop import invariant_margins, invariant_values
 from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
 from dllm_align.training.train import setup_run
@@ -122,41 +125,75 @@ def environment(recipe, launch: Launch, shape) -> dict:
     nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
     env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if (nccl and cuda) else (bool(nccl) or "not available")
 
-    # disk: checkpoints (merged weights + optimizer state) and the final export; the cache is tiny
-    t = recipe.train
-    P = shape.params
-    T = shape.lora_params(t.lora.r, list(t.lora.target_modules)) if t.lora.enabled else P
-    ckpt = 4 * P + 8 * T  # fp32 weights (LoRA merged) + AdamW moments
-    n_ckpt = (t.keep_checkpoints + 1) if t.save_every else 0  # the kept ones + the one being written
-    need_out = n_ckpt * ckpt + 4 * P
+    # disk: checkpoints (what trains and its optimizer state) and the final export; the cache is tiny
+    disk = disk_needed(recipe, shape)
+    need_out = disk["bytes"]
     out = Path(recipe.output_dir)
     env["disk"] = {
         "output_dir": str(out),
         "free_bytes": _free_disk(out),
         "needed_bytes": need_out,
-        "why": f"{n_ckpt} checkpoint(s) of {ckpt / 1e9:.1f} GB (fp32 weights + AdamW state; keep_checkpoints + the one "
-               f"being written) + final/ {4 * P / 1e9:.1f} GB",
+        "why": disk["why"],
         "cache": str(cache_dir(recipe)),
         "cache_free_bytes": _free_disk(cache_dir(recipe)),
         "cache_bytes_per_10k_rows": 10_000 * (4 * recipe.reference.n_mc + 48),
     }
     total, avail = _host_ram()
-    per_proc = 4 * P  # every process first loads an fp32 copy on the host (FSDP shards after)
-    procs = launch.processes
+    ram = host_ram_needed(recipe, launch, shape)
     env["host_ram"] = {
-        "total_bytes": total, "available_bytes": avail, "needed_bytes": per_proc * procs,
-        "why": f"{procs} process(es) x {per_proc / 1e9:.1f} GB fp32 copy while loading",
+        "total_bytes": total, "available_bytes": avail, "needed_bytes": ram.per_node,
+        "per_process_bytes": ram.per_process, "sharded_read": ram.sharded_read, "why": ram.why,
     }
     problems = []
     if env["disk"]["free_bytes"] < need_out:
         problems.append(f"disk: {out} has {env['disk']['free_bytes'] / 1e9:.1f} GB free, the run needs ~{need_out / 1e9:.1f} GB")
-    if avail is not None and avail < per_proc * procs:
-        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, loading needs ~{per_proc * procs / 1e9:.1f} GB")
+    if avail is not None and avail < ram.per_node:
+        fit = avail // max(ram.per_process, 1)
+        fam = family_for_config(shape.config) if shape.config else None
+        how = ("; an FSDP2 launch reads each process's shard only (recipes/accelerate/fsdp_8gpu.yaml)"
+               if not ram.sharded_read and (fam is None or fam.reads_by_name) else "")
+        if ram.per_node > ram.per_process * ram.processes_per_node:  # the final export is the larger moment
+            why = "final/'s model gathered on the main process; a LoRA run with merge_on_export false gathers none"
+        else:
+            why = f"{ram.processes_per_node} process(es) x {ram.per_process / 1e9:.1f} GB: {fit} per node would fit{how}"
+        problems.append(f"host RAM: {avail / 1e9:.1f} GB available, the run needs ~{ram.per_node / 1e9:.1f} GB ({why})")
     att = recipe.model.attn_implementation
     if att and not backends.get(att, False):
         problems.append(f"model.attn_implementation: {att} is not available here")
     env["problems"] = problems
     return env
+
+
+def disk_needed(recipe, shape) -> dict:
+    """Bytes the run folder needs (``bytes``) and how they are counted (``why``), as the checkpoints are written
+    (:mod:`dllm_align.training.checkpoint`): a LoRA checkpoint holds the adapters (fp32) and their AdamW moments, a
+    full fine-tune's the weights at their dtype and the moments; keep_checkpoints of them plus the one being written;
+    final/ the adapters and, with merge_on_export, the merged model at the weights' dtype."""
+    t = recipe.train
+    P = shape.params
+    w = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
+    n_ckpt = (t.keep_checkpoints + 1) if t.save_every else 0  # the kept ones + the one being written
+    if t.lora.enabled:
+        T = shape.lora_params(t.lora.r, list(t.lora.target_modules))
+        ckpt, what = T * 4 + T * 8, f"LoRA adapters {T * 4 / 1e9:.2f} GB (T x 4) + AdamW {T * 8 / 1e9:.2f} GB (T x 8)"
+        merged = P * w if t.lora.merge_on_export else 0
+        final = T * 4 + merged
+        fwhy = (f"adapters {T * 4 / 1e9:.2f} GB" + (f" + merged model {merged / 1e9:.1f} GB (P x {w}; "
+                "train.lora.merge_on_export)" if merged else " (train.lora.merge_on_export false: no merged model)"))
+    else:
+        ckpt, what = P * w + P * 8, f"weights {P * w / 1e9:.1f} GB (P x {w}) + AdamW {P * 8 / 1e9:.1f} GB (P x 8)"
+        final, fwhy = P * w, f"model {P * w / 1e9:.1f} GB (P x {w})"
+    return {"bytes": n_ckpt * ckpt + final,
+            "why": f"{n_ckpt} checkpoint(s) x {ckpt / 1e9:.2f} GB ({what}; keep_checkpoints + the one being written) "
+                   f"+ final/ {final / 1e9:.2f} GB ({fwhy})"}
+
+
+def host_ram_needed(recipe, launch: Launch, shape) -> HostRam:
+    """Host memory a node needs while the run loads (:func:`dllm_align.training.memory.host_loading`)."""
+    gpu = torch.cuda.is_available() or launch.source != Launch().source
+    fam = family_for_config(shape.config) if shape.config else None
+    return host_loading(shape, recipe, launch, reads_by_name=fam is None or fam.reads_by_name,
+                        has_files=recipe.model.name_or_path not in BUILTIN_SPECS, gpu=gpu)
 
 
 def device_capacity(launch: Launch, gpu_memory_gb: Optional[float]) -> tuple[int, str]:

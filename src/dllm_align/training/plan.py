@@ -7,18 +7,20 @@ the draws, the process layout and the global batch), as one frozen record the se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from dllm_align.config import components as registry
-from dllm_align.config.schema import TrainSection, component_problems
+from dllm_align.config.schema import TrainSection, component_problems, rule_problems
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
 from dllm_align.data.imbalance import read_weights_file
 from dllm_align.models.families.base import Family
-from dllm_align.models.load import ModelSource, model_source
+from dllm_align.models.export import check_remote_code
+from dllm_align.models.load import BUILTIN_SPECS, ModelSource, model_source
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
 from dllm_align.objective.elbo import DrawConfig, get_likelihood
@@ -113,9 +115,38 @@ def resolve_recipe(recipe, *, fsdp: bool = False, fsdp_version: int = 1, checkpo
     source = model_source(recipe.model.name_or_path, recipe.model.revision)
     if source.family is not None:
         refuse_component_problems(recipe, source.family)
+        check_export_sources(recipe, source)
     recipe = resolve_padding(recipe, source, quiet=quiet)
     check_fsdp(recipe, source.family, fsdp, fsdp_version, checkpointing)
     return recipe, source
+
+
+def check_export_sources(recipe, source: ModelSource) -> None:
+    """What the export of ``final/`` will copy (the source folder's remote code and generation config,
+    ``model.published_code``'s modeling files) checked before the first step: regular UTF-8 files inside their
+    folder, a tokenizer_config.json that is JSON; a refusal names the file (``models.export.check_remote_code``)."""
+    check_remote_code(source.folder, source.config, source.family.name)
+    code = recipe.model.published_code
+    if code:
+        check_remote_code(Path(code).expanduser(), source.config, source.family.name)
+
+
+def check_for_model(recipe) -> None:
+    """The recipe checked against its model where the model can be read here (a built-in model, a local folder; a
+    hub id is left to the run), before a command makes any folder (``recipes check``, ``demo``, ``online``,
+    ``ablate``): the settings its family and likelihood refuse, what its export would copy, the padding its
+    likelihood allows (as ``train`` checks them), and with ``generate.sampler: auto`` the settings its family's
+    decoding rule refuses (as ``generate`` checks them once the model is loaded)."""
+    name = recipe.model.name_or_path
+    if not (name in BUILTIN_SPECS or name.startswith("builtin:") or Path(name).expanduser().is_dir()):
+        return
+    recipe, source = resolve_recipe(recipe, quiet=True)
+    if source.family is not None and recipe.generate.sampler == "auto":
+        problems = rule_problems(recipe.generate, source.family.sampler)
+        if problems:
+            key, message = problems[0]
+            raise UserError(f"generate.{key}: {message}", hint=f"generate.sampler is auto: {source.family.name} "
+                            f"models decode with the {source.family.sampler} rule")
 
 
 def likelihood_of(source: ModelSource) -> Optional[Likelihood]:

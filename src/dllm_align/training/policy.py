@@ -18,8 +18,10 @@ from dllm_align.core.errors import UserError
 from dllm_align.models.families import family_of
 from dllm_align.models.families.base import Family
 from dllm_align.models.load import check_max_length, load_from_section
+from dllm_align.models.shards import read_weight_shards
 from dllm_align.models.precision import fsdp2_bf16_layer_units, fsdp_mixed_precision
 from dllm_align.training.distributed import fsdp_wrap_family_layer, preserve_checkpoint_rng
+from dllm_align.training.checkpoint import ADAPTER
 from dllm_align.training.optim import build_optimizer
 from dllm_align.training.plan import TrainPlan
 
@@ -82,7 +84,11 @@ def load_policy(model: ModelSection, lora: LoraSection, max_length: int, plan: T
     src = str(resume_from) if (resume_from is not None and not lora.enabled) else None
     # the recipe's model's config.json as the plan read it (a resumed full fine-tune loads another folder's)
     config = plan.source.config if src is None else None
-    mp = load_from_section(section, "cpu" if plan.fsdp else plan.device, name_or_path=src, config=config)
+    # An FSDP2 launch of several processes loads no weight here: each process reads its own shard of each once the
+    # model is sharded (wrap_policy), so no process ever holds the whole model (a family whose weights are
+    # transformed as they load is read whole, as before: mp.weight_sources None).
+    empty = plan.fsdp2 and plan.world > 1
+    mp = load_from_section(section, "cpu" if plan.fsdp else plan.device, name_or_path=src, config=config, empty=empty)
     check_max_length(mp, max_length)
     # The policy's forward computes under the plan's precision whatever wraps the module (DDP, FSDP).
     mp.set_precision(plan.precision)
@@ -114,7 +120,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSection, resume_from: Optional[
     if resume_from is None:
         return
 
-    adapter = load_file(str(resume_from / "adapter.safetensors"))
+    adapter = load_file(str(resume_from / ADAPTER))
     named = dict(model.named_parameters())
     extra = sorted(set(adapter) - set(named))
     if extra:
@@ -164,6 +170,8 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
         module = accelerator.prepare(scorer)
         opt = build_optimizer(module.named_parameters(), t, fused_ok=not plan.fsdp)
         optimizer = accelerator.prepare(opt)
+    if mp.weight_sources:
+        read_weight_shards(module, mp.weight_sources, prefix="model.")
     if plan.fsdp:
         preserve_checkpoint_rng(module)  # FSDP2's layer checkpoints replay the forward's dropout masks
     view = PolicyView(module, mp.mask_token_id, mp.block_size, mp.likelihood, mp.vocab_size, mp.canvas_length)

@@ -46,12 +46,14 @@ from dllm_align.training.checkpoint import (
     TMP_FINAL,
     RunRecord,
     TrainState,
+    adapter_state,
     clear_previous,
     export,
     load_state,
     prepare_output,
     read_state,
     save_checkpoint,
+    save_peft_adapter,
     state_dict_of,
 )
 from dllm_align.training.distributed import make_accelerator
@@ -315,13 +317,22 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
     if main and tmp.exists():
         shutil.rmtree(tmp)
     run.accelerator.wait_for_everyone()
-    sd = state_dict_of(run.saver)
-    if not main:
-        return
-    with disk_errors(final, "write the final model"):
-        source = _source_folder(run)
-        export(run.saver, tmp, sd, run.train.lora, run.record.model, final=True, source=source,
-               code=_published_code(run), source_config=run.plan.source.config if source is not None else None)
+    lora = run.train.lora
+    if lora.enabled and not lora.merge_on_export:
+        # the adapters alone: nothing gathers the frozen base
+        adapter = adapter_state(run.saver)
+        if not main:
+            return
+        with disk_errors(final, "write the final model"):
+            save_peft_adapter(tmp, adapter, lora, run.record.model, run.saver.tokenizer)
+    else:
+        sd = state_dict_of(run.saver)
+        if not main:
+            return
+        with disk_errors(final, "write the final model"):
+            source = _source_folder(run)
+            export(run.saver, tmp, sd, lora, run.record.model, final=True, source=source,
+                   code=_published_code(run), source_config=run.plan.source.config if source is not None else None)
     # the remote-code files final/ carries (none: its config.json names no auto_map; docs/serving.md)
     summary = {**summary, "remote_code": sorted(p.name for p in tmp.glob("*.py"))}
     atomic_write_json(tmp / "training_summary.json", summary)

@@ -30,6 +30,7 @@ from dllm_align.core.console import result
 from dllm_align.core.io import atomic_path, atomic_write_json, atomic_write_text
 from dllm_align.data import toy
 from dllm_align.generate.backend import check_serves_each_round
+from dllm_align.training.plan import check_for_model
 from dllm_align.workflows import pipeline
 from dllm_align.workflows.online import markdown_table, refuse_set_by_online, run_online
 
@@ -58,6 +59,7 @@ def run_demo(recipe_name: str = "demo", output_dir: Optional[str] = None, overri
     if rec.online is not None:
         # before its folder is made
         check_serves_each_round(rec.generate.backend, "the online demo", rec.generate.own_settings(rec.generate.backend))
+    check_for_model(rec)  # what the training and generation steps would refuse, refused before the folder is made
     out = Path(rec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     base_model = rec.model.name_or_path

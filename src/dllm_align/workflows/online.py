@@ -54,7 +54,7 @@ from dllm_align.core import console
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import atomic_path, atomic_write_json, atomic_write_text
 from dllm_align.core.runfolder import (TRAIN_NEUTRAL, check_shared_folder, differing, flatten, from_rank0, rank0_lock,
-                                      recorded_recipe, refuse_changes)
+                                      recorded_recipe, records_kept_on_refusal, refuse_changes)
 from dllm_align.generate.backend import check_serves_each_round, run_record
 from dllm_align.generate.settings import row_seed
 from dllm_align.online.label import (ROWS, SUMMARY, UNSURE, check_rule, check_temperature, label, label_settings,
@@ -288,7 +288,8 @@ def run_online(recipe, out_dir: str | Path, *, rounds: int, rule: str, n: int, l
         # rank 0 writes the run's records and labelled rows, every rank reads them back
         check_shared_folder(out, "online run folder")
     # One online run per folder: the second is refused while the first holds it (the lock makes the folder).
-    with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world):
+    with rank0_lock(out, f"{out}: another online run is writing this folder; wait for it, or use another (-o)", rank, world), \
+            records_kept_on_refusal(out, main=rank == 0):
         return _run_rounds(recipe, out, rank=rank, world=world, rounds=rounds, rule=rule, n=n, limit=limit, prompts=prompts,
                            reference=reference, keep_uniform=keep_uniform, temperature=temperature,
                            answer_column=answer_column, heldout=heldout, heldout_limit=heldout_limit, heldout_n=heldout_n,

@@ -11,7 +11,10 @@ is made. The rest of dllm-align asks the family; it never branches on a family's
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -133,6 +136,10 @@ class Family:
     # (DiffusionGemma), which the estimate sizes instead of the top-level fields.
     qk_norm: Optional[Callable[[dict, int], bool]] = None
     tied_text_stack: bool = False
+    # Whether its native loader reads each weight by name as stored (``load_mapped`` without ``combine``): then an
+    # FSDP2 launch reads each process's shard of each weight only (``models.load.read_weight_shards``); otherwise
+    # every process reads the whole model first (what ``doctor``'s host-RAM line counts).
+    reads_by_name: bool = True
     published: Optional[PublishedLayout] = None  # None: no published layout to export into (the native one is kept)
     published_fields: Optional[Callable[[dict], dict]] = None
     published_state: Optional[Callable[[dict], dict]] = None
@@ -243,6 +250,105 @@ def _short(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (" ..." if len(keys) > 3 else "")
 
 
+# The dtypes weights are stored in; an integer or boolean tensor is not a weight these models read.
+WEIGHT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16}
+
+
+def check_weight_files(folder: Path, cfg: Optional[dict] = None) -> int:
+    """The folder's safetensors files, read by their headers before any weight loads: each must open (a truncated
+    or damaged file is refused naming it), hold weights (floating tensors: an int32 one is refused naming it), and
+    when the config names the dtype it was saved in, the tensors must not all be narrower (a folder whose every
+    tensor was rewritten in a lower precision is refused). Every family's loader asks this; the values' finiteness is
+    checked once the model is built (:func:`check_finite`). Returns how many weight values the files hold."""
+    want = _CONFIG_DTYPES.get(str((cfg or {}).get("dtype") or (cfg or {}).get("torch_dtype") or ""))
+    seen: set[str] = set()
+    elements = 0
+    for f in safetensors_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    dt = sf.get_slice(k).get_dtype()
+                    if dt not in WEIGHT_DTYPES:
+                        raise UserError(f"{f}: tensor {k[:120]!r} is {dt}, not a weight (floating point) tensor",
+                                        hint="the folder was modified after it was saved; use the checkpoint as written")
+                    seen.add(dt)
+                    elements += math.prod(sf.get_slice(k).get_shape())
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors for a truncated or damaged file
+            raise UserError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:160]})",
+                            hint="the file is truncated or damaged; use an earlier checkpoint") from None
+    widest = max((_BITS[d] for d in seen), default=0)
+    if want is not None and seen and want not in seen and (widest < _BITS[want] or widest == 16):
+        # every tensor narrower than the config says (fp32 rewritten as fp16), or the other 16-bit format; a
+        # checkpoint saved wider than its config (a bf16 model kept in fp32) loses nothing and loads
+        raise UserError(f"{folder}: config.json says the weights are {want} but every tensor is "
+                        f"{'/'.join(sorted(seen))}", hint="the weights were rewritten after the model was saved")
+    return elements
+
+
+def refuse_oversized(folder: Path, elements: int, build: Callable[[], torch.nn.Module]) -> None:
+    """Refuse a config.json that describes a model far larger than the weights beside it (another model's config
+    in a checkpoint folder), counted on the meta device before a loader that allocates the whole model first
+    (transformers' ``from_pretrained``) runs out of memory on it."""
+    with torch.device("meta"):
+        model = build()
+    need = sum(p.numel() for p in model.parameters())
+    if need > 1.5 * elements + 1_000_000:
+        raise UserError(f"{folder / 'config.json'}: describes a model of {need:,} weights, but the folder's safetensors "
+                        f"hold {elements:,}", hint="the config.json is another model's; use the one saved with the weights")
+
+
+def from_pretrained_checked(load: Callable, folder: Path, what: str, **kw):
+    """``load(folder, **kw)`` (a transformers ``from_pretrained``) with what it tolerates refused by name: a missing
+    weight (it would be random), an unknown one (dropped) and one of another shape (its own error names none)."""
+    try:
+        model, info = load(str(folder), output_loading_info=True, **kw)
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        model, info = load(str(folder), output_loading_info=True, ignore_mismatched_sizes=True, **kw)
+    for problem, keys in (("is missing weights", info["missing_keys"]),
+                          ("holds weights the model does not have", info["unexpected_keys"]),
+                          ("holds weights of another shape than config.json gives", info["mismatched_keys"])):
+        if keys:
+            names = sorted(k if isinstance(k, str) else k[0] for k in keys)
+            raise UserError(f"{folder}: the {what} checkpoint {problem}: {_short(names)}",
+                            hint="the folder was modified after it was saved, or its config.json is another model's")
+    return model
+
+
+def check_finite(model, folder) -> None:
+    """Refuse a model with a NaN or infinite weight, naming it (a tampered or broken file; no checksums needed)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all()):
+                raise UserError(f"{folder}: weight {name!r} holds NaN or infinite values",
+                                hint="the weights were damaged or modified; use an earlier checkpoint")
+
+
+# Where each weight of a model loaded with empty weights lies in its folder: native name -> (file, key).
+WeightSources = dict[str, tuple[Path, str]]
+_EMPTY: contextvars.ContextVar[Optional[WeightSources]] = contextvars.ContextVar("dllm_align_empty_weights", default=None)
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Within it, :func:`load_mapped` reads no weight: the model comes back with empty host storage (allocated, never
+    written, so no page of it is resident) and the yielded dict says where each weight lies in the folder, for
+    :func:`dllm_align.models.load.read_weight_shards` to read each process's shard only. A family whose weights are
+    transformed as they load (``combine``: stacked experts) or that loads without :func:`load_mapped` leaves the
+    dict empty and loads its weights as usual."""
+    sources: WeightSources = {}
+    token = _EMPTY.set(sources)
+    try:
+        yield sources
+    finally:
+        _EMPTY.reset(token)
+
+
 def load_mapped(
     folder: Path,
     model_cls,
@@ -261,12 +367,15 @@ def load_mapped(
     the family does not have). Every expected weight must be present: a missing or unknown one
     is named, so a silent numerical difference is impossible. Rotary
     frequencies are not weights: they are rebuilt in fp32 from the config
-    (never trusted from a file, never left on the meta device).
+    (never trusted from a file, never left on the meta device). Each tensor is read in its stored dtype and cast
+    on its own, so loading holds one full copy at ``dtype``; within :func:`empty_weights` none (the names are
+    checked all the same).
     """
     with torch.device("meta"):
         model = model_cls(config)
     if prepare is not None:
         prepare(model)
+    sources = _EMPTY.get() if combine is None else None
     state: dict[str, torch.Tensor] = {}
     unknown = []
     for f in safetensors_files(folder):
@@ -276,7 +385,11 @@ def load_mapped(
                 if nk is None:
                     unknown.append(k)
                     continue
-                state[nk] = sf.get_tensor(k).to(dtype)
+                if sources is not None:
+                    state[nk] = torch.empty(sf.get_slice(k).get_shape(), dtype=dtype, device="meta")
+                    sources[nk] = (f, k)
+                else:
+                    state[nk] = sf.get_tensor(k).to(dtype)
     if unknown:
         raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(unknown)}")
     if combine is not None:
@@ -290,7 +403,16 @@ def load_mapped(
     extra = sorted(set(state) - expected)
     if extra:
         raise UserError(f"{folder}: weights the {family} mapping does not know: {_short(extra)}")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for k, v in state.items():
+        if tuple(v.shape) != shapes[k]:
+            raise UserError(f"{folder}: weight {k!r} has shape {tuple(v.shape)}, the config gives {shapes[k]}",
+                            hint="the weights do not match config.json (modified, or from another model)")
     model.load_state_dict(state, assign=True, strict=True)
+    if sources is not None:
+        model.to_empty(device="cpu")  # storage allocated, never written: read later, shard by shard
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
     rebuild_rotary(model)
     return model.eval()
 

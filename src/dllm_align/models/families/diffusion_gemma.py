@@ -34,7 +34,8 @@ import torch
 from packaging.version import Version
 
 from dllm_align.core.errors import RunFailure, UserError
-from dllm_align.models.families.base import Family, build_seeded, byte_level_tokenizer
+from dllm_align.models.families.base import (Family, build_seeded, byte_level_tokenizer, check_weight_files,
+                                             from_pretrained_checked, refuse_oversized)
 
 # lazy imports: transformers: imported inside the builders: the family records are read (which family claims a
 # config, the memory estimate) without building anything, and transformers takes longer to import than torch
@@ -100,9 +101,11 @@ def load_native(folder: Path, cfg: dict, dtype: torch.dtype):
     check_config(cfg)
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    refuse_oversized(folder, check_weight_files(folder, cfg), lambda: DiffusionGemmaForBlockDiffusion(
+        DiffusionGemmaForBlockDiffusion.config_class.from_dict(cfg)))
     try:
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=dtype, use_safetensors=True,
-                                                                trust_remote_code=False)
+        model = from_pretrained_checked(DiffusionGemmaForBlockDiffusion.from_pretrained, folder, "DiffusionGemma",
+                                        dtype=dtype, use_safetensors=True, trust_remote_code=False)
     except OSError as e:
         raise UserError(f"{folder}: could not load the DiffusionGemma weights ({str(e).splitlines()[0][:200]})") from None
     model.config.dllm_align_family = "diffusion_gemma"
@@ -342,6 +345,7 @@ def decoder_layer_class(model) -> Optional[type]:
 
 DIFFUSION_GEMMA = Family(
     name="diffusion_gemma",
+    reads_by_name=False,  # its own loader reads the checkpoint whole
     model_types=("diffusion_gemma",),
     architectures=("DiffusionGemmaForBlockDiffusion",),
     mask_token_id=4,

@@ -173,6 +173,7 @@ def load_lladamoe_native(folder: Path, cfg: dict, dtype: torch.dtype):
 
 LLADA_MOE = Family(
     name="llada_moe",
+    reads_by_name=False,  # its experts are stacked as they load
     # The published hub config says "llada" (shared with LLaDA-8B); dllm's README has users rewrite it
     # to "lladamoe". Both are recognised: the class name and the MoE fields tell the two apart.
     model_types=("lladamoe", "llada_moe", "llada"),
