@@ -124,14 +124,14 @@ def unpaired_rows(prompts: list[str], split: str, seed: int = 0, both: bool = Tr
     return rows
 
 
-BASES = ("toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar", "toy_sort_base_gemma")
+BASES = ("toy_sort_base", "toy_sort_base_dream", "toy_sort_base_sdar", "toy_sort_base_gemma", "toy_sort_base_llada21")
 ASSET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def install_base(folder: str, name: str = "toy_sort_base") -> str:
-    """Copy a trained base model (the ``toy_sort_base``, ``toy_sort_base_dream``, ``toy_sort_base_sdar`` or
-    ``toy_sort_base_gemma`` recipe's final/ folder) into the package as ``builtin:toy-sort-base`` (or ``-dream``,
-    ``-sdar``, ``-gemma``)."""
+    """Copy a trained base model (the ``toy_sort_base``, ``toy_sort_base_dream``, ``toy_sort_base_sdar``,
+    ``toy_sort_base_gemma`` or ``toy_sort_base_llada21`` recipe's final/ folder) into the package as
+    ``builtin:toy-sort-base`` (or ``-dream``, ``-sdar``, ``-gemma``, ``-llada21``)."""
     if name not in BASES:
         raise SystemExit(f"unknown packaged base {name!r} ({', '.join(BASES)})")
     src = Path(folder)

@@ -221,5 +221,11 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
         copy_remote_code(Path(code), folder, cfg)
     if missing_remote_code(folder, cfg):
         cfg.pop("auto_map", None)
+    fam = get_family(family)
+    if (fam.folder_claim is not None and src_cfg is not None and "dllm_align_family" in src_cfg
+            and not fam.folder_claim(folder, cfg)):
+        # a family told from another sharing its model_type only by evidence (LLaDA2.1: the key or its remote code),
+        # exported without that code: the source's key stays, or the folder would read back as the other family
+        cfg["dllm_align_family"] = src_cfg["dllm_align_family"]
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return cfg

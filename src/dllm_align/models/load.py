@@ -116,7 +116,8 @@ def add_builtin_model(name: str, spec: TinySpec) -> None:
 
 # Trained models shipped inside the package: name -> folder under dllm_align/assets.
 BUILTIN_ASSETS = {"builtin:toy-sort-base": "toy_sort_base", "builtin:toy-sort-base-dream": "toy_sort_base_dream",
-                  "builtin:toy-sort-base-sdar": "toy_sort_base_sdar", "builtin:toy-sort-base-gemma": "toy_sort_base_gemma"}
+                  "builtin:toy-sort-base-sdar": "toy_sort_base_sdar", "builtin:toy-sort-base-gemma": "toy_sort_base_gemma",
+                  "builtin:toy-sort-base-llada21": "toy_sort_base_llada21"}
 
 
 # The oldest transformers whose attention masks honour ``config.is_causal = False``: 5.0 and 5.1 build a

@@ -38,7 +38,7 @@ from dllm_align.data.batching import pack_rows
 from dllm_align.models import attention_memory as am
 from dllm_align.models.block_attention import Streams, use_streams_attention
 from dllm_align.models.predictor import MaskPredictor, packed_positions
-from dllm_align.objective.draws import AbsorbingMask
+from dllm_align.objective.draws import AbsorbingMask, make_noisy_batch
 from dllm_align.objective.likelihood import Footprint
 
 
@@ -281,6 +281,19 @@ class BlockDiffusion(AbsorbingMask):
     """
 
     name = "block"
+
+    def draw_terms(self, mp, input_ids, attention_mask, completion_mask, ids, cfg, *, max_rows_per_forward=None,
+                   draws=None, pack_length=None) -> torch.Tensor:
+        share = cfg.settings_of(self.name).replace_share
+        if share == 0:
+            return super().draw_terms(mp, input_ids, attention_mask, completion_mask, ids, cfg,
+                                      max_rows_per_forward=max_rows_per_forward, draws=draws, pack_length=pack_length)
+        # the SFT surrogate of LLaDA2.1's corruption (reference.replace_share; the recipe check keeps it to
+        # unpacked SFT): replaced tokens are scored with the masked ones, under the draw's weight
+        nb = make_noisy_batch(input_ids, attention_mask, completion_mask, ids, cfg, mp.mask_token_id, draws,
+                              replace=(share, mp.vocab_size))
+        total = self.draw_sums(mp, nb, input_ids, attention_mask, max_rows_per_forward, None)
+        return (total.double() * nb.weight).float().view(nb.B, nb.K)
 
     def draw_sums(self, mp, nb, input_ids, attention_mask, max_rows_per_forward, pack_length) -> torch.Tensor:
         block_size = getattr(mp, "block_size", None)

@@ -41,15 +41,41 @@ class UniformSettings(ComponentSettings):
         "unweighted cross-entropy over the noisy canvas; a surrogate, not a bound).")
 
 
+class BlockSettings(ComponentSettings):
+    """The block likelihood's own settings; recipes write them flat (``reference.replace_share``)."""
+
+    replace_share: float = Field(
+        0.0, ge=0, lt=1, description="Block diffusion, SFT only: the share of the completion tokens a draw leaves "
+        "unmasked that are replaced by a uniformly drawn token and scored like the masked ones (restore the clean "
+        "token): LLaDA2.1's mask-plus-replacement corruption, a training surrogate, not a bound (docs/llada21.md).")
+
+
+def _replace_needs_sft(recipe) -> list[str]:
+    # replaced tokens make the per-draw sum a surrogate: fine for SFT's loss, not for margins compared with a
+    # cached reference (whose fingerprint does not record it); the packed layout rebuilds the noisy rows from the
+    # clean ones and would drop the replacements
+    if recipe.reference.replace_share == 0:
+        return []
+    if recipe.train.objective != "sft":
+        return [f"reference.replace_share: only train.objective 'sft' trains with replaced tokens, "
+                f"not {recipe.train.objective!r} (set it to 0)"]
+    if recipe.data.padding == "packed":
+        return ["reference.replace_share: not with data.padding 'packed' (use 'none' or 'paper')"]
+    return []
+
+
 # the absorbing-mask likelihoods have no use for them: set on a masked or block model, refused by name
 _UNIFORM_KEYS = tuple(UniformSettings.model_fields)
+_BLOCK_KEYS = tuple(BlockSettings.model_fields)
 
-register(Component("likelihood", "masked", "dllm_align.objective.masked:MASKED", ignores=_UNIFORM_KEYS,
+register(Component("likelihood", "masked", "dllm_align.objective.masked:MASKED", ignores=_UNIFORM_KEYS + _BLOCK_KEYS,
                    summary="whole-sequence absorbing-mask diffusion (LLaDA, Dream)"))
 register(Component("likelihood", "block", "dllm_align.objective.block:BLOCK", ignores=_UNIFORM_KEYS,
+                   settings=BlockSettings, traits={"flat": True}, check=_replace_needs_sft,
                    summary="block diffusion over the family's blocks (SDAR, LLaDA2.x)"))
 register(Component("likelihood", "uniform", "dllm_align.objective.uniform:UNIFORM", settings=UniformSettings,
-                   traits={"flat": True}, summary="uniform-noise diffusion over canvases (DiffusionGemma)"))
+                   ignores=_BLOCK_KEYS, traits={"flat": True},
+                   summary="uniform-noise diffusion over canvases (DiffusionGemma)"))
 
 # --------------------------------------------------------------------------- objectives
 register(Component("objective", "elbo_kto", "dllm_align.objective.elbo_kto:ElboKto",

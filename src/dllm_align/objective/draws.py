@@ -28,6 +28,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 # Stream tags keep the different uses of one key independent.
 _TAG_L, _TAG_POS, _TAG_OFFSET, _TAG_T = 1, 2, 3, 4
+_TAG_REPLACE, _TAG_TOKEN = 5, 6
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -123,6 +124,22 @@ def draw_masks(example_id: str, L: int, cfg: DrawConfig) -> tuple[np.ndarray, np
     return mask, weight
 
 
+def draw_replacements(example_id: str, mask: np.ndarray, cfg: DrawConfig, share: float, vocab_size: int,
+                      mask_token_id: int, draws: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Which completion tokens each draw leaves unmasked but replaces, and by what (``mask`` [K, L] from
+    :func:`draw_masks`). Each unmasked position is replaced with probability ``share`` by a token drawn uniformly
+    from the vocabulary without the mask token. Returns ``replaced`` [len(draws), L] bool and ``tokens`` [same]
+    int64, pure functions of (seed, id, draw, position) like the masks."""
+    key = example_key(cfg.seed, example_id)
+    ks = np.asarray(list(draws), dtype=np.uint64)[:, None]
+    pos = np.arange(mask.shape[1], dtype=np.uint64)[None, :]
+    replaced = (_unit(mix(key, _TAG_REPLACE, ks, pos)) < share) & ~mask[list(draws)]
+    tokens = np.minimum(np.floor(_unit(mix(key, _TAG_TOKEN, ks, pos)) * (vocab_size - 1)).astype(np.int64),
+                        vocab_size - 2)
+    tokens = tokens + (tokens >= mask_token_id)  # skip the mask token
+    return replaced, tokens
+
+
 # --------------------------------------------------------------------------- batched ELBO
 @dataclass
 class NoisyBatch:
@@ -146,11 +163,14 @@ def make_noisy_batch(
     cfg: DrawConfig,
     mask_token_id: int,
     draws: Optional[Sequence[int]] = None,
+    replace: Optional[tuple[float, int]] = None,
 ) -> NoisyBatch:
     """Build the noisy inputs of every draw of every row (on the CPU, then moved).
 
     ``draws`` selects a subset of the K draw indices (default all), used to
-    split an example's draws across forward calls.
+    split an example's draws across forward calls. ``replace`` = (share, vocab_size): besides the masked
+    tokens, replace a share of the unmasked completion tokens by random ones (:func:`draw_replacements`) and
+    score them too (their targets are the clean tokens).
     """
     B, T = input_ids.shape
     cm = completion_mask.bool().cpu()
@@ -163,10 +183,16 @@ def make_noisy_batch(
         positions = torch.nonzero(cm[b], as_tuple=False).squeeze(-1)
         L = positions.numel()
         mask, w = draw_masks(ids[b], L, cfg)
+        if replace is not None:
+            replaced, tokens = draw_replacements(ids[b], mask, cfg, replace[0], replace[1], mask_token_id, draw_idx)
         for j, k in enumerate(draw_idx):
             r = b * K + j
             sel = positions[torch.from_numpy(mask[k])]
             noisy[r, sel] = mask_token_id
+            if replace is not None:
+                swap = torch.from_numpy(replaced[j])
+                noisy[r, positions[swap]] = torch.from_numpy(tokens[j])[swap]
+                sel = torch.sort(torch.cat([sel, positions[swap]])).values
             rows.append(torch.full((sel.numel(),), r, dtype=torch.long))
             cols.append(sel)
             weight[r] = float(w[k])
