@@ -15,7 +15,7 @@ import typer
 
 from dllm_align.cli.app import RecipeArg, SetOpt, command, given
 
-API_KEY_ENV = "DLLM_ALIGN_SERVE_API_KEY"
+API_KEY_ENV = "DLLM_ALIGN_SERVE_KEY"
 
 
 @command("serve")
@@ -44,7 +44,7 @@ def serve(
 
     Example: dllm-align serve demo --port 8000
 
-    Example: DLLM_ALIGN_SERVE_API_KEY=... dllm-align serve kto_mix_14k -m runs/kto/final --host 0.0.0.0
+    Example: DLLM_ALIGN_SERVE_KEY=... dllm-align serve kto_mix_14k -m runs/kto/final --host 0.0.0.0
     """
     import torch
 
