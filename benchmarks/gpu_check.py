@@ -483,6 +483,7 @@ def doctor_timing(part: Part, tiny: bool, device: str, which=DOCTOR_SHAPES) -> d
 
 def families(part: Part, tiny: bool, device: str) -> dict:
     """One bf16 step and one generation per registered family that has a built-in shrunk model."""
+    from dllm_align.generate.rules import rule_reads
     from dllm_align.generate.sampler import generate
     from dllm_align.generate.settings import SamplerSettings, encode_prompt
     from dllm_align.models.families import FAMILIES
@@ -503,7 +504,9 @@ def families(part: Part, tiny: bool, device: str) -> dict:
         mp = load_model(name, device=device)
         ids = encode_prompt(mp.tokenizer, [{"role": "user", "content": "Sort 3 1 2"}])
         block = mp.block_size or 8  # a block-diffusion model decodes in its own blocks
-        comp = generate(mp, [ids], SamplerSettings(gen_length=8, block_length=block, steps=8))[0]
+        # only the keys the family's own rule reads (LLaDA2.1's rule has its own schedule and refuses `steps`)
+        want = {"gen_length": 8, "block_length": block, "steps": 8}
+        comp = generate(mp, [ids], SamplerSettings(**{k: v for k, v in want.items() if rule_reads(mp.family.sampler, k)}))[0]
         out[fam] = {"model": name, "bf16_step_seconds": sm["seconds_per_step"], "invariant_ok": sm["invariant"]["ok"],
                     "generated_tokens": len(comp.raw), "stopped": comp.stopped}
         part.save(**out)

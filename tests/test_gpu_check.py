@@ -33,7 +33,8 @@ def _module():
 
 
 def test_gpu_check_runs_end_to_end_on_cpu_tiny(tmp_path):
-    p = _gpu_check("--device", "cpu", "--tiny", "--out", str(tmp_path))
+    # a CPU is slower than the device the shares were measured on: a larger budget, the same proportions
+    p = _gpu_check("--device", "cpu", "--tiny", "--budget", "600", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(r["parts"]) == ["environment", "pytest", "invariants", "doctor", "families", "benchmarks"]
@@ -41,7 +42,7 @@ def test_gpu_check_runs_end_to_end_on_cpu_tiny(tmp_path):
     for name, part in r["parts"].items():
         assert part["seconds"] <= part["limit_seconds"] + 5 and part["log"] == "gpu_check.log"
         assert f"===== {name} " in (tmp_path / "gpu_check.log").read_text()
-    assert sum(r["limits_seconds"].values()) == pytest.approx(360, abs=0.5)
+    assert sum(r["limits_seconds"].values()) == pytest.approx(600, abs=0.5)
     inv = r["parts"]["invariants"]
     # a whole-sequence body under every backend this machine has, packed rows under sdpa, and a block family;
     # every margin exactly 0 in fp32 on CPU, on rows of kto-mix lengths
