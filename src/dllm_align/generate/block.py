@@ -258,9 +258,7 @@ def check_block_model(mp, settings: SamplerSettings) -> None:
         raise UserError(f"generate.sampler: block: {mp.family.name} models decode with their own rule, "
                         f"{mp.family.sampler}; the block rule would decode them without it",
                         hint="set generate.sampler: auto (the family's own rule)")
-    if settings.block_length != b:
-        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
-                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+    refuse_other_block_length(settings, b)
     if settings.cache == "dual":
         raise UserError("generate.cache: dual: the block rule keeps finished blocks in its cache and recomputes the "
                         "block being decoded; it has no cache of the positions after it",
@@ -268,3 +266,11 @@ def check_block_model(mp, settings: SamplerSettings) -> None:
 
 
 RULE = DecodingRule("block", generate_batch_block, check_block_model)
+
+
+def refuse_other_block_length(settings: SamplerSettings, b: int) -> None:
+    """A block-diffusion model decodes in the blocks it was trained with: another ``generate.block_length`` is
+    refused by name (the block rule's check and LLaDA2.1's)."""
+    if settings.block_length != b:
+        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
+                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")

@@ -50,7 +50,7 @@ import torch
 
 from dllm_align.core.console import warn
 from dllm_align.core.errors import UserError
-from dllm_align.generate.block import cache_argument, draw
+from dllm_align.generate.block import cache_argument, draw, refuse_other_block_length
 from dllm_align.generate.canvas import completion
 from dllm_align.generate.rules import DecodingRule
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
@@ -284,9 +284,7 @@ def check_model(mp, settings: SamplerSettings) -> None:
         raise UserError(f"generate.sampler: llada21: the token-editing rule is LLaDA2.1's; {mp.family.name} models "
                         f"decode with the {mp.family.sampler} rule",
                         hint="set generate.sampler: auto (the family's own rule)")
-    if settings.block_length != b:
-        raise UserError(f"generate.block_length {settings.block_length} differs from the model's block size {b}",
-                        hint=f"set generate.block_length: {b} (the blocks it was trained with)")
+    refuse_other_block_length(settings, b)
     if settings.cache == "dual":
         raise UserError("generate.cache: dual: the llada21 rule edits the block being decoded against the finished "
                         "blocks before it; nothing after the block is fed, so there is no dual cache to keep",
