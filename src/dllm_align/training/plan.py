@@ -59,7 +59,7 @@ class TrainPlan:
 
     @property
     def likelihood(self) -> Optional[Likelihood]:
-        return likelihood_of(self.source)
+        return None if self.family is None else get_likelihood(self.draws.likelihood or self.family.likelihood)
 
     @property
     def fsdp2(self) -> bool:
@@ -149,18 +149,33 @@ def check_for_model(recipe) -> None:
                             f"models decode with the {source.family.sampler} rule")
 
 
-def likelihood_of(source: ModelSource) -> Optional[Likelihood]:
-    return get_likelihood(source.family.likelihood) if source.family is not None else None
+def chosen_likelihood(recipe, fam: Family) -> str:
+    """The likelihood a run of ``recipe`` on a model of ``fam`` uses: ``reference.likelihood`` where the family
+    accepts it (``Family.likelihood_options``), else the family's; another name is refused by name."""
+    choice = recipe.reference.likelihood
+    if choice is None or choice == fam.likelihood:
+        return fam.likelihood
+    if choice not in fam.likelihood_options:
+        takes = " or ".join((fam.likelihood, *fam.likelihood_options))
+        raise UserError(f"reference.likelihood: {choice!r} does not fit {fam.name} models (they take {takes})",
+                        hint="leave reference.likelihood out: the family's own likelihood is the default")
+    return choice
+
+
+def likelihood_of(source: ModelSource, recipe) -> Optional[Likelihood]:
+    return get_likelihood(chosen_likelihood(recipe, source.family)) if source.family is not None else None
 
 
 def refuse_component_problems(recipe, fam: Family) -> None:
     """Refuse the recipe's settings that the model's family or its likelihood has no use for (the uniform-noise
-    settings on a masked-diffusion model), and their checks' problems: no recipe key selects them (the checkpoint's
-    config.json does), so the recipe is checked against them here, once the family is known."""
-    for kind, name in (("family", fam.name), ("likelihood", fam.likelihood)):
+    settings on a masked-diffusion model), and their checks' problems, and a ``reference.likelihood`` the family does
+    not take: the checkpoint's config.json names the family, so the recipe is checked against them here, once the
+    family is known."""
+    lik = chosen_likelihood(recipe, fam)
+    for kind, name in (("family", fam.name), ("likelihood", lik)):
         problems = component_problems(recipe, registry.get(kind, name))
         if problems:
-            raise UserError(f"{problems[0]} ({fam.name} models use the {fam.likelihood} likelihood)")
+            raise UserError(f"{problems[0]} ({fam.name} models use the {lik} likelihood)")
 
 
 def resolve_padding(recipe, source: ModelSource, quiet: bool = False):
@@ -169,7 +184,7 @@ def resolve_padding(recipe, source: ModelSource, quiet: bool = False):
     the recipe sets on purpose is refused by name. Other recipes come back unchanged."""
     if recipe.data.padding != "packed":
         return recipe
-    fam, lik = source.family, likelihood_of(source)
+    fam, lik = source.family, likelihood_of(source, recipe)
     if lik is None or lik.packs:
         return recipe
     if "padding" in recipe.data.model_fields_set:
