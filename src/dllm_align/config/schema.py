@@ -234,16 +234,6 @@ class _ReferenceDraws(ComposedSection):
             raise ValueError(registry.unknown_message("likelihood", v, key="reference.likelihood").partition(": ")[2])
         return v
 
-    @model_validator(mode="after")
-    def _settings_of_the_selected(self):
-        # a likelihood's own settings (reference.<name>.<key>) do nothing unless reference.likelihood selects it
-        for name in self.__pydantic_extra__ or {}:
-            comp = registry.find("likelihood", str(name))
-            if comp is not None and name != self.likelihood:
-                raise KeyedError(str(name), f"the settings of the likelihood {name!r}, which reference.likelihood does "
-                                            f"not select (set reference.likelihood: {name}, or leave them out)")
-        return self
-
 
 # The uniform-noise likelihood's settings keep their flat spellings (reference.time_power, ...): fields of this
 # section made from the likelihood's own settings model, where they are described once.

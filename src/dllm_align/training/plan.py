@@ -172,6 +172,12 @@ def refuse_component_problems(recipe, fam: Family) -> None:
     not take: the checkpoint's config.json names the family, so the recipe is checked against them here, once the
     family is known."""
     lik = chosen_likelihood(recipe, fam)
+    for name in recipe.reference.__pydantic_extra__ or {}:
+        # another likelihood's own settings (reference.<name>.<key>) would do nothing
+        if name != lik and registry.find("likelihood", str(name)) is not None:
+            raise UserError(f"reference.{name}: the settings of the likelihood {name!r}, which this run does not use "
+                            f"({fam.name} models use the {lik} likelihood here)",
+                            hint=f"set reference.likelihood: {name} where the family takes it, or leave them out")
     for kind, name in (("family", fam.name), ("likelihood", lik)):
         problems = component_problems(recipe, registry.get(kind, name))
         if problems:
