@@ -234,6 +234,19 @@ class _ReferenceDraws(ComposedSection):
             raise ValueError(registry.unknown_message("likelihood", v, key="reference.likelihood").partition(": ")[2])
         return v
 
+    def settings_of_others(self, chosen: str) -> list[str]:
+        """The likelihoods other than ``chosen`` (the run's) whose own settings the recipe sets
+        (``reference.<name>.<key>``): they would do nothing."""
+        return [str(name) for name in self.__pydantic_extra__ or {}
+                if name != chosen and registry.find("likelihood", str(name)) is not None]
+
+    def likelihood_record(self) -> dict:
+        """What the reference cache's fingerprint records of a likelihood the recipe picks: its name and its own
+        settings (nothing when the family's is used, so that those caches keep their fingerprints)."""
+        if self.likelihood is None:
+            return {}
+        return {"likelihood": self.likelihood, "likelihood_settings": self.own_settings(self.likelihood).model_dump()}
+
 
 # The uniform-noise likelihood's settings keep their flat spellings (reference.time_power, ...): fields of this
 # section made from the likelihood's own settings model, where they are described once.

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from dllm_align.config import components as registry
+from dllm_align.core.errors import UserError
 from dllm_align.objective.draws import (  # noqa: F401  (the draws' names, where callers import them)
     DrawConfig,
     NoisyBatch,
@@ -41,6 +42,18 @@ LIKELIHOODS: Mapping[str, Likelihood] = registry.Loaded("likelihood")
 def get_likelihood(name: str) -> Likelihood:
     """The likelihood declared as ``name``; an unknown name is one error naming the known ones."""
     return registry.load("likelihood", name, key="the model family's likelihood")
+
+
+def likelihood_for(family, choice: Optional[str]) -> str:
+    """The name of the likelihood a run on a model of ``family`` uses: ``choice`` (``reference.likelihood``) where the
+    family accepts it (``Family.likelihood_options``), else the family's own; another name is refused by name."""
+    if choice is None or choice == family.likelihood:
+        return family.likelihood
+    if choice not in family.likelihood_options:
+        takes = " or ".join((family.likelihood, *family.likelihood_options))
+        raise UserError(f"reference.likelihood: {choice!r} does not fit {family.name} models (they take {takes})",
+                        hint="leave reference.likelihood out: the family's own likelihood is the default")
+    return choice
 
 
 def likelihood_of(mp, cfg: Optional[DrawConfig] = None) -> Likelihood:

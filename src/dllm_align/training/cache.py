@@ -278,9 +278,7 @@ def fingerprint(
     for key, default in UNIFORM_FIELDS_DEFAULTS.items():
         if getattr(r, key) != default:
             fields[key] = getattr(r, key)
-    if r.likelihood is not None:
-        fields["likelihood"] = r.likelihood
-        fields["likelihood_settings"] = r.own_settings(r.likelihood).model_dump()
+    fields.update(r.likelihood_record())
     return Fingerprint(fields, files)
 
 

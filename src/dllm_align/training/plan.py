@@ -23,7 +23,7 @@ from dllm_align.models.export import check_remote_code
 from dllm_align.models.load import BUILTIN_SPECS, ModelSource, model_source
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
-from dllm_align.objective.elbo import DrawConfig, get_likelihood
+from dllm_align.objective.elbo import DrawConfig, get_likelihood, likelihood_for
 from dllm_align.objective.likelihood import Likelihood
 from dllm_align.training.distributed import fsdp_launch_of, is_fsdp
 
@@ -150,16 +150,8 @@ def check_for_model(recipe) -> None:
 
 
 def chosen_likelihood(recipe, fam: Family) -> str:
-    """The likelihood a run of ``recipe`` on a model of ``fam`` uses: ``reference.likelihood`` where the family
-    accepts it (``Family.likelihood_options``), else the family's; another name is refused by name."""
-    choice = recipe.reference.likelihood
-    if choice is None or choice == fam.likelihood:
-        return fam.likelihood
-    if choice not in fam.likelihood_options:
-        takes = " or ".join((fam.likelihood, *fam.likelihood_options))
-        raise UserError(f"reference.likelihood: {choice!r} does not fit {fam.name} models (they take {takes})",
-                        hint="leave reference.likelihood out: the family's own likelihood is the default")
-    return choice
+    """The likelihood a run of ``recipe`` on a model of ``fam`` uses (:func:`objective.elbo.likelihood_for`)."""
+    return likelihood_for(fam, recipe.reference.likelihood)
 
 
 def likelihood_of(source: ModelSource, recipe) -> Optional[Likelihood]:
@@ -172,12 +164,11 @@ def refuse_component_problems(recipe, fam: Family) -> None:
     not take: the checkpoint's config.json names the family, so the recipe is checked against them here, once the
     family is known."""
     lik = chosen_likelihood(recipe, fam)
-    for name in recipe.reference.__pydantic_extra__ or {}:
-        # another likelihood's own settings (reference.<name>.<key>) would do nothing
-        if name != lik and registry.find("likelihood", str(name)) is not None:
-            raise UserError(f"reference.{name}: the settings of the likelihood {name!r}, which this run does not use "
-                            f"({fam.name} models use the {lik} likelihood here)",
-                            hint=f"set reference.likelihood: {name} where the family takes it, or leave them out")
+    unused = recipe.reference.settings_of_others(lik)  # another likelihood's own settings would do nothing
+    if unused:
+        raise UserError(f"reference.{unused[0]}: the settings of the likelihood {unused[0]!r}, which this run does not "
+                        f"use ({fam.name} models use the {lik} likelihood here)",
+                        hint=f"set reference.likelihood: {unused[0]} where the family takes it, or leave them out")
     for kind, name in (("family", fam.name), ("likelihood", lik)):
         problems = component_problems(recipe, registry.get(kind, name))
         if problems:
