@@ -10,10 +10,13 @@ without anchors, once with no difficulty term and once with AlpacaEval's per-ins
 up by instruction text (:func:`dllm_align.judge.stats.difficulty_lookup`): AlpacaEval's own
 ``instruction_difficulty.csv`` (``--difficulty``; it lives on the HF Hub, tatsu-lab/alpaca_eval) or, where
 that cannot be fetched, the difficulty re-estimated from the published GLM weights (``--weights``) and the
-tune split's annotations. The models are split in two by a hash of the name, fixed before the giving rule
-was chosen; ``--search`` prints the grid the rule was chosen from (tune split only), the default run the
-figures under the library's rule for both splits: share given, error against the published LC (mean and
-worst), and how often the 90% interval holds it.
+tune split's annotations. The models are split in two by a hash of the name (:func:`split_of`), fixed
+before either giving rule was chosen; ``--search`` prints the grids the rules were chosen from (the tune split
+only: the held-out models are not fitted), one for the fit with the difficulty term (variance inflation,
+interval width) and one for the plain fit (variance inflation, length correction |LC - AWR|, the interval's
+margin as a share of it); the default run prints the figures under the library's rules for both splits: share
+given, error against the published LC (mean and worst), how often the 90% interval holds it, and what becomes
+of gpt4_gamed (AlpacaEval's length-gamed entry).
 
 ``simulate``: data sets with a known length-free truth. Each prompt has a quality gap q_i ~ N(mu, 1) and a
 length difference d_i; the judge's two-order outcome is a win with probability
