@@ -311,12 +311,12 @@ LC_DIFFICULTY_MAX_VIF = 10.0
 LC_MAX_CI_WIDTH = 0.15
 # With neither anchors nor a difficulty term the slope also takes up whatever goes with length besides length
 # itself (on AlpacaEval's prompts, instruction difficulty: with its term the same fits land within 5 points
-# of the published LC), so the length correction |LC - AWR| carries
-# an error the bootstrap cannot see: on the tune half of AlpacaEval 2's annotations the fit over-corrected
-# 27 of 30 models, by up to 0.74 of it (0.87 for the length-gamed entry; worst 13.8 points otherwise). Such
-# a figure is given only when that correction is at most LC_MAX_CORRECTION (then even a wholly wrong
-# correction stays within 5 points), and its interval is widened on both sides by LC_CORRECTION_MARGIN times
-# the correction. Chosen on the tune half, reported on the held-out half: docs/judging.md.
+# of the published LC), so the length correction |LC - AWR| carries an error the bootstrap cannot see: on
+# the tune half of AlpacaEval 2's annotations the fit over-corrected 27 of 30 models, by up to 0.74 of it
+# (0.87 for the length-gamed entry; worst 13.8 points otherwise). Such a figure is given only when that
+# correction is at most LC_MAX_CORRECTION (then even a wholly wrong correction stays within 5 points), and
+# its interval is widened on both sides by LC_CORRECTION_MARGIN times the correction. Chosen on the tune
+# half, reported on the held-out half: docs/judging.md.
 LC_MAX_CORRECTION = 0.05
 LC_CORRECTION_MARGIN = 0.5
 _LC_ITERS = 60
