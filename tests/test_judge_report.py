@@ -67,6 +67,7 @@ def test_a_judge_that_only_likes_length_gets_a_high_awr_but_an_lc_awr_around_hal
     assert "length correction is" in j["lc_withheld"] and "add --length-anchors" in j["lc_withheld"]
     saved = json.loads((tmp_path / "out" / "results.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert saved["judges"]["rule:longer"]["lc_awr"] is None
+    assert "LC-AWR withheld (rule:longer): the length correction is" in (tmp_path / "out" / "results.md").read_text()
     monkeypatch.setattr(stats, "LC_MAX_CORRECTION", float("inf"))  # the fit behind it
     monkeypatch.setattr(stats, "LC_CORRECTION_MARGIN", 0.0)
     res = judging.judge_files(a, b, tmp_path / "out2", JudgeSection(judges=["rule:longer"])).results
