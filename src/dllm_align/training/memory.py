@@ -451,7 +451,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     k = recipe.train_n_mc()
     objective = objective_for(t)
     units = t.batch_size * objective.rows_per_unit
-    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes,
+    foot = get_likelihood(recipe.reference.likelihood or shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes,
                                                       attn=recipe.model.attn_implementation or "sdpa",
                                                       packed=recipe.data.padding == "packed")
     rows = units * foot.rows

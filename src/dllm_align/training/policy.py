@@ -44,7 +44,7 @@ class PolicyScorer(torch.nn.Module):
         self.__dict__["_mp"] = mp  # not a submodule: it only holds references
 
     # The MaskPredictor scoring calls a likelihood may make through the wrapper.
-    CALLS = ("target_logprobs", "canvas_logits")
+    CALLS = ("target_logprobs", "canvas_logits", "position_terms")
 
     def forward(self, *args, call: str = "target_logprobs", **kwargs):
         if call not in self.CALLS:
@@ -70,6 +70,10 @@ class PolicyView:
 
     def canvas_logits(self, examples, self_conditioning: str = "none"):
         return self.module(examples, self_conditioning=self_conditioning, call="canvas_logits")
+
+    def position_terms(self, input_ids, attention_mask, rows, cols, term, extra=(), packed=None, streams=None):
+        return self.module(input_ids, attention_mask, rows, cols, term, extra, packed=packed, streams=streams,
+                           call="position_terms")
 
 
 # --------------------------------------------------------------------------- loading
