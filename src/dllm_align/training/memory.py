@@ -11,8 +11,8 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * FSDP working copies: the root unit (embeddings, head, final norm) and two
   decoder layers (one computing, one prefetched) gathered in full, fp32 (the
   precision policy gathers fp32 shards: :mod:`dllm_align.models.precision`);
-* an online reference: resident and unsharded (its Linears in bf16 under
-  autocast);
+* an online reference: resident (its Linears in bf16 under autocast); under FSDP2 on several processes, a model
+  read by name is sharded as the policy is (P x w / N and its gathered units: :func:`reference_device_bytes`);
 * activations for one forward of ``tokens = rows x max_length`` (rows = the
   rows the micro-batch's draws put through the body, which the family's
   likelihood says (``Likelihood.footprint``: ``train.batch_size x n_mc`` for
@@ -55,8 +55,9 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   fragmentation).
 
 The device's peak is the larger of those lines' sum (the steps) and the peak
-while loading (``Estimate.loading``): an online reference under bf16 autocast
-is loaded at the weights' dtype (fp32: P x 4) and only then are its Linears
+while loading (``Estimate.loading``): an online reference that is read whole (a family that reads its checkpoint
+whole, a built-in model; one read by name goes weight by weight into its resident dtypes, :func:`reference_route`)
+under bf16 autocast is loaded at the weights' dtype (fp32: P x 4) and only then are its Linears
 cast to bf16 (``models.precision.prepare_reference``), so for a moment the
 device holds the policy's weights (on the CPU until FSDP shards them) and the
 whole fp32 reference. For an 8B LoRA run with 576-token draws that moment is

@@ -38,14 +38,18 @@ def sharded_launch(accelerator) -> bool:
 
 
 def resident_dtypes(model: torch.nn.Module, precision: Precision) -> None:
-    """Give each weight of an empty model the dtype it stays resident in (``models.precision.prepare_reference``'s choice), without
-    reading or writing its storage: new empty tensors, so no page of the model becomes resident."""
+    """Give each weight of an empty model the dtype it stays resident in (``models.precision.prepare_reference``'s
+    choice) without reading or writing its storage: new empty tensors, so no page of the model becomes resident (a
+    weight two modules share stays shared)."""
+    made: dict[int, torch.nn.Parameter] = {}
     for mod in reference_cast_modules(model, precision):
-        for name, p in list(mod.named_parameters()):
+        for name, p in list(mod.named_parameters(remove_duplicate=False)):
             if p.is_floating_point() and p.dtype != precision.autocast:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=precision.autocast, device=p.device),
+                                                     requires_grad=p.requires_grad)
                 owner, _, leaf = name.rpartition(".")
-                setattr(mod.get_submodule(owner), leaf, torch.nn.Parameter(
-                    torch.empty(p.shape, dtype=precision.autocast, device=p.device), requires_grad=p.requires_grad))
+                setattr(mod.get_submodule(owner), leaf, made[id(p)])
 
 
 class ShardedReference:
