@@ -234,6 +234,7 @@ def main() -> None:
         results["margins"][key] = {
             "fsdp": run.plan.fsdp,
             "sharded_read": run.mp.weight_sources is not None,
+            "reference_sharded": type(getattr(run.reference, "model", None)).__name__ == "ShardedReference",
             "module": type(run.policy.module).__name__,
             "mixed_precision": acc.mixed_precision,
             "rows": len(allm),

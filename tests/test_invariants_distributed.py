@@ -113,6 +113,7 @@ def launched(tmp_path_factory, shared_data):
     # checkpoints as published (bf16 safetensors shards): FSDP2 reads each process's shard of each weight
     small = save_bf16(root / "bf16-small", TinySpec(), "40KB")
     spec["margins"] += [["fsdp2", "no", "online", lora, f"model.name_or_path={small}"] for lora in (False, True)]
+    spec["margins"] += [["fsdp2", "bf16", "online", False, f"model.name_or_path={small}"]]
     spec["train"] += [["fsdp2", False, str(root / "train-fsdp2-bf16-files"), "no", f"model.name_or_path={small}",
                        "reference.mode=online"]]
     spec["loading"] = [[str(save_bf16(root / "bf16-big", BIG, "60MB")), lora] for lora in (True, False)]
@@ -168,8 +169,8 @@ def launched(tmp_path_factory, shared_data):
 def test_step0_margins_are_zero_on_every_launch(launched):
     res = launched["results"]["margins"]
     # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 6 block-diffusion runs,
-    # + FSDP2 reading bf16 files shard by shard (LoRA off, on)
-    assert len(res) == 22
+    # + FSDP2 reading bf16 files shard by shard (LoRA off, on; bf16 autocast)
+    assert len(res) == 23
     assert sum("tiny-sdar" in key for key in res) == 4 and sum("tiny-llada2" in key for key in res) == 2
     for key, r in res.items():
         launch = key.split("/")[0]
@@ -316,10 +317,13 @@ def test_step0_margins_exact_on_real_rows_ddp_and_fsdp2(launched):
 @pytest.mark.parametrize("lora", [False, True])
 def test_fsdp2_reads_bf16_shards_with_step0_margins_exact(launched, lora):
     """A checkpoint as published (bf16 safetensors shards) under FSDP2: each process reads its own rows of each
-    weight into its fp32 shard, the reference reads the files whole; the step-0 margins stay exactly 0."""
-    key = next(k for k in launched["results"]["margins"] if "bf16-small" in k and f"lora={lora}" in k)
-    r = launched["results"]["margins"][key]
-    assert r["sharded_read"] and r["max_abs_margin"] == 0.0, r
+    weight into its fp32 shard, the online reference its rows into its own shards (gathered in fp32, cast per call
+    under bf16 autocast as the policy's are); the step-0 margins stay exactly 0, fp32 and bf16 autocast."""
+    keys = [k for k in launched["results"]["margins"] if "bf16-small" in k and f"lora={lora}" in k]
+    assert len(keys) == (1 if lora else 2)
+    for key in keys:
+        r = launched["results"]["margins"][key]
+        assert r["sharded_read"] and r["reference_sharded"] and r["max_abs_margin"] == 0.0, (key, r)
 
 
 def test_fsdp2_from_bf16_shards_trains_like_one_process(launched):
