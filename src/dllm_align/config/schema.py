@@ -282,6 +282,12 @@ class LoraSection(Section):
         description="final/ holds the merged model (plain transformers loads it); false: a PEFT adapter folder "
         "(adapter_model.safetensors + adapter_config.json) for PeftModel.from_pretrained on the base model.",
     )
+    merged_dtype: Literal["trained", "bfloat16", "float16", "float32"] = Field(
+        "trained",
+        description="dtype of final/'s merged model (merge_on_export): trained = the policy's weights as trained "
+        "(model.dtype; fp32 under auto); bfloat16 = the published checkpoints' dtype, in bf16 safetensors shards "
+        "(the merge is computed in fp32 and rounded once). Checkpoints are unaffected.",
+    )
 
 
 class TrainSection(ComposedSection):
