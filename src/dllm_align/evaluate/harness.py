@@ -65,7 +65,7 @@ from dllm_align.core.errors import UserError
 from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
 from dllm_align.generate.settings import SamplerSettings, row_seed
 from dllm_align.models.load import load_model
-from dllm_align.objective.elbo import DrawConfig, elbo_draws, get_likelihood, likelihood_for
+from dllm_align.objective.elbo import DrawConfig, elbo_draws, get_likelihood, likelihood_choice
 
 
 
@@ -206,10 +206,10 @@ class DiffusionLM(LM):
             )
         self.mp = predictor  # scores loglikelihoods; sampling goes through the generator
         # the likelihood the scores use: the family's, or a choice it accepts (refused by name before any task runs)
-        self.likelihood = likelihood_for(predictor.family, likelihood)
-        self._choice = None if self.likelihood == predictor.family.likelihood else self.likelihood
+        self._choice = likelihood_choice(predictor.family, likelihood)
+        self.likelihood = self._choice or predictor.family.likelihood
         self._choice_settings = (((self._choice, reference.own_settings(self._choice)),)
-                                 if self._choice is not None and reference is not None else ())
+                                 if self._choice and reference is not None else ())
         # the backend's own refusal of these settings for this model comes here, before any task runs
         self.generator = make_generator(sampler, model_section, name_or_path=str(pretrained), predictor=predictor)
         self.tokenizer = predictor.tokenizer

@@ -102,7 +102,7 @@ def check_likelihood(recipe, names: Sequence[str]) -> None:
     """``reference.likelihood`` (the likelihood loglikelihood requests are scored with) checked against each model
     that can be read here (a built-in model, a local folder), before anything is written: a family that does not take
     it is refused by name. A hub id is checked once loaded (:class:`DiffusionLM`)."""
-    if recipe.reference.likelihood is None:
+    if not recipe.reference.likelihood:
         return
     for name in names:
         if name in BUILTIN_SPECS or name.startswith("builtin:") or Path(name).expanduser().is_dir():
