@@ -593,3 +593,18 @@ def test_a_likelihood_the_family_does_not_take_is_refused_by_name(tmp_path):
     lm = E.DiffusionLM(predictor=load_model("builtin:tiny-llada21"), likelihood="hybrid", gen_length=8, block_length=8)
     info = lm.get_model_info()
     assert info["likelihood"] == "hybrid" and info["likelihood_settings"] == {"mask_share": 0.5}
+
+
+def test_packing_is_left_to_likelihoods_that_pack():
+    """evaluate.packing (on by default) packs only where the likelihood packs: a DiffusionGemma model (the uniform
+    likelihood, which scores against each example's own clean context and has nothing to pack) is scored, with the
+    values packing off gives, instead of refused with a training key's message; ``config.packing`` says what ran."""
+    from dllm_align.models.load import load_model
+
+    mp = load_model("builtin:tiny-diffusiongemma")
+    Req = lm_eval.api.instance.Instance
+    reqs = [Req("loglikelihood", {}, ("The cat sat on the", " mat"), 0), Req("loglikelihood", {}, ("Q:", " an answer"), 1)]
+    on = make_lm(mp, mc_num=4, batch_size=8, max_length=128)
+    off = make_lm(mp, mc_num=4, batch_size=8, max_length=128, packing=False)
+    assert on.packing and not on.packs and on.get_model_info()["packing"] is False
+    assert [x[0] for x in on.loglikelihood(reqs)] == [x[0] for x in off.loglikelihood(reqs)]
