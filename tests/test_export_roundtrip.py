@@ -14,7 +14,10 @@ Three checks per family:
   the built-in LLaDA from ``model.published_code``), loaded the way the published code loads it
   (``AutoModelForCausalLM`` / ``AutoModel`` ``.from_pretrained(..., trust_remote_code=True)``; dllm's LLaDA-MoE class
   named explicitly, as dllm loads it) in another interpreter with the transformers that code pins
-  (tests/fixtures/published_forward.py; logits back as safetensors), gives the trained model's logits. The published
+  (tests/fixtures/published_forward.py; logits back as safetensors), gives the trained model's logits, and its
+  tokenizer, loaded there by ``AutoTokenizer``, the trained tokenizer's ids and chat turn; so do the packaged toy
+  bases' exports and SDAR-4B-Chat's own tokenizer files; and SDAR's ``generate.py`` decodes from a trained ``final/``
+  (tests/fixtures/published_sdar_generate.py) as dllm-align's block rule does. The published
   files come from ``$DLLM_ALIGN_PUBLISHED_DIR``, the interpreters from ``$DLLM_ALIGN_PUBLISHED_PYTHON_SDAR`` and
   ``$DLLM_ALIGN_PUBLISHED_PYTHON_DLLM`` (tests/fixtures/published.py); without them the test skips saying how to
   set them up;
@@ -384,6 +387,36 @@ def test_a_toy_base_export_has_a_tokenizer_the_published_stack_reads(family, tmp
     out = tmp_path / "final"
     _export(mp, out, Path(resolve_model_path(name)))
     assert_same_tokenizer(published_tokenizer(python, out, tmp_path), mp.tokenizer)
+
+
+# SDAR-4B-Chat's tokenizer as published: a slow Qwen2 tokenizer by auto_map (its own tokenization_qwen2.py), with
+# vocab.json and merges.txt, the files transformers 5 alone would drop (its tokenizer.json is a Git LFS pointer there).
+SDAR_TOKENIZER = ("tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json", "special_tokens_map.json",
+                  "chat_template.jinja", "tokenization_qwen2.py")
+
+
+def test_sdars_published_tokenizer_is_exported_byte_for_byte_and_loads_in_its_stack(tmp_path):
+    """A shrunk SDAR checkpoint carrying SDAR-4B-Chat's published tokenizer files: ``final/`` holds them byte for byte,
+    and SDAR's interpreter loads it (``AutoTokenizer``, ``trust_remote_code``: the shipped slow ``Qwen2Tokenizer``) to
+    the ids and chat turn of the tokenizer dllm-align trained with."""
+    from dllm_align.models.load import load_model
+
+    code_file = require("JetAstra/SDAR", PUBLISHED_CODE["sdar"][1])
+    python = require_python("JetAstra/SDAR")
+    source, _ = _source_folder("sdar", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (source / name).unlink(missing_ok=True)
+    for name in SDAR_TOKENIZER:
+        shutil.copyfile(code_file.parent / name, source / name)
+    mp = load_model(str(source))
+    out = tmp_path / "final"
+    _export(mp, out, source)
+    for name in SDAR_TOKENIZER:
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert not (out / "tokenizer.json").exists()  # none in the source: none written beside its files
+    report = published_tokenizer(python, out, tmp_path)
+    assert report["class"] == "Qwen2Tokenizer"
+    assert_same_tokenizer(report, mp.tokenizer)
 
 
 GENERATE = Path(__file__).parent / "fixtures" / "published_sdar_generate.py"

@@ -132,14 +132,16 @@ def test_a_tokenizer_changed_by_the_run_is_written_anew_beside_the_sources_vocab
     assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "TokenizersBackend" not in files[
         "tokenizer_config.json"].decode()
     assert "<|new|>" in tok_cfg["additional_special_tokens"] and "<|im_end|>" in tok_cfg["additional_special_tokens"]
+    assert not {"backend", "is_local", "local_files_only"} & set(tok_cfg)  # transformers 5's load arguments
     back = AutoTokenizer.from_pretrained(str(out))
     new_id = mp.tokenizer.convert_tokens_to_ids("<|new|>")
     assert back("a <|new|>")["input_ids"] == mp.tokenizer("a <|new|>")["input_ids"] and new_id in back("<|new|>")["input_ids"]
 
 
 def test_published_tokenizer_config_maps_transformers_5_form_to_transformers_4_form():
-    v5 = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "eos_token": "<e>",
-          "extra_special_tokens": ["<a>", "<b>"], "additional_special_tokens": ["<b>"], "model_max_length": 8}
+    v5 = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "eos_token": "<e>", "is_local": True,
+          "local_files_only": True, "extra_special_tokens": ["<a>", "<b>"], "additional_special_tokens": ["<b>"],
+          "model_max_length": 8}
     assert published_tokenizer_config(v5) == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<e>",
                                               "additional_special_tokens": ["<b>", "<a>"], "model_max_length": 8}
     assert published_tokenizer_config(v5, "Qwen2Tokenizer")["tokenizer_class"] == "Qwen2Tokenizer"

@@ -289,6 +289,9 @@ BASE_VOCABULARY = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model")
 _V5_CLASS = "TokenizersBackend"
 # The transformers 4 class that reads a tokenizer.json alone (and transformers 5 still reads).
 _FAST_CLASS = "PreTrainedTokenizerFast"
+# Keys transformers 5 writes into tokenizer_config.json that are not tokenizer settings: its backend's name and the
+# arguments the tokenizer was loaded with (transformers 4 would pass them on to the tokenizer's constructor).
+_V5_ONLY = ("backend", "is_local", "local_files_only")
 
 
 def tokenizer_files(folder: Optional[Path]) -> list[Path]:
@@ -306,11 +309,13 @@ def published_tokenizer_config(cfg: dict, tokenizer_class: str = _FAST_CLASS) ->
     """``tokenizer_config.json`` in the form the published stacks' transformers 4 reads: transformers 5's
     ``TokenizersBackend`` class becomes ``tokenizer_class`` (the source's own class where it had one, else
     :data:`_FAST_CLASS`), its ``extra_special_tokens`` list becomes ``additional_special_tokens`` (transformers 4 reads
-    ``extra_special_tokens`` as a mapping of named tokens), and its ``backend`` key goes. Anything else is kept."""
+    ``extra_special_tokens`` as a mapping of named tokens), and the keys it writes that are no tokenizer setting
+    (:data:`_V5_ONLY`) go. Anything else is kept."""
     out = dict(cfg)
     if out.get("tokenizer_class") in (None, _V5_CLASS):
         out["tokenizer_class"] = tokenizer_class
-    out.pop("backend", None)
+    for key in _V5_ONLY:
+        out.pop(key, None)
     extra = out.get("extra_special_tokens")
     if isinstance(extra, list):
         del out["extra_special_tokens"]
