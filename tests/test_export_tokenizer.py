@@ -168,3 +168,33 @@ def test_a_tokenizer_file_that_is_a_link_out_of_the_folder_is_refused_before_tra
     with pytest.raises(UserError, match="vocab.json: a link out of its folder"):  # model.tokenizer's folder too
         check_export_sources(SimpleNamespace(model=SimpleNamespace(published_code=None, tokenizer=str(source))),
                              model_source("builtin:tiny"))
+
+
+def test_a_hub_cache_snapshot_whose_files_link_into_its_blobs_is_accepted(tmp_path):
+    """The Hugging Face cache stores each download once under ``blobs/`` and links it from ``snapshots/<rev>/``:
+    those links are the cache's layout, so a model loaded from the hub is not refused. A link into another
+    repository's blobs, or out of the cache, still is."""
+    from types import SimpleNamespace
+
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.load import build_tiny_tokenizer, model_source
+    from dllm_align.training.plan import check_export_sources
+
+    source = _transformers4_source(tmp_path / "src", build_tiny_tokenizer("dream"))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / ("a" * 40), repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(p for p in source.iterdir() if p.is_file())):
+        shutil.copy(f, blobs / f"{i:040x}")
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", f"{i:040x}"))
+    recipe = SimpleNamespace(model=SimpleNamespace(published_code=None, tokenizer=None))
+    check_export_sources(recipe, model_source(str(snap)))  # the cache's own links: nothing to refuse
+
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    shutil.move(snap.joinpath("vocab.json").resolve(), other / "stolen")
+    (snap / "vocab.json").unlink()
+    (snap / "vocab.json").symlink_to(other / "stolen")
+    with pytest.raises(UserError, match="vocab.json: a link out of its folder"):
+        check_export_sources(recipe, model_source(str(snap)))

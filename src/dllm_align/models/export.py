@@ -115,6 +115,17 @@ def _tokenizer_auto_map(folder: Path) -> dict:
     return data.get("auto_map") or {}
 
 
+def hub_blobs_of(root: Path) -> Optional[Path]:
+    """The blobs folder a Hugging Face cache snapshot's files link into (``models--org--name/snapshots/<rev>/x`` ->
+    ``../../blobs/<hash>``: how the hub client stores every download), or None for any other folder. A link from a
+    snapshot into its own repository's blobs is the cache's layout, not a file pulled from elsewhere."""
+    repo = root.parent.parent
+    if root.parent.name != "snapshots" or not repo.name.startswith(("models--", "datasets--", "spaces--")):
+        return None
+    blobs = repo / "blobs"
+    return blobs if blobs.is_dir() else None
+
+
 def _regular_bytes(folder: Path, path: Path) -> bytes:
     """The bytes of ``path``, a regular file inside ``folder`` (a link may point only inside it): anything else (a
     link out of the folder, a folder, a FIFO) is refused naming the file."""
@@ -122,7 +133,7 @@ def _regular_bytes(folder: Path, path: Path) -> bytes:
         real, root = path.resolve(strict=True), folder.resolve(strict=True)
     except (OSError, RuntimeError) as e:
         raise UserError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    if root != real.parent and root not in real.parents:
+    if root != real.parent and root not in real.parents and real.parent != hub_blobs_of(root):
         raise UserError(f"{path}: a link out of its folder (to {real}); the export copies files from inside {folder} only")
     if not stat.S_ISREG(real.stat().st_mode):
         raise UserError(f"{path}: not a regular file; the export copies regular files only")
