@@ -324,6 +324,22 @@ def test_step0_margins_are_exactly_zero(dg_toy, tiny, fresh_accelerate, mode, lo
     assert margins and max(abs(v) for v in margins.values()) == 0.0
 
 
+def test_a_cache_of_the_other_canvas_layout_is_refused_by_name(dg_toy, tiny):
+    """The layout is in the reference-cache fingerprint: a cache made under ``completion_only``, or before canvases
+    were filled (no layout recorded), does not serve a run under ``published``."""
+    from dllm_align.training.cache import compare, fingerprint
+
+    def fields(scoring, canvas_length):
+        return fingerprint(_dg_recipe(dg_toy, scoring), tokenizer=tiny.tokenizer, mask_token_id=tiny.mask_token_id,
+                           device=torch.device("cpu"), examples=[], canvas_length=canvas_length).fields
+
+    wanted = fields("published", tiny.canvas_length)
+    assert wanted["block_scoring"] == "published"
+    for cached in (fields("completion_only", tiny.canvas_length), fields("published", None)):
+        with pytest.raises(UserError, match="'block_scoring'.*data.block_scoring"):
+            compare(cached, wanted, Path("cache"))
+
+
 # --------------------------------------------------------------------------- the commands, from the CLI
 def _cli_recipe(root: Path, model: str, name: str, **train) -> Path:
     import yaml
