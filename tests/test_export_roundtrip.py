@@ -356,3 +356,47 @@ def test_train_ships_the_published_code_named_by_the_recipe_and_refuses_a_missin
                               f"model.published_code={tmp_path / 'nowhere'}"])
     assert res.exit_code == 2 and "model.published_code" in res.output, res.output
     assert not (tmp_path / "bad" / "final").exists()
+
+
+@pytest.mark.parametrize("merged_dtype", ["bfloat16", "trained"])
+def test_a_merged_lora_export_is_written_in_its_chosen_dtype_and_reloads_through_transformers(tmp_path, merged_dtype):
+    """``final/`` of a LoRA run with merge_on_export: ``train.lora.merged_dtype: bfloat16`` writes bf16 safetensors
+    shards (the merge computed in fp32 and rounded once) with a config.json that says so, which plain transformers
+    loads (DiffusionGemma: transformers' own class and layout) to exactly those weights; ``trained`` (the default)
+    keeps the weights as trained, fp32 here."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from dllm_align.config.schema import LoraSection
+    from dllm_align.models.load import load_model
+    from dllm_align.training.checkpoint import Saver, export, merged_state_dict
+
+    mp = load_model("builtin:tiny-diffusiongemma")  # fp32 weights, as a CPU run trains them
+    sd = {"model." + k: v for k, v in mp.model.state_dict().items()}
+    key = "model.model.decoder.layers.0.self_attn.q_proj.weight"
+    stem = key.removesuffix(".weight")
+    w = sd.pop(key)
+    g = torch.Generator().manual_seed(0)
+    sd[f"{stem}.base_layer.weight"] = w  # the PolicyScorer's names for an adapted projection (peft's)
+    sd[f"{stem}.lora_A.default.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.1
+    sd[f"{stem}.lora_B.default.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
+    lora = LoraSection(enabled=True, r=4, alpha=8, merged_dtype=merged_dtype)
+    saver = Saver(SimpleNamespace(unwrap_model=lambda m: m), SimpleNamespace(model=mp.model), mp.tokenizer, False, 0, True)
+    final = tmp_path / "final"
+    export(saver, final, sd, lora, "builtin:tiny-diffusiongemma", final=True)
+    want_dtype = torch.bfloat16 if merged_dtype == "bfloat16" else torch.float32
+    files = sorted(final.glob("model*.safetensors"))
+    assert files
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            assert {h.get_tensor(k).dtype for k in h.keys()} == {want_dtype}, f.name
+    assert json.loads((final / "config.json").read_text())["dtype"] == str(want_dtype).removeprefix("torch.")
+    merged = merged_state_dict(sd, lora)[0][key.removeprefix("model.")]
+    assert merged.dtype == torch.float32 and not torch.equal(merged, w)  # the adapter changed the projection
+    plain = DiffusionGemmaForBlockDiffusion.from_pretrained(final)
+    got = plain.model.decoder.layers[0].self_attn.q_proj.weight
+    assert got.dtype == want_dtype and torch.equal(got, merged.to(want_dtype))
+    assert {p.dtype for p in plain.parameters()} == {want_dtype}
+    assert (final / "adapter" / "adapter_model.safetensors").exists()  # the adapters beside it, as trained (fp32)

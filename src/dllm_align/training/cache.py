@@ -58,7 +58,9 @@ SHARD_FMT = "shard-{:05d}.safetensors"
 UNIFORM_FIELDS_DEFAULTS = {k: f.default for k, f in UniformSettings.model_fields.items()}
 UNIFORM_FIELDS = tuple(UNIFORM_FIELDS_DEFAULTS)
 # Fields present only where they apply; a cache that lacks one was made where it did not (or before it existed).
-OPTIONAL_FIELDS = (*UNIFORM_FIELDS, "tied_head")
+# ``likelihood`` and its ``likelihood_settings``: a likelihood the recipe picks (``reference.likelihood``); a cache
+# that lacks them was made with the family's.
+OPTIONAL_FIELDS = (*UNIFORM_FIELDS, "tied_head", "likelihood", "likelihood_settings")
 STRICT_FIELDS = (
     "format_version",
     "reference_weights",
@@ -277,6 +279,7 @@ def fingerprint(
     for key, default in UNIFORM_FIELDS_DEFAULTS.items():
         if getattr(r, key) != default:
             fields[key] = getattr(r, key)
+    fields.update(r.likelihood_record())
     return Fingerprint(fields, files)
 
 
@@ -289,6 +292,8 @@ _FIELD_HINTS = {
     "parameterization": "reference.parameterization",
     "self_conditioning": "reference.self_conditioning",
     "surrogate": "reference.surrogate",
+    "likelihood": "reference.likelihood",
+    "likelihood_settings": "the chosen likelihood's own settings (reference.<likelihood>.<key>)",
     "max_length": "data.max_length",
     "padding": "data.padding",
     "truncation": "data.truncation",

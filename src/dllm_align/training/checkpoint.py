@@ -127,6 +127,13 @@ def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
     return out, adapter
 
 
+def merged_in(weights: dict, dtype: str) -> dict:
+    """The merged model's floating-point weights in ``dtype`` (``train.lora.merged_dtype``: the merge was computed in
+    fp32, this rounds it once); integer tensors as they are."""
+    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    return {k: v.to(dt) if v.is_floating_point() else v for k, v in weights.items()}
+
+
 def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB",
                       rename=None) -> None:
     """Write weights (safetensors, sharded like ``save_pretrained``), config and tokenizer. ``rename``: applied to
@@ -297,6 +304,8 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
         return adapter
+    if final and lora.enabled and lora.merged_dtype != "trained":
+        weights = merged_in(weights, lora.merged_dtype)
     if final and lora.enabled:
         # the adapters beside the merged model, in a folder of their own: an adapter_config.json at the top would
         # make transformers read final/ as an adapter of the base rather than as the merged model

@@ -89,6 +89,9 @@ class Family:
     # The noise process and its ELBO, by name in ``dllm_align.objective.elbo.LIKELIHOODS``: "masked"
     # (whole-sequence absorbing-mask diffusion) or "block" (block diffusion over ``block_size`` blocks).
     likelihood: str = "masked"
+    # Other likelihoods its models may be trained with, chosen by ``reference.likelihood`` (a recorded choice; the
+    # family's ``likelihood`` stays the default); any other name is refused for this family.
+    likelihood_options: tuple[str, ...] = ()
     # Block diffusion (LLaDA2.x, SDAR): the published block size; None for whole-sequence diffusion.
     block_size: Optional[int] = None
     # The published block rule (``dllm_align.generate.block``): "sdar" (SDAR's generate.py) or "llada2"
