@@ -133,7 +133,7 @@ def setup_run(recipe, accelerator, resume_from: Optional[Path] = None, examples:
     if plan is None:
         recipe, plan = plan_run(recipe, accelerator, quiet=True)
     mp = load_policy(recipe.model, recipe.train.lora, recipe.data.max_length, plan, resume_from)
-    data = load_data(recipe, plan, mp.tokenizer, examples, block_size=mp.block_size)
+    data = load_data(recipe, plan, mp.tokenizer, examples, block_size=mp.block_size, canvas_length=mp.canvas_length)
     reference = open_reference(recipe, plan, mp, data, accelerator) if plan.objective.needs_reference else None
     policy = wrap_policy(mp, recipe.train, plan, accelerator)
     record = run_record(recipe, plan, data)
