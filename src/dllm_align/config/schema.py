@@ -192,10 +192,12 @@ class DataSection(Section):
     )
     block_scoring: Literal["published", "completion_only"] = Field(
         "published",
-        description="Block-diffusion models only (SDAR, LLaDA2.0): 'published': each completion is followed by the chat "
-        "template's end-of-turn tail and pad-token filler up to a whole number of blocks, all masked and scored, as SDAR's "
-        "and dllm's block trainers score and as the block sampler decodes (end_of_turn is then moot); 'completion_only': "
-        "the completion (and end_of_turn) only, the last block left partial. Ignored for whole-sequence models.",
+        description="Block-diffusion models only (SDAR, LLaDA2.0, DiffusionGemma): 'published': each completion is followed "
+        "by the chat template's end-of-turn tail and filler up to a whole number of blocks, all masked (noised) and scored, as "
+        "the published trainers score and as the samplers decode (end_of_turn is then moot): pad-token filler to whole blocks "
+        "of the sequence for SDAR's and dllm's block trainers, EOS to a whole number of canvases of the completion for "
+        "DiffusionGemma (TRL's example, never past max_length); 'completion_only': the completion (and end_of_turn) only, "
+        "the last block or canvas left partial. Ignored for whole-sequence models.",
     )
     desirable_ratio: float = Field(
         1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."

@@ -218,6 +218,7 @@ def fingerprint(
     examples: Sequence,
     known_files: Optional[list] = None,
     block_size: Optional[int] = None,
+    canvas_length: Optional[int] = None,
 ) -> Fingerprint:
     """The fingerprint of the reference values this recipe needs for ``examples``.
 
@@ -226,8 +227,8 @@ def fingerprint(
     model, from building it), the tokenizer is the one the examples were
     tokenised with, and the weights / compute dtypes are the training
     precision's (:func:`dllm_align.models.precision.precision_for`): a cache made in
-    fp32 does not serve a bf16-autocast run, nor the reverse. ``block_size``: the
-    model's (block-diffusion families), for the layout ``data.block_scoring`` gives.
+    fp32 does not serve a bf16-autocast run, nor the reverse. ``block_size`` / ``canvas_length``: the
+    model's (block-diffusion families / DiffusionGemma), for the layout ``data.block_scoring`` gives.
     """
     name = reference_name(recipe)
     revision = recipe.model.revision
@@ -257,8 +258,8 @@ def fingerprint(
         "estimator": r.estimator,
         "stratified": r.stratified,
         "end_of_turn": d.end_of_turn,
-        # The block-diffusion layout (None for a whole-sequence model, where data.block_scoring does nothing).
-        "block_scoring": block_scoring(d, block_size),
+        # The block or canvas layout (None for a whole-sequence model, where data.block_scoring does nothing).
+        "block_scoring": block_scoring(d, block_size, canvas_length),
         # The attention kernel is part of the function computed (flash / flex / sdpa round differently).
         "attn_implementation": recipe.model.attn_implementation or "sdpa",
         "composition": composition(recipe),

@@ -19,7 +19,7 @@ from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
 from dllm_align.data.imbalance import read_weights_file
 from dllm_align.models.families.base import Family
-from dllm_align.models.export import check_remote_code
+from dllm_align.models.export import check_remote_code, tokenizer_files
 from dllm_align.models.load import BUILTIN_SPECS, ModelSource, model_source
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
@@ -123,12 +123,15 @@ def resolve_recipe(recipe, *, fsdp: bool = False, fsdp_version: int = 1, checkpo
 
 def check_export_sources(recipe, source: ModelSource) -> None:
     """What the export of ``final/`` will copy (the source folder's remote code and generation config,
-    ``model.published_code``'s modeling files) checked before the first step: regular UTF-8 files inside their
-    folder, a tokenizer_config.json that is JSON; a refusal names the file (``models.export.check_remote_code``)."""
+    ``model.published_code``'s modeling files and what they import, the tokenizer's files, ``model.tokenizer``'s
+    where it names a folder) checked before the first step: regular UTF-8 files inside their folder, a
+    tokenizer_config.json that is JSON; a refusal names the file (``models.export.check_remote_code``)."""
     check_remote_code(source.folder, source.config, source.family.name)
     code = recipe.model.published_code
     if code:
         check_remote_code(Path(code).expanduser(), source.config, source.family.name)
+    named = recipe.model.tokenizer
+    tokenizer_files(Path(named).expanduser() if named and Path(named).expanduser().is_dir() else source.folder)
 
 
 def check_for_model(recipe) -> None:

@@ -142,6 +142,7 @@ def open_reference(recipe, plan, policy_mp, data, accelerator=None) -> TrainingR
         tokenizer=policy_mp.tokenizer,
         mask_token_id=policy_mp.mask_token_id,
         block_size=policy_mp.block_size,
+        canvas_length=policy_mp.canvas_length,
         device=plan.device,
         examples=data.examples,
         known_files=cache.weight_files(),
@@ -384,6 +385,7 @@ def shard_layout(recipe, examples: Sequence, ref_mp, device, old: Optional[dict]
         tokenizer=ref_mp.tokenizer,
         mask_token_id=ref_mp.mask_token_id,
         block_size=ref_mp.block_size,
+        canvas_length=ref_mp.canvas_length,
         device=device,
         examples=examples,
         known_files=(old or {}).get("weight_files"),
@@ -525,7 +527,7 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     recipe, source = resolve_recipe(recipe, quiet=not acc.is_main_process)
     ref_mp = load_reference(recipe, acc.device, source=source, accelerator=acc)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process,
-                                      block_size=ref_mp.block_size)
+                                      block_size=ref_mp.block_size, canvas_length=ref_mp.canvas_length)
     # the objective's extra rows of every step (the kl baseline's mismatched pairs)
     examples = examples + objective_for(recipe.train).reference_extras(recipe, examples)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)

@@ -44,6 +44,9 @@ class PublishedLayout:
     model_type: str
     architectures: tuple[str, ...]
     auto_map: dict = field(default_factory=dict)
+    # config.json fields the published code reads but its configuration class gives no default (the values of the
+    # published checkpoints): an exported config that lacks one gets it, or the published forward fails on it
+    defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
