@@ -166,7 +166,7 @@ def model_fingerprint(name_or_path: str, revision: Optional[str] = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section, likelihood) -> dict:
+def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section, reference) -> dict:
     return {
         "model": model_fp,
         "tokenizer": model_section.tokenizer,
@@ -180,7 +180,7 @@ def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section, likelihood) -
         "fewshot_as_multiturn": ev.fewshot_as_multiturn,
         "system_instruction": ev.system_instruction,
         "lm_eval": version("lm-eval"),
-    } | likelihood.likelihood_record()  # a chosen likelihood (nothing for the family's: earlier results stay valid)
+    } | reference.likelihood_record()  # a chosen likelihood (nothing for the family's: earlier results stay valid)
 
 
 def _jsonable(obj):
