@@ -101,16 +101,45 @@ def recipe(spec, mp, mode, lora, out, *more):
     return load_recipe(None, sets + list(more), output_dir=out)
 
 
-def real_recipe(spec, mp, mode, out):
-    """16 real kto-mix rows of 150-520 tokens on builtin:small, 4 rows per process per step."""
+def real_recipe(spec, mp, mode, out, *more):
+    """16 real kto-mix rows of 150-520 tokens on builtin:small (or ``more``'s model), 4 rows per process per step."""
     from dllm_align.config.recipe import load_recipe
 
     return load_recipe(None, [
         f"data.train={spec['real']['data']}", "data.format=unpaired", "data.max_length=640", "data.padding=packed",
         "model.name_or_path=builtin:small", "reference.n_mc=4", "reference.batch_size=16", "reference.shard_size=6",
         f"reference.mode={mode}", f"reference.cache={spec['real']['caches'][mp]}", f"train.mixed_precision={mp}",
-        "train.batch_size=4", "train.global_batch_size=8", "train.lr=1e-3",
+        "train.batch_size=4", "train.global_batch_size=8", "train.lr=1e-3", *more,
     ], output_dir=out)
+
+
+# LLaDA2.1's built-in model scored with the masked-plus-replaced bound (the rows unpacked: the bound refuses packing)
+HYBRID = ["model.name_or_path=builtin:tiny-llada21", "data.padding=none", "reference.likelihood=hybrid",
+          "reference.hybrid.mask_share=0.3"]
+
+
+def real_sets(spec, mp, sets):
+    """A real-rows configuration's settings: ``hybrid`` first stands for :data:`HYBRID` with its own cache (made by one
+    process, ``spec["real"]["hybrid_caches"]``); the rest are recipe settings."""
+    if sets[:1] == ["hybrid"]:
+        return [*HYBRID, f"reference.cache={spec['real']['hybrid_caches'][mp]}", *sets[1:]]
+    return list(sets)
+
+
+def real_tokenizer(rec):
+    from dllm_align.models.load import BUILTIN_SPECS, build_tiny_tokenizer
+
+    return build_tiny_tokenizer(BUILTIN_SPECS[rec.model.name_or_path].family)
+
+
+def real_rows(rec):
+    """The real rows tokenised as training tokenises them for the recipe's built-in model (a block-diffusion model:
+    in its own blocks)."""
+    from dllm_align.data.examples import load_training_examples
+    from dllm_align.models.load import load_model
+
+    block = load_model(rec.model.name_or_path).block_size
+    return load_training_examples(rec, real_tokenizer(rec), quiet=True, block_size=block)
 
 
 def rotary_probe(model):
@@ -205,7 +234,7 @@ def status_kib(field: str) -> int:
 def main() -> None:
     from dllm_align.data.examples import load_training_examples
     from dllm_align.models.load import BUILTIN_SPECS, build_tiny_model, build_tiny_tokenizer
-    from dllm_align.training.loop import invariant_margins
+    from dllm_align.training.loop import invariant_margins, invariant_values
     from dllm_align.training.train import setup_run
     from dllm_align.training.train import train
 
@@ -248,18 +277,19 @@ def main() -> None:
         del run
         acc.free_memory()
 
-    for launch, mp, mode in spec.get("real_margins", []):
+    for i, (launch, mp, mode, *sets) in enumerate(spec.get("real_margins", [])):
         acc = make_accelerator(launch, mp)
-        rec = real_recipe(spec, mp, mode, str(out / f"r-{launch}-{mp}-{mode}"))
-        real_exs = load_training_examples(rec, tok, quiet=True)
+        rec = real_recipe(spec, mp, mode, str(out / f"r-{i}"), *real_sets(spec, mp, sets))
+        real_exs = real_rows(rec)
         run = setup_run(rec, acc, None, real_exs)
-        local = invariant_margins(run, steps=2)
+        local = invariant_values(run, steps=2)
         gathered = [None] * acc.num_processes
         torch.distributed.all_gather_object(gathered, local)
-        allm = {k: v for d in gathered for k, v in d.items()}
-        results.setdefault("real_margins", {})[f"{launch}/{mp}/{mode}"] = {
-            "fsdp": run.plan.fsdp, "rows": len(allm), "max_abs_margin": max(abs(v) for v in allm.values()),
-            "min_tokens": min(ex.length for ex in real_exs)}
+        allv = {k: v for d in gathered for k, v in d.items()}
+        results.setdefault("real_margins", {})["/".join([launch, mp, mode, *sets])] = {
+            "fsdp": run.plan.fsdp, "rows": len(allv), "max_abs_margin": max(abs(p - r) for p, r, _ in allv.values()),
+            "min_tokens": min(ex.length for ex in real_exs), "reference": {k: r for k, (_, r, _) in allv.items()},
+            "likelihood": run.plan.draws.likelihood, "attention": run.mp.model.config._attn_implementation}
         del run
         acc.free_memory()
 

@@ -493,3 +493,118 @@ def test_other_families_through_the_harness(tiny_dream, tmp_path):
     other = [raw[0], raw[1], (raw[2] + 1) % len(tiny_dream.tokenizer)]
     out = make_lm(tiny_dream, greedy_check=True).score_tokens([(ids, raw, "own"), (ids, other, "other")])
     assert out[0][1] is True and out[1][1] is False
+
+
+# --------------------------------------------------------------------------- a likelihood the recipe chooses
+def direct_draws(mp, context: str, continuation: str, cfg: DrawConfig, likelihood) -> torch.Tensor:
+    """The K draws of one (context, continuation) pair from ``likelihood``'s own per-draw terms, run alone."""
+    tok = mp.tokenizer
+    ctx = list(tok(context, add_special_tokens=False)["input_ids"])
+    cont = list(tok(continuation, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor([ctx + cont])
+    cm = torch.zeros_like(ids, dtype=torch.bool)
+    cm[0, len(ctx):] = True
+    with torch.no_grad():
+        return likelihood.draw_terms(mp, ids, torch.ones_like(ids), cm, [E.request_id(context, continuation)], cfg)[0]
+
+
+def _llada21_recipe(tmp_path: Path, tasks: dict, *, likelihood: bool = True) -> Path:
+    body = {"name": "t21", "output_dir": str(tmp_path / "run"), "model": {"name_or_path": "builtin:tiny-llada21"},
+            "generate": {"gen_length": 8, "block_length": 8},
+            "evaluate": {"mc_num": MC_NUM, "batch_size": 8, "bootstrap_iters": 0, "tasks": tasks}}
+    if likelihood:
+        body["reference"] = {"likelihood": "hybrid", "hybrid": {"mask_share": 0.25}}
+    p = tmp_path / "eval21.yaml"
+    p.write_text(json.dumps(body))
+    return p
+
+
+def test_the_recipes_likelihood_scores_loglikelihood_and_is_recorded(tmp_path):
+    """`evaluate` on a LLaDA2.1 model with ``reference.likelihood: hybrid`` (what such a model was trained with)
+    scores every loglikelihood request with the masked-plus-replaced bound at the recipe's mask share: the harness's
+    values are the bound's per-draw terms called directly (not the family's block ELBO, which differs); results.json's
+    config, each task's fingerprint and the stderr line name the choice; the same recipe without the key scores with
+    the block ELBO as before."""
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.models.load import load_model
+    from dllm_align.objective.block import BLOCK
+    from dllm_align.objective.hybrid import HYBRID
+
+    mp = load_model("builtin:tiny-llada21")
+    recipe = _llada21_recipe(tmp_path, {"mc": {"task": "toy_mc"}})
+    share = load_recipe(str(recipe)).reference.own_settings("hybrid")
+    bound_cfg = DrawConfig(n_mc=MC_NUM, seed=0, estimator="l", stratified=True, likelihood="hybrid",
+                           likelihood_settings=(("hybrid", share),))
+    block_cfg = DrawConfig(n_mc=MC_NUM, seed=0, estimator="l", stratified=True)
+    bound = [[float(direct_draws(mp, q, " " + c, bound_cfg, HYBRID).mean()) for c in ch] for q, ch in MC_DOCS]
+    block = [[float(direct_draws(mp, q, " " + c, block_cfg, BLOCK).mean()) for c in ch] for q, ch in MC_DOCS]
+    assert max(abs(a - b) for x, y in zip(bound, block) for a, b in zip(x, y)) > 0.1  # the check below can fail
+    tasks_dir = tmp_path / "tasks"
+    tasks_dir.mkdir()
+    write_mc_task(tasks_dir, [max(range(3), key=v.__getitem__) for v in bound])
+    r = runner.invoke(app, ["evaluate", str(recipe), "--include-path", str(tasks_dir)])
+    assert r.exit_code == 0, r.stderr
+    assert "loglikelihood: 8 ELBO draws of the hybrid likelihood, reference.likelihood)" in r.stderr
+    run = tmp_path / "run" / "eval" / "builtin_tiny-llada21"
+    samples = sorted((json.loads(x) for x in (run / "samples_mc.jsonl").read_text().splitlines()),
+                     key=lambda s: s["doc_id"])
+    got = [[resp[0][0] for resp in s["resps"]] for s in samples]
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(bound, dtype=torch.float64), atol=1e-4)
+    merged = json.loads((run / "results.json").read_text())
+    assert merged["results"]["toy_mc"]["acc,none"] == pytest.approx(1.0)
+    config = merged["config"]
+    assert config["likelihood"] == "hybrid" and config["likelihood_settings"] == {"mask_share": 0.25}
+    assert config["packing"] is False  # the bound scores unpacked rows (evaluate.packing is on)
+    fp = json.loads((run / "tasks" / "mc.json").read_text())["fingerprint"]
+    assert fp["likelihood"] == "hybrid" and fp["likelihood_settings"] == {"mask_share": 0.25}
+
+    # the family's own likelihood without the key: the block ELBO, recorded by name, tasks not reused
+    plain = _llada21_recipe(tmp_path, {"mc": {"task": "toy_mc"}}, likelihood=False)
+    r = runner.invoke(app, ["evaluate", str(plain), "--include-path", str(tasks_dir)])
+    assert r.exit_code == 0, r.stderr
+    assert "reusing" not in r.stderr and "of the hybrid likelihood" not in r.stderr
+    samples = sorted((json.loads(x) for x in (run / "samples_mc.jsonl").read_text().splitlines()),
+                     key=lambda s: s["doc_id"])
+    got = [[resp[0][0] for resp in s["resps"]] for s in samples]
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(block, dtype=torch.float64), atol=1e-4)
+    config = json.loads((run / "results.json").read_text())["config"]
+    assert config["likelihood"] == "block" and "likelihood_settings" not in config and config["packing"] is True
+
+
+def test_a_likelihood_the_family_does_not_take_is_refused_by_name(tmp_path):
+    """``reference.likelihood: hybrid`` with a LLaDA2.0 model (to evaluate, or to compare with): one error line
+    naming the key, exit 2, before eval/ is written; the harness class refuses it too (a hub model, checked once
+    loaded), and from the harness's model arguments alone the bound takes its declared mask share."""
+    from dllm_align.core.errors import UserError
+    from dllm_align.models.load import load_model
+
+    tasks_dir = tmp_path / "tasks"
+    tasks_dir.mkdir()
+    write_mc_task(tasks_dir, [0] * len(MC_DOCS))
+    recipe = _llada21_recipe(tmp_path, {"mc": {"task": "toy_mc"}})
+    for args in (["-m", "builtin:tiny-llada2"], ["--compare", "builtin:tiny-llada2"]):
+        r = runner.invoke(app, ["evaluate", str(recipe), "--include-path", str(tasks_dir), *args])
+        errors = [x for x in r.stderr.splitlines() if x.startswith("Error")]
+        assert r.exit_code == 2 and len(errors) == 1, r.stderr
+        assert "reference.likelihood: 'hybrid' does not fit llada2 models" in errors[0]
+        assert not (tmp_path / "run" / "eval").exists()
+    with pytest.raises(UserError, match="'hybrid' does not fit llada2 models"):
+        E.DiffusionLM(predictor=load_model("builtin:tiny-llada2"), likelihood="hybrid", gen_length=8, block_length=8)
+    lm = E.DiffusionLM(predictor=load_model("builtin:tiny-llada21"), likelihood="hybrid", gen_length=8, block_length=8)
+    info = lm.get_model_info()
+    assert info["likelihood"] == "hybrid" and info["likelihood_settings"] == {"mask_share": 0.5}
+
+
+def test_packing_is_left_to_likelihoods_that_pack():
+    """evaluate.packing (on by default) packs only where the likelihood packs: a DiffusionGemma model (the uniform
+    likelihood, which scores against each example's own clean context and has nothing to pack) is scored, with the
+    values packing off gives, instead of refused with a training key's message; ``config.packing`` says what ran."""
+    from dllm_align.models.load import load_model
+
+    mp = load_model("builtin:tiny-diffusiongemma")
+    Req = lm_eval.api.instance.Instance
+    reqs = [Req("loglikelihood", {}, ("The cat sat on the", " mat"), 0), Req("loglikelihood", {}, ("Q:", " an answer"), 1)]
+    on = make_lm(mp, mc_num=4, batch_size=8, max_length=128)
+    off = make_lm(mp, mc_num=4, batch_size=8, max_length=128, packing=False)
+    assert on.packing and not on.packs and on.get_model_info()["packing"] is False
+    assert [x[0] for x in on.loglikelihood(reqs)] == [x[0] for x in off.loglikelihood(reqs)]

@@ -156,6 +156,36 @@ def test_step0_margins_are_zero_under_the_hybrid_likelihood_cached_and_online(to
         setup_run(other, make_accelerator(other), None, exs)
 
 
+def test_every_streams_kernel_gives_the_same_hybrid_elbo(toy):
+    """The masked-plus-replaced bound on LLaDA2.1's body through each streams kernel it supports (SDPA per stream,
+    eager under one dense mask, FlexAttention's BlockMask: forward only, as FlexAttention has no CPU backward) gives
+    the same per-row ELBO within the streams kernels' tolerance (test_block_training.py: atol 1e-4, rtol 1e-5; the
+    kernels sum the same fp32 products in other orders). Measured here: equal to the last bit."""
+    from dllm_align.data.examples import load_training_examples, make_collate
+    from dllm_align.models.block_attention import VARIANTS, use_streams_attention
+    from dllm_align.models.load import build_tiny_tokenizer, load_model
+    from dllm_align.objective.draws import DrawConfig
+    from dllm_align.objective.elbo import elbo
+
+    rec = recipe(toy, "no", "model.name_or_path=builtin:tiny-llada21", "data.padding=none",
+                 "reference.likelihood=hybrid", "reference.hybrid.mask_share=0.3", out="run-hybrid-kernels")
+    mp = load_model("builtin:tiny-llada21")
+    tok = build_tiny_tokenizer("llada21")
+    exs = load_training_examples(rec, tok, quiet=True, block_size=mp.block_size)[:4]
+    batch = make_collate(rec, tok)(exs)
+    cfg = DrawConfig.from_reference(rec.reference)
+    assert cfg.likelihood == "hybrid" and cfg.settings_of("hybrid").mask_share == 0.3
+    got = {}
+    for impl in ("sdpa", "eager", "flex_attention"):
+        use_streams_attention(mp.model, impl)
+        assert mp.model.config._attn_implementation == VARIANTS[impl]
+        with torch.no_grad():
+            got[impl] = elbo(mp, batch, cfg)
+    assert bool((got["sdpa"] < 0).all())
+    for impl in ("eager", "flex_attention"):
+        torch.testing.assert_close(got[impl], got["sdpa"], atol=1e-4, rtol=1e-5, msg=lambda m, impl=impl: f"{impl}: {m}")
+
+
 def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
     """`train --set train.mixed_precision=bf16`: the first step's reward means are 0 for both classes."""
     from dllm_align.training.train import train

@@ -5,7 +5,9 @@ so the suite pays for one process start-up:
 
 * the step-0 invariant (also for a block-diffusion model, online): every row's margin is exactly 0 (CPU; see
   test_invariants.py for why exactly) for DDP / FSDP1 / FSDP2 x fp32 / bf16
-  autocast x (cached reference, no LoRA) and (online reference, LoRA);
+  autocast x (cached reference, no LoRA) and (online reference, LoRA); on real rows, also for LLaDA2.1 scored
+  with the masked-plus-replaced bound (``reference.likelihood: hybrid``), whose reference ELBOs equal one
+  process's;
 * the rotary frequencies the forward uses are fp32 under FSDP + bf16, and the
   FSDP policy reduces gradients in fp32 without casting parameters (the
   accelerate default, run raw, still casts them to bf16: the defect);
@@ -97,14 +99,19 @@ def launched(tmp_path_factory, shared_data):
     # caches made by one process
     from fixtures.real_rows import write_real_rows
 
-    spec["real"] = {"data": str(write_real_rows(shared_data, root / "real.jsonl")), "caches": {}}
+    spec["real"] = {"data": str(write_real_rows(shared_data, root / "real.jsonl")), "caches": {}, "hybrid_caches": {}}
     for mp in ("no", "bf16"):
         spec["real"]["caches"][mp] = str(root / f"real-cache-{mp}")
-        rec = d.real_recipe(spec, mp, "cached", str(root / "real-pre"))
-        real_exs = load_training_examples(rec, tok, quiet=True)
-        ref.precompute(rec, real_exs, make_collate(rec, tok), None, None)
+        spec["real"]["hybrid_caches"][mp] = str(root / f"real-hybrid-cache-{mp}")
+        for sets in ([], ["hybrid"]):
+            rec = d.real_recipe(spec, mp, "cached", str(root / "real-pre"), *d.real_sets(spec, mp, sets))
+            ref.precompute(rec, d.real_rows(rec), make_collate(rec, d.real_tokenizer(rec)), None, None)
     spec["real_margins"] = [["ddp", "bf16", "cached"], ["fsdp2", "bf16", "cached"], ["fsdp2", "no", "cached"],
                             ["fsdp2", "bf16", "online"]]
+    # LLaDA2.1 scored with the masked-plus-replaced bound: DDP and FSDP2, fp32 and bf16 autocast, each reference mode
+    # (the streams kernels are compared on one process, test_invariants.py: eager costs ~10x SDPA on these rows)
+    spec["real_margins"] += [["ddp", "no", "online", "hybrid"], ["ddp", "bf16", "cached", "hybrid"],
+                             ["fsdp2", "no", "cached", "hybrid"], ["fsdp2", "bf16", "online", "hybrid"]]
     spec["resume"] = [[launch, str(root / f"resume-{launch}")] for launch in ("fsdp1", "fsdp2")]
     # DiffusionGemma (its tied layer pairs as FSDP2 units, activation checkpointing off as the family needs): its
     # tiny vocabulary's rows do not divide by the 2 processes, so the shards are uneven
@@ -306,12 +313,38 @@ def test_fsdp2_bf16_layer_gathering_trains_like_fp32_gathering(launched):
 def test_step0_margins_exact_on_real_rows_ddp_and_fsdp2(launched):
     """Real kto-mix rows of 150-520 tokens on builtin:small, 2 gloo processes: every margin exactly 0 under
     DDP and FSDP2, bf16 and fp32, cached (made by one process, in training's micro-batches) and online."""
-    res = launched["results"]["real_margins"]
+    res = {k: v for k, v in launched["results"]["real_margins"].items() if "/hybrid" not in k}
     assert len(res) == 4
     for key, r in res.items():
         assert r["rows"] == 16 and r["min_tokens"] >= 150, key
         assert r["fsdp"] == key.startswith("fsdp"), key
         assert r["max_abs_margin"] == 0.0, (key, r["max_abs_margin"])
+
+
+def test_hybrid_likelihood_on_real_rows_equals_one_process(launched):
+    """LLaDA2.1 with ``reference.likelihood: hybrid`` (the masked-plus-replaced bound) on the real rows, 2 gloo
+    processes, DDP and FSDP2, fp32 and bf16 autocast, cached and online: every step-0 margin is exactly 0, and every
+    row's reference ELBO is the one process's (its cache, made in batches of 16) exactly. Exactly, as everywhere in
+    this file: on the CPU each row's reductions run in an order that depends neither on the other rows of the batch
+    nor on the process count (test_invariants.py), so a bf16-autocast forward rounds the same on one process or two.
+    (The streams kernels, SDPA, eager and FlexAttention, give the same bound: test_invariants.py.)"""
+    from dllm_align.training.cache import ReferenceCache
+
+    res = {k: v for k, v in launched["results"]["real_margins"].items() if "/hybrid" in k}
+    assert sorted(res) == ["ddp/bf16/cached/hybrid", "ddp/no/online/hybrid", "fsdp2/bf16/online/hybrid",
+                           "fsdp2/no/cached/hybrid"]
+    spec = json.loads((launched["root"] / "spec.json").read_text())
+    for key, r in res.items():
+        launch, mp, mode = key.split("/")[:3]
+        assert r["likelihood"] == "hybrid" and r["rows"] == 16 and r["min_tokens"] >= 150, key
+        assert r["fsdp"] == (launch == "fsdp2"), key
+        assert r["max_abs_margin"] == 0.0, (key, r["max_abs_margin"])
+        one = ReferenceCache.open(Path(spec["real"]["hybrid_caches"][mp]))
+        ids = sorted(r["reference"])
+        want = one.lookup(ids, 4).mean(dim=1)
+        got = torch.tensor([r["reference"][i] for i in ids])
+        assert bool((got < 0).all()) and r["attention"] == "dllm_block_sdpa", key
+        assert torch.equal(got, want), (key, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -176,3 +176,56 @@ def test_the_bound_is_refused_where_it_does_not_fit_in_one_line(folders, model, 
     out = root / f"refused-lik-{model}-{len(sets)}-{sets[-1].replace('=', '-')}"
     res = runner.invoke(app, ["train", str(rec), "-o", str(out), *args])
     assert res.exit_code == 2 and words in res.stderr and not out.exists(), res.output
+
+
+def test_decoding_commands_take_the_likelihood_choice_without_a_word_and_record_it(folders, tmp_path):
+    """``generate`` and ``label`` decode with the family's rule: ``reference.likelihood: hybrid`` and its mask share
+    change nothing they write and draw no remark, and their recorded recipe keeps the choice (``online`` trains each
+    round through ``train``, which scores with it: test_online_rounds_score_with_the_likelihood_choice)."""
+    rec = _recipe(tmp_path, str(folders["hub"]), "decode")
+    sets = ["--set", "reference.likelihood=hybrid", "--set", "reference.hybrid.mask_share=0.25"]
+    rows = {}
+    for name, extra in (("plain", []), ("chosen", sets)):
+        out = tmp_path / f"gen-{name}" / "gen.jsonl"
+        res = runner.invoke(app, ["generate", str(rec), "--output", str(out), "--device", "cpu", *extra])
+        assert res.exit_code == 0, res.output
+        assert "likelihood" not in res.stderr and "hybrid" not in res.stderr, res.stderr
+        lab = tmp_path / f"lab-{name}"
+        res = runner.invoke(app, ["label", "demo", "-o", str(lab), "--n", "2", "--limit", "2",
+                                  "--set", f"model.name_or_path={folders['hub']}", "--set", "generate.gen_length=32",
+                                  "--set", "generate.block_length=32", "--set", "generate.steps=512", *extra])
+        assert res.exit_code == 0, res.output
+        assert "likelihood" not in res.stderr and "hybrid" not in res.stderr, res.stderr
+        labelled = [json.loads(x) for x in next(lab.glob("*.jsonl")).read_text().splitlines()]
+        rows[name] = ([json.loads(x)["completion"] for x in out.read_text().splitlines()],
+                      [(r["prompt"], r["completion"], r["label"]) for r in labelled])
+        recorded = {"generate": out.parent / "recipe.generate.yaml", "label": lab / "recipe.label.yaml"}
+        for command, path in recorded.items():
+            saved = yaml.safe_load(path.read_text())["reference"]
+            want = ("hybrid", {"mask_share": 0.25}) if extra else (None, None)
+            assert (saved["likelihood"], saved.get("hybrid")) == want, (command, saved)
+    assert rows["chosen"] == rows["plain"] and len(rows["plain"][0]) == 3 and len(rows["plain"][1]) == 4
+
+
+def test_online_rounds_score_with_the_likelihood_choice(tmp_path, fresh_accelerate):
+    """``online`` on the LLaDA2.1 demo base with ``reference.likelihood: hybrid``: the round decodes with the family's
+    rule as always (no remark on the key) and precomputes and trains with the bound, its step-0 rewards exactly 0; the
+    round's recorded recipes and its cache's fingerprint keep the choice and its mask share."""
+    out = tmp_path / "on"
+    res = runner.invoke(app, ["online", "demo_llada21", "-o", str(out), "--rule", "regex:^0", "--rounds", "1",
+                              "--n", "4", "--limit", "8", "--heldout-limit", "2", "--temperature", "0.5",
+                              "--set", "reference.likelihood=hybrid", "--set", "reference.hybrid.mask_share=0.25",
+                              "--set", "reference.n_mc=2", "--set", "train.n_mc=2", "--set", "train.max_steps=2",
+                              "--set", "train.batch_size=4"])
+    assert res.exit_code == 0, res.output
+    assert "likelihood" not in res.stderr and "hybrid" not in res.stderr, res.stderr
+    rd = out / "round-0"
+    labels = [json.loads(x)["label"] for x in (rd / "labelled.jsonl").read_text().splitlines()]
+    assert 0 < sum(labels) < len(labels)  # both classes: the round trained
+    first = read_metrics(rd)[0]
+    assert first["reward_desirable"] == 0.0 and first["reward_undesirable"] == 0.0
+    for command in ("precompute-ref", "train"):
+        saved = yaml.safe_load((rd / f"recipe.{command}.yaml").read_text())["reference"]
+        assert saved["likelihood"] == "hybrid" and saved["hybrid"] == {"mask_share": 0.25}, command
+    fp = json.loads((rd / "ref_cache" / "manifest.json").read_text())["fingerprint"]
+    assert fp["likelihood"] == "hybrid" and fp["likelihood_settings"] == {"mask_share": 0.25}

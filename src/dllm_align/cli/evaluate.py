@@ -96,6 +96,7 @@ def evaluate(
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # Every task name is checked before anything is written (an unknown task left an empty eval/ behind).
     tm = E.task_manager([p.harness_task for p in plans], rec.evaluate.include_path)
+    E.check_likelihood(rec, models)
     if rank0:
         write_run_info(rec, eval_dir, "evaluate")
 

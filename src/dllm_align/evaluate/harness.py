@@ -8,7 +8,11 @@ types for a masked diffusion LM:
 * ``loglikelihood(context, continuation)``: the Monte Carlo ELBO of the
   continuation given the context (docs/design.md#the-masked-diffusion-elbo; the context is the
   prompt, the continuation the "completion"). The ELBO is a lower bound on
-  log p, and it is what LLaDA's own evaluation reports. Masks are a pure
+  log p, and it is what LLaDA's own evaluation reports. It is the model family's
+  likelihood, or the one ``likelihood`` names (the ``evaluate`` command passes the
+  recipe's ``reference.likelihood`` and its settings: a model trained with a chosen
+  bound is scored with that bound), refused by name where the family does not
+  take it, and recorded in the results' ``config`` (``likelihood``). Masks are a pure
   function of (``mc_seed``, the request text), so a request scores the same in
   any batch, on any number of processes and on a re-run. ``mc_num`` draws per
   request; ``stratified`` spreads the masked counts evenly over them (as
@@ -61,7 +65,7 @@ from dllm_align.core.errors import UserError
 from dllm_align.generate.backend import backend_component, make_generator, recorded_settings
 from dllm_align.generate.settings import SamplerSettings, row_seed
 from dllm_align.models.load import load_model
-from dllm_align.objective.elbo import DrawConfig, elbo_draws
+from dllm_align.objective.elbo import DrawConfig, elbo_draws, get_likelihood, likelihood_choice
 
 
 
@@ -127,6 +131,7 @@ _ARG_NAMES = (
     "pretrained", "revision", "tokenizer", "dtype", "device", "trust_remote_code", "mask_token_id",
     "batch_size", "mc_num", "mc_seed", "stratified", "greedy_check", "max_length", "packing",
     "gen_length", "block_length", "steps", "remasking", "temperature", "cfg", "cache", "threshold", "seed", "backend",
+    "likelihood",
 )
 
 
@@ -169,9 +174,11 @@ class DiffusionLM(LM):
         threshold: Optional[float] = None,
         seed: Optional[int] = None,
         backend: Optional[str] = None,
+        likelihood: Optional[str] = None,
         max_batch_size: Optional[int] = None,  # passed by the harness; batches here are fixed-size
         generate=None,  # the recipe's generate section, whose backend settings (generate.<backend>) travel along
         model_section=None,  # the recipe's model section, handed to the backend with ``pretrained``
+        reference=None,  # the recipe's reference section: the own settings of the likelihood ``likelihood`` names
         **unknown,
     ) -> None:
         super().__init__()
@@ -198,6 +205,11 @@ class DiffusionLM(LM):
                 mask_token_id=mask_token_id, tokenizer=tokenizer,
             )
         self.mp = predictor  # scores loglikelihoods; sampling goes through the generator
+        # the likelihood the scores use: the family's, or a choice it accepts (refused by name before any task runs)
+        self._choice = likelihood_choice(predictor.family, likelihood)
+        self.likelihood = self._choice or predictor.family.likelihood
+        self._choice_settings = (((self._choice, reference.own_settings(self._choice)),)
+                                 if self._choice and reference is not None else ())
         # the backend's own refusal of these settings for this model comes here, before any task runs
         self.generator = make_generator(sampler, model_section, name_or_path=str(pretrained), predictor=predictor)
         self.tokenizer = predictor.tokenizer
@@ -236,7 +248,14 @@ class DiffusionLM(LM):
             self.greedy_check = bool(greedy_check)
 
     def draw_config(self):
-        return DrawConfig(n_mc=self.mc_num, seed=self.mc_seed, estimator="l", stratified=self.stratified)
+        return DrawConfig(n_mc=self.mc_num, seed=self.mc_seed, estimator="l", stratified=self.stratified,
+                          likelihood=self._choice, likelihood_settings=self._choice_settings)
+
+    @property
+    def packs(self) -> bool:
+        """Whether loglikelihood forwards are packed: ``packing``, where the likelihood packs (the
+        masked-plus-replaced bound does not: its values are those of padded rows, which it scores instead)."""
+        return self.packing and get_likelihood(self.likelihood).packs
 
     # -- harness properties
     @property
@@ -295,9 +314,10 @@ class DiffusionLM(LM):
             "mc_seed": self.mc_seed,
             "stratified": self.stratified,
             "greedy_check": self.greedy_check,
-            "packing": self.packing,
+            "packing": self.packs,
             "world_size": self.world_size,
-        }
+            "likelihood": self.likelihood,
+        } | ({"likelihood_settings": self.draw_config().settings_of(self._choice).model_dump()} if self._choice else {})
 
     # -- distributed primitives used by the harness
     def all_gather(self, tensor):
@@ -427,7 +447,7 @@ class DiffusionLM(LM):
                     cm[b, len(ctx) : n] = True
                 draws = elbo_draws(
                     self.mp, ids.to(dev), attn.to(dev), cm.to(dev), chunk, cfg, self.batch_size,
-                    pack_length=self.max_length if self.packing else None,
+                    pack_length=self.max_length if self.packs else None,
                 )
                 for k, v in zip(chunk, draws.mean(dim=1).tolist()):
                     value[k] = float(v)

@@ -26,7 +26,8 @@ from dllm_align.core.io import atomic_write_json, atomic_write_text
 from dllm_align.evaluate.harness import DiffusionLM, HARNESS_NAME, bundled_task_dir, eval_device
 from dllm_align.generate.backend import recorded_settings
 from dllm_align.generate.settings import SamplerSettings
-from dllm_align.models.load import load_from_section
+from dllm_align.models.load import BUILTIN_SPECS, load_from_section, model_source
+from dllm_align.objective.elbo import likelihood_for
 
 
 # --------------------------------------------------------------------------- the evaluate command
@@ -97,6 +98,19 @@ def plan_tasks(recipe, keys: Optional[Sequence[str]] = None, limit: Optional[int
     return plans
 
 
+def check_likelihood(recipe, names: Sequence[str]) -> None:
+    """``reference.likelihood`` (the likelihood loglikelihood requests are scored with) checked against each model
+    that can be read here (a built-in model, a local folder), before anything is written: a family that does not take
+    it is refused by name. A hub id is checked once loaded (:class:`DiffusionLM`)."""
+    if not recipe.reference.likelihood:
+        return
+    for name in names:
+        if name in BUILTIN_SPECS or name.startswith("builtin:") or Path(name).expanduser().is_dir():
+            family = model_source(name, recipe.model.revision).family
+            if family is not None:
+                likelihood_for(family, recipe.reference.likelihood)
+
+
 def task_manager(names: Sequence[str], include_path: Optional[str | Sequence[str]] = None):
     """A harness TaskManager that knows ``names``; unknown names are a UserError with a did-you-mean.
 
@@ -152,7 +166,7 @@ def model_fingerprint(name_or_path: str, revision: Optional[str] = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section) -> dict:
+def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section, reference) -> dict:
     return {
         "model": model_fp,
         "tokenizer": model_section.tokenizer,
@@ -166,7 +180,7 @@ def _fingerprint(plan: TaskPlan, ev, model_fp: str, model_section) -> dict:
         "fewshot_as_multiturn": ev.fewshot_as_multiturn,
         "system_instruction": ev.system_instruction,
         "lm_eval": version("lm-eval"),
-    }
+    } | reference.likelihood_record()  # a chosen likelihood (nothing for the family's: earlier results stay valid)
 
 
 def _jsonable(obj):
@@ -232,7 +246,7 @@ def evaluate_model(
     lm = None
     per_task: dict[str, dict] = {}
     for plan in plans:
-        fp = _fingerprint(plan, ev, model_fp, recipe.model)
+        fp = _fingerprint(plan, ev, model_fp, recipe.model, recipe.reference)
         task_file = out_dir / "tasks" / f"{plan.key}.json"
         if not rerun and task_file.is_file():
             try:
@@ -250,7 +264,8 @@ def evaluate_model(
         shots = plan.num_fewshot if plan.num_fewshot is not None else "task default"
         info(
             f"{plan.key}: {plan.harness_task} on {name_or_path} (shots {shots}; generation: gen {plan.sampler.gen_length} / "
-            f"block {plan.sampler.block_length} / steps {plan.sampler.steps}; loglikelihood: {ev.mc_num} ELBO draws)"
+            f"block {plan.sampler.block_length} / steps {plan.sampler.steps}; loglikelihood: {ev.mc_num} ELBO draws"
+            + (f" of the {lm.likelihood} likelihood, reference.likelihood" if recipe.reference.likelihood else "") + ")"
         )
         res = run_task(lm, plan, ev, tm)
         if res is None:  # not rank 0: the merged result lives there
@@ -288,8 +303,9 @@ def make_lm(recipe, name_or_path: str) -> DiffusionLM:
         pretrained=name_or_path, predictor=mp, batch_size=ev.batch_size, mc_num=ev.mc_num, mc_seed=ev.mc_seed,
         stratified=ev.stratified, greedy_check=ev.greedy_check, max_length=ev.max_length, packing=ev.packing,
         gen_length=g.gen_length, block_length=g.block_length, steps=g.steps, remasking=g.remasking,
-        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed, backend=g.backend,
-        generate=g, model_section=recipe.model,
+        temperature=g.temperature, cfg=g.cfg, cache=g.cache, threshold=g.threshold, seed=g.seed,
+        backend=g.backend, generate=g, model_section=recipe.model, likelihood=recipe.reference.likelihood,
+        reference=recipe.reference,
     )
 
 

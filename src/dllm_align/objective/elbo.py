@@ -56,6 +56,14 @@ def likelihood_for(family, choice: Optional[str]) -> str:
     return choice
 
 
+def likelihood_choice(family, choice: Optional[str]) -> Optional[str]:
+    """What ``choice`` (``reference.likelihood``) picks for a model of ``family``, as draws carry it
+    (``DrawConfig.likelihood``): None where it is the family's own likelihood (or not given), else its name;
+    refused by name where the family does not take it (:func:`likelihood_for`)."""
+    name = likelihood_for(family, choice)
+    return None if name == family.likelihood else name
+
+
 def likelihood_of(mp, cfg: Optional[DrawConfig] = None) -> Likelihood:
     """The likelihood of a model (``mp.likelihood``: its family's, by name), or the one the draws are for
     (``cfg.likelihood``: the recipe's ``reference.likelihood``, which the run has checked its family accepts)."""
