@@ -78,6 +78,11 @@ class ComposedSection(Section):
                 problems = ignored_problems(self, comp)
                 if problems:
                     raise KeyedError(problems[0][0], problems[0][1])
+            # "auto" names no rule yet: the family's is checked once the model is read (rule_problems)
+            if isinstance(name, str) and name != "auto":
+                problems = unused_settings_problems(self, kind.name, comp.name if comp is not None else name.partition(":")[0])
+                if problems:
+                    raise KeyedError(problems[0][0], problems[0][1])
         return self
 
     def own_settings(self, name: str) -> BaseModel:
@@ -111,6 +116,21 @@ def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tup
         if getattr(section, key) != default:
             out.append((key, f"not a setting of the {comp.kind} {comp.name!r} (it has no use for it; "
                              f"leave it at {default!r})"))
+    return out
+
+
+def unused_settings_problems(section: BaseModel, kind: str, selected: str) -> list[tuple[str, str]]:
+    """(key, message) for each component of ``kind`` other than ``selected`` whose own settings the recipe sets away
+    from their defaults: nothing reads them (the selector names another component), so they would be ignored."""
+    selector = registry.KINDS[kind].selector
+    out = []
+    for key, value in (section.__pydantic_extra__ or {}).items():
+        comp = registry.find(kind, key)
+        if comp is None or comp.name == selected or not isinstance(value, BaseModel) or value == comp.settings():
+            continue
+        where = f"{registry.KINDS[kind].section}.{selector}"
+        out.append((key, f"the settings of the {kind} {key!r}, which is not used here ({where} is {selected!r}); "
+                         "leave them out"))
     return out
 
 
@@ -429,7 +449,7 @@ def rule_problems(generate: GenerateSection, rule: str) -> list[tuple[str, str]]
     the keys it ignores set away from their defaults, then its own check. The one place both the recipe (a rule
     named in it) and ``generate.rules.settings_for`` (``sampler: auto`` resolved to the family's rule) ask."""
     comp = registry.get("rule", rule, key="generate.sampler")
-    problems = ignored_problems(generate, comp)
+    problems = ignored_problems(generate, comp) + unused_settings_problems(generate, "rule", rule)
     return problems + (list(comp.check(generate)) if comp.check is not None else [])
 
 

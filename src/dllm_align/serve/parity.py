@@ -82,7 +82,9 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     if source is None:
         raise UserError(f"data.{split}: no prompts to compare on", hint="--prompts FILE")
     items = read_prompts(str(source), None, limit, verifier)
-    ref_section = gen_section.model_copy(update={"backend": "in_process"})
+    # the reference: the same section decoded in this process (the served backend's own settings left out)
+    ref_section = type(gen_section)(**{**{k: v for k, v in gen_section.model_dump().items() if k != gen_section.backend},
+                                       "backend": "in_process"})
     ref = make_generator(ref_section, recipe.model, device=device)
     cand = make_generator(gen_section, recipe.model, device=device)
     ids = [encode_prompt(ref.tokenizer, p.messages) for p in items]
