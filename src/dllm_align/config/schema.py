@@ -453,6 +453,17 @@ def rule_problems(generate: GenerateSection, rule: str) -> list[tuple[str, str]]
     return problems + (list(comp.check(generate)) if comp.check is not None else [])
 
 
+def noise_problem(rule: str, family: str, likelihood: str) -> Optional[str]:
+    """Why decoding rule ``rule`` cannot decode a ``family`` model trained with ``likelihood`` (its declaration's
+    ``decodes`` names the noise processes it decodes), or None. Asked by ``generate`` once the model is loaded and
+    by ``recipes check`` where the model can be read here."""
+    decodes = registry.get("rule", rule, key="generate.sampler").traits.get("decodes")
+    if decodes is None or likelihood in decodes:
+        return None
+    return (f"{rule}: {family} models use the {likelihood} likelihood; the {rule} rule decodes "
+            f"{' or '.join(decodes)} diffusion")
+
+
 # --------------------------------------------------------------------------- judge
 class JudgeSection(Section):
     """Pairwise judging (`dllm-align judge`; docs/design.md#judging)."""

@@ -125,4 +125,4 @@ register(Component(
     # its thresholds are its own (generate.llada21.*); the published generate never reads steps
     ignores=("cfg", "remasking", "threshold", "steps", "alg", "alg_temp", "eps"),
     summary="LLaDA2.1's published decoding: mask-to-token and token-to-token editing thresholds, block by block",
-    traits={"fast_cache": "prefix"}))
+    traits={"fast_cache": "prefix", "decodes": ("block",)}))
