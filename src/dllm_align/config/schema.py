@@ -399,7 +399,8 @@ class GenerateSection(ComposedSection):
         "low_confidence", description="LLaDA rule: which candidates a step commits, the most probable ones or random ones "
         "(the block rule commits by confidence, statically or above generate.threshold; not recorded for it)."
     )
-    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise. "
+    temperature: float = Field(0.0, ge=0, le=10, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise (at most 10: "
+                               "far past it the float64 noise raised to the temperature under- or overflows). "
                                "DiffusionGemma's rule reads none (its own schedule over random canvases: tokens depend on the seed); "
                                "only 0 is accepted there.")
     cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
