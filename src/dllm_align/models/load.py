@@ -535,10 +535,27 @@ def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSour
         return ModelSource(name_or_path, revision, None)
 
 
+def check_device(device: str | torch.device, flag: str = "--device") -> torch.device:
+    """``device`` as torch reads it, refused by ``flag`` when torch knows no such device or this machine has none
+    (a CUDA index past the GPUs visible), before any weight loads."""
+    if isinstance(device, torch.device):
+        return device
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(f"{flag} {str(device)[:80]!r}: not a device (cpu, cuda, cuda:1, mps ...)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index or 0) >= count:
+            raise UserError(f"{flag} {device}: this machine has {count} CUDA device(s) visible")
+    return dev
+
+
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None,
                       config: Optional[dict] = None, empty: bool = False) -> "MaskPredictor":
     """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read;
     ``empty``: :func:`load_model`'s)."""
+    check_device(device)
     mp = load_model(
         name_or_path or section.name_or_path,
         revision=section.revision,

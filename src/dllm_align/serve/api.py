@@ -422,6 +422,18 @@ class Server:
 
 
 # --------------------------------------------------------------------------- running it
+def check_limits(*, timeout: float, batch_window_ms: float, max_body_mb: float, served_model_name: Optional[str]) -> None:
+    """The server's bounds as ``serve`` takes them, checked before the model loads: finite numbers (an infinite
+    timeout is a request that never ends; an infinite body limit no limit) and a model name requests can give."""
+    for flag, v in (("--timeout", timeout), ("--batch-window-ms", batch_window_ms), ("--max-body-mb", max_body_mb)):
+        if not math.isfinite(v):
+            raise UserError(f"{flag} {v}: a finite number")
+    if max_body_mb > 1 << 20:
+        raise UserError(f"--max-body-mb {max_body_mb:g}: at most {1 << 20} (a TiB)")
+    if served_model_name is not None and not served_model_name.strip():
+        raise UserError("--served-model-name: empty; requests name the model by it")
+
+
 def check_bind(host: str, api_key: Optional[str]) -> None:
     """Loopback by default: a server reachable from elsewhere must have an API key."""
     if not is_loopback(host) and not api_key:
@@ -470,5 +482,5 @@ def serve_forever(server: Server, host: str, port: int, *, max_connections: int 
         server.engine.close()
 
 
-__all__ = ["ApiError", "MAX_PROMPTS", "Running", "Server", "check_bind", "serve_forever", "chat_prompt", "completion_prompts", "cut_at_stop", "error_response",
+__all__ = ["ApiError", "MAX_PROMPTS", "Running", "Server", "check_bind", "check_limits", "serve_forever", "chat_prompt", "completion_prompts", "cut_at_stop", "error_response",
            "request_settings"]
