@@ -385,7 +385,7 @@ CLIENT_SETTINGS = [
     ("generate.openai.engine=vllm", "generate.openai.engine"),
     ("generate.openai.api_key_env=NOT A NAME", "generate.openai.api_key_env"),
     ("generate.openai.fixed={bogus_key: 1}", "generate.openai.fixed"),
-    ("generate.openai.model=", "generate.openai.model"),
+    ('generate.openai.model=""', "generate.openai.model"),
 ]
 
 
@@ -398,6 +398,13 @@ def test_a_bad_client_backend_setting_is_refused_by_recipes_check_and_generate(t
     r = run_cli(["generate", "demo", "-o", out, "--prompts", prompts, *base])
     refused(r, key)
     assert not out.exists()
+
+
+def test_the_keys_a_recipe_may_declare_fixed_are_the_keys_engines_fix_at_launch():
+    from dllm_align.generate.components import FIXABLE
+    from dllm_align.serve.engines import ENGINES
+
+    assert set(FIXABLE) == {k for e in ENGINES.values() for k in e.launch}
 
 
 def test_an_unset_api_key_variable_is_refused_before_the_folder(tmp_path, prompts):

@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from dllm_align.config import components as registry
 from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.generate.components import engine_family_problem
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, model_fingerprint, row_seed
 from dllm_align.judge.client import Cancelled, ChatClient, FatalApiError, JudgementFailed, run_pool
 from dllm_align.models.families import family_for_config
-from dllm_align.models.load import load_tokenizer, resolve_model_path
+from dllm_align.models.load import load_tokenizer, model_source, resolve_model_path
 from dllm_align.serve import engines
 
 
@@ -279,6 +280,12 @@ def make_openai_generator(generate, settings, *, model=None, device=None, name_o
                           predictor=None) -> OpenAIGenerator:
     """The factory ``generate.backend: openai`` names: the tokenizer of the recipe's model on this side, the
     server at ``generate.openai.base_url`` for the rest (``device`` and ``predictor`` have no use here)."""
+    name = name_or_path or (model.name_or_path if model is not None else None)
+    if name is not None and (name.startswith("builtin:") or Path(name).expanduser().is_dir()):
+        family = model_source(name, model.revision if model is not None else None).family
+        problem = engine_family_problem(settings, family.name) if family is not None else None
+        if problem is not None:
+            raise UserError(problem, hint="docs/serving.md lists the families each engine serves")
     tok = predictor.tokenizer if predictor is not None else client_tokenizer(model, name_or_path)
     base = settings.base_url.rstrip("/")
     # the guard admits the server's root (the engines' own routes, e.g. SGLang's /get_model_info, sit beside /v1);

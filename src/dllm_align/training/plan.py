@@ -142,6 +142,12 @@ def check_for_model(recipe) -> None:
         return
     recipe, source = resolve_recipe(recipe, quiet=True)
     fam = source.family
+    backend = registry.get("backend", recipe.generate.backend, key="generate.backend")
+    family_problem = backend.traits.get("family_problem")
+    if fam is not None and family_problem is not None:
+        problem = family_problem(recipe.generate.own_settings(backend.name), fam.name)
+        if problem is not None:
+            raise UserError(problem, hint="docs/serving.md lists the families each engine serves")
     if fam is not None and recipe.generate.sampler != "auto":
         problem = noise_problem(recipe.generate.sampler, fam.name, fam.likelihood)
         if problem is not None:
