@@ -75,13 +75,19 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     if gen_section.backend == "in_process":
         raise UserError("generate.backend: parity compares a served backend with the in-process one; the recipe's is "
                         "in_process", hint="--set generate.backend=openai --set generate.openai.base_url=...")
-    if temperature <= 0:
-        raise UserError(f"--temperature {temperature}: the sampled comparison needs a temperature > 0")
+    # every flag and the prompts are checked before either backend is made (the served one is contacted then)
+    if not 0 < temperature <= 10:
+        raise UserError(f"--temperature {temperature}: the sampled comparison needs a temperature above 0 and at most 10 "
+                        "(generate.temperature's range)")
+    if split not in ("test", "train"):
+        raise UserError(f"--split {split[:40]!r}: test or train")
     verifier = get_rule(rule, recipe=recipe) if rule else None
     source = prompts or (recipe.data.test if split == "test" else recipe.data.train)
     if source is None:
         raise UserError(f"data.{split}: no prompts to compare on", hint="--prompts FILE")
     items = read_prompts(str(source), None, limit, verifier)
+    if not items:
+        raise UserError(f"{source}: no prompts to compare on")
     # the reference: the same section decoded in this process (the served backend's own settings left out)
     ref_section = type(gen_section)(**{**{k: v for k, v in gen_section.model_dump().items() if k != gen_section.backend},
                                        "backend": "in_process"})
