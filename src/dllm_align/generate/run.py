@@ -209,6 +209,7 @@ def _generate_into(rec, files: _Output, rows, source, settings, record, ranks: _
     done: set[str] = set()
     for p in [files.out, *files.parts()]:
         done.update(str(r.get("id")) for r in recover_jsonl(p))
+    _refuse_changed_prompts(done, rows, source, record["split"], files.out, limited=rec.generate.limit is not None)
     todo = [r for r in rows if r.id not in done]
     if ranks.rank == 0:
         already = f", {len(rows) - len(todo):,} already in {files.out}" if done else ""
@@ -230,6 +231,19 @@ def _generate_into(rec, files: _Output, rows, source, settings, record, ranks: _
         _merge(files, {r.id: i for i, r in enumerate(rows)})
     ranks.barrier()
     return files.out
+
+
+def _refuse_changed_prompts(done: set[str], rows, source, split: str, out: Path, limited: bool) -> None:
+    """A prompt's id is a hash of its text: rows of the output whose ids the prompts no longer hold were written for
+    another prompts file under the same name (its settings record names only the file), and resuming would mix the
+    two in one output. Refused before anything is written (rows past a ``--limit`` are not such rows)."""
+    stray = done - {r.id for r in rows}
+    if stray and limited:
+        stray -= {r.id for r in load_prompts(source, split=split, limit=None, quiet=True)}
+    if stray:
+        raise UserError(f"{source}: {len(stray):,} rows of {out} are for prompts it no longer holds (it changed since "
+                        "they were written); refusing to mix the two", hint="choose another --output, or pass --overwrite "
+                        "to start afresh")
 
 
 def _resume_or_refuse(files: _Output, record: dict, ranks: _Ranks, overwrite: bool) -> None:
