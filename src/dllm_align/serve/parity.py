@@ -67,6 +67,19 @@ def _prompt_text(messages: list) -> str:
     return users[-1] if users else ""
 
 
+def _prompts_to_compare(recipe, prompts: Optional[str], split: str, limit: int, verifier) -> list:
+    """``--prompts`` or the recipe's ``--split`` of prompts, at least one."""
+    if split not in ("test", "train"):
+        raise UserError(f"--split {split[:40]!r}: test or train")
+    source = prompts or (recipe.data.test if split == "test" else recipe.data.train)
+    if source is None:
+        raise UserError(f"data.{split}: no prompts to compare on", hint="--prompts FILE")
+    items = read_prompts(str(source), None, limit, verifier)
+    if not items:
+        raise UserError(f"{source}: no prompts to compare on")
+    return items
+
+
 def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, split: str = "test", limit: int = 20,
                samples: int = 4, temperature: float = 1.0, rule: Optional[str] = None, min_match: float = 1.0,
                alpha: float = 0.01, device: Optional[str] = None) -> dict:
@@ -79,15 +92,8 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     if not 0 < temperature <= 10:
         raise UserError(f"--temperature {temperature}: the sampled comparison needs a temperature above 0 and at most 10 "
                         "(generate.temperature's range)")
-    if split not in ("test", "train"):
-        raise UserError(f"--split {split[:40]!r}: test or train")
     verifier = get_rule(rule, recipe=recipe) if rule else None
-    source = prompts or (recipe.data.test if split == "test" else recipe.data.train)
-    if source is None:
-        raise UserError(f"data.{split}: no prompts to compare on", hint="--prompts FILE")
-    items = read_prompts(str(source), None, limit, verifier)
-    if not items:
-        raise UserError(f"{source}: no prompts to compare on")
+    items = _prompts_to_compare(recipe, prompts, split, limit, verifier)
     # the reference: the same section decoded in this process (the served backend's own settings left out)
     ref_section = type(gen_section)(**{**{k: v for k, v in gen_section.model_dump().items() if k != gen_section.backend},
                                        "backend": "in_process"})
