@@ -10,10 +10,13 @@ without anchors, once with no difficulty term and once with AlpacaEval's per-ins
 up by instruction text (:func:`dllm_align.judge.stats.difficulty_lookup`): AlpacaEval's own
 ``instruction_difficulty.csv`` (``--difficulty``; it lives on the HF Hub, tatsu-lab/alpaca_eval) or, where
 that cannot be fetched, the difficulty re-estimated from the published GLM weights (``--weights``) and the
-tune split's annotations. The models are split in two by a hash of the name, fixed before the giving rule
-was chosen; ``--search`` prints the grid the rule was chosen from (tune split only), the default run the
-figures under the library's rule for both splits: share given, error against the published LC (mean and
-worst), and how often the 90% interval holds it.
+tune split's annotations. The models are split in two by a hash of the name (:func:`split_of`), fixed
+before either giving rule was chosen; ``--search`` prints the grids the rules were chosen from (the tune split
+only: the held-out models are not fitted), one for the fit with the difficulty term (variance inflation,
+interval width) and one for the plain fit (variance inflation, length correction |LC - AWR|, the interval's
+margin as a share of it); the default run prints the figures under the library's rules for both splits: share
+given, error against the published LC (mean and worst), how often the 90% interval holds it, and what becomes
+of gpt4_gamed (AlpacaEval's length-gamed entry).
 
 ``simulate``: data sets with a known length-free truth. Each prompt has a quality gap q_i ~ N(mu, 1) and a
 length difference d_i; the judge's two-order outcome is a win with probability
@@ -143,10 +146,10 @@ def _summary(rows: list[dict], key: str) -> str:
 
 
 def _search(rows: list[dict]) -> None:
-    """The grid the giving rule was chosen from, on the tune split only (fits made with no bounds)."""
+    """The grids the giving rules were chosen from, on the tune split only (fits made with no bounds)."""
     print("| fit | VIF at most | interval at most (points) | given | worst error | interval holds the published LC | meets the targets |")
     print("|---|---:|---:|---:|---:|---:|---|")
-    for key in ("difficulty", "plain"):
+    for key in ("difficulty",):
         for v in (4, 6, 8, 10, 15, float("inf")):
             for w in (5, 7.5, 10, 12.5, 15, 17.5, 20, float("inf")):
                 g = [r for r in rows if r[key]["vif"] <= v and 100 * (r[key]["ci90"][1] - r[key]["ci90"][0]) <= w]
@@ -156,6 +159,25 @@ def _search(rows: list[dict]) -> None:
                 cov = sum(100 * r[key]["ci90"][0] <= r["published_lc"] <= 100 * r[key]["ci90"][1] for r in g)
                 ok = err.max() <= 5 and cov >= 0.85 * len(g)
                 print(f"| {key} | {v:g} | {w:g} | {len(g)}/{len(rows)} | {err.max():.1f} | {cov}/{len(g)} | {'yes' if ok else 'no'} |")
+    # the fit with neither anchors nor a difficulty term: given when VIF <= V and the length correction
+    # |LC - AWR| <= T points, its bootstrap interval widened on both sides by k times that correction
+    print("\n| fit | VIF at most | correction at most (points) | margin (share of the correction) | given | worst error "
+          "| interval holds the published LC | meets the targets |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for v in (4, 6, 8, float("inf")):
+        for t in (3, 4, 5, 6, 7, 8, 10, float("inf")):
+            for k in (0, 0.25, 0.5, 0.75, 1.0):
+                g = [r for r in rows if r["plain"]["vif"] <= v and abs(100 * r["plain"]["lc_awr"] - r["ours_wr"]) <= t]
+                if not g:
+                    continue
+                err = np.abs([100 * r["plain"]["lc_awr"] - r["published_lc"] for r in g])
+                cov = 0
+                for r in g:
+                    m = k * abs(100 * r["plain"]["lc_awr"] - r["ours_wr"])
+                    cov += 100 * r["plain"]["ci90"][0] - m <= r["published_lc"] <= 100 * r["plain"]["ci90"][1] + m
+                ok = err.max() <= 5 and cov >= 0.85 * len(g)
+                print(f"| plain | {v:g} | {t:g} | {k:g} | {len(g)}/{len(rows)} | {err.max():.1f} | {cov}/{len(g)} "
+                      f"| {'yes' if ok else 'no'} |")
 
 
 def alpacaeval(args) -> None:
@@ -174,8 +196,10 @@ def alpacaeval(args) -> None:
             w = csv.writer(f)
             w.writerow(["instruction_sha256", "difficulty"])
             w.writerows(sorted(table.items()))
-    if args.search:  # every fit given, so the grid sees them all
-        stats.LC_MAX_VIF = stats.LC_DIFFICULTY_MAX_VIF = stats.LC_MAX_CI_WIDTH = float("inf")
+    if args.search:  # every fit given with its bare bootstrap interval, so the grid sees them all
+        stats.LC_MAX_VIF = stats.LC_DIFFICULTY_MAX_VIF = stats.LC_MAX_CI_WIDTH = stats.LC_MAX_CORRECTION = float("inf")
+        stats.LC_CORRECTION_MARGIN = 0.0
+        names = tune  # the held-out models are not even fitted while the rule is chosen
     rows = []
     for m in names:
         ids, y, d = data[m]
@@ -207,8 +231,13 @@ def alpacaeval(args) -> None:
     print()
     for part in ("tune", "held-out"):
         sub = [r for r in rows if r["split"] == part]
-        print(f"- {part} ({len(sub)} models), plain fit: {_summary(sub, 'plain')}")
+        print(f"- {part} ({len(sub)} models), plain fit and its giving rule: {_summary(sub, 'plain')}")
         print(f"- {part} ({len(sub)} models), with the difficulty term and the giving rule: {_summary(sub, 'difficulty')}")
+    for r in rows:
+        if r["model"] == "gpt4_gamed":  # AlpacaEval's length-gamed entry: no rule may give it
+            print(f"- gpt4_gamed (published LC {r['published_lc']:.1f}): plain fit {fmt(r['plain'])}"
+                  f"{' (' + r['plain']['withheld'] + ')' if r['plain']['withheld'] else ''}; with the difficulty term "
+                  f"{fmt(r['difficulty'])}{' (' + r['difficulty']['withheld'] + ')' if r['difficulty']['withheld'] else ''}")
 
 
 # --------------------------------------------------------------------------- simulation

@@ -4,12 +4,13 @@ Run: ``PYTHONPATH=src python benchmarks/llada21_bound_auc.py POLICY_DIR [--promp
 [--mask-share 0.5]`` with POLICY_DIR a trained ``final/`` of ``dllm-align demo --recipe demo_llada21`` (the
 reference is the recipe's base). For the held-out prompts' desirable (ascending) and undesirable (descending) rows
 it estimates each row's margin, log-likelihood under the policy minus under the reference, twice with the same
-draws for policy and reference (common random numbers):
+draws for policy and reference (common random numbers), both through ``objective.elbo.elbo_draws``, the call every
+command makes, with the draws a recipe's ``reference`` section gives:
 
-* ``block``: the block ELBO the family trains with (the library's scoring, ``reference.n_mc`` draws);
-* ``hybrid``: minus ``objective/hybrid.py``'s bound for masked-plus-replaced corruption (each completion position
-  masked with probability ``mask_share`` of its corruption, else replaced by a uniform real token), its network
-  distribution read at every completion position of the noisy stream ``[x_t ; x_0]`` under the block-causal mask.
+* ``block``: the block ELBO the family trains with (the default likelihood);
+* ``hybrid``: the likelihood ``reference.likelihood: hybrid`` selects, minus the bound for masked-plus-replaced
+  corruption (``reference.hybrid.mask_share`` of the corrupted positions masked, the rest replaced by a uniform real
+  token; every completion position of each noisy block read, given the clean blocks before it).
 
 It prints, per likelihood, the AUC of the margins (the chance that a desirable row's margin exceeds an undesirable
 row's; ties count half) and the share of prompts whose desirable row has the larger margin.
@@ -18,38 +19,9 @@ row's; ties count half) and the share of prompts whose desirable row has the lar
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 
 import torch
-
-
-def hybrid_loglik(mp, ex, draws: int, mask_share: float, seed: int) -> torch.Tensor:
-    """[draws] estimates of minus the bound for one example (the same draws for any model)."""
-    from dllm_align.objective import hybrid
-    from dllm_align.objective.block import hf_forward, streams_mask
-
-    vocab = mp.vocab_size - 1  # the real tokens: every id but the mask, which is the last one here
-    if mp.mask_token_id != vocab:
-        raise SystemExit("this measurement takes the mask token to be the last id of the vocabulary")
-    x0 = torch.tensor(ex.prompt_ids + ex.completion_ids)
-    p, n = len(ex.prompt_ids), len(x0)
-    key = int.from_bytes(hashlib.sha256(f"{seed}:{ex.id}".encode()).digest()[:8], "little") >> 1
-    fwd = hf_forward(mp.model)
-    mask = streams_mask(n, mp.block_size, 1)
-    out = []
-    for k in range(draws):
-        g = torch.Generator().manual_seed(key + k)
-        t, weight, z = hybrid.draw(x0[p:], vocab, mask_share, g)
-        xt = x0.clone()
-        xt[p:] = z  # the mask state V is the mask token's id
-        ids = torch.cat([xt, x0])[None]
-        pos = torch.arange(n).repeat(2)[None]
-        with torch.no_grad():
-            logits = fwd(ids, pos, mask)[0, p:n, :vocab]
-        x_theta = torch.softmax(logits.double(), -1)
-        out.append(-(weight * hybrid.integrand(x_theta, x0[p:], z, t, mask_share).sum()))
-    return torch.stack(out)
 
 
 def auc(pos: list[float], neg: list[float]) -> float:
@@ -79,17 +51,19 @@ def main() -> None:
     tok, b = ref.tokenizer, ref.block_size
     rows = rows_from_section(rec.data, "test", quiet=True)[: 2 * args.prompts]
     examples = tokenize_rows(rows, tok, rec.data, block=block_layout_for(rec.data, tok, b), quiet=True)
-    cfg = DrawConfig(n_mc=args.draws, seed=rec.reference.seed)
+    # the draws of the recipe as shipped (the family's likelihood) and of the recipe selecting the bound
+    chosen = load_recipe("demo_llada21", ["reference.likelihood=hybrid", f"reference.hybrid.mask_share={args.mask_share}"])
+    cfgs = {"block": DrawConfig.from_reference(rec.reference, args.draws),
+            "hybrid": DrawConfig.from_reference(chosen.reference, args.draws)}
     margins = {"block": {}, "hybrid": {}}
     for ex in examples:
         ids = torch.tensor(ex.prompt_ids + ex.completion_ids)[None]
         cm = torch.zeros_like(ids, dtype=torch.bool)
         cm[0, len(ex.prompt_ids):] = True
-        with torch.no_grad():
-            block = [float(elbo_draws(m, ids, None, cm, [ex.id], cfg).mean()) for m in (pol, ref)]
-        hyb = [float(hybrid_loglik(m, ex, args.draws, args.mask_share, rec.reference.seed).mean()) for m in (pol, ref)]
-        margins["block"][ex.id] = block[0] - block[1]
-        margins["hybrid"][ex.id] = hyb[0] - hyb[1]
+        for name, cfg in cfgs.items():
+            with torch.no_grad():
+                both = [float(elbo_draws(m, ids, None, cm, [ex.id], cfg).mean()) for m in (pol, ref)]
+            margins[name][ex.id] = both[0] - both[1]
     labels = {ex.id: ex.label for ex in examples}
     report = {"prompts": args.prompts, "draws": args.draws, "mask_share": args.mask_share}
     for name, m in margins.items():

@@ -5,6 +5,7 @@
 SPEC.json: {"out": folder, "data": pairs.jsonl, "caches": {"no": dir, "bf16": dir},
 "margins": [[launch, mixed_precision, reference_mode, lora], ...], "loading": [[model folder, lora], ...],
 "train": [[launch, lora, run_dir(, mixed_precision, extra sets...)], ...], "resume": [[launch, run_dir(, extra sets...)], ...],
+"precompute": [[model folder, mixed_precision, cache dir(, extra sets...)], ...], "precompute_loading": [model folder],
 "raw_fsdp1_default_policy": bool}
 
 launch is ddp, fsdp1 or fsdp2. accelerate turns FSDP on only for GPU
@@ -233,6 +234,7 @@ def main() -> None:
         results["margins"][key] = {
             "fsdp": run.plan.fsdp,
             "sharded_read": run.mp.weight_sources is not None,
+            "reference_sharded": type(getattr(run.reference, "model", None)).__name__ == "ShardedReference",
             "module": type(run.policy.module).__name__,
             "mixed_precision": acc.mixed_precision,
             "rows": len(allm),
@@ -322,6 +324,39 @@ def main() -> None:
         torch.distributed.all_gather_object(gathered, local)
         results.setdefault("loading", {})[f"lora={lora}"] = gathered
         del held, mp
+        acc.free_memory()
+
+    for folder, mp, cache, *sets in spec.get("precompute", []):
+        # precompute-ref under FSDP2 on both processes: the reference sharded, each process's micro-batches its own
+        from dllm_align.training import reference as ref
+
+        sharded, shard = [], ref.shard_reference
+        ref.shard_reference = lambda *a: sharded.append(1) or shard(*a)  # counts the sharded loads
+        acc = make_accelerator("fsdp2", mp)
+        rec = recipe(spec, mp, "cached", False, str(out / f"p-{mp}"), f"model.name_or_path={folder}",
+                     f"reference.cache={cache}", *sets)
+        rep, _ = ref.run_precompute(rec, accelerator=acc)
+        ref.shard_reference = shard
+        results.setdefault("precompute", {})[mp] = {"cache": cache, "shards": rep.n_shards, "sharded": len(sharded)}
+        acc.free_memory()
+
+    for folder in spec.get("precompute_loading", []):
+        # precompute-ref's reference from bf16 safetensors shards under FSDP2: each process's peak while loading
+        from dllm_align.training.reference import load_reference
+        from dllm_align.training.reference_model import ShardedReference
+
+        acc = make_accelerator("fsdp2", "no")
+        rec = recipe(spec, "no", "cached", False, str(out / "pl"), f"model.name_or_path={folder}")
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the resident size
+        before = status_kib("VmRSS")
+        ref_mp = load_reference(rec, acc.device, accelerator=acc)
+        peak = status_kib("VmHWM")
+        local = {"before": before * 1024, "peak": peak * 1024, "sharded": isinstance(ref_mp, ShardedReference),
+                 "shard_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in ref_mp.model.parameters())}
+        gathered = [None] * acc.num_processes
+        torch.distributed.all_gather_object(gathered, local)
+        results["precompute_loading"] = gathered
+        del ref_mp
         acc.free_memory()
 
     if spec.get("raw_fsdp1_default_policy"):

@@ -13,6 +13,7 @@ from fixtures.runs import read_metrics, reset_accelerate
 import torch
 
 from dllm_align.core.errors import UserError
+from dllm_align.data.tokenize import tokenize_pairs, tokenize_rows
 from dllm_align.models.families import detect_family, family_for_config
 from dllm_align.objective.components import UniformSettings
 from dllm_align.models.families import diffusion_gemma as dg
@@ -208,29 +209,97 @@ def test_footprint_counts_the_clean_context_row():
     assert (fp.rows, fp.scored_rows) == (9, 8)
 
 
+# --------------------------------------------------------------------------- the scored layout: full canvases
+def trl_canvases(tok, user: str, reply: str, C: int) -> list[int]:
+    """TRL's DiffusionGemma example, rebuilt independently: the supervised span is the rendering of the assistant
+    turn after the generation prompt (the reply and its closing ``<turn|>\\n``); each canvas of ``C`` response tokens
+    in turn is the target, the last EOS-filled to ``C``; every canvas position is corrupted and scored."""
+    msgs = [{"role": "user", "content": user}]
+    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": reply}], tokenize=False)
+    ids = tok(full, add_special_tokens=False)["input_ids"]
+    response = ids[len(tok(prompt, add_special_tokens=False)["input_ids"]):]
+    blocks = (len(response) - 1) // C + 1
+    return [response[b * C + o] if b * C + o < len(response) else tok.eos_token_id
+            for b in range(blocks) for o in range(C)]
+
+
+@pytest.mark.parametrize("reply", ["04668", "0123456789", "1234567891234", "9"])
+def test_published_layout_is_trls_full_canvases(tiny, reply):
+    """``data.block_scoring: published`` (the default) on DiffusionGemma: the completion is exactly TRL's canvases
+    (reply, ``<turn|>\\n``, EOS to the end of the last canvas) and every position of it is scored; ``completion_only``
+    is the reply and ``<turn|>`` alone, the last canvas partial."""
+    from dllm_align.config.schema import DataSection
+    from dllm_align.data.batching import collate
+    from dllm_align.data.examples import block_layout_for
+    from dllm_align.data.rows import Row
+
+    tok, C = tiny.tokenizer, tiny.canvas_length
+    data = DataSection(max_length=200)
+    layout = block_layout_for(data, tok, tiny.block_size, C)
+    assert layout.canvas and layout.filler == tok.convert_tokens_to_ids("<eos>")
+    (ex,) = tokenize_rows([Row("r", [{"role": "user", "content": "sort 3 1 2"}], reply, True)], tok, data, block=layout)
+    assert ex.completion_ids == trl_canvases(tok, "sort 3 1 2", reply, C)
+    assert len(ex.completion_ids) % C == 0
+    b = collate([ex], padding="none", max_length=200, pad_id=tok.pad_token_id)
+    assert b["completion_mask"][0].sum() == len(ex.completion_ids)
+    only = DataSection(max_length=200, block_scoring="completion_only")
+    assert block_layout_for(only, tok, tiny.block_size, C) is None
+    (plain,) = tokenize_rows([Row("r", [{"role": "user", "content": "sort 3 1 2"}], reply, True)], tok, only)
+    assert plain.completion_ids == ex.completion_ids[:len(plain.completion_ids)]
+    assert plain.completion_ids[-1] == tok.convert_tokens_to_ids("<turn|>")
+
+
+def test_published_layout_never_passes_max_length_and_leaves_a_cut_reply_unfilled(tiny):
+    from dllm_align.config.schema import DataSection
+    from dllm_align.data.examples import block_layout_for
+    from dllm_align.data.rows import PairRow, Row
+
+    tok, C = tiny.tokenizer, tiny.canvas_length
+    user = [{"role": "user", "content": "sort"}]
+    layout = block_layout_for(DataSection(max_length=200), tok, None, C)
+    (full,) = tokenize_rows([Row("r", user, "12345678901", True)], tok, DataSection(max_length=200), block=layout)
+    P = len(full.prompt_ids)
+    assert len(full.completion_ids) == 2 * C
+    # room for the reply and its tail (13 tokens) but not the whole second canvas: filled up to max_length only
+    (ex,) = tokenize_rows([Row("r", user, "12345678901", True)], tok, DataSection(max_length=P + 14), block=layout)
+    assert ex.length == P + 14 and ex.completion_ids[:13] == full.completion_ids[:13]
+    # a cut reply: no tail, no filler (it has no end), its last canvas left partial
+    (cut,) = tokenize_rows([Row("r", user, "12345678901", True)], tok, DataSection(max_length=P + 10), block=layout)
+    assert cut.completion_ids == full.completion_ids[:10]
+    assert tok.eos_token_id not in cut.completion_ids
+    (pc, pr), = tokenize_pairs([PairRow("p", user, "123", "3210987654321")], tok, DataSection(max_length=200),
+                               block=layout)
+    assert len(pc.completion_ids) == C and len(pr.completion_ids) == 2 * C and pc.prompt_ids == pr.prompt_ids
+
+
 # --------------------------------------------------------------------------- training: the step-0 invariant
 @pytest.fixture(scope="module")
 def dg_toy(tmp_path_factory):
     from fixtures.sort_toy import write_pairs
 
     root = tmp_path_factory.mktemp("dg-inv")
-    return {"root": root, "data": write_pairs(root / "pairs.jsonl", n=8), "cache": None}
+    return {"root": root, "data": write_pairs(root / "pairs.jsonl", n=8), "cache": {}}
 
 
-def _dg_recipe(toy, *sets):
+def _dg_recipe(toy, scoring, *sets):
     from dllm_align.config.recipe import load_recipe
 
     return load_recipe(None, [
         "model.name_or_path=builtin:tiny-diffusiongemma", f"data.train={toy['data']}", "data.format=paired",
-        "data.max_length=160", "data.padding=none", "reference.n_mc=2", "reference.shard_size=4", "reference.batch_size=8",
-        f"reference.cache={toy['root'] / 'cache'}", "train.mixed_precision=no", "train.batch_size=4", "train.lr=1e-3",
-        "train.warmup_ratio=0", *sets], output_dir=str(toy["root"] / "run"))
+        "data.max_length=160", "data.padding=none", f"data.block_scoring={scoring}", "reference.n_mc=2",
+        "reference.shard_size=4", "reference.batch_size=8", f"reference.cache={toy['root'] / ('cache-' + scoring)}",
+        "train.mixed_precision=no", "train.batch_size=4", "train.lr=1e-3", "train.warmup_ratio=0", *sets],
+        output_dir=str(toy["root"] / "run"))
 
 
-@pytest.mark.parametrize("mode,lora", [("cached", False), ("online", False), ("cached", True)])
-def test_step0_margins_are_exactly_zero(dg_toy, fresh_accelerate, mode, lora):
+@pytest.mark.parametrize("mode,lora,scoring", [("cached", False, "published"), ("online", False, "published"),
+                                               ("cached", True, "published"), ("cached", False, "completion_only")])
+def test_step0_margins_are_exactly_zero(dg_toy, tiny, fresh_accelerate, mode, lora, scoring):
     """Policy = reference before the first update: every margin exactly 0 (the cache made in batches of 8,
-    training in micro-batches of 4), with full fine-tuning and with LoRA shared by the tied stacks."""
+    training in micro-batches of 4), with full fine-tuning and with LoRA shared by the tied stacks, under the
+    published full canvases (policy and reference score the same filled canvases under the same noise) and under
+    ``completion_only``."""
     from dllm_align.data.examples import load_training_examples, make_collate
     from dllm_align.training import reference as ref
     from dllm_align.training.distributed import make_accelerator
@@ -238,16 +307,37 @@ def test_step0_margins_are_exactly_zero(dg_toy, fresh_accelerate, mode, lora):
     from dllm_align.training.train import setup_run
 
     tok = dg.build_tokenizer()
-    if dg_toy["cache"] is None:
-        rec = _dg_recipe(dg_toy)
-        exs = load_training_examples(rec, tok, quiet=True)
+    if scoring not in dg_toy["cache"]:
+        rec = _dg_recipe(dg_toy, scoring)
+        exs = load_training_examples(rec, tok, quiet=True, canvas_length=tiny.canvas_length)
         ref.precompute(rec, exs, make_collate(rec, tok), None, None)
-        dg_toy["cache"] = exs
+        dg_toy["cache"][scoring] = exs
+    exs = dg_toy["cache"][scoring]
+    # "0 4 6 6<turn|>" fills one canvas of 8: the published layout adds the newline and a second canvas of EOS
+    assert {len(e.completion_ids) for e in exs} == ({2 * tiny.canvas_length} if scoring == "published"
+                                                     else {tiny.canvas_length})
     sets = [f"reference.mode={mode}"] + (["train.lora.enabled=true", "train.lora.r=4"] if lora else [])
-    run = setup_run(_dg_recipe(dg_toy, *sets), make_accelerator(_dg_recipe(dg_toy, *sets)), None, dg_toy["cache"])
+    rec = _dg_recipe(dg_toy, scoring, *sets)
+    run = setup_run(rec, make_accelerator(rec), None, exs)
     assert run.mp.likelihood == "uniform"
     margins = invariant_margins(run, steps=2)
     assert margins and max(abs(v) for v in margins.values()) == 0.0
+
+
+def test_a_cache_of_the_other_canvas_layout_is_refused_by_name(dg_toy, tiny):
+    """The layout is in the reference-cache fingerprint: a cache made under ``completion_only``, or before canvases
+    were filled (no layout recorded), does not serve a run under ``published``."""
+    from dllm_align.training.cache import compare, fingerprint
+
+    def fields(scoring, canvas_length):
+        return fingerprint(_dg_recipe(dg_toy, scoring), tokenizer=tiny.tokenizer, mask_token_id=tiny.mask_token_id,
+                           device=torch.device("cpu"), examples=[], canvas_length=canvas_length).fields
+
+    wanted = fields("published", tiny.canvas_length)
+    assert wanted["block_scoring"] == "published"
+    for cached in (fields("completion_only", tiny.canvas_length), fields("published", None)):
+        with pytest.raises(UserError, match="'block_scoring'.*data.block_scoring"):
+            compare(cached, wanted, Path("cache"))
 
 
 # --------------------------------------------------------------------------- the commands, from the CLI

@@ -748,3 +748,36 @@ def test_doctor_host_ram_and_disk_per_node_for_the_100b_and_26b_lora_recipes(tmp
     assert not ram["sharded_read"] and ram["per_process_bytes"] >= P * 2 and ram["needed_bytes"] == 8 * ram["per_process_bytes"]
     assert ram["needed_bytes"] < 1e12 and "whole model" in ram["why"] and "(P x 2)" in ram["why"]
     assert disk["needed_bytes"] < 200e9 and "merged model" in disk["why"]
+
+
+def test_doctor_models_precompute_ref_for_the_100b_and_26b_recipes(tmp_path):
+    """precompute-ref on a node of 8 GPUs, with the arithmetic: LLaDA2.0-flash's reference sharded over the 8 FSDP2
+    processes (host: one weight's rows in transit per process; device: the bf16 shard, the gathered units and one
+    forward), DiffusionGemma's read whole in bf16 by each DDP process (its family reads its checkpoint whole)."""
+    from dllm_align.training.host import FILE_BYTES
+
+    res = _doctor_flash(tmp_path, "fsdp_8gpu.yaml", "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    params, _, _ = _flash_params()
+    pre, dev = rep["environment"]["host_ram_precompute"], rep["memory"]["precompute"]
+    assert pre["sharded_read"] and pre["needed_bytes"] == 8 * pre["per_process_bytes"] < 50e9  # no bf16 copy anywhere
+    assert "sharded read (no shard on the host" in pre["why"] and "x 8 process(es) per node" in pre["why"]
+    shard = dev["lines"]["reference weights (sharded read)"]
+    assert params * 2 // 8 < shard < params * 2 // 8 + 20 * 2**30 and dev["fits"] and dev["route"] == "sharded"
+    text = _doctor_flash(tmp_path, "fsdp_8gpu.yaml").stdout
+    assert "host RAM for precompute-ref: needs" in text and "precompute-ref per device (sharded read" in text
+
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text((REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json").read_text())
+    res = runner.invoke(app, ["doctor", str(REPO / "recipes" / "diffusiongemma_kto_mix_14k.yaml"), "--config",
+                              str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), "--gpu-memory", "80", "--set",
+                              f"model.name_or_path={folder}", "-o", str(tmp_path / "run-g"), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    P = rep["memory"]["model"]["params"]
+    pre, dev = rep["environment"]["host_ram_precompute"], rep["memory"]["precompute"]
+    assert not pre["sharded_read"] and pre["per_process_bytes"] == P * 2 + FILE_BYTES
+    assert pre["needed_bytes"] == 8 * pre["per_process_bytes"] < 1e12 and "(P x 2)" in pre["why"]
+    assert dev["route"] == "whole" and dev["lines"]["reference weights (whole read)"] == P * 2 and dev["fits"]

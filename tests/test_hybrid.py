@@ -148,3 +148,147 @@ def test_the_monte_carlo_estimate_is_unbiased():
     se = float(draws.std()) / math.sqrt(len(draws))
     print(f"\nexact {exact:.5f}, Monte Carlo {float(draws.mean()):.5f} +- {se:.5f} (10,000 draws)")
     assert abs(float(draws.mean()) - exact) <= 3 * se and se < 0.05 * exact
+
+
+# --------------------------------------------------------------------------- the likelihood the commands select
+# ``reference.likelihood: hybrid``: the closed form from log-probabilities (no [V + 1] distribution per position), the
+# deterministic draws, the block streams layout, through ``objective.elbo.elbo_draws`` as every command calls it.
+
+
+def test_the_closed_form_from_log_probabilities_equals_the_reference_integrand():
+    """Every kind of noisy state (mask, kept, replaced by its own or another token), the mask id last or inside the
+    vocabulary, t from 1e-4 to 0.999: the closed form equals the float64 reference to 1e-9 relative."""
+    from dllm_align.objective.hybrid import bound_terms
+
+    g = torch.Generator().manual_seed(5)
+    for mask_id in (V, 1):
+        real = [j for j in range(V + 1) if j != mask_id]
+        index = {j: i for i, j in enumerate(real)} | {mask_id: V}  # model ids -> the reference's states
+        n = 40
+        logits = 3.0 * torch.randn(n, V + 1, generator=g, dtype=torch.float64)
+        x0 = torch.tensor(real)[torch.randint(0, V, (n,), generator=g)]
+        z = torch.randint(0, V + 1, (n,), generator=g)
+        z[:8] = x0[:8]
+        z[8:14] = mask_id
+        for t in (1e-4, 0.05, 0.5, 0.999):
+            mine = bound_terms(logits.float(), x0, z, torch.full((n,), t, dtype=torch.float64), mask_id=mask_id,
+                               mask_share=SHARE)
+            x_theta = torch.softmax(logits.float().double()[:, real], -1)
+            ref = integrand(x_theta, torch.tensor([index[int(v)] for v in x0]), torch.tensor([index[int(v)] for v in z]),
+                            T(t), SHARE)
+            assert torch.allclose(mine, ref, rtol=1e-9, atol=1e-12), (mask_id, t, float((mine - ref).abs().max()))
+
+
+class TableStreams:
+    """A stand-in predictor on V real tokens and the mask (id V) whose whole completion is one block: at each
+    completion position, the table net's logits for the draw's noisy completion (read from the scored stream of the
+    streams row), through the same ``position_terms`` call the real predictor answers."""
+
+    def __init__(self, net_logits, prompt: int, n: int):
+        self.logits, self.prompt, self.n = net_logits, prompt, n
+        self.mask_token_id, self.vocab_size, self.block_size, self.likelihood = V, V + 1, 64, "block"
+
+    def position_terms(self, ids, attention_mask, rows, cols, term, extra=(), packed=None, streams=None):
+        T_ = streams.blocks.shape[1]
+        out = []
+        for r, c in zip(rows.tolist(), cols.tolist()):
+            start = (c // T_) * T_ + self.prompt
+            z = ids[r, start:start + self.n].tolist()
+            index = sum(int(s) * STATES ** i for i, s in enumerate(z))
+            lg = torch.cat([self.logits[index, c % T_ - self.prompt], torch.zeros(1, dtype=torch.float64)])
+            out.append(lg)
+        return term(torch.stack(out).float(), *extra)
+
+
+def table_logits(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 2.0 * torch.randn(STATES ** n, n, V, generator=g, dtype=torch.float64)
+
+
+def test_the_selectable_estimate_is_unbiased_for_the_exact_bound():
+    """10,000 draws of ``elbo_draws`` with ``likelihood='hybrid'`` (the draws of the commands: hashed, t = u^2) on
+    the table net: the mean is minus the bound enumerated exactly, within 3 standard errors."""
+    from dllm_align.objective.draws import DrawConfig
+    from dllm_align.objective.elbo import elbo_draws
+
+    class Shares:
+        mask_share = SHARE
+
+    n, prompt = 2, 1
+    logits = table_logits(3, n)
+    net = lambda z: torch.softmax(logits[sum(int(s) * STATES ** i for i, s in enumerate(z.tolist()))].float().double(), -1)  # noqa: E731
+    x0 = torch.tensor([1, 0])
+    exact = exact_bound(net, x0)
+    ids = torch.tensor([[2, 1, 0]])
+    cm = torch.tensor([[False, True, True]])
+    cfg = DrawConfig(n_mc=10_000, seed=0, likelihood="hybrid", likelihood_settings=(("hybrid", Shares()),))
+    draws = -elbo_draws(TableStreams(logits, prompt, n), ids, None, cm, ["row"], cfg, max_rows_per_forward=2048)[0].double()
+    se = float(draws.std()) / math.sqrt(len(draws))
+    print(f"\nexact {exact:.5f}, selectable path {float(draws.mean()):.5f} +- {se:.5f} (10,000 draws)")
+    assert abs(float(draws.mean()) - exact) <= 3 * se and se < 0.05 * exact
+
+
+def test_the_draws_are_pure_functions_of_seed_id_and_draw():
+    """The same (seed, id, draw) give the same times, masks and replacement tokens whatever K or the draws asked
+    for; the mask share and the time set the rates; replacement tokens are never the mask."""
+    from dllm_align.objective.draws import DrawConfig
+    from dllm_align.objective.hybrid import draw_hybrid
+
+    cfg = DrawConfig(n_mc=4000, seed=3)
+    d = draw_hybrid("x", 50, cfg, 100, 40, 0.3)
+    part = draw_hybrid("x", 50, DrawConfig(n_mc=8, seed=3), 100, 40, 0.3, draws=[5, 7])
+    for name in ("t", "weight", "masked", "replaced", "token"):
+        assert np.array_equal(getattr(d, name)[[5, 7]], getattr(part, name)), name
+    assert np.allclose(d.weight, 2 * np.sqrt(d.t))
+    corrupted = d.masked | d.replaced
+    assert abs(corrupted.mean() - d.t.mean()) < 0.01 and abs(d.masked.sum() / corrupted.sum() - 0.3) < 0.01
+    assert not (d.token == 40).any() and d.token.min() >= 0 and d.token.max() == 99
+    assert not np.array_equal(d.masked, draw_hybrid("y", 50, cfg, 100, 40, 0.3).masked)
+
+
+def test_the_block_streams_path_equals_the_reference_implementation_on_the_tiny_llada21():
+    """``elbo_draws`` with the hybrid likelihood on ``builtin:tiny-llada21`` (blocks of 8, two rows of 11 completion
+    tokens over two blocks, the K draws in one streams row and split over calls) equals, draw by draw, the small
+    reference implementation (``integrand`` over the real tokens and the mask, float64) on the logits of the
+    published 2L form [x_t ; x_0]; its gradient reaches the weights."""
+    from dllm_align.models.load import load_model
+    from dllm_align.objective.block import hf_forward, streams_mask
+    from dllm_align.objective.draws import DrawConfig
+    from dllm_align.objective.elbo import elbo_draws
+    from dllm_align.objective.hybrid import draw_hybrid
+
+    mp = load_model("builtin:tiny-llada21")
+    vocab, mid, P, L = mp.vocab_size, mp.mask_token_id, 5, 11
+    ids = torch.randint(0, 200, (2, P + L), generator=torch.Generator().manual_seed(0))
+    cm = torch.zeros_like(ids, dtype=torch.bool)
+    cm[:, P:] = True
+    cfg = DrawConfig(n_mc=3, seed=7, likelihood="hybrid")
+    share = cfg.settings_of("hybrid").mask_share
+    with torch.no_grad():
+        terms = elbo_draws(mp, ids, None, cm, ["a", "b"], cfg).double()
+        split = elbo_draws(mp, ids, None, cm, ["a", "b"], cfg, max_rows_per_forward=2).double()
+    assert torch.allclose(terms, split, rtol=1e-6)
+    fwd, n = hf_forward(mp.model), P + L
+    real = [j for j in range(vocab) if j != mid]
+
+    def state(v):  # model ids -> the reference's states (the mask last)
+        return torch.where(v == mid, torch.full_like(v, vocab - 1), v - (v > mid).long())
+
+    for b, eid in enumerate(["a", "b"]):
+        d = draw_hybrid(eid, L, cfg, vocab, mid, share)
+        for k in range(3):
+            comp = ids[b, P:].clone()
+            rep, msk = torch.from_numpy(d.replaced[k]), torch.from_numpy(d.masked[k])
+            comp[rep] = torch.from_numpy(d.token[k])[rep]
+            comp[msk] = mid
+            xt = torch.cat([ids[b, :P], comp])
+            with torch.no_grad():
+                logits = fwd(torch.cat([xt, ids[b]])[None], torch.arange(n).repeat(2)[None],
+                             streams_mask(n, mp.block_size, 1))[0, P:n].double()
+            ref = -d.weight[k] * float(integrand(torch.softmax(logits[:, real], -1), state(ids[b, P:]), state(comp),
+                                                 T(float(d.t[k])), share).sum())
+            assert float(terms[b, k]) == pytest.approx(ref, rel=1e-6), (b, k)
+    assert (terms < 0).all()
+    mp.model.train()
+    elbo_draws(mp, ids, None, cm, ["a", "b"], cfg).sum().backward()
+    assert sum(float(p.grad.abs().sum()) for p in mp.model.parameters() if p.grad is not None) > 0

@@ -116,6 +116,46 @@ def test_step0_margins_are_zero_one_process(toy, fresh_accelerate, mp, mode, lor
     assert worst == 0.0, (mp, mode, lora, worst)
 
 
+def test_step0_margins_are_zero_under_the_hybrid_likelihood_cached_and_online(toy, fresh_accelerate):
+    """LLaDA2.1 with ``reference.likelihood: hybrid`` (the masked-plus-replaced bound): policy and reference share
+    the times, the masked positions and the replacement tokens, so every step-0 margin is exactly 0, from the cache
+    and online alike, and the cached reference values are the online ones. A cache made with another mask share is
+    refused by its fingerprint's field."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from dllm_align.core.errors import UserError
+    from dllm_align.data.examples import load_training_examples, make_collate
+    from dllm_align.models.load import build_tiny_tokenizer
+    from dllm_align.training import reference as ref
+    from dllm_align.training.distributed import make_accelerator
+    from dllm_align.training.loop import invariant_values
+    from dllm_align.training.train import setup_run
+
+    cache = toy["root"] / "cache-hybrid"
+    sets = ["model.name_or_path=builtin:tiny-llada21", "data.padding=none", "reference.likelihood=hybrid",
+            "reference.hybrid.mask_share=0.3", f"reference.cache={cache}"]
+    rec = recipe(toy, "no", *sets, out="run-hybrid")
+    exs = load_training_examples(rec, build_tiny_tokenizer("llada2"), quiet=True, block_size=8)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    ref.precompute(rec, exs, make_collate(rec, build_tiny_tokenizer("llada2")), make_accelerator(rec), None)
+    values = {}
+    for mode in ("cached", "online"):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        r = recipe(toy, "no", *sets, f"reference.mode={mode}", out="run-hybrid")
+        values[mode] = invariant_values(setup_run(r, make_accelerator(r), None, exs), steps=2)
+    assert len(values["cached"]) == 8 and values["cached"].keys() == values["online"].keys()
+    for mode, rows in values.items():
+        assert all(pol - rf == 0.0 and rf < 0 for pol, rf, _ in rows.values()), mode
+    assert all(values["cached"][i][1] == values["online"][i][1] for i in values["cached"])
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    other = recipe(toy, "no", *sets[:-2], "reference.hybrid.mask_share=0.5", f"reference.cache={cache}", out="run-hybrid")
+    with pytest.raises(UserError, match="likelihood_settings"):
+        setup_run(other, make_accelerator(other), None, exs)
+
+
 def test_bf16_training_step1_rewards_are_zero(toy, fresh_accelerate):
     """`train --set train.mixed_precision=bf16`: the first step's reward means are 0 for both classes."""
     from dllm_align.training.train import train

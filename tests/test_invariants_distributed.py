@@ -29,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,9 +113,21 @@ def launched(tmp_path_factory, shared_data):
     # checkpoints as published (bf16 safetensors shards): FSDP2 reads each process's shard of each weight
     small = save_bf16(root / "bf16-small", TinySpec(), "40KB")
     spec["margins"] += [["fsdp2", "no", "online", lora, f"model.name_or_path={small}"] for lora in (False, True)]
+    spec["margins"] += [["fsdp2", "bf16", "online", False, f"model.name_or_path={small}"]]
     spec["train"] += [["fsdp2", False, str(root / "train-fsdp2-bf16-files"), "no", f"model.name_or_path={small}",
                        "reference.mode=online"]]
     spec["loading"] = [[str(save_bf16(root / "bf16-big", BIG, "60MB")), lora] for lora in (True, False)]
+    # precompute-ref under FSDP2 (the reference sharded) against one process: shards of 3 and of 1 micro-batch, so a
+    # process's share of a shard is smaller than the other's, or empty
+    spec["precompute"], single_caches = [], {}
+    for mp, size in (("no", 6), ("bf16", 2)):
+        sets = [f"reference.shard_size={size}"]
+        spec["precompute"].append([str(small), mp, str(root / f"pre2-{mp}"), *sets])
+        rec = d.recipe(spec, mp, "cached", False, str(root / "pre1"), f"model.name_or_path={small}",
+                       f"reference.cache={root / f'pre1-{mp}'}", *sets)
+        ref.precompute(rec, load_training_examples(rec, tok, quiet=True), make_collate(rec, tok), None, None)
+        single_caches[mp] = str(root / f"pre1-{mp}")
+    spec["precompute_loading"] = [str(root / "bf16-big")]
     (root / "out").mkdir()
     (root / "spec.json").write_text(json.dumps(spec))
 
@@ -140,20 +153,24 @@ def launched(tmp_path_factory, shared_data):
         single[lora] = rec.output_dir
     reset_accelerate()
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # a fixed mmap threshold: glibc's moving one keeps blocks freed by earlier configurations in the heap, which the
+    # loading peaks below would then reuse unseen or not (up to 13% either way); blocks of 1 MiB and more are then
+    # mapped and unmapped with their tensors, and VmHWM counts what a load itself holds
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576",
+               PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(HERE / "dist_invariants.py"), str(root / "spec.json")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     results = json.loads((root / "out" / "results.json").read_text())
-    return {"results": results, "single": single, "root": root}
+    return {"results": results, "single": single, "root": root, "single_caches": single_caches}
 
 
 def test_step0_margins_are_zero_on_every_launch(launched):
     res = launched["results"]["margins"]
     # 12 launches x precisions x references, + FSDP2 bf16_layers gathering (LoRA off, on), + 6 block-diffusion runs,
-    # + FSDP2 reading bf16 files shard by shard (LoRA off, on)
-    assert len(res) == 22
+    # + FSDP2 reading bf16 files shard by shard (LoRA off, on; bf16 autocast)
+    assert len(res) == 23
     assert sum("tiny-sdar" in key for key in res) == 4 and sum("tiny-llada2" in key for key in res) == 2
     for key, r in res.items():
         launch = key.split("/")[0]
@@ -300,10 +317,13 @@ def test_step0_margins_exact_on_real_rows_ddp_and_fsdp2(launched):
 @pytest.mark.parametrize("lora", [False, True])
 def test_fsdp2_reads_bf16_shards_with_step0_margins_exact(launched, lora):
     """A checkpoint as published (bf16 safetensors shards) under FSDP2: each process reads its own rows of each
-    weight into its fp32 shard, the reference reads the files whole; the step-0 margins stay exactly 0."""
-    key = next(k for k in launched["results"]["margins"] if "bf16-small" in k and f"lora={lora}" in k)
-    r = launched["results"]["margins"][key]
-    assert r["sharded_read"] and r["max_abs_margin"] == 0.0, r
+    weight into its fp32 shard, the online reference its rows into its own shards (gathered in fp32, cast per call
+    under bf16 autocast as the policy's are); the step-0 margins stay exactly 0, fp32 and bf16 autocast."""
+    keys = [k for k in launched["results"]["margins"] if "bf16-small" in k and f"lora={lora}" in k]
+    assert len(keys) == (1 if lora else 2)
+    for key in keys:
+        r = launched["results"]["margins"][key]
+        assert r["sharded_read"] and r["reference_sharded"] and r["max_abs_margin"] == 0.0, (key, r)
 
 
 def test_fsdp2_from_bf16_shards_trains_like_one_process(launched):
@@ -336,5 +356,43 @@ def test_fsdp2_loading_peak_is_what_doctor_predicts(launched, lora):
     for rank in launched["results"]["loading"][f"lora={lora}"]:
         added = rank["peak"] - rank["before"]
         assert rank["sharded_read"] and rank["shard_bytes"] >= shape.params * 4 // 2
+        assert added < shape.params * 4, (added, shape.params * 4)
+        assert added == pytest.approx(ram.per_process, rel=0.10), (added, ram.per_process, ram.why)
+
+
+@pytest.mark.parametrize("mp", ["no", "bf16"])
+def test_fsdp2_precompute_with_a_sharded_reference_equals_one_process(launched, mp):
+    """precompute-ref on 2 processes under FSDP2 reads bf16 safetensors shards into a sharded reference (each process
+    its rows of each weight) and writes the very cache one process writes with the whole reference: every value
+    equal, shard by shard (fp32 and bf16 autocast; shards where one process has fewer micro-batches, or none)."""
+    from dllm_align.training.cache import SHARD_FMT, read_shard
+
+    got = launched["results"]["precompute"][mp]
+    want = Path(launched["single_caches"][mp])
+    assert got["shards"] >= 3 and got["sharded"] == 1
+    for s in range(got["shards"]):
+        a, b = read_shard(Path(got["cache"]) / SHARD_FMT.format(s)), read_shard(want / SHARD_FMT.format(s))
+        assert a[1:] == b[1:] and np.array_equal(a[0], b[0]), (mp, s)
+
+
+def test_fsdp2_precompute_loading_peak_is_what_doctor_predicts(launched):
+    """precompute-ref's reference loading under FSDP2 from bf16 shards: each process's peak resident memory
+    (VmHWM, less the resident size before) within 10% of doctor's precompute host-RAM figure per process, and
+    below one fp32 copy of the model (what every process held before)."""
+    from dllm_align.training.doctor import host_ram_precompute
+    from dllm_align.training.memory import Launch, model_shape
+
+    sys.path.insert(0, str(HERE))
+    import dist_invariants as d
+
+    spec = json.loads((launched["root"] / "spec.json").read_text())
+    rec = d.recipe(spec, "no", "cached", False, str(launched["root"] / "doctor-pre"),
+                   f"model.name_or_path={launched['root'] / 'bf16-big'}")
+    shape = model_shape(rec)
+    ram = host_ram_precompute(rec, Launch(distributed_type="FSDP", processes=2, fsdp_version=2), shape)
+    assert ram.sharded_read and "sharded read" in ram.why
+    for rank in launched["results"]["precompute_loading"]:
+        added = rank["peak"] - rank["before"]
+        assert rank["sharded"] and rank["shard_bytes"] >= shape.params * 4 // 2
         assert added < shape.params * 4, (added, shape.params * 4)
         assert added == pytest.approx(ram.per_process, rel=0.10), (added, ram.per_process, ram.why)

@@ -39,7 +39,7 @@ def test_an_unknown_likelihood_is_refused_naming_the_known_ones():
     with pytest.raises(UserError) as e:
         get_likelihood("uniform-noise")
     assert e.value.message == ("the model family's likelihood: no likelihood named 'uniform-noise' (did you mean "
-                               "'uniform'?); known: block, masked, uniform")
+                               "'uniform'?); known: block, hybrid, masked, uniform")
 
 
 @pytest.mark.parametrize("name", ["masked", "block"])

@@ -334,8 +334,9 @@ def test_an_export_reloads_through_the_published_code_to_the_trained_logits(tmp_
     """A hub-layout LLaDA2.1 folder (LLaDA2.0's config.json identity; the published 2.1 modeling files under the hub's
     names ``modeling_llada2_moe.py`` / ``configuration_llada2_moe.py``, dllm's copies with the one import renamed) is
     told to be LLaDA2.1 by its code, loaded, exported as training exports (``final/``), and loaded back by the published
-    code (``AutoModelForCausalLM``, ``trust_remote_code``) in its own interpreter: the same logits."""
-    from test_export_roundtrip import _export, published_logits
+    code (``AutoModelForCausalLM``, ``trust_remote_code``) in its own interpreter: the same logits, and its tokenizer
+    (``AutoTokenizer``) the trained one's ids and chat turn."""
+    from test_export_roundtrip import _export, assert_same_tokenizer, published_logits
 
     from dllm_align.models.load import build_tiny_tokenizer, load_model
 
@@ -358,8 +359,10 @@ def test_an_export_reloads_through_the_published_code_to_the_trained_logits(tmp_
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     allowed = block_causal(12, 4).expand(2, 1, -1, -1).contiguous()
     pos = torch.arange(12).expand_as(ids).contiguous()
-    got, name = published_logits(python, out, {"input_ids": ids, "attention_mask": allowed, "position_ids": pos}, tmp_path)
+    got, name, tokenizer = published_logits(python, out, {"input_ids": ids, "attention_mask": allowed,
+                                                          "position_ids": pos}, tmp_path)
     assert name == "LLaDA2MoeModelLM"
+    assert_same_tokenizer(tokenizer, mp.tokenizer)  # final/'s tokenizer as the published stack reads it
     with torch.no_grad():
         want = mp.model(input_ids=ids, attention_mask=allowed, position_ids=pos).logits.float()
     delta = float((got[..., :want.shape[-1]] - want).abs().max())

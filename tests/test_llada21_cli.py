@@ -133,3 +133,43 @@ def test_label_samples_with_the_editing_rule(folders, tmp_path):
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in next((tmp_path / "lab").glob("*.jsonl")).read_text().splitlines()]
     assert len(rows) == 4 and all(isinstance(r["label"], bool) for r in rows)
+
+
+def test_the_masked_plus_replaced_bound_is_a_recorded_choice(folders, fresh_accelerate):
+    """``reference.likelihood: hybrid`` on LLaDA2.1: precompute-ref and ELBO-KTO through it (step-0 rewards exactly
+    0), the choice and its mask share recorded in the recipe and the cache's fingerprint."""
+    root = folders["root"]
+    rec = _recipe(root, str(folders["hub"]), "hybrid")
+    run = root / "run-hybrid"
+    sets = ["--set", "reference.likelihood=hybrid", "--set", "reference.hybrid.mask_share=0.25"]
+    res = runner.invoke(app, ["precompute-ref", str(rec), "-o", str(run), *sets])
+    assert res.exit_code == 0, res.output
+    reset_accelerate()
+    res = runner.invoke(app, ["train", str(rec), "-o", str(run), *sets])
+    assert res.exit_code == 0, res.output
+    (row,) = read_metrics(run)
+    assert row["reward_desirable"] == 0.0 and row["reward_undesirable"] == 0.0 and row["baseline"] == 0.0
+    saved = yaml.safe_load((run / "recipe.train.yaml").read_text())["reference"]
+    assert saved["likelihood"] == "hybrid" and saved["hybrid"] == {"mask_share": 0.25}
+    fp = json.loads((run / "ref_cache" / "manifest.json").read_text())["fingerprint"]
+    assert fp["likelihood"] == "hybrid" and fp["likelihood_settings"] == {"mask_share": 0.25}
+
+
+@pytest.mark.parametrize("model,sets,words", [
+    ("two", ["reference.likelihood=hybrid"], "reference.likelihood: 'hybrid' does not fit llada2 models"),
+    ("hub", ["reference.likelihood=uniform"], "reference.likelihood: 'uniform' does not fit llada21 models"),
+    ("hub", ["reference.hybrid.mask_share=0.3"], "reference.hybrid: the settings of the likelihood 'hybrid'"),
+    ("hub", ["reference.likelihood=hybrid", "reference.estimator=t"],
+     "reference.estimator: not a setting of the likelihood 'hybrid'"),
+    ("hub", ["reference.likelihood=hybrid", "data.padding=packed"], "data.padding: packed is not available"),
+])
+def test_the_bound_is_refused_where_it_does_not_fit_in_one_line(folders, model, sets, words):
+    root = folders["root"]
+    rec = _recipe(root, str(folders[model]), "refuse-lik")
+    args = [x for s in sets for x in ("--set", s)]
+    res = runner.invoke(app, ["recipes", "check", str(rec), *args])
+    lines = [x for x in res.stderr.strip().splitlines() if x.startswith("Error")]
+    assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output
+    out = root / f"refused-lik-{model}-{len(sets)}-{sets[-1].replace('=', '-')}"
+    res = runner.invoke(app, ["train", str(rec), "-o", str(out), *args])
+    assert res.exit_code == 2 and words in res.stderr and not out.exists(), res.output

@@ -104,6 +104,9 @@ def render(report: dict) -> str:
     lines.append(f"  disk {disk['output_dir']}: {fmt_bytes(disk['free_bytes'])} free, needs ~{fmt_bytes(disk['needed_bytes'])} ({disk['why']})")
     ram = env["host_ram"]
     lines.append(f"  host RAM: {fmt_bytes(ram['available_bytes'])} available, needs ~{fmt_bytes(ram['needed_bytes'])} ({ram['why']})")
+    pre = env.get("host_ram_precompute")
+    if pre:
+        lines.append(f"  host RAM for precompute-ref: needs ~{fmt_bytes(pre['needed_bytes'])} ({pre['why']})")
     for p in env["problems"]:
         lines.append(f"  ! {p}")
     m = mem["model"]
@@ -124,6 +127,14 @@ def render(report: dict) -> str:
     lines.append(f"  verdict: {mem['verdict']} in {mem['capacity_bytes'] / 2**30:.1f} GiB ({mem['capacity_source']})")
     for a in mem["advice"]:
         lines.append(f"  - {a}")
+    pre = mem.get("precompute")
+    if pre:
+        lines += ["", f"precompute-ref per device ({pre['route']} read of the reference, {pre['tokens']:,} tokens per forward)"]
+        for k, v in pre["lines"].items():
+            lines.append(f"  {k:<58} {v / 2**30:8.2f} GiB")
+        if pre["loading"] > sum(pre["lines"].values()):
+            lines.append(f"  {'while loading (the whole reference before its cast)':<58} {pre['loading'] / 2**30:8.2f} GiB")
+        lines.append(f"  {'total':<58} {pre['total'] / 2**30:8.2f} GiB: {'fits' if pre['fits'] else 'does not fit'}")
     if "traffic" in report:
         from dllm_align.training.traffic import render as render_traffic
 

@@ -90,7 +90,8 @@ def judge(
     Every prompt is judged with A's answer first and with B's first; A wins only if
     both orders prefer it. Two judges add the majority vote and Cohen's kappa.
     LC-AWR is the AWR predicted at zero length difference between the answers; it is withheld, with
-    the reason, when the data cannot tell length from quality. --length-anchors pins the length slope
+    the reason, when the data cannot tell length from quality, or when, with neither anchors nor a
+    difficulty term, it moves the AWR by more than 5 points. --length-anchors pins the length slope
     with B's own answers made verbose and concise (as AlpacaEval does); --difficulty-from adds the
     instruction-difficulty term from a second model's results, --difficulty-table from a published table.
 

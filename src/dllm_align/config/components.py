@@ -70,7 +70,8 @@ KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
         Kind("family", "model", None, "model families (chosen by the checkpoint's config.json)"),
-        Kind("likelihood", "reference", None, "noise processes and their ELBOs (chosen by the model family)"),
+        Kind("likelihood", "reference", "likelihood", "noise processes and their ELBOs (the model family's, or "
+             "reference.likelihood: another the family accepts)"),
         Kind("objective", "train", "objective", "training objectives (train.objective)"),
         Kind("backend", "generate", "backend", "generation backends (generate.backend)"),
         Kind("rule", "generate", "sampler", "decoding rules of the in-process generator (generate.sampler)",

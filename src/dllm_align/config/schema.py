@@ -100,8 +100,9 @@ class ComposedSection(Section):
 
 def component_problems(recipe: "Recipe", comp: "registry.Component") -> list[str]:
     """One line per problem of ``recipe`` for component ``comp``: the keys of its section it ignores but the
-    recipe set, and its own checks. For the components no recipe key selects (a family, a likelihood: the
-    checkpoint decides), which the sections cannot check when the recipe is read; the run asks once it knows."""
+    recipe set, and its own checks. For the components the checkpoint decides (a family; the likelihood, the
+    family's unless reference.likelihood picks another it accepts), which the sections cannot check when the recipe
+    is read; the run asks once it knows."""
     section = getattr(recipe, registry.KINDS[comp.kind].section)
     lines = [f"{registry.KINDS[comp.kind].section}.{key}: {msg}" for key, msg in ignored_problems(section, comp)]
     return lines + (list(comp.check(recipe)) if comp.check is not None else [])
@@ -211,10 +212,12 @@ class DataSection(Section):
     )
     block_scoring: Literal["published", "completion_only"] = Field(
         "published",
-        description="Block-diffusion models only (SDAR, LLaDA2.0): 'published': each completion is followed by the chat "
-        "template's end-of-turn tail and pad-token filler up to a whole number of blocks, all masked and scored, as SDAR's "
-        "and dllm's block trainers score and as the block sampler decodes (end_of_turn is then moot); 'completion_only': "
-        "the completion (and end_of_turn) only, the last block left partial. Ignored for whole-sequence models.",
+        description="Block-diffusion models only (SDAR, LLaDA2.0, DiffusionGemma): 'published': each completion is followed "
+        "by the chat template's end-of-turn tail and filler up to a whole number of blocks, all masked (noised) and scored, as "
+        "the published trainers score and as the samplers decode (end_of_turn is then moot): pad-token filler to whole blocks "
+        "of the sequence for SDAR's and dllm's block trainers, EOS to a whole number of canvases of the completion for "
+        "DiffusionGemma (TRL's example, never past max_length); 'completion_only': the completion (and end_of_turn) only, "
+        "the last block or canvas left partial. Ignored for whole-sequence models.",
     )
     desirable_ratio: float = Field(
         1.0, gt=0, le=1, description="Keep this fraction of the desirable rows (class-imbalance study; chosen by seed and row id)."
@@ -240,6 +243,31 @@ class _ReferenceDraws(ComposedSection):
     seed: int = Field(0, description="Mask seed; the masks are a pure function of (seed, example id, draw).")
     estimator: Literal["l", "t"] = Field("l", description="'l': exactly l masked, weight L/l (paper); 't': Bernoulli(t), weight 1/t.")
     stratified: bool = Field(False, description="Evenly spaced l across the K draws with one random offset.")
+    likelihood: Optional[str] = Field(
+        None, description="The likelihood the ELBOs use, by declared name (null: the model family's); another only "
+        "where the family accepts it: LLaDA2.1 takes 'hybrid', the masked-plus-replaced bound (its settings: "
+        "reference.hybrid.<key>; docs/design.md#a-bound-for-masked-and-replaced-tokens).")
+
+    @field_validator("likelihood")
+    @classmethod
+    def _known_likelihood(cls, v: Optional[str]) -> Optional[str]:
+        # by the declarations alone, before any model is read (whether the family takes it is asked once it is known)
+        if v is not None and registry.find("likelihood", v) is None:
+            raise ValueError(registry.unknown_message("likelihood", v, key="reference.likelihood").partition(": ")[2])
+        return v
+
+    def settings_of_others(self, chosen: str) -> list[str]:
+        """The likelihoods other than ``chosen`` (the run's) whose own settings the recipe sets
+        (``reference.<name>.<key>``): they would do nothing."""
+        return [str(name) for name in self.__pydantic_extra__ or {}
+                if name != chosen and registry.find("likelihood", str(name)) is not None]
+
+    def likelihood_record(self) -> dict:
+        """What the reference cache's fingerprint records of a likelihood the recipe picks: its name and its own
+        settings (nothing when the family's is used, so that those caches keep their fingerprints)."""
+        if self.likelihood is None:
+            return {}
+        return {"likelihood": self.likelihood, "likelihood_settings": self.own_settings(self.likelihood).model_dump()}
 
 
 # The uniform-noise likelihood's settings keep their flat spellings (reference.time_power, ...): fields of this
@@ -275,6 +303,12 @@ class LoraSection(Section):
         True,
         description="final/ holds the merged model (plain transformers loads it); false: a PEFT adapter folder "
         "(adapter_model.safetensors + adapter_config.json) for PeftModel.from_pretrained on the base model.",
+    )
+    merged_dtype: Literal["trained", "bfloat16", "float16", "float32"] = Field(
+        "trained",
+        description="dtype of final/'s merged model (merge_on_export): trained = the policy's weights as trained "
+        "(model.dtype; fp32 under auto); bfloat16 = the published checkpoints' dtype, in bf16 safetensors shards "
+        "(the merge is computed in fp32 and rounded once). Checkpoints are unaffected.",
     )
 
 

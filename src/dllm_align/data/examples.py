@@ -25,31 +25,36 @@ from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import collate, plan_batches
 from dllm_align.data.load import rows_from_section
-from dllm_align.data.tokenize import Example, block_layout, pad_token_id, tokenize_rows
+from dllm_align.data.tokenize import Example, block_layout, canvas_layout, pad_token_id, tokenize_rows
 
 
-def block_scoring(data, block_size: Optional[int]) -> Optional[str]:
-    """What ``data.block_scoring`` does for a model of ``block_size`` (None: a whole-sequence model, where it does
-    nothing): ``"published"`` or ``"completion_only"``. Recorded in the reference-cache fingerprint."""
-    if not block_size:
+def block_scoring(data, block_size: Optional[int], canvas_length: Optional[int] = None) -> Optional[str]:
+    """What ``data.block_scoring`` does for a model of ``block_size`` (block diffusion) or ``canvas_length``
+    (DiffusionGemma's canvases); None for a whole-sequence model, where it does nothing: ``"published"`` or
+    ``"completion_only"``. Recorded in the reference-cache fingerprint."""
+    if not block_size and not canvas_length:
         return None
     return getattr(data, "block_scoring", "published")
 
 
-def block_layout_for(data, tokenizer, block_size: Optional[int]):
+def block_layout_for(data, tokenizer, block_size: Optional[int], canvas_length: Optional[int] = None):
     """The :class:`dllm_align.data.tokenize.BlockLayout` the tokenisers take for ``data.block_scoring`` and a model of
-    ``block_size``, or None (whole-sequence models, ``completion_only``)."""
-    if block_scoring(data, block_size) != "published":
+    ``block_size`` or ``canvas_length``, or None (whole-sequence models, ``completion_only``)."""
+    if block_scoring(data, block_size, canvas_length) != "published":
         return None
+    if canvas_length:
+        return canvas_layout(tokenizer, int(canvas_length))
     return block_layout(tokenizer, int(block_size))
 
 
-def load_training_examples(recipe, tokenizer, *, quiet: bool = False, block_size: Optional[int] = None) -> list:
+def load_training_examples(recipe, tokenizer, *, quiet: bool = False, block_size: Optional[int] = None,
+                           canvas_length: Optional[int] = None) -> list:
     """The recipe's training rows, tokenised (``data.train``, ratios, limit, truncation). ``block_size``: the
-    model's block size (block-diffusion families), for the layout ``data.block_scoring`` names."""
+    model's block size (block-diffusion families), ``canvas_length`` its canvas (DiffusionGemma), for the layout
+    ``data.block_scoring`` names."""
     rows = rows_from_section(recipe.data, "train", quiet=quiet)
     return tokenize_rows(rows, tokenizer, recipe.data, quiet=quiet,
-                         block=block_layout_for(recipe.data, tokenizer, block_size))
+                         block=block_layout_for(recipe.data, tokenizer, block_size, canvas_length))
 
 
 def make_collate(recipe, tokenizer) -> Callable[[list], dict]:

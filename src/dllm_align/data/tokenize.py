@@ -44,6 +44,14 @@ block sampler produces. The completion is the reply, then the chat template's wh
 completion is a whole number of blocks (blocks counted from the sequence start); every one of those
 positions is masked and scored. ``max_length`` is taken down to a whole number of blocks so the filled
 row still fits; a cut reply loses its tail (it must not be scored as finished) but is still filled.
+
+Canvas layout (a :class:`BlockLayout` with ``canvas`` set, :func:`canvas_layout`): the layout DiffusionGemma's
+published training scores (TRL's DiffusionGemma example and the reference fine-tune's canvas chunker;
+docs/diffusion_gemma.md#the-last-canvas) and its sampler decodes. Canvases start at the completion (the prompt is
+the encoder's clean context, not a canvas), and the completion is the reply, the template's end-of-turn tail
+(``<turn|>`` and its newline), then EOS until the last canvas is full; every one of those positions is noised and
+scored. The filler never takes a row past ``max_length`` (which is not rounded), and a cut reply is neither given
+its tail nor filled: it has no real end to fill after, so its last canvas is left partial.
 """
 
 from __future__ import annotations
@@ -171,19 +179,29 @@ def end_of_turn_tail(tokenizer) -> list[int]:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """The published block-diffusion layout (module docstring): block size, end-of-turn tail, filler id."""
+    """The published block-diffusion layout (module docstring): block size, end-of-turn tail, filler id.
+    ``canvas``: blocks count from the completion's start, not the sequence's (DiffusionGemma's canvases), and the
+    filler stops at ``max_length``."""
 
     size: int
     tail: tuple[int, ...]
     filler: int
+    canvas: bool = False
 
-    def fill(self, prompt_len: int, completion: list[int]) -> list[int]:
-        """``completion`` followed by filler up to the next block boundary of prompt + completion."""
-        return completion + [self.filler] * (-(prompt_len + len(completion)) % self.size)
+    def fill(self, prompt_len: int, completion: list[int], max_length: Optional[int] = None) -> list[int]:
+        """``completion`` followed by filler up to the next block boundary of prompt + completion (of the completion
+        alone for canvases, and then no further than ``max_length``)."""
+        if not self.canvas:
+            return completion + [self.filler] * (-(prompt_len + len(completion)) % self.size)
+        n = -len(completion) % self.size
+        if max_length is not None:
+            n = max(0, min(n, max_length - prompt_len - len(completion)))
+        return completion + [self.filler] * n
 
     def room(self, max_length: int) -> int:
-        """``max_length`` taken down to whole blocks (a filled row never exceeds it)."""
-        return max_length - max_length % self.size
+        """``max_length`` taken down to whole blocks (a filled row never exceeds it); canvases keep it whole, their
+        filler stopping at it instead."""
+        return max_length if self.canvas else max_length - max_length % self.size
 
 
 def block_layout(tokenizer, block_size: int) -> BlockLayout:
@@ -192,6 +210,18 @@ def block_layout(tokenizer, block_size: int) -> BlockLayout:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     return BlockLayout(int(block_size), tuple(end_of_turn_tail(tokenizer)), pad_token_id(tokenizer))
+
+
+def canvas_layout(tokenizer, canvas_length: int) -> BlockLayout:
+    """DiffusionGemma's published layout for canvases of ``canvas_length``: the template's end-of-turn tail, then
+    EOS to the end of the last canvas (TRL's example fills with the tokenizer's EOS, as the reference fine-tune's
+    canvas chunker does)."""
+    if canvas_length < 1:
+        raise ValueError(f"canvas_length must be >= 1, got {canvas_length}")
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no EOS token, which fills DiffusionGemma's last canvas",
+                        hint="set data.block_scoring: completion_only, or use a tokenizer with an EOS token")
+    return BlockLayout(int(canvas_length), tuple(end_of_turn_tail(tokenizer)), int(tokenizer.eos_token_id), canvas=True)
 
 
 def pad_token_id(tokenizer) -> int:
@@ -275,6 +305,16 @@ def _cut_tail(completion: list[int], full_len: int, tail_len: int) -> list[int]:
     return completion
 
 
+def _filled(block: BlockLayout, prompt_len: int, completion: list[int], full_len: int, tail_len: int, cut: bool,
+            max_length: int) -> list[int]:
+    """A fitted completion in ``block``'s layout: a cut one loses its tail, and is filled unless canvases (module
+    docstring: a cut reply's last canvas is left partial)."""
+    completion = _cut_tail(completion, full_len, tail_len)
+    if block.canvas and cut:
+        return completion
+    return block.fill(prompt_len, completion, max_length)
+
+
 def scored_end_of_turn(tokenizer, data_section) -> Optional[int]:
     """The end-of-turn id appended to completions, or None (``data.end_of_turn: none``, the paper's code)."""
     if getattr(data_section, "end_of_turn", "scored") == "none":
@@ -303,7 +343,7 @@ def tokenize_with_report(rows: Sequence, tokenizer, data_section,
         rep.prompt_cut += p_cut
         rep.completion_cut += c_cut
         if block is not None:
-            c2 = block.fill(len(p), _cut_tail(c2, len(c), len(tail)))
+            c2 = _filled(block, len(p), c2, len(c), len(tail), c_cut, max_len)
         out.append(Example(r.id, p, c2, r.label, r.pair_id))
     rep.kept = len(out)
     return out, rep
@@ -367,8 +407,8 @@ def tokenize_pairs(pairs: Sequence, tokenizer, data_section, *, quiet: bool = Fa
         rep.prompt_cut += p_cut
         rep.completion_cut += any(cuts)
         if block is not None:
-            c2 = block.fill(len(p), _cut_tail(c2, len(c), len(tail)))
-            r2 = block.fill(len(p), _cut_tail(r2, len(r), len(tail)))
+            c2 = _filled(block, len(p), c2, len(c), len(tail), cuts[0], max_len)
+            r2 = _filled(block, len(p), r2, len(r), len(tail), cuts[1], max_len)
         out.append(
             (
                 Example(f"{pr.id}:chosen", p, c2, True, pr.id),

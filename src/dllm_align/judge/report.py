@@ -205,7 +205,8 @@ def results_markdown(results: dict) -> str:
         "LC-AWR: the AWR predicted at zero length difference by a logistic regression of the outcome on "
         "tanh(standardised length difference), A-longer and B-longer prompts weighted equally, refitted on each of the "
         "same resamples; withheld (-) when the data cannot tell the length slope from the intercept (variance "
-        "inflation above 4). See docs/judging.md for how it compares with AlpacaEval's figure.",
+        "inflation above 4) or, with neither length anchors nor a difficulty term, when the length correction "
+        "exceeds 5 points. See docs/judging.md for how it compares with AlpacaEval's figure.",
     ]
     ln = length_line(results)
     if ln:

@@ -456,7 +456,8 @@ def _recorded_settings(s: dict, template: str, token_param: str, api_judges: lis
         "ci_level": 0.9,
         "length_control": "logistic GLM of the outcome on tanh(standardised length difference) (+ instruction "
                           "difficulty, + length anchors at weight 0.1 when given), A-longer and B-longer prompts "
-                          "weighted equally; LC-AWR = prediction at zero difference, withheld when the slope is not identified",
+                          "weighted equally; LC-AWR = prediction at zero difference, withheld when the slope is not identified "
+                          "or, with neither anchors nor a difficulty term, when the length correction exceeds 5 points",
         "length_anchors": (s["length_anchors_model"] or api_judges[0]) if s["length_anchors"] else None,
         "difficulty_from": s["difficulty_from"],
         "difficulty_table": s["difficulty_table"],

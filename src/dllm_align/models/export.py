@@ -8,7 +8,10 @@ the published one: an SDAR folder saved as it is says ``model_type: qwen3`` with
 gives the fields the published layout needs (a family's ``published_fields`` translates a native config back);
 :func:`published_state` gives the published weight names (a family's ``published_state``: LLaDA's
 ``model.transformer.*``, LLaDA-MoE's per-expert matrices); :func:`copy_remote_code` copies the modeling files the
-source checkpoint had; :func:`write_published_layout` does all of it to a saved folder. Both are pure apart from the copy (the caller writes the folder atomically).
+source checkpoint had (and the modules they import, read with ``ast``); :func:`write_published_layout` does all of
+it to a saved folder; :func:`write_published_tokenizer` makes the saved tokenizer one the published stacks'
+transformers 4 reads (the source's own files where the tokenizer is unchanged). They write into a folder the caller
+renames into place whole (``final/`` is written as ``.tmp-final``).
 
 The source checkpoint's own ``config.json`` is the authority when there is one (training does not change the
 architecture): its ``model_type``, ``architectures``, ``auto_map`` and every other field are kept, and only
@@ -19,14 +22,14 @@ built-in ones) gets the family's published fields from its record (``Family.publ
 
 from __future__ import annotations
 
+import ast
 import json
-import re
 import stat
 from pathlib import Path
 from typing import Optional
 
 from dllm_align.core.errors import UserError
-from dllm_align.models.families import get_family
+from dllm_align.models.families import family_for_config, get_family
 
 
 # Keys dllm-align adds to a config for its own loading; the published code has no use for them.
@@ -75,6 +78,8 @@ def published_config(family: str, trained: dict, source: Optional[dict] = None) 
         out["auto_map"] = dict(layout.auto_map)
         if "dtype" in out:
             out["torch_dtype"] = str(out.pop("dtype")).replace("torch.", "")
+    for key, value in layout.defaults.items():
+        out.setdefault(key, value)
     if fam.block_size is not None and "block_size" not in out:
         out["block_size"] = int(trained.get("block_size") or fam.block_size)
     if "mask_token_id" not in out:
@@ -110,30 +115,77 @@ def _tokenizer_auto_map(folder: Path) -> dict:
     return data.get("auto_map") or {}
 
 
-def _regular_text(folder: Path, path: Path) -> str:
-    """The UTF-8 text of ``path``, a regular file inside ``folder`` (a link may point only inside it): anything
-    else (a link out of the folder, a folder, a FIFO, undecodable bytes) is refused naming the file."""
+def hub_blobs_of(root: Path) -> Optional[Path]:
+    """The blobs folder a Hugging Face cache snapshot's files link into (``models--org--name/snapshots/<rev>/x`` ->
+    ``../../blobs/<hash>``: how the hub client stores every download), or None for any other folder. A link from a
+    snapshot into its own repository's blobs is the cache's layout, not a file pulled from elsewhere."""
+    repo = root.parent.parent
+    if root.parent.name != "snapshots" or not repo.name.startswith(("models--", "datasets--", "spaces--")):
+        return None
+    blobs = repo / "blobs"
+    return blobs if blobs.is_dir() else None
+
+
+def _regular_bytes(folder: Path, path: Path) -> bytes:
+    """The bytes of ``path``, a regular file inside ``folder`` (a link may point only inside it): anything else (a
+    link out of the folder, a folder, a FIFO) is refused naming the file."""
     try:
         real, root = path.resolve(strict=True), folder.resolve(strict=True)
     except (OSError, RuntimeError) as e:
         raise UserError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    if root != real.parent and root not in real.parents:
+    if root != real.parent and root not in real.parents and real.parent != hub_blobs_of(root):
         raise UserError(f"{path}: a link out of its folder (to {real}); the export copies files from inside {folder} only")
     if not stat.S_ISREG(real.stat().st_mode):
         raise UserError(f"{path}: not a regular file; the export copies regular files only")
     try:
-        return real.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        return real.read_bytes()
     except OSError as e:
         raise UserError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
+def _regular_text(folder: Path, path: Path) -> str:
+    """The UTF-8 text of ``path`` (:func:`_regular_bytes`); undecodable bytes are refused naming the file."""
+    data = _regular_bytes(folder, path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def local_imports(folder: Path, path: Path, text: str) -> set[str]:
+    """The modules of ``folder`` that the Python source ``text`` (of ``path``) imports, read with ``ast`` (nothing is
+    run): every relative import (``from .x import``, ``from . import x``), which the published loader
+    (transformers' dynamic modules) copies beside the file and so must be there, refused by name when it is not;
+    and an absolute import whose top name is a file of ``folder`` (``import x`` beside ``x.py``)."""
+    try:
+        tree = ast.parse(text, filename=str(path))
+    except SyntaxError as e:
+        raise UserError(f"{path}: not Python the published code can import (line {e.lineno}: {e.msg})") from None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level > 1 or (node.module and "." in node.module):
+                raise UserError(f"{path}: imports {'.' * node.level}{node.module or ''} (line {node.lineno}), outside "
+                                "its folder; the export copies the files of one folder only")
+            wanted = [node.module] if node.module else [a.name for a in node.names]
+            for name in wanted:
+                if not (folder / f"{name}.py").exists() and not (folder / f"{name}.py").is_symlink():
+                    raise UserError(f"{path}: imports .{name} (line {node.lineno}), but {folder} has no {name}.py; "
+                                    "the published code cannot be loaded without it")
+                names.add(name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            tops = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names |= {t.split(".")[0] for t in tops if (folder / f"{t.split('.')[0]}.py").is_file()}
+    return names
+
+
 def remote_code_files(folder: Path, cfg: dict) -> list[Path]:
     """The Python files of ``folder`` a published config (and tokenizer config) points at through ``auto_map``,
-    with the sibling modules they import from the same folder (``from .x import``), sorted. Only regular UTF-8
-    files inside ``folder`` under plain module names are taken; anything else is refused naming it
-    (:func:`check_remote_code` runs this before training, so a refusal never comes after the work)."""
+    with the modules of the folder they import, and what those import (:func:`local_imports`), sorted. A module
+    ``auto_map`` names that the folder lacks is left out (the export then names no ``auto_map``), but one that a
+    present file imports is refused by name. Only regular UTF-8 files inside ``folder`` under plain module names are
+    taken; anything else is refused naming it (:func:`check_remote_code` runs this before training, so a refusal
+    never comes after the work)."""
     folder = Path(folder)
     modules = _module_names([cfg.get("auto_map") or {}, _tokenizer_auto_map(folder)])
     found: set[Path] = set()
@@ -148,14 +200,14 @@ def remote_code_files(folder: Path, cfg: dict) -> list[Path]:
             continue
         text = _regular_text(folder, path)
         found.add(path)
-        todo += re.findall(r"^\s*from \.(\w+) import", text, flags=re.M)
+        todo += sorted(local_imports(folder, path, text))
     return sorted(found)
 
 
 def check_remote_code(folder: Optional[Path], cfg: Optional[dict], family: Optional[str] = None) -> None:
     """Refuse, before the first step, what an export of a model from ``folder`` (its config ``cfg``; the
-    family's published ``auto_map`` too) would copy but cannot: the remote-code files and
-    generation_config.json (:func:`remote_code_files`). None: no folder, nothing to check."""
+    family's published ``auto_map`` too) would copy but cannot: the remote-code files (:func:`remote_code_files`)
+    and generation_config.json (the tokenizer's files: :func:`tokenizer_files`). None: no folder, nothing to check."""
     if folder is None or not Path(folder).is_dir():
         return
     folder = Path(folder)
@@ -212,6 +264,11 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
     if src_cfg is None and source is not None and (Path(source) / "config.json").is_file():
         src_cfg = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
     cfg = published_config(family, trained, src_cfg)
+    layout = get_family(family).published
+    if "auto_map" not in cfg and layout is not None and layout.auto_map:
+        # a source that names its architecture but ships no auto_map (the packaged SDAR base): the published one,
+        # kept below only if the source folder or ``code`` supplies every file it names
+        cfg["auto_map"] = dict(layout.auto_map)
     if source is not None and Path(source).is_dir():
         copy_remote_code(Path(source), folder, cfg)
         gen = Path(source) / "generation_config.json"
@@ -229,3 +286,102 @@ def write_published_layout(folder: Path, family: str, source: Optional[Path], co
         cfg["dllm_align_family"] = src_cfg["dllm_align_family"]
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return cfg
+
+
+# The files a tokenizer is saved in, by transformers 4 and 5 (which writes only tokenizer.json, tokenizer_config.json
+# and chat_template.jinja, dropping the slow tokenizer's vocabulary files).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
+# The vocabulary files that added tokens never change: a slow tokenizer class (the ``auto_map`` of SDAR's and Dream's
+# tokenizers) reads them, so they stay even when the rest of the tokenizer is written anew.
+BASE_VOCABULARY = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model")
+# transformers 5's class for any tokenizer.json; the published stacks' transformers (4.52, 4.57) do not have it.
+_V5_CLASS = "TokenizersBackend"
+# The transformers 4 class that reads a tokenizer.json alone (and transformers 5 still reads).
+_FAST_CLASS = "PreTrainedTokenizerFast"
+# Keys transformers 5 writes into tokenizer_config.json that are not tokenizer settings: its backend's name and the
+# arguments the tokenizer was loaded with (transformers 4 would pass them on to the tokenizer's constructor).
+_V5_ONLY = ("backend", "is_local", "local_files_only")
+
+
+def tokenizer_files(folder: Optional[Path]) -> list[Path]:
+    """The tokenizer files of ``folder`` (:data:`TOKENIZER_FILES` present), each checked to be a regular file inside
+    it (refused by name otherwise, before training: the export copies them)."""
+    if folder is None or not Path(folder).is_dir():
+        return []
+    found = [Path(folder) / n for n in TOKENIZER_FILES if (Path(folder) / n).exists() or (Path(folder) / n).is_symlink()]
+    for path in found:
+        _regular_bytes(Path(folder), path)
+    return found
+
+
+def published_tokenizer_config(cfg: dict, tokenizer_class: str = _FAST_CLASS) -> dict:
+    """``tokenizer_config.json`` in the form the published stacks' transformers 4 reads: transformers 5's
+    ``TokenizersBackend`` class becomes ``tokenizer_class`` (the source's own class where it had one, else
+    :data:`_FAST_CLASS`), its ``extra_special_tokens`` list becomes ``additional_special_tokens`` (transformers 4 reads
+    ``extra_special_tokens`` as a mapping of named tokens), and the keys it writes that are no tokenizer setting
+    (:data:`_V5_ONLY`) go. Anything else is kept."""
+    out = dict(cfg)
+    if out.get("tokenizer_class") in (None, _V5_CLASS):
+        out["tokenizer_class"] = tokenizer_class
+    for key in _V5_ONLY:
+        out.pop(key, None)
+    extra = out.get("extra_special_tokens")
+    if isinstance(extra, list):
+        del out["extra_special_tokens"]
+        known = list(out.get("additional_special_tokens") or [])
+        out["additional_special_tokens"] = known + [t for t in extra if t not in known]
+    return out
+
+
+def write_published_tokenizer(folder: Path, source: Optional[Path], unchanged: bool) -> list[str]:
+    """Make the tokenizer saved in ``folder`` one that the family's published stack loads
+    (``AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`` under the transformers it pins): where the
+    tokenizer is the ``source`` folder's ``unchanged``, the source's tokenizer files replace the saved ones byte for
+    byte; else the saved ones stay with the source's vocabulary files (:data:`BASE_VOCABULARY`) beside them. Either
+    way a ``tokenizer_config.json`` in transformers 5's form is rewritten (:func:`published_tokenizer_config`), the
+    only file changed then. Returns the names of the files taken from the source."""
+    folder = Path(folder)
+    src = tokenizer_files(source)
+    # without its tokenizer_config.json the source's files alone name no class: the saved ones stay
+    unchanged = unchanged and any(p.name == "tokenizer_config.json" for p in src)
+    taken = [p for p in src if unchanged or p.name in BASE_VOCABULARY]
+    if unchanged and src:
+        for name in TOKENIZER_FILES:
+            (folder / name).unlink(missing_ok=True)
+    for path in taken:
+        if unchanged or not (folder / path.name).exists():
+            (folder / path.name).write_bytes(_regular_bytes(Path(source), path))
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        source_class = None
+        if source is not None and (Path(source) / "tokenizer_config.json") in src:
+            source_class = json.loads(_regular_text(Path(source), Path(source) / "tokenizer_config.json")).get("tokenizer_class")
+        fixed = published_tokenizer_config(cfg, source_class if source_class not in (None, _V5_CLASS) else _FAST_CLASS)
+        if fixed != cfg:
+            cfg_path.write_text(json.dumps(fixed, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return [p.name for p in taken]
+
+
+def tokenizer_signature(tok) -> tuple:
+    """What decides a tokenizer's ids and turns: its vocabulary with added tokens, its special tokens and its chat
+    template (two tokenizers with the same signature encode and decode alike)."""
+    specials = {k: str(v) for k, v in tok.special_tokens_map.items()}
+    return (sorted(tok.get_vocab().items()), sorted(specials.items()), sorted(map(str, tok.all_special_tokens)),
+            tok.chat_template)
+
+
+def drop_own_keys(folder: Path) -> dict:
+    """``folder``'s config.json without dllm-align's own keys (:data:`_OWN_KEYS`), as the published layouts write
+    it: for a family whose published layout is transformers' own (DiffusionGemma), known again by its
+    ``model_type`` and ``architectures``. A config that only the key tells apart (a plugin family's toy) keeps it,
+    or the folder would read back as another family. Returns the written config."""
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    out = {k: v for k, v in cfg.items() if k not in _OWN_KEYS}
+    if out == cfg or family_for_config(out).name != family_for_config(cfg).name:
+        return cfg
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return out

@@ -150,14 +150,17 @@ def prepare_reference(model: torch.nn.Module, precision: Precision) -> None:
     to the policy's per-call cast, half the memory). A Linear whose weight an embedding shares (a head tied
     to the input embeddings, as DiffusionGemma's) keeps it: autocast does not cast an embedding lookup, so
     casting the shared weight would round the policy's fp32 embeddings on the reference side only."""
+    for mod in reference_cast_modules(model, precision):
+        mod.to(precision.autocast)
+
+
+def reference_cast_modules(model: torch.nn.Module, precision: Precision) -> list:
+    """The modules :func:`prepare_reference` stores in the autocast dtype (none without autocast)."""
     if precision.autocast is None or precision.autocast == precision.weights:
-        return
+        return []
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and id(mod.weight) in embedded:
-            continue
-        if isinstance(mod, torch.nn.Linear) or _is_experts(mod):
-            mod.to(precision.autocast)
+    return [mod for mod in model.modules()
+            if (isinstance(mod, torch.nn.Linear) and id(mod.weight) not in embedded) or _is_experts(mod)]
 
 
 # ----------------------------------------------------------------- mixture-of-experts blocks

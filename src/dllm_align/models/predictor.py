@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from dllm_align.core.errors import UserError
 from dllm_align.models.block_attention import STREAMS_ATTENTION, uses_streams_attention
@@ -245,6 +246,54 @@ class MaskPredictor:
             logits = (out.logits if hasattr(out, "logits") else out[0])[rows, src]  # unshifted output, read at src
         logits = logits.float()
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def position_terms(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        term,
+        extra: tuple = (),
+        packed: Optional[torch.Tensor] = None,
+        streams: Optional["Streams"] = None,
+    ) -> torch.Tensor:
+        """``term(logits, *extra)`` at positions (rows, cols): a function of the full fp32 logits [n, V] of n
+        positions (and of ``extra``'s tensors [N] cut to them) to one value per position [n], for a likelihood whose
+        terms read the whole distribution (``objective.hybrid``). Returns [N].
+
+        The positions go through ``term`` in chunks of about ``TERM_CHUNK`` logits; under autograd each chunk's
+        logits (and what ``term`` makes of them) are recomputed in the backward pass (``torch.utils.checkpoint``)
+        instead of kept, so what stays is the hidden states at the positions (a non-separable model: its logits
+        there). Positions line up as in :meth:`target_logprobs`."""
+        src = self.family.source_positions(cols)
+        if packed is not None and self.family.logit_shift:
+            src = torch.maximum(src, cols - packed_positions(packed)[rows, cols])
+        if self.separable:
+            feats = self.hidden(input_ids, attention_mask, packed, streams)[rows, src]  # [N, H]
+
+            def run(x, *ex):
+                return term(self.head(x).float(), *ex)
+        else:
+            with self._autocast(input_ids.device.type):
+                out = self.model(**self._forward_args(input_ids, attention_mask, packed, streams))
+            feats = (out.logits if hasattr(out, "logits") else out[0])[rows, src]
+
+            def run(x, *ex):
+                return term(x.float(), *ex)
+        step = max(1, self.TERM_CHUNK // max(1, self.vocab_size))
+        parts = []
+        for s in range(0, feats.shape[0], step):
+            args = (feats[s:s + step], *(x[s:s + step] for x in extra))
+            if torch.is_grad_enabled() and feats.requires_grad:
+                parts.append(checkpoint(run, *args, use_reentrant=False))
+            else:
+                parts.append(run(*args))
+        return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+    # Logits of one chunk of :meth:`position_terms` (about 64 MB in fp32, and a likelihood's float64 working set on
+    # them, some 7 times that).
+    TERM_CHUNK: int = 1 << 24
 
     def canvas_logits(self, examples, self_conditioning: str = "none") -> list:
         """An encoder-decoder family's scoring call (``Family.score_canvases``, DiffusionGemma): for each example

@@ -185,7 +185,8 @@ def exact_block_elbo(forward: Forward, x0: torch.Tensor, maskable: torch.Tensor,
 
 # --------------------------------------------------------------------------- the block ELBO of the commands
 def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], block_size: int,
-                    max_rows_per_forward: Optional[int] = None, pack_length: Optional[int] = None) -> torch.Tensor:
+                    max_rows_per_forward: Optional[int] = None, pack_length: Optional[int] = None,
+                    score: Optional[Callable] = None) -> torch.Tensor:
     """Per-draw sums of log p at the masked positions [B*K], for a block-diffusion family.
 
     ``nb`` is :func:`dllm_align.objective.draws.make_noisy_batch`'s noisy batch (row b*K + j: draw j of row
@@ -200,6 +201,10 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
     packed into rows of at most that many tokens first (``data.batching.pack_rows``), every stream of a
     packed row holding the same sequences at the same columns, and no sequence sees another
     (``Streams.docs``): the values of the padded layout, without the compute on padding.
+
+    ``score(ids, rows, cols, sel, streams) -> [n]``: what each scored position adds (unpacked rows only; ``sel``
+    picks the positions of ``nb`` the call scores); default log p of its target (``MaskPredictor.target_logprobs``).
+    The sums take its dtype.
     """
     if pack_length is not None and attention_mask is not None:
         return _packed_block_draw_sums(mp, nb, input_ids, attention_mask, block_size, max_rows_per_forward, pack_length)
@@ -213,7 +218,10 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
     rows_per_call, draws_per_call = _calls(B, K, max_rows_per_forward)
     row_of = torch.div(nb.rows, K, rounding_mode="floor")
     draw_of = nb.rows - row_of * K
-    parts = [torch.zeros(B * K, dtype=torch.float32, device=dev)]
+    if score is None:
+        def score(ids, r, c, sel, streams):
+            return mp.target_logprobs(ids, None, r, c, nb.targets[sel], streams=streams)
+    parts = []
     for r0 in range(0, B, rows_per_call):
         r1 = min(r0 + rows_per_call, B)
         for j0 in range(0, K, draws_per_call):
@@ -225,8 +233,8 @@ def block_draw_sums(mp, nb, input_ids: torch.Tensor, attention_mask: Optional[to
             rr, jj = row_of[sel], draw_of[sel]
             cc = (jj - j0) * T + nb.cols[sel]
             streams = Streams(c, T, blocks[r0:r1], None if valid is None else valid[r0:r1])
-            lp = mp.target_logprobs(ids, None, rr - r0, cc, nb.targets[sel], streams=streams)
-            parts.append(torch.zeros(B * K, dtype=torch.float32, device=lp.device).index_add(0, rr * K + jj, lp))
+            lp = score(ids, rr - r0, cc, sel, streams)
+            parts.append(torch.zeros(B * K, dtype=lp.dtype, device=lp.device).index_add(0, rr * K + jj, lp))
     return torch.stack(parts).sum(0)  # each draw's sum comes from one call: the others add exact zeros
 
 

@@ -64,6 +64,15 @@ def _replace_needs_sft(recipe) -> list[str]:
     return []
 
 
+class HybridSettings(ComponentSettings):
+    """The masked-plus-replaced likelihood's own settings (``reference.hybrid.<key>``)."""
+
+    mask_share: float = Field(
+        0.5, ge=0, lt=1, description="Masked-plus-replaced bound: the share of corrupted positions that hold the mask; "
+        "the rest hold a uniformly drawn real token (LLaDA2.1's report publishes no rate; 0.5 weighs its two "
+        "corruptions alike; docs/design.md#a-bound-for-masked-and-replaced-tokens). Below 1: at 1 it is the block ELBO.")
+
+
 # the absorbing-mask likelihoods have no use for them: set on a masked or block model, refused by name
 _UNIFORM_KEYS = tuple(UniformSettings.model_fields)
 _BLOCK_KEYS = tuple(BlockSettings.model_fields)
@@ -76,6 +85,11 @@ register(Component("likelihood", "block", "dllm_align.objective.block:BLOCK", ig
 register(Component("likelihood", "uniform", "dllm_align.objective.uniform:UNIFORM", settings=UniformSettings,
                    ignores=_BLOCK_KEYS, traits={"flat": True},
                    summary="uniform-noise diffusion over canvases (DiffusionGemma)"))
+# Selected by reference.likelihood on a family that lists it (Family.likelihood_options); its time draw is its own
+# (t = u^2), so the absorbing-mask draws' estimator has no use here.
+register(Component("likelihood", "hybrid", "dllm_align.objective.hybrid:HYBRID", settings=HybridSettings,
+                   ignores=_UNIFORM_KEYS + _BLOCK_KEYS + ("estimator",),
+                   summary="masked-plus-replaced corruption over the family's blocks, a bound (LLaDA2.1, by choice)"))
 
 # --------------------------------------------------------------------------- objectives
 register(Component("objective", "elbo_kto", "dllm_align.objective.elbo_kto:ElboKto",

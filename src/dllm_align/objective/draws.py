@@ -71,6 +71,9 @@ class DrawConfig:
     # The likelihoods' own settings, (name, settings) pairs (the recipe's, by ``from_reference``); a likelihood
     # missing here reads its declaration's defaults (:meth:`settings_of`). The absorbing-mask draws have none.
     likelihood_settings: tuple = ()
+    # The likelihood these draws are for when the recipe picks one (``reference.likelihood``); None: the model's
+    # family's (``objective.elbo.elbo_draws``).
+    likelihood: Optional[str] = None
 
     def __post_init__(self):
         if self.estimator not in ("l", "t"):
@@ -81,7 +84,8 @@ class DrawConfig:
     @classmethod
     def from_reference(cls, ref, n_mc: Optional[int] = None) -> "DrawConfig":
         return cls(n_mc=n_mc or ref.n_mc, seed=ref.seed, estimator=ref.estimator, stratified=ref.stratified,
-                   likelihood_settings=tuple((name, ref.own_settings(name)) for name in registry.names("likelihood")))
+                   likelihood_settings=tuple((name, ref.own_settings(name)) for name in registry.names("likelihood")),
+                   likelihood=ref.likelihood)
 
     def settings_of(self, likelihood: str):
         """The own settings of ``likelihood`` these draws are made with (its declaration's defaults if not given)."""

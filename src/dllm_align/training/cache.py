@@ -58,7 +58,9 @@ SHARD_FMT = "shard-{:05d}.safetensors"
 UNIFORM_FIELDS_DEFAULTS = {k: f.default for k, f in UniformSettings.model_fields.items()}
 UNIFORM_FIELDS = tuple(UNIFORM_FIELDS_DEFAULTS)
 # Fields present only where they apply; a cache that lacks one was made where it did not (or before it existed).
-OPTIONAL_FIELDS = (*UNIFORM_FIELDS, "tied_head")
+# ``likelihood`` and its ``likelihood_settings``: a likelihood the recipe picks (``reference.likelihood``); a cache
+# that lacks them was made with the family's.
+OPTIONAL_FIELDS = (*UNIFORM_FIELDS, "tied_head", "likelihood", "likelihood_settings")
 STRICT_FIELDS = (
     "format_version",
     "reference_weights",
@@ -216,6 +218,7 @@ def fingerprint(
     examples: Sequence,
     known_files: Optional[list] = None,
     block_size: Optional[int] = None,
+    canvas_length: Optional[int] = None,
 ) -> Fingerprint:
     """The fingerprint of the reference values this recipe needs for ``examples``.
 
@@ -224,8 +227,8 @@ def fingerprint(
     model, from building it), the tokenizer is the one the examples were
     tokenised with, and the weights / compute dtypes are the training
     precision's (:func:`dllm_align.models.precision.precision_for`): a cache made in
-    fp32 does not serve a bf16-autocast run, nor the reverse. ``block_size``: the
-    model's (block-diffusion families), for the layout ``data.block_scoring`` gives.
+    fp32 does not serve a bf16-autocast run, nor the reverse. ``block_size`` / ``canvas_length``: the
+    model's (block-diffusion families / DiffusionGemma), for the layout ``data.block_scoring`` gives.
     """
     name = reference_name(recipe)
     revision = recipe.model.revision
@@ -255,8 +258,8 @@ def fingerprint(
         "estimator": r.estimator,
         "stratified": r.stratified,
         "end_of_turn": d.end_of_turn,
-        # The block-diffusion layout (None for a whole-sequence model, where data.block_scoring does nothing).
-        "block_scoring": block_scoring(d, block_size),
+        # The block or canvas layout (None for a whole-sequence model, where data.block_scoring does nothing).
+        "block_scoring": block_scoring(d, block_size, canvas_length),
         # The attention kernel is part of the function computed (flash / flex / sdpa round differently).
         "attn_implementation": recipe.model.attn_implementation or "sdpa",
         "composition": composition(recipe),
@@ -276,6 +279,7 @@ def fingerprint(
     for key, default in UNIFORM_FIELDS_DEFAULTS.items():
         if getattr(r, key) != default:
             fields[key] = getattr(r, key)
+    fields.update(r.likelihood_record())
     return Fingerprint(fields, files)
 
 
@@ -288,6 +292,8 @@ _FIELD_HINTS = {
     "parameterization": "reference.parameterization",
     "self_conditioning": "reference.self_conditioning",
     "surrogate": "reference.surrogate",
+    "likelihood": "reference.likelihood",
+    "likelihood_settings": "the chosen likelihood's own settings (reference.<likelihood>.<key>)",
     "max_length": "data.max_length",
     "padding": "data.padding",
     "truncation": "data.truncation",

@@ -36,8 +36,10 @@ from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.core.io import disk_errors, fsync_dir, fsync_tree, verify_checksums, write_checksums
 from dllm_align.core.runfolder import check_all_see
-from dllm_align.models.export import published_state, write_published_layout
+from dllm_align.models.export import (drop_own_keys, published_state, tokenizer_files, tokenizer_signature,
+                                      write_published_layout, write_published_tokenizer)
 from dllm_align.models.families import family_for_config
+from dllm_align.models.load import load_tokenizer
 from dllm_align.training.monitor import MarginWatch
 
 # lazy imports: peft: an optional extra; only LoRA runs save adapters
@@ -125,6 +127,13 @@ def merged_state_dict(sd: dict, lora=None) -> tuple[dict, dict]:
             w = out[f"{stem}.weight"]
             out[f"{stem}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return out, adapter
+
+
+def merged_in(weights: dict, dtype: str) -> dict:
+    """The merged model's floating-point weights in ``dtype`` (``train.lora.merged_dtype``: the merge was computed in
+    fp32, this rounds it once); integer tensors as they are."""
+    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    return {k: v.to(dt) if v.is_floating_point() else v for k, v in weights.items()}
 
 
 def save_model_folder(folder: Path, state_dict: dict, config, tokenizer, max_shard_size: str = "5GB",
@@ -284,7 +293,8 @@ def _adapters_of(sd: dict) -> dict:
 
 
 def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: str, final: bool = False,
-           source: Optional[Path] = None, code: Optional[Path] = None, source_config: Optional[dict] = None) -> dict:
+           source: Optional[Path] = None, code: Optional[Path] = None, source_config: Optional[dict] = None,
+           tokenizer_source: Optional[Path] = None) -> dict:
     """Write the model folder; returns the LoRA adapter tensors (empty without LoRA).
 
     A checkpoint (``final=False``) keeps the native layout it resumes from. The final model is written in its
@@ -292,34 +302,60 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     and from ``source``, the folder the run started from, its remote code and generation config; from ``code``, a
     folder of the family's published modeling files, when the source has none), so the published code and the
     serving engines load it as the original; dllm-align reads it back to the same numbers. Without the remote code
-    the folder names no ``auto_map`` (said on stderr). ``source_config``: ``source``'s config.json as already read."""
+    the folder names no ``auto_map`` (said on stderr). ``source_config``: ``source``'s config.json as already read.
+    Its tokenizer is the one the published stacks read (:func:`publish_tokenizer`; ``tokenizer_source``: the folder
+    the run's tokenizer came from, None when none)."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
+        publish_tokenizer(folder, saver.tokenizer, tokenizer_source)
         return adapter
+    if final and lora.enabled and lora.merged_dtype != "trained":
+        weights = merged_in(weights, lora.merged_dtype)
     if final and lora.enabled:
         # the adapters beside the merged model, in a folder of their own: an adapter_config.json at the top would
         # make transformers read final/ as an adapter of the base rather than as the merged model
         save_peft_adapter(folder / ADAPTER_DIR, adapter, lora, base_model, saver.tokenizer)
+        publish_tokenizer(folder / ADAPTER_DIR, saver.tokenizer, tokenizer_source)
     config = saver.accelerator.unwrap_model(saver.module).model.config
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
         return adapter
     fam = family_for_config(config)
     family = fam.name
-    if fam.published is None:  # no published layout to write
+    if fam.published is None:  # transformers' own layout: the config less dllm-align's keys
         save_model_folder(folder, weights, config, saver.tokenizer)
         if fam.export_extras is not None:
             fam.export_extras(folder, config, saver.tokenizer, source)
+        drop_own_keys(folder)
+        publish_tokenizer(folder, saver.tokenizer, tokenizer_source)
         return adapter
     save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
     cfg = write_published_layout(folder, family, source, code, source_config)
+    publish_tokenizer(folder, saver.tokenizer, tokenizer_source)
     if "auto_map" not in cfg:
         info(f"export: the final model carries no {family} remote code (neither the model's folder nor "
              f"model.published_code has the files), so its config.json names no auto_map: it loads through "
              f"dllm-align and the serving engines that know {cfg['architectures'][0]}; for the published code's "
              f"trust_remote_code load set model.published_code to a folder of its modeling files (docs/serving.md)")
     return adapter
+
+
+def publish_tokenizer(folder: Path, tokenizer, source: Optional[Path]) -> list[str]:
+    """The exported tokenizer in the form the family's published stack, at the transformers it pins, reads
+    (``models.export.write_published_tokenizer``): ``source``'s own files, byte for byte, where ``tokenizer`` is
+    the one they load (same vocabulary, special tokens and chat template), else the saved files with the source's
+    vocabulary files beside them. Returns the files taken from ``source``."""
+    unchanged = False
+    if tokenizer_files(source):
+        try:
+            cfg_file = Path(source) / "config.json"  # the family's fix-ups (Dream's native twin of its remote class)
+            family = family_for_config(json.loads(cfg_file.read_text(encoding="utf-8"))) if cfg_file.is_file() else None
+            again = load_tokenizer(source, family=family)
+            unchanged = tokenizer_signature(again) == tokenizer_signature(tokenizer)
+        except (UserError, OSError, ValueError):
+            unchanged = False  # the saved tokenizer is written anew: nothing is claimed about the source's files
+    return write_published_tokenizer(folder, source, unchanged)
 
 
 def save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, state: TrainState, history: list,

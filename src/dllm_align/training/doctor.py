@@ -69,11 +69,12 @@ from dllm_align.core.errors import UserError
 from dllm_align.data.load import load_prompts
 from dllm_align.models.families import family_for_config
 from dllm_align.models.load import BUILTIN_SPECS
+from dllm_align.objective.base import objective_for
 from dllm_align.training.cache import cache_dir, composition, dataset_digest
 from dllm_align.training.distributed import make_accelerator
-from dllm_align.training.host import HostRam, host_loading
+from dllm_align.training.host import HostRam, host_loading, host_precompute, merged_bytes
 from dllm_align.training.loop import invariant_margins, invariant_values
-from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape
+from dllm_align.training.memory import GiB, Launch, advice, estimate, model_shape, precompute_estimate
 from dllm_align.training.train import setup_run
 
 # lazy imports: resource: POSIX only; the peak-memory line
@@ -157,6 +158,13 @@ def environment(recipe, launch: Launch, shape) -> dict:
         else:
             why = f"{ram.processes_per_node} process(es) x {ram.per_process / 1e9:.1f} GB: {fit} per node would fit{how}"
         problems.append(f"host RAM: {avail / 1e9:.1f} GB available, the run needs ~{ram.per_node / 1e9:.1f} GB ({why})")
+    if objective_for(recipe.train).needs_reference and recipe.reference.mode == "cached":
+        pre = host_ram_precompute(recipe, launch, shape)
+        env["host_ram_precompute"] = {"needed_bytes": pre.per_node, "per_process_bytes": pre.per_process,
+                                      "sharded_read": pre.sharded_read, "why": pre.why}
+        if avail is not None and avail < pre.per_node:
+            problems.append(f"host RAM: {avail / 1e9:.1f} GB available, precompute-ref needs ~{pre.per_node / 1e9:.1f} GB "
+                            f"({pre.processes_per_node} process(es) x {pre.per_process / 1e9:.1f} GB)")
     att = recipe.model.attn_implementation
     if att and not backends.get(att, False):
         problems.append(f"model.attn_implementation: {att} is not available here")
@@ -176,10 +184,12 @@ def disk_needed(recipe, shape) -> dict:
     if t.lora.enabled:
         T = shape.lora_params(t.lora.r, list(t.lora.target_modules))
         ckpt, what = T * 4 + T * 8, f"LoRA adapters {T * 4 / 1e9:.2f} GB (T x 4) + AdamW {T * 8 / 1e9:.2f} GB (T x 8)"
-        merged = P * w if t.lora.merge_on_export else 0
+        m = merged_bytes(recipe)
+        merged = P * m if t.lora.merge_on_export else 0
         final = T * 4 + merged
-        fwhy = (f"adapters {T * 4 / 1e9:.2f} GB" + (f" + merged model {merged / 1e9:.1f} GB (P x {w}; "
-                "train.lora.merge_on_export)" if merged else " (train.lora.merge_on_export false: no merged model)"))
+        fwhy = (f"adapters {T * 4 / 1e9:.2f} GB" + (f" + merged model {merged / 1e9:.1f} GB (P x {m}; "
+                f"train.lora.merge_on_export, merged_dtype {t.lora.merged_dtype})" if merged
+                else " (train.lora.merge_on_export false: no merged model)"))
     else:
         ckpt, what = P * w + P * 8, f"weights {P * w / 1e9:.1f} GB (P x {w}) + AdamW {P * 8 / 1e9:.1f} GB (P x 8)"
         final, fwhy = P * w, f"model {P * w / 1e9:.1f} GB (P x {w})"
@@ -194,6 +204,11 @@ def host_ram_needed(recipe, launch: Launch, shape) -> HostRam:
     fam = family_for_config(shape.config) if shape.config else None
     return host_loading(shape, recipe, launch, reads_by_name=fam is None or fam.reads_by_name,
                         has_files=recipe.model.name_or_path not in BUILTIN_SPECS, gpu=gpu)
+
+
+def host_ram_precompute(recipe, launch: Launch, shape) -> HostRam:
+    """Host memory a node needs while ``precompute-ref`` loads the reference (:func:`host_precompute`)."""
+    return host_precompute(shape, recipe, launch, gpu=torch.cuda.is_available() or launch.source != Launch().source)
 
 
 def device_capacity(launch: Launch, gpu_memory_gb: Optional[float]) -> tuple[int, str]:
@@ -217,7 +232,12 @@ def memory_report(recipe, launch: Launch, gpu_memory_gb: Optional[float] = None,
     est = estimate(shape, recipe, launch, autocast)
     cap, cap_src = device_capacity(launch, gpu_memory_gb)
     fits = est.total <= cap
+    pre = None
+    if objective_for(recipe.train).needs_reference and recipe.reference.mode == "cached":
+        pre = precompute_estimate(shape, recipe, launch, autocast)
+        pre["fits"] = pre["total"] <= cap
     return {
+        "precompute": pre,
         "model": {"source": shape.source, "params": shape.params, "trainable": est.trainable,
                   "hidden": shape.hidden, "layers": shape.layers, "vocab": shape.vocab},
         "launch": {"source": launch.source, "type": launch.distributed_type, "processes": launch.processes,

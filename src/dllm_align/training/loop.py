@@ -87,12 +87,14 @@ class TrainData:
 
 
 def load_data(recipe, plan: TrainPlan, tokenizer, examples: Optional[list] = None,
-              block_size: Optional[int] = None) -> TrainData:
+              block_size: Optional[int] = None, canvas_length: Optional[int] = None) -> TrainData:
     """The recipe's rows tokenised (or ``examples``), made into the objective's units and counted into steps.
-    ``block_size``: the policy's (block-diffusion families), for ``data.block_scoring``."""
+    ``block_size`` / ``canvas_length``: the policy's (block-diffusion families / DiffusionGemma), for
+    ``data.block_scoring``."""
     t = recipe.train
     if examples is None:
-        examples = load_training_examples(recipe, tokenizer, quiet=not plan.main, block_size=block_size)
+        examples = load_training_examples(recipe, tokenizer, quiet=not plan.main, block_size=block_size,
+                                          canvas_length=canvas_length)
     objective = plan.objective
     units = objective.make_units(examples)
     G = plan.global_batch

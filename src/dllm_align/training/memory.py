@@ -11,8 +11,8 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
 * FSDP working copies: the root unit (embeddings, head, final norm) and two
   decoder layers (one computing, one prefetched) gathered in full, fp32 (the
   precision policy gathers fp32 shards: :mod:`dllm_align.models.precision`);
-* an online reference: resident and unsharded (its Linears in bf16 under
-  autocast);
+* an online reference: resident (its Linears in bf16 under autocast); under FSDP2 on several processes, a model
+  read by name is sharded as the policy is (P x w / N and its gathered units: :func:`reference_device_bytes`);
 * activations for one forward of ``tokens = rows x max_length`` (rows = the
   rows the micro-batch's draws put through the body, which the family's
   likelihood says (``Likelihood.footprint``: ``train.batch_size x n_mc`` for
@@ -55,8 +55,9 @@ per device (N = processes sharding the model: FSDP's process count, else 1):
   fragmentation).
 
 The device's peak is the larger of those lines' sum (the steps) and the peak
-while loading (``Estimate.loading``): an online reference under bf16 autocast
-is loaded at the weights' dtype (fp32: P x 4) and only then are its Linears
+while loading (``Estimate.loading``): an online reference that is read whole (a family that reads its checkpoint
+whole, a built-in model; one read by name goes weight by weight into its resident dtypes, :func:`reference_route`)
+under bf16 autocast is loaded at the weights' dtype (fp32: P x 4) and only then are its Linears
 cast to bf16 (``models.precision.prepare_reference``), so for a moment the
 device holds the policy's weights (on the CPU until FSDP shards them) and the
 whole fp32 reference. For an 8B LoRA run with 576-token draws that moment is
@@ -451,7 +452,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     k = recipe.train_n_mc()
     objective = objective_for(t)
     units = t.batch_size * objective.rows_per_unit
-    foot = get_likelihood(shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes,
+    foot = get_likelihood(recipe.reference.likelihood or shape.likelihood).footprint(shape, k, recipe.data.max_length, 2 if autocast else wbytes,
                                                       attn=recipe.model.attn_implementation or "sdpa",
                                                       packed=recipe.data.padding == "packed")
     rows = units * foot.rows
@@ -465,9 +466,9 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
     if launch.fsdp:
         layer_bytes = 2 if (autocast and t.fsdp_gather == "bf16_layers" and launch.fsdp_version == 2) else wbytes
         lines["FSDP gathered units (root + 2 layers)"] = (shape.embedding_params + shape.hidden) * wbytes + 2 * shape.largest_layer_params * layer_bytes
+    route = reference_route(shape, recipe, launch)
     if objective.needs_reference and recipe.reference.mode == "online":
-        lin = shape.linear_params
-        lines["online reference (resident)"] = lin * (2 if autocast else wbytes) + (P - lin) * wbytes
+        lines["online reference (resident)"] = reference_device_bytes(shape, recipe, launch, autocast)
     act = 4 if (autocast or wbytes == 4) else 2
     per_token_layer = (36 * d + 10 * i) if autocast else (44 * d + 16 * i)
     working = tokens * per_token_layer + tokens * i * 4
@@ -509,7 +510,7 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
         with_ckpt += shape.largest_layer_params * 2
         without_ckpt += body_linear * 2
     loading = 0
-    if "online reference (resident)" in lines:
+    if "online reference (resident)" in lines and route == "whole":
         # the policy is loaded first (on the CPU under FSDP, sharded later), then the reference at the weights'
         # dtype, whose Linears are cast to bf16 only once it is whole on the device
         policy = 0 if launch.fsdp or launch.offload_params else P * wbytes + (T * 4 if t.lora.enabled else 0)
@@ -523,6 +524,54 @@ def estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> Estim
         total_with_checkpointing=max(fixed + with_ckpt, loading), total_without_checkpointing=max(fixed + without_ckpt, loading),
         checkpointing=ckpt, tokens=tokens, params=P, trainable=T, notes=notes,
     )
+
+
+def reference_route(shape: ModelShape, recipe, launch: Launch) -> str:
+    """How the reference loads (:mod:`dllm_align.training.reference_model`): ``sharded`` (an FSDP2 launch of several
+    processes, a model read by name from its files: each process reads its rows, kept at the weights' dtype),
+    ``direct`` (read by name, whole, each weight straight into its resident dtype on the device) or ``whole`` (read
+    whole at the weights' dtype on the host, moved, then its Linears cast: a family that transforms its weights as
+    they load, or a built-in model)."""
+    fam = family_for_config(shape.config) if shape.config else None
+    if not (fam is None or fam.reads_by_name) or recipe.model.name_or_path in BUILTIN_SPECS:
+        return "whole"
+    return "sharded" if launch.fsdp and launch.fsdp_version == 2 and launch.processes > 1 else "direct"
+
+
+def reference_device_bytes(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> int:
+    """The reference's weights on one device: sharded, P x w / N plus the units FSDP2 gathers in full (the root and
+    two layers, at w); else whole, its Linears at the compute dtype under autocast (``prepare_reference``)."""
+    P, lin = shape.params, shape.linear_params
+    w = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
+    if reference_route(shape, recipe, launch) == "sharded":
+        return P * w // launch.processes + (shape.embedding_params + shape.hidden) * w + 2 * shape.largest_layer_params * w
+    return lin * (2 if autocast else w) + (P - lin) * w
+
+
+def precompute_estimate(shape: ModelShape, recipe, launch: Launch, autocast: bool) -> dict:
+    """Per-device bytes of ``precompute-ref`` (``lines``, ``total``): the reference's weights
+    (:func:`reference_device_bytes`), one no-grad forward of a training micro-batch (precompute scores in training's
+    call shapes: the residual stream and one layer's working set), the chunked head and the reserve; where the
+    reference is read whole at the weights' dtype, the moment before its Linears are cast (``loading``)."""
+    P = shape.params
+    w = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[recipe.model.dtype]
+    d, i = shape.hidden, shape.active_intermediate
+    est = estimate(shape, recipe, launch, autocast)
+    tokens = est.tokens
+    route = reference_route(shape, recipe, launch)
+    lines = {f"reference weights ({route} read)": reference_device_bytes(shape, recipe, launch, autocast)}
+    act = 4 if (autocast or w == 4) else 2
+    lines["one no-grad forward (residual stream + one layer's working set)"] = (
+        tokens * d * act + tokens * ((36 * d + 10 * i) if autocast else (44 * d + 16 * i)))
+    lines["output head (chunked)"] = HEAD_CHUNK * shape.vocab * (4 + 2)
+    # what the likelihood adds to a forward of these shapes (its masks, canvases' logits, attention), as training
+    training_only = ("weights", "gradients", "optimizer", "FSDP", "online reference", "activations", "output head",
+                     "autocast bf16", "runtime reserve")
+    lines.update({k: v for k, v in est.lines.items() if not k.startswith(training_only)})
+    lines["runtime reserve (CUDA context, NCCL, fragmentation)"] = RESERVE
+    steps = sum(lines.values())
+    loading = P * w + RESERVE if route == "whole" else 0
+    return {"lines": lines, "total": max(steps, loading), "loading": loading, "route": route, "tokens": tokens}
 
 
 def advice(est: Estimate, shape: ModelShape, recipe, launch: Launch, capacity: int) -> list[str]:

@@ -19,11 +19,11 @@ from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
 from dllm_align.data.imbalance import read_weights_file
 from dllm_align.models.families.base import Family
-from dllm_align.models.export import check_remote_code
+from dllm_align.models.export import check_remote_code, tokenizer_files
 from dllm_align.models.load import BUILTIN_SPECS, ModelSource, model_source
 from dllm_align.models.precision import Precision, precision_for
 from dllm_align.objective.base import ClassWeights, Objective, objective_for
-from dllm_align.objective.elbo import DrawConfig, get_likelihood
+from dllm_align.objective.elbo import DrawConfig, get_likelihood, likelihood_for
 from dllm_align.objective.likelihood import Likelihood
 from dllm_align.training.distributed import fsdp_launch_of, is_fsdp
 
@@ -59,7 +59,7 @@ class TrainPlan:
 
     @property
     def likelihood(self) -> Optional[Likelihood]:
-        return likelihood_of(self.source)
+        return None if self.family is None else get_likelihood(self.draws.likelihood or self.family.likelihood)
 
     @property
     def fsdp2(self) -> bool:
@@ -123,12 +123,15 @@ def resolve_recipe(recipe, *, fsdp: bool = False, fsdp_version: int = 1, checkpo
 
 def check_export_sources(recipe, source: ModelSource) -> None:
     """What the export of ``final/`` will copy (the source folder's remote code and generation config,
-    ``model.published_code``'s modeling files) checked before the first step: regular UTF-8 files inside their
-    folder, a tokenizer_config.json that is JSON; a refusal names the file (``models.export.check_remote_code``)."""
+    ``model.published_code``'s modeling files and what they import, the tokenizer's files, ``model.tokenizer``'s
+    where it names a folder) checked before the first step: regular UTF-8 files inside their folder, a
+    tokenizer_config.json that is JSON; a refusal names the file (``models.export.check_remote_code``)."""
     check_remote_code(source.folder, source.config, source.family.name)
     code = recipe.model.published_code
     if code:
         check_remote_code(Path(code).expanduser(), source.config, source.family.name)
+    named = recipe.model.tokenizer
+    tokenizer_files(Path(named).expanduser() if named and Path(named).expanduser().is_dir() else source.folder)
 
 
 def check_for_model(recipe) -> None:
@@ -161,18 +164,30 @@ def check_for_model(recipe) -> None:
                             f"models decode with the {source.family.sampler} rule")
 
 
-def likelihood_of(source: ModelSource) -> Optional[Likelihood]:
-    return get_likelihood(source.family.likelihood) if source.family is not None else None
+def chosen_likelihood(recipe, fam: Family) -> str:
+    """The likelihood a run of ``recipe`` on a model of ``fam`` uses (:func:`objective.elbo.likelihood_for`)."""
+    return likelihood_for(fam, recipe.reference.likelihood)
+
+
+def likelihood_of(source: ModelSource, recipe) -> Optional[Likelihood]:
+    return get_likelihood(chosen_likelihood(recipe, source.family)) if source.family is not None else None
 
 
 def refuse_component_problems(recipe, fam: Family) -> None:
     """Refuse the recipe's settings that the model's family or its likelihood has no use for (the uniform-noise
-    settings on a masked-diffusion model), and their checks' problems: no recipe key selects them (the checkpoint's
-    config.json does), so the recipe is checked against them here, once the family is known."""
-    for kind, name in (("family", fam.name), ("likelihood", fam.likelihood)):
+    settings on a masked-diffusion model), and their checks' problems, and a ``reference.likelihood`` the family does
+    not take: the checkpoint's config.json names the family, so the recipe is checked against them here, once the
+    family is known."""
+    lik = chosen_likelihood(recipe, fam)
+    unused = recipe.reference.settings_of_others(lik)  # another likelihood's own settings would do nothing
+    if unused:
+        raise UserError(f"reference.{unused[0]}: the settings of the likelihood {unused[0]!r}, which this run does not "
+                        f"use ({fam.name} models use the {lik} likelihood here)",
+                        hint=f"set reference.likelihood: {unused[0]} where the family takes it, or leave them out")
+    for kind, name in (("family", fam.name), ("likelihood", lik)):
         problems = component_problems(recipe, registry.get(kind, name))
         if problems:
-            raise UserError(f"{problems[0]} ({fam.name} models use the {fam.likelihood} likelihood)")
+            raise UserError(f"{problems[0]} ({fam.name} models use the {lik} likelihood)")
 
 
 def resolve_padding(recipe, source: ModelSource, quiet: bool = False):
@@ -181,7 +196,7 @@ def resolve_padding(recipe, source: ModelSource, quiet: bool = False):
     the recipe sets on purpose is refused by name. Other recipes come back unchanged."""
     if recipe.data.padding != "packed":
         return recipe
-    fam, lik = source.family, likelihood_of(source)
+    fam, lik = source.family, likelihood_of(source, recipe)
     if lik is None or lik.packs:
         return recipe
     if "padding" in recipe.data.model_fields_set:

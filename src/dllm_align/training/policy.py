@@ -44,7 +44,7 @@ class PolicyScorer(torch.nn.Module):
         self.__dict__["_mp"] = mp  # not a submodule: it only holds references
 
     # The MaskPredictor scoring calls a likelihood may make through the wrapper.
-    CALLS = ("target_logprobs", "canvas_logits")
+    CALLS = ("target_logprobs", "canvas_logits", "position_terms")
 
     def forward(self, *args, call: str = "target_logprobs", **kwargs):
         if call not in self.CALLS:
@@ -70,6 +70,10 @@ class PolicyView:
 
     def canvas_logits(self, examples, self_conditioning: str = "none"):
         return self.module(examples, self_conditioning=self_conditioning, call="canvas_logits")
+
+    def position_terms(self, input_ids, attention_mask, rows, cols, term, extra=(), packed=None, streams=None):
+        return self.module(input_ids, attention_mask, rows, cols, term, extra, packed=packed, streams=streams,
+                           call="position_terms")
 
 
 # --------------------------------------------------------------------------- loading
@@ -178,7 +182,7 @@ def wrap_policy(mp, t: TrainSection, plan: TrainPlan, accelerator) -> Trainable:
     return Trainable(module, view, optimizer, [p for p in module.parameters() if p.requires_grad])
 
 
-def _fsdp2_mesh(accelerator):
+def fsdp2_mesh(accelerator):
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is not None:
         mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
@@ -191,7 +195,7 @@ def tied_units(model: torch.nn.Module, plugin, accelerator) -> None:
     them, already sharded) for its wrap policy and its activation checkpointing."""
     from torch.distributed.fsdp import fully_shard
 
-    groups, mesh = family_of(model).fsdp_units(model), _fsdp2_mesh(accelerator)
+    groups, mesh = family_of(model).fsdp_units(model), fsdp2_mesh(accelerator)
     for group in groups:
         fully_shard(group, mesh=mesh, mp_policy=plugin.mixed_precision_policy,
                     reshard_after_forward=plugin.reshard_after_forward)
@@ -205,7 +209,7 @@ def bf16_layer_units(model: torch.nn.Module, plugin, plan: TrainPlan, accelerato
     if plan.precision.autocast != torch.bfloat16:
         raise UserError("train.fsdp_gather bf16_layers needs train.mixed_precision bf16 (it gathers what autocast "
                         "would cast to bf16)", hint="set train.mixed_precision: bf16, or train.fsdp_gather: fp32")
-    mesh = _fsdp2_mesh(accelerator)
+    mesh = fsdp2_mesh(accelerator)
     cls = Family.decoder_layer_class(model)
     fsdp2_bf16_layer_units(model, cls, reshard_after_forward=plugin.reshard_after_forward, mesh=mesh)
     # fully_shard renames a unit's class FSDP<name>: accelerate finds the layers by that name (and

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -39,6 +40,7 @@ from dllm_align.models.precision import Precision, accelerator_kwargs, precision
 from dllm_align.objective.base import objective_for
 from dllm_align.objective.elbo import DrawConfig, elbo_draws
 from dllm_align.training.plan import resolve_recipe
+from dllm_align.training.reference_model import ShardedReference, read_reference, shard_reference, sharded_launch
 from dllm_align.training.cache import (
     FORMAT_VERSION,
     MANIFEST,
@@ -62,26 +64,36 @@ from dllm_align.training.cache import (
 
 
 # --------------------------------------------------------------------------- computing
-def load_reference(recipe, device, *, precision: Optional[Precision] = None, source: Optional[ModelSource] = None):
+def load_reference(recipe, device, *, precision: Optional[Precision] = None, source: Optional[ModelSource] = None,
+                   accelerator=None):
     """The frozen reference, loaded in the training precision (the policy's forward at step 0).
 
     Used by the online reference and by precompute, so that a cached value and an
     online one are the same function of the same weights as the policy before its
     first update (:mod:`dllm_align.models.precision`). ``precision``: the run's (default: the recipe's on
     ``device``); ``source``: the recipe's model as already read, whose config.json is not read again when the
-    reference is that model.
+    reference is that model; ``accelerator``: the launch, whose FSDP2 shards the reference over its processes.
+    A model whose folder names each weight is read without a whole copy at the weights' dtype anywhere
+    (:mod:`dllm_align.training.reference_model`); any other is read whole on the host as before.
     """
     prec = precision if precision is not None else precision_for(recipe, device)
     name = reference_name(recipe)
     section = recipe.model.model_copy(update={"dtype": prec.weights_label, "gradient_checkpointing": False})
     config = source.config if source is not None and source.name_or_path == name else None
-    mp = load_from_section(section, device, name_or_path=name, config=config)
+    mp = load_from_section(section, "cpu", name_or_path=name, config=config, empty=True)
     check_max_length(mp, recipe.data.max_length)
-    prepare_reference(mp.model, prec)
-    mp.set_precision(prec)
     mp.model.eval()
     for p in mp.model.parameters():
         p.requires_grad_(False)
+    if mp.weight_sources and sharded_launch(accelerator):
+        mp.set_precision(prec)
+        return shard_reference(mp, accelerator)
+    if mp.weight_sources:
+        read_reference(mp, prec, device)
+    else:
+        mp.model.to(device)
+    prepare_reference(mp.model, prec)
+    mp.set_precision(prec)
     return mp
 
 
@@ -113,11 +125,13 @@ class TrainingReference:
         return v.float().mean(dim=1)
 
 
-def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
-    """The reference of a training run: loaded resident (``online``), or the cache, checked to hold every row
-    the run will score (its units and the objective's extra rows) under this run's fingerprint."""
+def open_reference(recipe, plan, policy_mp, data, accelerator=None) -> TrainingReference:
+    """The reference of a training run: loaded resident (``online``; sharded as the policy is on an FSDP2 launch of
+    ``accelerator``), or the cache, checked to hold every row the run will score (its units and the objective's
+    extra rows) under this run's fingerprint."""
     if recipe.reference.mode == "online":
-        ref = TrainingReference(model=load_reference(recipe, plan.device, precision=plan.precision, source=plan.source))
+        ref = TrainingReference(model=load_reference(recipe, plan.device, precision=plan.precision, source=plan.source,
+                                                     accelerator=accelerator))
         if plan.main:
             info(f"train: reference computed online ({reference_name(recipe)}, resident)")
         return ref
@@ -128,6 +142,7 @@ def open_reference(recipe, plan, policy_mp, data) -> TrainingReference:
         tokenizer=policy_mp.tokenizer,
         mask_token_id=policy_mp.mask_token_id,
         block_size=policy_mp.block_size,
+        canvas_length=policy_mp.canvas_length,
         device=plan.device,
         examples=data.examples,
         known_files=cache.weight_files(),
@@ -320,7 +335,7 @@ def precompute(
                     rank=rank, world=world, shared="reference cache"):
         out.mkdir(parents=True, exist_ok=True)
         if ref_mp is None:
-            ref_mp = load_reference(recipe, device)
+            ref_mp = load_reference(recipe, device, accelerator=accelerator)
         elif ref_mp.precision is None:  # a model loaded by the caller: compute as training will
             ref_mp.set_precision(precision_for(recipe, device))
         ref_mp.model.eval()
@@ -370,6 +385,7 @@ def shard_layout(recipe, examples: Sequence, ref_mp, device, old: Optional[dict]
         tokenizer=ref_mp.tokenizer,
         mask_token_id=ref_mp.mask_token_id,
         block_size=ref_mp.block_size,
+        canvas_length=ref_mp.canvas_length,
         device=device,
         examples=examples,
         known_files=(old or {}).get("weight_files"),
@@ -427,6 +443,12 @@ def compute_shards(recipe, out: Path, layout: ShardLayout, todo: list[int], ref_
     pack = pack_length_of(recipe.data)
     objective = objective_for(recipe.train)
     n_todo = sum(layout.bounds[s][1] - layout.bounds[s][0] for s in todo)
+    # a sharded reference's forwards are collectives: a process whose share of a shard is done joins the others'
+    # forwards until all are (reference_model.ShardedReference.finish), before the shard's values are gathered
+    lockstep = isinstance(ref_mp, ShardedReference) and world > 1
+    if lockstep:
+        ref_mp.lockstep = True
+        probe = partial(group_values, ref_mp, examples[:1], collate, cfg, 1, None, pack)
     with progress("reference ELBO", total=n_todo if rank == 0 else None, unit="ex") as bar:
         for s in todo:
             lo, hi = layout.bounds[s]
@@ -449,6 +471,8 @@ def compute_shards(recipe, out: Path, layout: ShardLayout, todo: list[int], ref_
                 at += len(g)
                 if rank == 0:
                     bar.advance(len(g) * world)
+            if lockstep:
+                ref_mp.finish(probe)
             problem = elbo_range_problem(vals, [ids[i] for i in mine])
             parts = [(mine, vals, problem)]
             if world > 1:
@@ -501,9 +525,9 @@ def run_precompute(recipe, accelerator=None, overwrite: bool = False):
     """
     acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=accelerator_kwargs(recipe))
     recipe, source = resolve_recipe(recipe, quiet=not acc.is_main_process)
-    ref_mp = load_reference(recipe, acc.device, source=source)
+    ref_mp = load_reference(recipe, acc.device, source=source, accelerator=acc)
     examples = load_training_examples(recipe, ref_mp.tokenizer, quiet=not acc.is_main_process,
-                                      block_size=ref_mp.block_size)
+                                      block_size=ref_mp.block_size, canvas_length=ref_mp.canvas_length)
     # the objective's extra rows of every step (the kl baseline's mismatched pairs)
     examples = examples + objective_for(recipe.train).reference_extras(recipe, examples)
     rep = precompute(recipe, examples, make_collate(recipe, ref_mp.tokenizer), acc, ref_mp, overwrite=overwrite)

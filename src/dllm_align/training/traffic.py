@@ -52,7 +52,7 @@ def traffic(shape: ModelShape, recipe, launch: Launch) -> dict:
         return {"processes": N, "machines": M, "gpus_per_machine": G, "problem": e.message, "collectives": []}
     # forward calls per micro-batch: train.rows_per_forward splits a micro-batch's rows (as the memory estimate counts
     # them) into several forwards, and FSDP gathers every unit again for each call and its backward
-    foot = get_likelihood(shape.likelihood).footprint(shape, recipe.train_n_mc(), recipe.data.max_length, 2)
+    foot = get_likelihood(recipe.reference.likelihood or shape.likelihood).footprint(shape, recipe.train_n_mc(), recipe.data.max_length, 2)
     rows = t.batch_size * objective_for(t).rows_per_unit * foot.rows
     forwards = math.ceil(rows / t.rows_per_forward) if t.rows_per_forward else 1
     ring = (N - 1) / N

@@ -133,8 +133,8 @@ def setup_run(recipe, accelerator, resume_from: Optional[Path] = None, examples:
     if plan is None:
         recipe, plan = plan_run(recipe, accelerator, quiet=True)
     mp = load_policy(recipe.model, recipe.train.lora, recipe.data.max_length, plan, resume_from)
-    data = load_data(recipe, plan, mp.tokenizer, examples, block_size=mp.block_size)
-    reference = open_reference(recipe, plan, mp, data) if plan.objective.needs_reference else None
+    data = load_data(recipe, plan, mp.tokenizer, examples, block_size=mp.block_size, canvas_length=mp.canvas_length)
+    reference = open_reference(recipe, plan, mp, data, accelerator) if plan.objective.needs_reference else None
     policy = wrap_policy(mp, recipe.train, plan, accelerator)
     record = run_record(recipe, plan, data)
     window = recipe.train.margin_watch_window
@@ -332,7 +332,8 @@ def export_final(run: Run, out: Path, summary: dict) -> None:
         with disk_errors(final, "write the final model"):
             source = _source_folder(run)
             export(run.saver, tmp, sd, lora, run.record.model, final=True, source=source,
-                   code=_published_code(run), source_config=run.plan.source.config if source is not None else None)
+                   code=_published_code(run), source_config=run.plan.source.config if source is not None else None,
+                   tokenizer_source=_tokenizer_source(run, source))
     # the remote-code files final/ carries (none: its config.json names no auto_map; docs/serving.md)
     summary = {**summary, "remote_code": sorted(p.name for p in tmp.glob("*.py"))}
     atomic_write_json(tmp / "training_summary.json", summary)
@@ -350,6 +351,16 @@ def _source_folder(run: Run) -> Optional[Path]:
     None for a built-in model (the plan read the model's config.json there)."""
     folder = run.plan.source.folder
     return folder if folder is not None and folder.is_dir() else None
+
+
+def _tokenizer_source(run: Run, source: Optional[Path]) -> Optional[Path]:
+    """The folder the run's tokenizer was read from: ``model.tokenizer`` where it names a folder (None for a hub id),
+    else the model's own folder."""
+    named = (run.record.recipe.get("model") or {}).get("tokenizer")
+    if not named:
+        return source
+    path = Path(named).expanduser()
+    return path if path.is_dir() else None
 
 
 def _published_code(run: Run) -> Optional[Path]:

@@ -44,6 +44,9 @@ class PublishedLayout:
     model_type: str
     architectures: tuple[str, ...]
     auto_map: dict = field(default_factory=dict)
+    # config.json fields the published code reads but its configuration class gives no default (the values of the
+    # published checkpoints): an exported config that lacks one gets it, or the published forward fails on it
+    defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Family:
     # The noise process and its ELBO, by name in ``dllm_align.objective.elbo.LIKELIHOODS``: "masked"
     # (whole-sequence absorbing-mask diffusion) or "block" (block diffusion over ``block_size`` blocks).
     likelihood: str = "masked"
+    # Other likelihoods its models may be trained with, chosen by ``reference.likelihood`` (a recorded choice; the
+    # family's ``likelihood`` stays the default); any other name is refused for this family.
+    likelihood_options: tuple[str, ...] = ()
     # Block diffusion (LLaDA2.x, SDAR): the published block size; None for whole-sequence diffusion.
     block_size: Optional[int] = None
     # The published block rule (``dllm_align.generate.block``): "sdar" (SDAR's generate.py) or "llada2"

@@ -183,7 +183,10 @@ SDAR = Family(
     published=PublishedLayout(
         "sdar", ("SDARForCausalLM",),
         {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
-         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}),
+         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+        # modeling_sdar.py reads it in every forward (``config.fuse_cross_entropy and self.training``); SDARConfig
+        # has no such field, the published SDAR-1.7B/4B/8B-Chat config.json say true
+        defaults={"fuse_cross_entropy": True}),
     qk_norm=lambda cfg, experts: not experts,  # Qwen3's per-head norms; the MoE variant has none
 )
 

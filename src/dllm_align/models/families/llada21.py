@@ -97,6 +97,9 @@ LLADA21 = Family(
     load_native=load_llada21_native,
     sampler="llada21",
     likelihood="block",
+    # The bound for the masked-plus-replaced corruption it is trained with, as an option
+    # (docs/design.md#a-bound-for-masked-and-replaced-tokens); its published RL scores blocks as the block ELBO does.
+    likelihood_options=("hybrid",),
     # The model card's recommended settings: blocks of 32, greedy, threshold 0.7 (quality mode; the decoder's own
     # settings carry the edit threshold and the post-edit rounds). steps is unused by the published generate.
     decoding={"gen_length": 512, "block_length": 32, "steps": 512, "temperature": 0.0},
