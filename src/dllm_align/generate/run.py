@@ -35,25 +35,7 @@ from dllm_align.generate.settings import (
     row_seed,
     unused_by_rule,
 )
-from dllm_align.models.load import pick_dtype
-
-
-def _device(device: Optional[str]):
-    """The torch device for ``--device``, refused in one line when it does not exist here."""
-    if not device:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {device}: not a device name", hint="use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu, or leave --device out")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type not in ("cpu", "mps", "xpu"):
-        raise UserError(f"--device {device}: not supported", hint="use cpu, cuda or cuda:N")
-    return dev
+from dllm_align.models.load import check_device, pick_dtype
 
 
 @dataclass
@@ -71,7 +53,7 @@ class _Ranks:
         if world > 1:
             state = PartialState(cpu=not torch.cuda.is_available() or (device or "").startswith("cpu"))
             return cls(state.process_index, state.num_processes, state.device, state)
-        return cls(0, 1, _device(device))
+        return cls(0, 1, check_device(device))
 
     def barrier(self) -> None:
         if self.state is not None:
