@@ -629,6 +629,22 @@ def test_llada21s_replaced_share_elsewhere_is_refused_by_name(recipe, setting):
     refused(run_cli(["recipes", "check", recipe, "--set", setting]), "reference.replace_share")
 
 
+@pytest.mark.parametrize("recipe, settings, key", [
+    ("demo", ["reference.likelihood=hybrid"], "reference.likelihood"),
+    ("demo_block", ["reference.likelihood=hybrid"], "reference.likelihood"),
+    ("demo_gemma", ["reference.likelihood=hybrid"], "reference.likelihood"),
+    ("demo_llada21", ["reference.hybrid.mask_share=0.3"], "reference.hybrid"),
+    ("demo_llada21", ["reference.likelihood=hybrid", "reference.hybrid.mask_share=1.5"], "reference.hybrid.mask_share"),
+    ("demo_llada21", ["reference.likelihood=masked"], "reference.likelihood"),
+], ids=["llada", "sdar", "gemma", "share-without-hybrid", "share-out-of-range", "masked-on-llada21"])
+def test_the_hybrid_likelihood_choice_elsewhere_or_out_of_range_is_refused(tmp_path, recipe, settings, key):
+    sets = [x for s in settings for x in ("--set", s)]
+    refused(run_cli(["recipes", "check", recipe, *sets]), key)
+    out = tmp_path / "t"
+    refused(run_cli(["train", recipe, *sets, "-o", out]), key)
+    assert not out.exists()
+
+
 # =========================================================================== three-verdict labels
 @pytest.mark.parametrize("setting, key", [
     ("online.math_answer.format=latex", "online.math_answer.format"),
@@ -644,8 +660,14 @@ def test_recipes_check_refuses_bad_math_answer_and_unsure_settings(setting, key)
     refused(run_cli(["recipes", "check", "demo_online", "--set", "online.rule=math_answer", "--set", setting]), key)
 
 
-def test_math_answer_settings_beside_another_verifier_are_refused():
-    refused(run_cli(["recipes", "check", "demo_online", "--set", "online.math_answer.format=boxed"]), "online.math_answer")
+def test_math_answer_settings_beside_another_verifier_are_refused(tmp_path, prompts):
+    """label's --rule (or online's online.rule) chooses the verifier for the run: another's settings are unused."""
+    out = tmp_path / "lab"
+    refused(run_cli(["label", "demo_online", "--rule", "sort", "-o", out, "--prompts", prompts,
+                     "--set", "online.math_answer.format=boxed"]), "online.math_answer", "--rule")
+    assert not out.exists()
+    refused(run_cli(["online", "demo_online", "-o", out, "--set", "online.math_answer.format=boxed"]), "online.math_answer")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("value", ["-1", "1e-9", " "])
