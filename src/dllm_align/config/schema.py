@@ -79,7 +79,7 @@ class ComposedSection(Section):
                 if problems:
                     raise KeyedError(problems[0][0], problems[0][1])
             # "auto" names no rule yet: the family's is checked once the model is read (rule_problems)
-            if isinstance(name, str) and name != "auto":
+            if isinstance(name, str) and name != "auto" and not kind.selected_at_run:
                 problems = unused_settings_problems(self, kind.name, comp.name if comp is not None else name.partition(":")[0])
                 if problems:
                     raise KeyedError(problems[0][0], problems[0][1])
@@ -120,16 +120,16 @@ def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tup
     return out
 
 
-def unused_settings_problems(section: BaseModel, kind: str, selected: str) -> list[tuple[str, str]]:
+def unused_settings_problems(section: BaseModel, kind: str, selected: str, where: Optional[str] = None) -> list[tuple[str, str]]:
     """(key, message) for each component of ``kind`` other than ``selected`` whose own settings the recipe sets away
-    from their defaults: nothing reads them (the selector names another component), so they would be ignored."""
-    selector = registry.KINDS[kind].selector
+    from their defaults: nothing reads them (the selector, or the flag ``where``, names another component), so they
+    would be ignored."""
+    where = where or f"{registry.KINDS[kind].section}.{registry.KINDS[kind].selector}"
     out = []
     for key, value in (section.__pydantic_extra__ or {}).items():
         comp = registry.find(kind, key)
         if comp is None or comp.name == selected or not isinstance(value, BaseModel) or value == comp.settings():
             continue
-        where = f"{registry.KINDS[kind].section}.{selector}"
         out.append((key, f"the settings of the {kind} {key!r}, which is not used here ({where} is {selected!r}); "
                          "leave them out"))
     return out
