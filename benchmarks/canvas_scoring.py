@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from cli_args import Parser, check_json_out  # benchmarks/ is on the path when this script runs
+
 RECIPE = "demo_gemma"
 MAX_ROWS, MAX_DRAWS = 4000, 4096
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with the project's manners: a refusal is one ``Error:`` line and exit 2."""
-
-    def error(self, message: str):
-        sys.stderr.write(f"Error: {message}\nHint: see '{self.prog} --help'\n")
-        sys.exit(2)
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -46,14 +39,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for p in args.policy:
         if not p.startswith("builtin:") and not (Path(p).is_dir() and (Path(p) / "config.json").is_file()):
             ap.error(f"{p}: not a model folder (a trained final/ with a config.json) nor a builtin: name")
-    if args.json is not None:
-        out = Path(args.json)
-        if not args.json or out.is_dir() or args.json.endswith(os.sep):
-            ap.error(f"--json {args.json!r}: a file to write, not a folder")
-        if not out.parent.is_dir():
-            ap.error(f"--json {args.json}: the folder {out.parent} does not exist")
-        if not os.access(out.parent, os.W_OK):
-            ap.error(f"--json {args.json}: the folder {out.parent} is not writable")
+    check_json_out(ap, args.json)
 
 
 def elbos(mp, examples, cfg, batch: int):

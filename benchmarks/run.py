@@ -37,7 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from paired import verdict  # noqa: E402 - benchmarks/ is put on the path just above
+from cli_args import Parser, check_json_out  # noqa: E402 - benchmarks/ is put on the path just above
+from paired import verdict  # noqa: E402
 
 def _get(r: dict, *path):
     for k in path:
@@ -132,28 +133,13 @@ def machine() -> dict:
 MAX_THREADS = 1024  # far past any machine's cores; a larger count makes OpenMP allocate until it crashes
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with the project's manners: a refusal is one ``Error:`` line and exit 2."""
-
-    def error(self, message: str):
-        sys.stderr.write(f"Error: {message}\nHint: see '{self.prog} --help'\n")
-        sys.exit(2)
-
-
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every flag checked before any benchmark runs or anything is written."""
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         ap.error(f"--threads {args.threads}: a number of threads from 1 to {MAX_THREADS}")
     if args.only is not None and not args.only:
         ap.error("--only needs at least one benchmark name")
-    if args.json is not None:
-        out = Path(args.json)
-        if not args.json or out.is_dir() or args.json.endswith(os.sep):
-            ap.error(f"--json {args.json!r}: a file to write, not a folder")
-        if not out.parent.is_dir():
-            ap.error(f"--json {args.json}: the folder {out.parent} does not exist")
-        if not os.access(out.parent, os.W_OK):
-            ap.error(f"--json {args.json}: the folder {out.parent} is not writable")
+    check_json_out(ap, args.json)
 
 
 def main(argv=None) -> int:

@@ -121,6 +121,9 @@ def test_settings_llada21_cannot_go_with_are_refused_in_one_line(folders, model,
     res = runner.invoke(app, ["generate", str(rec), "--output", str(out), "--device", "cpu", "--set", setting])
     lines = [x for x in res.stderr.strip().splitlines() if x.startswith("Error")]
     assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output
+    hint = [x for x in res.stderr.strip().splitlines() if x.startswith("Hint")]
+    # a hint that names a rule names the one that decodes this model, never the block rule LLaDA2.1 refuses
+    assert not any("generate.sampler: block" in x for x in hint), res.output
     assert list(out.parent.iterdir()) == []
 
 

@@ -208,6 +208,8 @@ def test_a_round_that_falls_below_the_previous_interval_is_rolled_back_by_defaul
     assert [t["round"] for t in rec["rounds"]] == [0, 1] and rec["rolled_back_round"] == 1
     assert rec["keep"] == "guard" and rec["final_model"] == rec["rounds"][0]["model"] and not (out / "round-2").exists()
     assert "round 1: held-out greedy share 20.0% fell below the previous model's 60.0% [55.0, 65.0]" in r.err
+    said = next(line for line in r.err.splitlines() if "rolled back to" in line)
+    assert "--set train.lr=2.5e-05 (now 0.0001)" in said and "max_steps" not in said  # TINY trains one epoch already
     assert "rolled back" in r.out.splitlines()[-1] and "rolled back" not in r.out.splitlines()[-2]
     again = _online(out, "--no-greedy", rounds=3)
     assert again.code == 0 and json.loads((out / "rounds.json").read_text())["rolled_back_round"] == 1
@@ -215,6 +217,16 @@ def test_a_round_that_falls_below_the_previous_interval_is_rolled_back_by_defaul
     assert last.code == 0, last.err
     rec = json.loads((tmp_path / "last" / "rounds.json").read_text())
     assert len(rec["rounds"]) == 3 and rec["rolled_back_round"] is None and rec["final_model"] == rec["rounds"][2]["model"]
+
+
+def test_the_rollback_names_the_keys_of_a_smaller_step():
+    from dllm_align.config.recipe import load_recipe
+    from dllm_align.workflows.online import smaller_step
+
+    said = smaller_step(load_recipe("demo").train)  # the recipe of docs/online.md's first command
+    assert "--set train.lr=2.5e-05 (now 0.0001)" in said
+    assert "--set train.max_steps=null for one epoch of each round's rows (now 200 steps)" in said
+    assert "max_steps" not in smaller_step(load_recipe("demo_online").train)
 
 
 def test_a_change_let_through_once_is_remembered_per_round(tmp_path):

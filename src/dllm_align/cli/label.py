@@ -17,7 +17,7 @@ from dllm_align.cli.app import RecipeArg, SetOpt, command, given
 def label(
     recipe: RecipeArg,
     output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", metavar="DIR", help="Run folder: the rows go to DIR/labelled.jsonl, the summary to DIR/label_summary.json (default: the recipe's output_dir).")] = None,
-    rule: Annotated[str, typer.Option("--rule", "-r", metavar="RULE", help="The verifier: a registered one by name (sort, math_answer, regex:PATTERN, judge:MODEL, a plugin's) or package.module:function.")] = "sort",
+    rule: Annotated[Optional[str], typer.Option("--rule", "-r", metavar="RULE", show_default="online.rule, or sort", help="The verifier: a registered one by name (sort, math_answer, regex:PATTERN, judge:MODEL, a plugin's) or package.module:function (default: the recipe's online.rule, as online labels, else sort).")] = None,
     n: Annotated[int, typer.Option("--n", metavar="N", min=1, max=1024, help="Samples per prompt.")] = 4,
     prompts: Annotated[Optional[str], typer.Option("--prompts", metavar="FILE", help="Prompts file (.jsonl/.json/.parquet/.csv/.txt; default: the recipe's data.train).")] = None,
     split: Annotated[str, typer.Option("--split", metavar="SPLIT", help="Split of the recipe's data when no --prompts is given.")] = "train",
@@ -46,6 +46,8 @@ def label(
     from dllm_align.online.label import label as run_label
 
     rec = load_recipe(recipe, set_, output_dir, flags=given({"judge.batch": ("--batch", True if batch else None)}))
+    if rule is None:  # the recipe's verifier, so that its answer format is the one asked for and read, as online does
+        rule = rec.online.rule if rec.online is not None else "sort"
     summary = run_label(rec, rec.output_dir, rule=rule, n=n, prompts=prompts, split=split, model=model, limit=limit,
                         temperature=temperature, answer_column=answer_column)
     write_run_info(rec, rec.output_dir, "label")

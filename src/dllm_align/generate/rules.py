@@ -42,12 +42,13 @@ class DecodingRule:
 
 def whole_sequence_model(mp, settings: SamplerSettings) -> None:
     """The LLaDA and Dream rules decode one canvas of whole-sequence diffusion: a block-diffusion model is
-    refused by name (its own rule is ``block``, which ``sampler: auto`` picks)."""
+    refused by name, pointing at its family's own rule (``block``, LLaDA2.1's ``llada21``: what ``sampler: auto``
+    picks)."""
     b = getattr(mp, "block_size", None)
     if b is not None:
         raise UserError(f"generate.sampler: {settings.sampler}: {mp.family.name} is a block-diffusion model (blocks of {b}); "
                         f"the {settings.sampler} rule decodes whole-sequence diffusion",
-                        hint="set generate.sampler: block (or auto, the family's own rule)")
+                        hint=f"set generate.sampler: {mp.family.sampler} (or auto, the family's own rule)")
 
 
 def fast_cache(model, sampler: str) -> str:

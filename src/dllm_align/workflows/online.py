@@ -352,7 +352,8 @@ def _run_rounds(recipe, out: Path, *, rank: int, world: int, rounds: int, rule: 
             rolled_back = r
             if main:
                 console.warn(f"online: round {r}: held-out greedy share {fell}: rolled back to {policy}, which stays "
-                             "the final model, and the loop stops here (--keep last keeps every round)")
+                             f"the final model, and the loop stops here (--keep last keeps every round); "
+                             f"{smaller_step(recipe.train)}")
             break
         policy = str(final)
     best = None
@@ -395,6 +396,16 @@ def _let_through(rd: Path, rec, earlier: dict) -> list[str]:
     """The keys a rerun need not let through again for round folder ``rd``: those whose value now is the one an
     earlier --allow-change let through for this round (``earlier``, from online.json's history)."""
     return [k for k, v in _changed(rd, rec).items() if k in earlier and earlier[k] == v]
+
+
+def smaller_step(train) -> str:
+    """What to change when a round is rolled back, naming the keys: every fall measured on the toy task
+    (docs/online.md) came from a round's update being too large, and a quarter of the offline lr, one epoch per
+    round, held over 5 rounds at 3 seeds."""
+    fix = f"--set train.lr={train.lr / 4:.3g} (now {train.lr:g})"
+    if train.max_steps is not None:  # a fixed step count trains many epochs of a small round
+        fix += f" and --set train.max_steps=null for one epoch of each round's rows (now {train.max_steps} steps)"
+    return f"for rounds, a smaller step per round is the measured fix (docs/online.md), in a new run folder: {fix}"
 
 
 def _fell(before: Optional[dict], after: Optional[dict]) -> Optional[str]:
