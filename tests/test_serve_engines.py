@@ -5,7 +5,6 @@ and a named checkpoint is loaded through its weight-update endpoint and proven b
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
@@ -116,12 +115,12 @@ def test_sglang_refuses_what_it_cannot_honour_before_a_request(sglang):
     assert fake.bodies == []
 
 
-def test_sglang_loads_a_named_checkpoint_and_reports_its_version(sglang, tmp_path, tiny_dir):
+def test_sglang_loads_a_named_checkpoint_and_reports_its_version(sglang, tmp_path):
     from dllm_align.core.io import write_checksums
+    from dllm_align.models.load import BUILTIN_SPECS, save_tiny
 
     fake, url = sglang
-    folder = tmp_path / "final"
-    shutil.copytree(tiny_dir, folder)
+    folder = save_tiny(tmp_path / "final", BUILTIN_SPECS["builtin:tiny-llada2"])  # a family SGLang serves
     write_checksums(folder)
     fp = model_fingerprint(str(folder))
     gen = make_generator(_section(url), ModelSection(name_or_path="builtin:tiny-llada2"), name_or_path=str(folder))

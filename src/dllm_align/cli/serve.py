@@ -51,13 +51,15 @@ def serve(
     from dllm_align.config.recipe import load_recipe
     from dllm_align.core.console import info
     from dllm_align.judge.client import read_api_key
-    from dllm_align.serve.api import Server, check_bind, serve_forever
+    from dllm_align.models.load import check_device
+    from dllm_align.serve.api import Server, check_bind, check_limits, serve_forever
     from dllm_align.serve.engine import Engine
 
+    check_limits(timeout=timeout, batch_window_ms=batch_window_ms, max_body_mb=max_body_mb, served_model_name=served_model_name)
     rec = load_recipe(recipe, set_, None, flags=given({"model.name_or_path": ("--model", model)}))
     key = read_api_key(api_key_env) if api_key_env and os.environ.get(api_key_env) else None
     check_bind(host, key)
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = str(check_device(device)) if device else ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine.from_section(rec.model, rec.generate, device=dev, name=served_model_name or rec.model.name_or_path,
                                  max_queue=max_queue, max_batch=max_batch, batch_window=batch_window_ms / 1000.0)
     server = Server(engine, api_key=key, max_body=int(max_body_mb * (1 << 20)), timeout=timeout, allow_load=not no_load)

@@ -64,6 +64,9 @@ class Kind:
     # section ("section", returning (key, message) pairs: a decoding rule, whose settings reach the samplers
     # without the recipe)
     check_on: str = "recipe"
+    # a command flag may select the component for one run instead of the selector (label --rule): the section
+    # cannot tell which one's settings are unused, so the command asks once it knows (online.verifiers.get_rule)
+    selected_at_run: bool = False
 
 
 KINDS: dict[str, Kind] = {
@@ -76,7 +79,7 @@ KINDS: dict[str, Kind] = {
         Kind("backend", "generate", "backend", "generation backends (generate.backend)"),
         Kind("rule", "generate", "sampler", "decoding rules of the in-process generator (generate.sampler)",
              check_on="section"),
-        Kind("verifier", "online", "rule", "verifiers of label / online (online.rule, --rule)"),
+        Kind("verifier", "online", "rule", "verifiers of label / online (online.rule, --rule)", selected_at_run=True),
     )
 }
 

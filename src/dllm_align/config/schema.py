@@ -78,6 +78,11 @@ class ComposedSection(Section):
                 problems = ignored_problems(self, comp)
                 if problems:
                     raise KeyedError(problems[0][0], problems[0][1])
+            # "auto" names no rule yet: the family's is checked once the model is read (rule_problems)
+            if isinstance(name, str) and name != "auto" and not kind.selected_at_run:
+                problems = unused_settings_problems(self, kind.name, comp.name if comp is not None else name.partition(":")[0])
+                if problems:
+                    raise KeyedError(problems[0][0], problems[0][1])
         return self
 
     def own_settings(self, name: str) -> BaseModel:
@@ -112,6 +117,21 @@ def ignored_problems(section: BaseModel, comp: "registry.Component") -> list[tup
         if getattr(section, key) != default:
             out.append((key, f"not a setting of the {comp.kind} {comp.name!r} (it has no use for it; "
                              f"leave it at {default!r})"))
+    return out
+
+
+def unused_settings_problems(section: BaseModel, kind: str, selected: str, where: Optional[str] = None) -> list[tuple[str, str]]:
+    """(key, message) for each component of ``kind`` other than ``selected`` whose own settings the recipe sets away
+    from their defaults: nothing reads them (the selector, or the flag ``where``, names another component), so they
+    would be ignored."""
+    where = where or f"{registry.KINDS[kind].section}.{registry.KINDS[kind].selector}"
+    out = []
+    for key, value in (section.__pydantic_extra__ or {}).items():
+        comp = registry.find(kind, key)
+        if comp is None or comp.name == selected or not isinstance(value, BaseModel) or value == comp.settings():
+            continue
+        out.append((key, f"the settings of the {kind} {key!r}, which is not used here ({where} is {selected!r}); "
+                         "leave them out"))
     return out
 
 
@@ -413,7 +433,8 @@ class GenerateSection(ComposedSection):
         "low_confidence", description="LLaDA rule: which candidates a step commits, the most probable ones or random ones "
         "(the block rule commits by confidence, statically or above generate.threshold; not recorded for it)."
     )
-    temperature: float = Field(0.0, ge=0, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise. "
+    temperature: float = Field(0.0, ge=0, le=10, description="0: argmax (paper); > 0: Gumbel-max sampling with float64 noise (at most 10: "
+                               "far past it the float64 noise raised to the temperature under- or overflows). "
                                "DiffusionGemma's rule reads none (its own schedule over random canvases: tokens depend on the seed); "
                                "only 0 is accepted there.")
     cfg: float = Field(0.0, ge=0, description="Classifier-free guidance scale (0: off).")
@@ -463,8 +484,19 @@ def rule_problems(generate: GenerateSection, rule: str) -> list[tuple[str, str]]
     the keys it ignores set away from their defaults, then its own check. The one place both the recipe (a rule
     named in it) and ``generate.rules.settings_for`` (``sampler: auto`` resolved to the family's rule) ask."""
     comp = registry.get("rule", rule, key="generate.sampler")
-    problems = ignored_problems(generate, comp)
+    problems = ignored_problems(generate, comp) + unused_settings_problems(generate, "rule", rule)
     return problems + (list(comp.check(generate)) if comp.check is not None else [])
+
+
+def noise_problem(rule: str, family: str, likelihood: str) -> Optional[str]:
+    """Why decoding rule ``rule`` cannot decode a ``family`` model trained with ``likelihood`` (its declaration's
+    ``decodes`` names the noise processes it decodes), or None. Asked by ``generate`` once the model is loaded and
+    by ``recipes check`` where the model can be read here."""
+    decodes = registry.get("rule", rule, key="generate.sampler").traits.get("decodes")
+    if decodes is None or likelihood in decodes:
+        return None
+    return (f"{rule}: {family} models use the {likelihood} likelihood; the {rule} rule decodes "
+            f"{' or '.join(decodes)} diffusion")
 
 
 # --------------------------------------------------------------------------- judge

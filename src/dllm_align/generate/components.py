@@ -7,8 +7,9 @@ a command first uses them.
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dllm_align.config.components import Component, ComponentSettings, register
 
@@ -26,13 +27,19 @@ register(Component(
 ))
 
 
+# the generate keys an engine fixes when it starts (the launch facts of dllm_align.serve.engines, which the
+# declarations cannot import: it reads the recipe schema; tests/test_reliability_round6.py holds the two equal)
+FIXABLE = ("block_length", "steps", "threshold")
+
+
 class OpenAIBackendSettings(ComponentSettings):
     """``generate.openai``: an OpenAI-compatible server to generate through (``dllm-align serve``, SGLang,
     vLLM, LMDeploy; docs/serving.md)."""
 
     base_url: str = Field("http://127.0.0.1:8000/v1", description="The server's OpenAI-compatible root (…/v1); the only host contacted.")
-    model: Optional[str] = Field(None, description="The model name requests use (default: the one the server lists).")
-    api_key_env: str = Field("", description="Environment variable holding the server's API key ('' for a server without one); never logged.")
+    model: Optional[str] = Field(None, min_length=1, description="The model name requests use (default: the one the server lists).")
+    api_key_env: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
+                             description="Environment variable holding the server's API key ('' for a server without one); never logged.")
     engine: Literal["dllm_align", "sglang", "vllm", "lmdeploy"] = Field(
         "dllm_align", description="Which engine serves: decides which settings are sent per request, which must equal the "
         "server's launch settings (fixed) and which are refused.")
@@ -44,6 +51,48 @@ class OpenAIBackendSettings(ComponentSettings):
         "threshold): an engine that fixes a key at launch is used only when the recipe's value equals the server's.")
     accept_unseeded: bool = Field(False, description="Take samples from an engine that does not reproduce a request's seed "
                                   "(they are then no function of generate.seed).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str) -> str:
+        # the one address contacted: http(s) with a host; a user or password in it would reach logs and records
+        # (the key goes in api_key_env), and a query or fragment would be cut off every path the client appends
+        url = urlsplit(v)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"{v[:80]!r} is not an http(s) address with a host (e.g. http://127.0.0.1:8000/v1)")
+        if url.username is not None or url.password is not None:
+            raise ValueError("a user or password in the address is not kept secret: give the key in api_key_env")
+        if url.query or url.fragment:
+            raise ValueError(f"{v[:80]!r}: an address without ?query or #fragment")
+        return v
+
+    @field_validator("fixed")
+    @classmethod
+    def _fixed(cls, v: dict) -> dict:
+        unknown = sorted(k for k in v if k not in FIXABLE)
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a decoding setting a server fixes at launch (one of {', '.join(FIXABLE)})")
+        return v
+
+
+# The model families each engine serves (the engines' model support, read at the commits docs/serving.md pins;
+# dllm_align.serve.engines keeps each engine's other facts). LLaDA2.1 is LLaDA2.0's architecture with another
+# decoding rule: an engine serving LLaDA2.0 loads it.
+ENGINE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "dllm_align": ("llada", "dream", "llada_moe", "sdar", "llada2", "llada21", "diffusion_gemma"),
+    "sglang": ("llada2", "llada21", "sdar", "diffusion_gemma"),
+    "lmdeploy": ("sdar",),
+    "vllm": ("diffusion_gemma",),
+}
+
+
+def engine_family_problem(settings: Optional[OpenAIBackendSettings], family: str) -> Optional[str]:
+    """Why ``generate.openai.engine`` cannot serve a ``family`` model (None: it can), asked where the model's
+    family is known before anything is sent."""
+    if settings is None or family in ENGINE_FAMILIES[settings.engine]:
+        return None
+    return (f"generate.openai.engine: {settings.engine} serves {', '.join(ENGINE_FAMILIES[settings.engine])} models, "
+            f"not {family}")
 
 
 def _openai_serves(settings: Optional[OpenAIBackendSettings]) -> Optional[str]:
@@ -57,7 +106,7 @@ register(Component(
     kind="backend", name="openai", target="dllm_align.serve.client:make_openai_generator",
     settings=OpenAIBackendSettings,
     summary="an OpenAI-compatible server (dllm-align serve, SGLang, vLLM, LMDeploy) asked per prompt",
-    traits={"serves": _openai_serves, "reads": "rule", "loads_here": False,
+    traits={"serves": _openai_serves, "reads": "rule", "loads_here": False, "family_problem": engine_family_problem,
             "records": ("model", "engine", "fixed", "accept_unseeded")},
 ))
 
@@ -125,4 +174,4 @@ register(Component(
     # its thresholds are its own (generate.llada21.*); the published generate never reads steps
     ignores=("cfg", "remasking", "threshold", "steps", "alg", "alg_temp", "eps"),
     summary="LLaDA2.1's published decoding: mask-to-token and token-to-token editing thresholds, block by block",
-    traits={"fast_cache": "prefix"}))
+    traits={"fast_cache": "prefix", "decodes": ("block",)}))

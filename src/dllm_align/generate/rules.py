@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from dllm_align.config import components
-from dllm_align.config.schema import FAST_CACHE, rule_problems
+from dllm_align.config.schema import FAST_CACHE, noise_problem, rule_problems
 from dllm_align.core.errors import UserError
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats
 
@@ -121,13 +121,10 @@ def refuse_other_noise(mp, name: str) -> None:
     masked-diffusion rule on DiffusionGemma's uniform noise, whose vocabulary has no mask token) is refused by
     name here, before its first forward, instead of failing inside the rule. Asked after the rule's own
     ``check_model``, whose message for a block-diffusion model names its block size."""
-    decodes = components.get("rule", name, key="generate.sampler").traits.get("decodes")
-    lik = mp.family.likelihood
-    if decodes is None or lik in decodes:
-        return
-    raise UserError(f"generate.sampler: {name}: {mp.family.name} models use the {lik} likelihood; the {name} rule "
-                    f"decodes {' or '.join(decodes)} diffusion",
-                    hint=f"set generate.sampler: {mp.family.sampler} (or auto, the family's own rule)")
+    problem = noise_problem(name, mp.family.name, mp.family.likelihood)
+    if problem is not None:
+        raise UserError(f"generate.sampler: {problem}",
+                        hint=f"set generate.sampler: {mp.family.sampler} (or auto, the family's own rule)")
 
 
 def settings_for(mp, settings: SamplerSettings) -> SamplerSettings:

@@ -35,25 +35,7 @@ from dllm_align.generate.settings import (
     row_seed,
     unused_by_rule,
 )
-from dllm_align.models.load import pick_dtype
-
-
-def _device(device: Optional[str]):
-    """The torch device for ``--device``, refused in one line when it does not exist here."""
-    if not device:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {device}: not a device name", hint="use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu, or leave --device out")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type not in ("cpu", "mps", "xpu"):
-        raise UserError(f"--device {device}: not supported", hint="use cpu, cuda or cuda:N")
-    return dev
+from dllm_align.models.load import check_device, pick_dtype
 
 
 @dataclass
@@ -71,7 +53,7 @@ class _Ranks:
         if world > 1:
             state = PartialState(cpu=not torch.cuda.is_available() or (device or "").startswith("cpu"))
             return cls(state.process_index, state.num_processes, state.device, state)
-        return cls(0, 1, _device(device))
+        return cls(0, 1, check_device(device))
 
     def barrier(self) -> None:
         if self.state is not None:
@@ -209,6 +191,7 @@ def _generate_into(rec, files: _Output, rows, source, settings, record, ranks: _
     done: set[str] = set()
     for p in [files.out, *files.parts()]:
         done.update(str(r.get("id")) for r in recover_jsonl(p))
+    _refuse_changed_prompts(done, rows, source, record["split"], files.out, limited=rec.generate.limit is not None)
     todo = [r for r in rows if r.id not in done]
     if ranks.rank == 0:
         already = f", {len(rows) - len(todo):,} already in {files.out}" if done else ""
@@ -230,6 +213,19 @@ def _generate_into(rec, files: _Output, rows, source, settings, record, ranks: _
         _merge(files, {r.id: i for i, r in enumerate(rows)})
     ranks.barrier()
     return files.out
+
+
+def _refuse_changed_prompts(done: set[str], rows, source, split: str, out: Path, limited: bool) -> None:
+    """A prompt's id is a hash of its text: rows of the output whose ids the prompts no longer hold were written for
+    another prompts file under the same name (its settings record names only the file), and resuming would mix the
+    two in one output. Refused before anything is written (rows past a ``--limit`` are not such rows)."""
+    stray = done - {r.id for r in rows}
+    if stray and limited:
+        stray -= {r.id for r in load_prompts(source, split=split, limit=None, quiet=True)}
+    if stray:
+        raise UserError(f"{source}: {len(stray):,} rows of {out} are for prompts it no longer holds (it changed since "
+                        "they were written); refusing to mix the two", hint="choose another --output, or pass --overwrite "
+                        "to start afresh")
 
 
 def _resume_or_refuse(files: _Output, record: dict, ranks: _Ranks, overwrite: bool) -> None:

@@ -535,10 +535,30 @@ def model_source(name_or_path: str, revision: Optional[str] = None) -> ModelSour
         return ModelSource(name_or_path, revision, None)
 
 
+def check_device(device: Optional[str]):
+    """The torch device for ``--device``, refused in one line when it does not exist here."""
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device}: not a device name", hint="use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: CUDA is not available on this machine", hint="use --device cpu, or leave --device out")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise UserError(f"--device {device}: not supported", hint="use cpu, cuda or cuda:N")
+    return dev
+
+
 def load_from_section(section, device: str | torch.device = "cpu", name_or_path: Optional[str] = None,
                       config: Optional[dict] = None, empty: bool = False) -> "MaskPredictor":
     """Load the model described by a recipe's ``model`` section (``config``: its config.json as already read;
     ``empty``: :func:`load_model`'s)."""
+    if isinstance(device, str):
+        check_device(device)
     mp = load_model(
         name_or_path or section.name_or_path,
         revision=section.revision,

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 from pydantic import BaseModel
 
-from dllm_align.config.schema import split_verifier, verifier_problem
+from dllm_align.config.schema import split_verifier, unused_settings_problems, verifier_problem
 from dllm_align.core.errors import DllmAlignError, UserError
 from dllm_align.core.usercode import OverTime, call, load_function
 from dllm_align.data.toy import desirable, digits_of, undesirable
@@ -189,10 +189,14 @@ def get_rule(spec: str, *, answer_column: str = "answer", recipe=None) -> Rule:
     label = f"--rule {spec}"
     check_spec(spec, label)
     comp, argument = split_verifier(spec)
+    online = getattr(recipe, "online", None)
+    if online is not None:  # another verifier's settings in the recipe: nothing would read them
+        problems = unused_settings_problems(online, "verifier", comp.name if comp is not None else spec, "--rule")
+        if problems:
+            raise UserError(f"online.{problems[0][0]}: {problems[0][1]}")
     if comp is None:
         fn, _ = load_function(spec, label, args=("", "", {}), what="(prompt, completion, row) and return True or False")
         return Rule(spec, fn)
-    online = getattr(recipe, "online", None)
     own = online.own_settings(comp.name) if online is not None else comp.settings()
     rule = comp.load()(Selection(spec, argument, own, answer_column, recipe))
     if not isinstance(rule, Rule):

@@ -31,14 +31,16 @@ import uuid
 from typing import Any, Optional
 
 import uvicorn
+from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dllm_align import __version__
+from dllm_align.config import components as registry
 from dllm_align.core.errors import UserError
-from dllm_align.generate.settings import Completion, encode_prompt
+from dllm_align.generate.settings import Completion, SamplerSettings, encode_prompt
 from dllm_align.judge.client import is_loopback
 from dllm_align.serve.engine import MAX_SEED, Engine, QueueFull, Stopped, completion_record, default_seed, request_keys
 
@@ -114,7 +116,7 @@ def request_settings(engine: Engine, body: dict, length_key: str = "max_tokens")
         over["top_k"] = _int(body, "top_k", 1, 1 << 20)
     for k in request_keys():
         if k in body and k not in ("temperature", "top_p", "top_k"):
-            over[k] = body[k]
+            over[k] = _typed(k, body[k])
     if "gen_length" in body and "gen_length" in over and length_key in body:
         raise ApiError(400, f"gen_length and {length_key} both given: give one", "gen_length")
     seed = _int(body, "seed", 0, MAX_SEED)
@@ -126,6 +128,24 @@ def request_settings(engine: Engine, body: dict, length_key: str = "max_tokens")
     if n_pos is not None and settings.gen_length > n_pos:
         raise ApiError(400, f"max_tokens: {settings.gen_length} exceeds the model's {n_pos} positions", length_key)
     return settings, seed
+
+
+def _typed(key: str, value: Any) -> Any:
+    """A generate key of a request as JSON gives it: of its setting's own type (``"4"`` is no step count; the
+    recipe's settings would coerce it), a rule's settings an object of theirs. The ranges are checked after."""
+    field = SamplerSettings.model_fields.get(key)
+    try:
+        if field is not None:
+            TypeAdapter(field.annotation).validate_python(value, strict=True)
+        elif not isinstance(value, dict):
+            raise ApiError(400, f"{key}: expected an object of the rule's settings (got {json.dumps(value)[:40]})", key)
+        else:
+            registry.get("rule", key).settings.model_validate(value, strict=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = key if field is not None else ".".join([key, *(str(x) for x in err["loc"][:1])])
+        raise ApiError(400, f"{where}: {err['msg'].lower()} (got {json.dumps(value)[:40]})", key) from None
+    return value
 
 
 def _stops(body: dict) -> list[str]:
@@ -249,6 +269,8 @@ class Server:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not JSON ({str(e)[:100]})") from None
+        except RecursionError:  # nesting deeper than the parser's stack: no request of this API nests so
+            raise ApiError(400, "the body is not JSON this server reads (nested too deeply)") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
@@ -400,6 +422,18 @@ class Server:
 
 
 # --------------------------------------------------------------------------- running it
+def check_limits(*, timeout: float, batch_window_ms: float, max_body_mb: float, served_model_name: Optional[str]) -> None:
+    """The server's bounds as ``serve`` takes them, checked before the model loads: finite numbers (an infinite
+    timeout is a request that never ends; an infinite body limit no limit) and a model name requests can give."""
+    for flag, v in (("--timeout", timeout), ("--batch-window-ms", batch_window_ms), ("--max-body-mb", max_body_mb)):
+        if not math.isfinite(v):
+            raise UserError(f"{flag} {v}: a finite number")
+    if max_body_mb > 1 << 20:
+        raise UserError(f"--max-body-mb {max_body_mb:g}: at most {1 << 20} (a TiB)")
+    if served_model_name is not None and not served_model_name.strip():
+        raise UserError("--served-model-name: empty; requests name the model by it")
+
+
 def check_bind(host: str, api_key: Optional[str]) -> None:
     """Loopback by default: a server reachable from elsewhere must have an API key."""
     if not is_loopback(host) and not api_key:
@@ -448,5 +482,5 @@ def serve_forever(server: Server, host: str, port: int, *, max_connections: int 
         server.engine.close()
 
 
-__all__ = ["ApiError", "MAX_PROMPTS", "Running", "Server", "check_bind", "serve_forever", "chat_prompt", "completion_prompts", "cut_at_stop", "error_response",
+__all__ = ["ApiError", "MAX_PROMPTS", "Running", "Server", "check_bind", "check_limits", "serve_forever", "chat_prompt", "completion_prompts", "cut_at_stop", "error_response",
            "request_settings"]

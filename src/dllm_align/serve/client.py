@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from dllm_align.config import components as registry
 from dllm_align.core.errors import RunFailure, UserError
+from dllm_align.generate.components import engine_family_problem
 from dllm_align.generate.settings import Completion, SamplerSettings, SamplerStats, model_fingerprint, row_seed
 from dllm_align.judge.client import Cancelled, ChatClient, FatalApiError, JudgementFailed, run_pool
 from dllm_align.models.families import family_for_config
-from dllm_align.models.load import load_tokenizer, resolve_model_path
+from dllm_align.models.load import load_tokenizer, model_source, resolve_model_path
 from dllm_align.serve import engines
 
 
@@ -60,6 +61,34 @@ def api_key(env: str) -> Optional[str]:
         raise UserError(f"generate.openai.api_key_env: the environment variable {env} holding the server's API key is not set",
                         hint=f"export {env}=...; or generate.openai.api_key_env: '' for a server without a key")
     return key
+
+
+# A reply's parts, read as what they must be: a server answering otherwise (token ids as text, a count as a
+# string) fails that prompt naming the part, instead of writing a completion no sampler could have made.
+def token_ids(reply: dict, key: str) -> list[int]:
+    v = reply.get(key)
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise ValueError(f"the reply's {key} is not a list of token ids (got {json.dumps(v)[:40]})")
+    return list(v)
+
+
+def reply_text(choice) -> str:
+    if not isinstance(choice.text, str):
+        raise ValueError(f"the reply's text is not a string (got {json.dumps(choice.text)[:40]})")
+    return choice.text
+
+
+def reply_flag(reply: dict, key: str) -> bool:
+    if not isinstance(reply.get(key), bool):
+        raise ValueError(f"the reply's {key} is not true or false (got {json.dumps(reply.get(key))[:40]})")
+    return reply[key]
+
+
+def reply_count(reply: dict, key: str) -> int:
+    v = reply.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"the reply's {key} is not a count (got {json.dumps(v)[:40]})")
+    return v
 
 
 class OpenAIGenerator:
@@ -128,7 +157,11 @@ class OpenAIGenerator:
                 raise UserError(f"generate: the server at {self.client.base_url} refuses these settings: {e}") from None
             except FatalApiError as e:
                 raise UserError(f"generate.openai.base_url: {e}") from None
-            return settings.replace(sampler=got["settings"]["sampler"])
+            answered = got.get("settings") if isinstance(got, dict) else None
+            if not isinstance(answered, dict) or not isinstance(answered.get("sampler"), str):
+                raise RunFailure(f"generate.openai.base_url {self.client.base_url}: POST /settings answered no settings "
+                                 f"(got {json.dumps(got)[:80]}); is it dllm-align serve (generate.openai.engine)?")
+            return settings.replace(sampler=answered["sampler"])
         engines.check(self.facts.name, settings, dict(self.own.fixed), self.own.accept_unseeded)
         return settings
 
@@ -196,12 +229,10 @@ class OpenAIGenerator:
             extra = choice.model_extra or {}
             own = extra.get("dllm_align")
             if isinstance(own, dict):
-                return Completion(ids=list(own["token_ids"]), text=choice.text, raw=list(own["raw"]),
-                                  stopped=bool(own["stopped"]), forwards=int(own["forwards"]))
-            toks = extra.get("token_ids")
-            if not isinstance(toks, list):
-                raise ValueError("no token_ids in the reply")
-            return Completion(ids=list(toks), text=choice.text, raw=list(toks), stopped=choice.finish_reason == "stop", forwards=0)
+                return Completion(ids=token_ids(own, "token_ids"), text=reply_text(choice), raw=token_ids(own, "raw"),
+                                  stopped=reply_flag(own, "stopped"), forwards=reply_count(own, "forwards"))
+            toks = token_ids(extra, "token_ids")
+            return Completion(ids=toks, text=reply_text(choice), raw=toks, stopped=choice.finish_reason == "stop", forwards=0)
 
         return self.client.call(call, f"completions for model {self.model!r}")
 
@@ -249,6 +280,12 @@ def make_openai_generator(generate, settings, *, model=None, device=None, name_o
                           predictor=None) -> OpenAIGenerator:
     """The factory ``generate.backend: openai`` names: the tokenizer of the recipe's model on this side, the
     server at ``generate.openai.base_url`` for the rest (``device`` and ``predictor`` have no use here)."""
+    name = name_or_path or (model.name_or_path if model is not None else None)
+    if name is not None and (name.startswith("builtin:") or Path(name).expanduser().is_dir()):
+        family = model_source(name, model.revision if model is not None else None).family
+        problem = engine_family_problem(settings, family.name) if family is not None else None
+        if problem is not None:
+            raise UserError(problem, hint="docs/serving.md lists the families each engine serves")
     tok = predictor.tokenizer if predictor is not None else client_tokenizer(model, name_or_path)
     base = settings.base_url.rstrip("/")
     # the guard admits the server's root (the engines' own routes, e.g. SGLang's /get_model_info, sit beside /v1);

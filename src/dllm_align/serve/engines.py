@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from dllm_align.config.schema import GenerateSection
 from dllm_align.core.errors import UserError
+from dllm_align.generate.components import ENGINE_FAMILIES
 
 # the generate keys that organise a run or are sent as a request's seed, never mapped onto an engine's knobs
 NOT_MAPPED = frozenset({"backend", "batch_size", "split", "limit", "seed", "sampler"})
@@ -38,18 +39,18 @@ class EngineFacts:
 
 ENGINES: dict[str, EngineFacts] = {e.name: e for e in (
     EngineFacts("dllm_align", {"*": "*"}, seeds=True, reload="/v1/load",
-                families=("llada", "dream", "llada_moe", "sdar", "llada2", "diffusion_gemma")),
+                families=ENGINE_FAMILIES["dllm_align"]),
     EngineFacts("sglang", {"gen_length": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"},
                 launch={"block_length": "--dllm-algorithm-config (block_size)",
                         "threshold": "--dllm-algorithm-config (threshold)"},
-                seeds=False, greedy_only=True, reload="/update_weights_from_disk", families=("llada2", "sdar", "diffusion_gemma")),
+                seeds=False, greedy_only=True, reload="/update_weights_from_disk", families=ENGINE_FAMILIES["sglang"]),
     EngineFacts("lmdeploy", {"gen_length": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"},
                 launch={"block_length": "--dllm-block-length", "steps": "--dllm-denoising-steps",
                         "threshold": "--dllm-confidence-threshold"},
-                seeds=True, families=("sdar",), token_ids=False),
+                seeds=True, families=ENGINE_FAMILIES["lmdeploy"], token_ids=False),
     EngineFacts("vllm", {"gen_length": "max_tokens", "top_p": "top_p", "top_k": "top_k"},
                 launch={"steps": "the server's diffusion config (max_denoising_steps)"},
-                seeds=False, families=("diffusion_gemma",)),
+                seeds=False, families=ENGINE_FAMILIES["vllm"]),
 )}
 
 _DEFAULTS = {k: f.default for k, f in GenerateSection.model_fields.items()}

@@ -67,6 +67,19 @@ def _prompt_text(messages: list) -> str:
     return users[-1] if users else ""
 
 
+def _prompts_to_compare(recipe, prompts: Optional[str], split: str, limit: int, verifier) -> list:
+    """``--prompts`` or the recipe's ``--split`` of prompts, at least one."""
+    if split not in ("test", "train"):
+        raise UserError(f"--split {split[:40]!r}: test or train")
+    source = prompts or (recipe.data.test if split == "test" else recipe.data.train)
+    if source is None:
+        raise UserError(f"data.{split}: no prompts to compare on", hint="--prompts FILE")
+    items = read_prompts(str(source), None, limit, verifier)
+    if not items:
+        raise UserError(f"{source}: no prompts to compare on")
+    return items
+
+
 def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, split: str = "test", limit: int = 20,
                samples: int = 4, temperature: float = 1.0, rule: Optional[str] = None, min_match: float = 1.0,
                alpha: float = 0.01, device: Optional[str] = None) -> dict:
@@ -75,14 +88,15 @@ def run_parity(recipe, out_dir: str | Path, *, prompts: Optional[str] = None, sp
     if gen_section.backend == "in_process":
         raise UserError("generate.backend: parity compares a served backend with the in-process one; the recipe's is "
                         "in_process", hint="--set generate.backend=openai --set generate.openai.base_url=...")
-    if temperature <= 0:
-        raise UserError(f"--temperature {temperature}: the sampled comparison needs a temperature > 0")
+    # every flag and the prompts are checked before either backend is made (the served one is contacted then)
+    if not 0 < temperature <= 10:
+        raise UserError(f"--temperature {temperature}: the sampled comparison needs a temperature above 0 and at most 10 "
+                        "(generate.temperature's range)")
     verifier = get_rule(rule, recipe=recipe) if rule else None
-    source = prompts or (recipe.data.test if split == "test" else recipe.data.train)
-    if source is None:
-        raise UserError(f"data.{split}: no prompts to compare on", hint="--prompts FILE")
-    items = read_prompts(str(source), None, limit, verifier)
-    ref_section = gen_section.model_copy(update={"backend": "in_process"})
+    items = _prompts_to_compare(recipe, prompts, split, limit, verifier)
+    # the reference: the same section decoded in this process (the served backend's own settings left out)
+    ref_section = type(gen_section)(**{**{k: v for k, v in gen_section.model_dump().items() if k != gen_section.backend},
+                                       "backend": "in_process"})
     ref = make_generator(ref_section, recipe.model, device=device)
     cand = make_generator(gen_section, recipe.model, device=device)
     ids = [encode_prompt(ref.tokenizer, p.messages) for p in items]

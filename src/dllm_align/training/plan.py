@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from dllm_align.config import components as registry
-from dllm_align.config.schema import TrainSection, component_problems, rule_problems
+from dllm_align.config.schema import TrainSection, component_problems, noise_problem, rule_problems
 from dllm_align.core.console import info
 from dllm_align.core.errors import UserError
 from dllm_align.data.batching import pack_length_of
@@ -144,6 +144,18 @@ def check_for_model(recipe) -> None:
     if not (name in BUILTIN_SPECS or name.startswith("builtin:") or Path(name).expanduser().is_dir()):
         return
     recipe, source = resolve_recipe(recipe, quiet=True)
+    fam = source.family
+    backend = registry.get("backend", recipe.generate.backend, key="generate.backend")
+    family_problem = backend.traits.get("family_problem")
+    if fam is not None and family_problem is not None:
+        problem = family_problem(recipe.generate.own_settings(backend.name), fam.name)
+        if problem is not None:
+            raise UserError(problem, hint="docs/serving.md lists the families each engine serves")
+    if fam is not None and recipe.generate.sampler != "auto":
+        problem = noise_problem(recipe.generate.sampler, fam.name, fam.likelihood)
+        if problem is not None:
+            raise UserError(f"generate.sampler: {problem}",
+                            hint=f"set generate.sampler: {fam.sampler} (or auto, the family's own rule)")
     if source.family is not None and recipe.generate.sampler == "auto":
         problems = rule_problems(recipe.generate, source.family.sampler)
         if problems:

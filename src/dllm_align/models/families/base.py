@@ -226,11 +226,30 @@ def byte_level_tokenizer(specials: list[str], *, bos: str, eos: str, mask: str, 
 
 
 # --------------------------------------------------------------------------- shared loading
+def index_shards(index: Path) -> list[str]:
+    """The shard files a ``model.safetensors.index.json`` names, each a plain file name in the index's own folder
+    (a name with a folder in it, ``..`` or an absolute path would read weights from elsewhere), refused naming the
+    index otherwise."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{index}: not a JSON index of the weights ({type(e).__name__}: {str(e)[:80]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: no weight_map (an object from tensor names to the shard files holding them)")
+    names = set()
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise UserError(f"{index}: weight_map[{str(tensor)[:80]!r}] is {json.dumps(name)[:80]}, not a file name "
+                            "in the index's own folder")
+        names.add(name)
+    return sorted(names)
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        return [folder / n for n in index_shards(index)]
     single = folder / "model.safetensors"
     if single.exists():
         return [single]
