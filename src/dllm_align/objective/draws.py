@@ -176,12 +176,8 @@ def make_noisy_batch(
     tokens, replace a share of the unmasked completion tokens by random ones (:func:`draw_replacements`) and
     score them too (their targets are the clean tokens).
     """
-    B, T = input_ids.shape
-    cm = completion_mask.bool().cpu()
-    draw_idx = list(range(cfg.n_mc)) if draws is None else list(draws)
+    B, cm, draw_idx, noisy, weight = noisy_start(input_ids, completion_mask, cfg, draws)
     K = len(draw_idx)
-    noisy = input_ids.cpu().repeat_interleave(K, dim=0).clone()
-    weight = torch.empty(B * K, dtype=torch.float64)
     rows, cols = [], []
     for b in range(B):
         positions = torch.nonzero(cm[b], as_tuple=False).squeeze(-1)
@@ -200,6 +196,22 @@ def make_noisy_batch(
             rows.append(torch.full((sel.numel(),), r, dtype=torch.long))
             cols.append(sel)
             weight[r] = float(w[k])
+    return noisy_finish(input_ids, attention_mask, noisy, rows, cols, weight, B, K)
+
+
+def noisy_start(input_ids: torch.Tensor, completion_mask: torch.Tensor, cfg, draws: Optional[Sequence[int]]):
+    """What building every draw's noisy rows starts from (on the CPU): ``(B, completion positions [B, T] bool, the
+    draw indices, K clean copies of each row [B*K, T] to corrupt, the draws' weights [B*K] float64 to fill)``."""
+    B = input_ids.shape[0]
+    draw_idx = list(range(cfg.n_mc)) if draws is None else list(draws)
+    noisy = input_ids.cpu().repeat_interleave(len(draw_idx), dim=0).clone()
+    return B, completion_mask.bool().cpu(), draw_idx, noisy, torch.empty(B * len(draw_idx), dtype=torch.float64)
+
+
+def noisy_finish(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], noisy: torch.Tensor, rows: list,
+                 cols: list, weight: torch.Tensor, B: int, K: int) -> NoisyBatch:
+    """The :class:`NoisyBatch` of the corrupted rows and each draw's scored positions (``rows`` / ``cols``: one
+    tensor per draw), their clean targets gathered, moved to ``input_ids``' device."""
     rows_t = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
     cols_t = torch.cat(cols) if cols else torch.empty(0, dtype=torch.long)
     targets = input_ids.cpu().repeat_interleave(K, dim=0)[rows_t, cols_t]

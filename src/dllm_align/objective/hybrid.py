@@ -48,7 +48,7 @@ import torch
 from dllm_align.core.errors import UserError
 from dllm_align.models.predictor import MaskPredictor
 from dllm_align.objective.block import BLOCK, block_draw_sums
-from dllm_align.objective.draws import NoisyBatch, example_key, mix
+from dllm_align.objective.draws import NoisyBatch, example_key, mix, noisy_finish, noisy_start
 from dllm_align.objective.likelihood import Footprint, Likelihood
 
 
@@ -215,12 +215,8 @@ def hybrid_noisy_batch(input_ids: torch.Tensor, completion_mask: torch.Tensor, i
                        mask_id: int, mask_share: float, draws: Optional[list] = None) -> tuple[NoisyBatch, torch.Tensor]:
     """The noisy rows of every draw of every row [B*K, T] and every completion position of each as a scored
     position (``rows``, ``cols``, clean ``targets``), the draws' weights 2u, and each scored position's time [N]."""
-    B, T = input_ids.shape
-    cm = completion_mask.bool().cpu()
-    draw_idx = list(range(cfg.n_mc)) if draws is None else list(draws)
+    B, cm, draw_idx, noisy, weight = noisy_start(input_ids, completion_mask, cfg, draws)
     K = len(draw_idx)
-    noisy = input_ids.cpu().repeat_interleave(K, dim=0).clone()
-    weight = torch.empty(B * K, dtype=torch.float64)
     rows, cols, times = [], [], []
     for b in range(B):
         positions = torch.nonzero(cm[b], as_tuple=False).squeeze(-1)
@@ -234,11 +230,7 @@ def hybrid_noisy_batch(input_ids: torch.Tensor, completion_mask: torch.Tensor, i
             cols.append(positions)
             times.append(torch.full((positions.numel(),), float(d.t[j]), dtype=torch.float64))
             weight[r] = float(d.weight[j])
-    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
-    targets = input_ids.cpu().repeat_interleave(K, dim=0)[rows_t, cols_t]
-    dev = input_ids.device
-    nb = NoisyBatch(noisy.to(dev), None, rows_t.to(dev), cols_t.to(dev), targets.to(dev), weight.to(dev), B, K)
-    return nb, torch.cat(times).to(dev)
+    return noisy_finish(input_ids, None, noisy, rows, cols, weight, B, K), torch.cat(times).to(input_ids.device)
 
 
 # --------------------------------------------------------------------------- the likelihood component
