@@ -306,9 +306,11 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     Its tokenizer is the one the published stacks read (:func:`publish_tokenizer`; ``tokenizer_source``: the folder
     the run's tokenizer came from, None when none)."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
+    same = source is not None and tokenizer_source is not None and Path(tokenizer_source) == Path(source)
+    tok_config = source_config if same else None  # the plan read it once: not again here
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
-        publish_tokenizer(folder, saver.tokenizer, tokenizer_source)
+        publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
         return adapter
     if final and lora.enabled and lora.merged_dtype != "trained":
         weights = merged_in(weights, lora.merged_dtype)
@@ -316,7 +318,7 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
         # the adapters beside the merged model, in a folder of their own: an adapter_config.json at the top would
         # make transformers read final/ as an adapter of the base rather than as the merged model
         save_peft_adapter(folder / ADAPTER_DIR, adapter, lora, base_model, saver.tokenizer)
-        publish_tokenizer(folder / ADAPTER_DIR, saver.tokenizer, tokenizer_source)
+        publish_tokenizer(folder / ADAPTER_DIR, saver.tokenizer, tokenizer_source, tok_config)
     config = saver.accelerator.unwrap_model(saver.module).model.config
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
@@ -328,11 +330,11 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
         if fam.export_extras is not None:
             fam.export_extras(folder, config, saver.tokenizer, source)
         drop_own_keys(folder)
-        publish_tokenizer(folder, saver.tokenizer, tokenizer_source)
+        publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
         return adapter
     save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
     cfg = write_published_layout(folder, family, source, code, source_config)
-    publish_tokenizer(folder, saver.tokenizer, tokenizer_source)
+    publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
     if "auto_map" not in cfg:
         info(f"export: the final model carries no {family} remote code (neither the model's folder nor "
              f"model.published_code has the files), so its config.json names no auto_map: it loads through "
@@ -341,16 +343,19 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     return adapter
 
 
-def publish_tokenizer(folder: Path, tokenizer, source: Optional[Path]) -> list[str]:
+def publish_tokenizer(folder: Path, tokenizer, source: Optional[Path], source_config: Optional[dict] = None) -> list[str]:
     """The exported tokenizer in the form the family's published stack, at the transformers it pins, reads
     (``models.export.write_published_tokenizer``): ``source``'s own files, byte for byte, where ``tokenizer`` is
     the one they load (same vocabulary, special tokens and chat template), else the saved files with the source's
-    vocabulary files beside them. Returns the files taken from ``source``."""
+    vocabulary files beside them. Returns the files taken from ``source``. ``source_config``: ``source``'s
+    config.json as already read (None: read here, where there is one)."""
     unchanged = False
     if tokenizer_files(source):
         try:
             cfg_file = Path(source) / "config.json"  # the family's fix-ups (Dream's native twin of its remote class)
-            family = family_for_config(json.loads(cfg_file.read_text(encoding="utf-8"))) if cfg_file.is_file() else None
+            if source_config is None and cfg_file.is_file():
+                source_config = json.loads(cfg_file.read_text(encoding="utf-8"))
+            family = family_for_config(source_config) if source_config is not None else None
             again = load_tokenizer(source, family=family)
             unchanged = tokenizer_signature(again) == tokenizer_signature(tokenizer)
         except (UserError, OSError, ValueError):
