@@ -1,20 +1,16 @@
 """Checkpoints and exports of a training run: save, verify, resume, export.
 
 ``checkpoints/step-N/`` holds what trains: a full fine-tune's model in ``save_pretrained`` layout (safetensors,
-config, tokenizer; under FSDP2 one file per process, each written by its process: :func:`save_model_shards`), a LoRA run's adapters alone (``adapter.safetensors``: the frozen base is read again from the
-model the recipe names, and never gathered), the optimiser state
-(plain tensors, read back with ``weights_only=True``), the RNG state
-(safetensors), ``trainer_state.json`` (the run's record, the step, the data
-position and what the margin watch needs to continue) and ``checksums.json``
-(size and sha256 of every other file), written last. It is written to a
-temporary folder, fsynced and renamed into place, so a folder named ``step-N``
-is always complete. ``--resume`` verifies every checksum of the newest one
-before loading anything (a truncated or modified file is refused by name),
-then continues; the data order, the masks and the learning rate are functions
-of the step, so the resumed run follows the uninterrupted one exactly.
-``final/`` is written the same way; an export killed after it was complete
-but before the rename is finished by the next ``--resume``.
-"""
+config, tokenizer; under FSDP2 one file per process, each written by its process: :func:`save_model_shards`), a LoRA
+run's adapters alone (``adapter.safetensors``: the frozen base is read again from the model the recipe names, and
+never gathered), the optimiser state (plain tensors, read back with ``weights_only=True``), the RNG state
+(safetensors), ``trainer_state.json`` (the run's record, the step, the data position and what the margin watch needs
+to continue) and ``checksums.json`` (size and sha256 of every other file), written last. It is written to a temporary
+folder, fsynced and renamed into place, so a folder named ``step-N`` is always complete. ``--resume`` verifies every
+checksum of the newest one before loading anything (a truncated or modified file is refused by name), then continues;
+the data order, the masks and the learning rate are functions of the step, so the resumed run follows the
+uninterrupted one exactly. ``final/`` is written the same way; an export killed after it was complete but before the
+rename is finished by the next ``--resume``."""
 
 from __future__ import annotations
 
@@ -306,8 +302,7 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     Its tokenizer is the one the published stacks read (:func:`publish_tokenizer`; ``tokenizer_source``: the folder
     the run's tokenizer came from, None when none)."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
-    same = source is not None and tokenizer_source is not None and Path(tokenizer_source) == Path(source)
-    tok_config = source_config if same else None  # the plan read it once: not again here
+    tok_config = source_config if tokenizer_source is not None and tokenizer_source == source else None  # read once
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
         publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
@@ -345,17 +340,15 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
 
 def publish_tokenizer(folder: Path, tokenizer, source: Optional[Path], source_config: Optional[dict] = None) -> list[str]:
     """The exported tokenizer in the form the family's published stack, at the transformers it pins, reads
-    (``models.export.write_published_tokenizer``): ``source``'s own files, byte for byte, where ``tokenizer`` is
-    the one they load (same vocabulary, special tokens and chat template), else the saved files with the source's
-    vocabulary files beside them. Returns the files taken from ``source``. ``source_config``: ``source``'s
-    config.json as already read (None: read here, where there is one)."""
+    (``models.export.write_published_tokenizer``): ``source``'s own files, byte for byte, where ``tokenizer`` is the
+    one they load (same vocabulary, special tokens, chat template), else the saved files with the source's vocabulary
+    files beside them. Returns the files taken from ``source`` (``source_config``: its config.json, if already read)."""
     unchanged = False
     if tokenizer_files(source):
         try:
             cfg_file = Path(source) / "config.json"  # the family's fix-ups (Dream's native twin of its remote class)
-            if source_config is None and cfg_file.is_file():
-                source_config = json.loads(cfg_file.read_text(encoding="utf-8"))
-            family = family_for_config(source_config) if source_config is not None else None
+            cfg = source_config or (json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else None)
+            family = family_for_config(cfg) if cfg is not None else None
             again = load_tokenizer(source, family=family)
             unchanged = tokenizer_signature(again) == tokenizer_signature(tokenizer)
         except (UserError, OSError, ValueError):
