@@ -405,6 +405,16 @@ def _doctor_flash(tmp_path, config: str, *extra: str):
                                "--set", f"model.name_or_path={folder}", "-o", str(tmp_path / "run"), *extra])
 
 
+def _doctor_gemma(tmp_path):
+    """``doctor --json`` of the DiffusionGemma 26B recipe on 8 GPUs of 80 GB under DDP (its published config)."""
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text((REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json").read_text())
+    return runner.invoke(app, ["doctor", str(REPO / "recipes" / "diffusiongemma_kto_mix_14k.yaml"), "--config",
+                               str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), "--gpu-memory", "80", "--set",
+                               f"model.name_or_path={folder}", "-o", str(tmp_path / "run-g"), "--json"])
+
+
 def test_the_flash_fixture_is_the_published_102_9b_model():
     params, active, _ = _flash_params()
     assert round(params / 1e9, 1) == 102.9 and round(active / 1e9, 2) == 6.15  # the figures the model card derives to
@@ -736,12 +746,7 @@ def test_doctor_host_ram_and_disk_per_node_for_the_100b_and_26b_lora_recipes(tmp
     assert "sharded read" in ram["why"] and "x 8 process(es) per node" in ram["why"]
     assert disk["needed_bytes"] == 3 * lora * 12 + lora * 4 and disk["needed_bytes"] < 200e9
     assert "T x 4" in disk["why"] and "no merged model" in disk["why"]
-    folder = tmp_path / "gemma"
-    folder.mkdir()
-    (folder / "config.json").write_text((REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json").read_text())
-    res = runner.invoke(app, ["doctor", str(REPO / "recipes" / "diffusiongemma_kto_mix_14k.yaml"), "--config",
-                              str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), "--gpu-memory", "80", "--set",
-                              f"model.name_or_path={folder}", "-o", str(tmp_path / "run-g"), "--json"])
+    res = _doctor_gemma(tmp_path)
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     ram, disk, P = rep["environment"]["host_ram"], rep["environment"]["disk"], rep["memory"]["model"]["params"]
@@ -768,12 +773,7 @@ def test_doctor_models_precompute_ref_for_the_100b_and_26b_recipes(tmp_path):
     text = _doctor_flash(tmp_path, "fsdp_8gpu.yaml").stdout
     assert "host RAM for precompute-ref: needs" in text and "precompute-ref per device (sharded read" in text
 
-    folder = tmp_path / "gemma"
-    folder.mkdir()
-    (folder / "config.json").write_text((REPO / "tests" / "fixtures" / "diffusiongemma_26b_a4b_it_config.json").read_text())
-    res = runner.invoke(app, ["doctor", str(REPO / "recipes" / "diffusiongemma_kto_mix_14k.yaml"), "--config",
-                              str(REPO / "recipes" / "accelerate" / "ddp_8gpu.yaml"), "--gpu-memory", "80", "--set",
-                              f"model.name_or_path={folder}", "-o", str(tmp_path / "run-g"), "--json"])
+    res = _doctor_gemma(tmp_path)
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     P = rep["memory"]["model"]["params"]
