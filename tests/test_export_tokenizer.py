@@ -1,5 +1,5 @@
 """The tokenizer of an exported ``final/`` (``models.export.write_published_tokenizer``, ``training.checkpoint.
-publish_tokenizer``): the files the source had, byte for byte where the tokenizer is unchanged, and a
+tokenizer_unchanged``): the files the source had, byte for byte where the tokenizer is unchanged, and a
 tokenizer_config.json that the published stacks' transformers 4 reads (never transformers 5's ``TokenizersBackend``
 class or its ``extra_special_tokens`` list). Runs in this interpreter; the published stacks' own reading of the same
 folders is tests/test_export_roundtrip.py's (gated on their interpreters).

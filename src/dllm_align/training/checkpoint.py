@@ -299,13 +299,15 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     folder of the family's published modeling files, when the source has none), so the published code and the
     serving engines load it as the original; dllm-align reads it back to the same numbers. Without the remote code
     the folder names no ``auto_map`` (said on stderr). ``source_config``: ``source``'s config.json as already read.
-    Its tokenizer is the one the published stacks read (:func:`publish_tokenizer`; ``tokenizer_source``: the folder
+    Its tokenizer is the one the published stacks read (:func:`tokenizer_unchanged`, ``models.export.write_published_tokenizer``; ``tokenizer_source``: the folder
     the run's tokenizer came from, None when none)."""
     weights, adapter = merged_state_dict(sd, lora if lora.enabled else None)
-    tok_config = source_config if tokenizer_source is not None and tokenizer_source == source else None  # read once
+    # the source's tokenizer loaded again and compared once, for each folder final/ writes (its config.json as read)
+    tok_config = source_config if tokenizer_source is not None and tokenizer_source == source else None
+    unchanged = final and tokenizer_unchanged(saver.tokenizer, tokenizer_source, tok_config)
     if final and lora.enabled and not lora.merge_on_export:
         save_peft_adapter(folder, adapter, lora, base_model, saver.tokenizer)
-        publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
+        write_published_tokenizer(folder, tokenizer_source, unchanged)
         return adapter
     if final and lora.enabled and lora.merged_dtype != "trained":
         weights = merged_in(weights, lora.merged_dtype)
@@ -313,7 +315,7 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
         # the adapters beside the merged model, in a folder of their own: an adapter_config.json at the top would
         # make transformers read final/ as an adapter of the base rather than as the merged model
         save_peft_adapter(folder / ADAPTER_DIR, adapter, lora, base_model, saver.tokenizer)
-        publish_tokenizer(folder / ADAPTER_DIR, saver.tokenizer, tokenizer_source, tok_config)
+        write_published_tokenizer(folder / ADAPTER_DIR, tokenizer_source, unchanged)
     config = saver.accelerator.unwrap_model(saver.module).model.config
     if not final:
         save_model_folder(folder, weights, config, saver.tokenizer)
@@ -325,11 +327,11 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
         if fam.export_extras is not None:
             fam.export_extras(folder, config, saver.tokenizer, source)
         drop_own_keys(folder)
-        publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
+        write_published_tokenizer(folder, tokenizer_source, unchanged)
         return adapter
     save_model_folder(folder, weights, config, saver.tokenizer, rename=lambda s: published_state(family, s))
     cfg = write_published_layout(folder, family, source, code, source_config)
-    publish_tokenizer(folder, saver.tokenizer, tokenizer_source, tok_config)
+    write_published_tokenizer(folder, tokenizer_source, unchanged)
     if "auto_map" not in cfg:
         info(f"export: the final model carries no {family} remote code (neither the model's folder nor "
              f"model.published_code has the files), so its config.json names no auto_map: it loads through "
@@ -338,22 +340,19 @@ def export(saver: Saver, folder: Path, sd: dict, lora: LoraSection, base_model: 
     return adapter
 
 
-def publish_tokenizer(folder: Path, tokenizer, source: Optional[Path], source_config: Optional[dict] = None) -> list[str]:
-    """The exported tokenizer in the form the family's published stack, at the transformers it pins, reads
-    (``models.export.write_published_tokenizer``): ``source``'s own files, byte for byte, where ``tokenizer`` is the
-    one they load (same vocabulary, special tokens, chat template), else the saved files with the source's vocabulary
-    files beside them. Returns the files taken from ``source`` (``source_config``: its config.json, if already read)."""
-    unchanged = False
-    if tokenizer_files(source):
-        try:
-            cfg_file = Path(source) / "config.json"  # the family's fix-ups (Dream's native twin of its remote class)
-            cfg = source_config or (json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else None)
-            family = family_for_config(cfg) if cfg is not None else None
-            again = load_tokenizer(source, family=family)
-            unchanged = tokenizer_signature(again) == tokenizer_signature(tokenizer)
-        except (UserError, OSError, ValueError):
-            unchanged = False  # the saved tokenizer is written anew: nothing is claimed about the source's files
-    return write_published_tokenizer(folder, source, unchanged)
+def tokenizer_unchanged(tokenizer, source: Optional[Path], source_config: Optional[dict] = None) -> bool:
+    """Whether ``tokenizer`` is the one ``source``'s own tokenizer files load (same vocabulary, special tokens, chat
+    template): then the export copies those files byte for byte, the form the family's published stack reads
+    (``models.export.write_published_tokenizer``). ``source_config``: its config.json, if already read."""
+    if not tokenizer_files(source):
+        return False
+    try:
+        cfg_file = Path(source) / "config.json"  # the family's fix-ups (Dream's native twin of its remote class)
+        cfg = source_config or (json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else None)
+        again = load_tokenizer(source, family=family_for_config(cfg) if cfg is not None else None)
+        return tokenizer_signature(again) == tokenizer_signature(tokenizer)
+    except (UserError, OSError, ValueError):
+        return False  # the saved tokenizer is written anew: nothing is claimed about the source's files
 
 
 def save_checkpoint(out: Path, saver: Saver, optimizer, record: RunRecord, state: TrainState, history: list,
