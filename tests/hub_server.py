@@ -45,6 +45,14 @@ class Hub(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
 
+    def _json(self, value) -> None:
+        body = json.dumps(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_HEAD(self):
         count("HEAD")
         name = self._file()
@@ -57,22 +65,11 @@ class Hub(BaseHTTPRequestHandler):
         if self.path.startswith("/api/"):
             count("api")
         if self.path.split("?")[0] in (f"/api/models/{REPO}/revision/main", f"/api/models/{REPO}"):
-            body = json.dumps({"id": REPO, "modelId": REPO, "sha": SHA,
-                               "siblings": [{"rfilename": n} for n in sorted(FILES)]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._json({"id": REPO, "modelId": REPO, "sha": SHA, "siblings": [{"rfilename": n} for n in sorted(FILES)]})
             return
         if self.path.split("?")[0] in (f"/api/models/{REPO}/tree/{SHA}", f"/api/models/{REPO}/tree/main"):
-            body = json.dumps([{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                               for n, b in sorted(FILES.items())]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._json([{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                        for n, b in sorted(FILES.items())])
             return
         name = self._file()
         if name not in FILES:
